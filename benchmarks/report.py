@@ -1,0 +1,116 @@
+"""Writing benchmark results: atomic JSON / markdown files, markdown tables, matplotlib PNG plots."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to a temporary file next to `path`, then rename, so readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Save a matplotlib figure as PNG atomically and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof=1, as Spec-Bench); std is 0 for a single value."""
+    values = [float(v) for v in values]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def fmt_mean_std(values: list[float], digits: int = 2) -> str:
+    mean, std = mean_std(values)
+    if math.isnan(mean):
+        return "–"
+    return f"{mean:.{digits}f}" if len(values) < 2 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub-flavoured markdown table; cells are str()-ed and pipes escaped."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def bar_plot(path: str | Path, labels: list[str], values: list[list[float]], title: str, ylabel: str,
+             baseline: float | None = None) -> None:
+    """One bar per label with mean ± std error bars over its repeat values; optional dashed baseline line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats = [mean_std(v) for v in values]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(labels) + 1.5), 3.6))
+    ax.bar(range(len(labels)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3, color="#4C72B0")
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    save_figure(fig, path)
+
+
+def line_plot(path: str | Path, x: list[float], series: dict[str, list[float]], title: str, xlabel: str,
+              ylabel: str, logx: bool = True) -> None:
+    """Several named series over the same x values (e.g. drafter latency vs context length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.0, 3.6))
+    for name, ys in series.items():
+        ax.plot(x, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(int(v)) for v in x])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_figure(fig, path)
