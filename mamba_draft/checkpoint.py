@@ -1,0 +1,185 @@
+"""Reading and writing drafter checkpoints in the two formats people have.
+
+* HF format (`state-spaces/mamba-130m-hf` layout): `config.json` (`model_type` mamba / mamba2) + `model.safetensors`
+  (or sharded `model.safetensors.index.json`). Tensor names `backbone.embeddings.weight`, `backbone.layers.{i}...`.
+* mamba_ssm format (`MambaLMHeadModel.save_pretrained`): `config.json` (`d_model`, `n_layer`, `ssm_cfg`, ...) +
+  `pytorch_model.bin`; the embedding is `backbone.embedding.weight` and the vocabulary is padded to
+  `pad_vocab_size_multiple`.
+
+Everything in memory uses HF names. Weights are read with safetensors or `torch.load(weights_only=True)` only,
+and directories are written to a temporary sibling and renamed, so a failure never leaves half a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import MambaConfig
+
+FORMATS = ("hf", "mamba_ssm")
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+SSM_WEIGHTS = "pytorch_model.bin"
+# Files copied alongside the weights on save/convert so the directory stays usable with its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "generation_config.json", "chat_template.jinja")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_directory(path: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a hub id (`org/name`) downloaded through huggingface_hub's cache."""
+    local = Path(path)
+    if local.exists():
+        if not local.is_dir():
+            raise NotADirectoryError(f"checkpoint path {local} is a file; expected a directory with config.json")
+        return local
+    if not _HUB_ID.match(str(path)):
+        raise FileNotFoundError(f"checkpoint directory {local} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path), revision=revision,
+                                      allow_patterns=["config.json", "*.safetensors", HF_INDEX, SSM_WEIGHTS,
+                                                      *TOKENIZER_FILES]))
+    except Exception as err:
+        raise FileNotFoundError(f"{path!r} is neither a local directory nor a downloadable hub repository: "
+                                f"{err}") from err
+
+
+def detect_format(config: dict) -> str:
+    if config.get("model_type") in ("mamba", "mamba2"):
+        return "hf"
+    if "d_model" in config and "n_layer" in config:
+        return "mamba_ssm"
+    raise ValueError(f"config.json describes an unknown architecture (model_type={config.get('model_type')!r}, "
+                     f"architectures={config.get('architectures')!r}); expected an HF MambaForCausalLM/"
+                     "Mamba2ForCausalLM config or a mamba_ssm MambaLMHeadModel config")
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+
+
+def load_checkpoint(path: str | os.PathLike, revision: str | None = None) -> tuple[MambaConfig, dict]:
+    """Read a checkpoint of either format; returns its MambaConfig and tensors under HF names."""
+    directory = resolve_directory(path, revision)
+    raw = read_config(directory)
+    fmt = detect_format(raw)
+    if fmt == "hf":
+        config = MambaConfig.from_hf_dict(raw)
+        tensors = _read_hf_weights(directory)
+    else:
+        config = MambaConfig.from_mamba_ssm_dict(raw)
+        tensors = {_ssm_to_hf_name(k): v for k, v in _read_weights_file(directory / SSM_WEIGHTS).items()}
+    return config, tensors
+
+
+def _read_hf_weights(directory: Path) -> dict:
+    single, index = directory / HF_WEIGHTS, directory / HF_INDEX
+    if single.is_file():
+        return _read_weights_file(single)
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        tensors = {}
+        for shard in shards:
+            tensors.update(_read_weights_file(directory / shard))
+        return tensors
+    if (directory / SSM_WEIGHTS).is_file():  # older HF checkpoints saved as .bin
+        return _read_weights_file(directory / SSM_WEIGHTS)
+    raise FileNotFoundError(f"{directory} has no weights ({HF_WEIGHTS}, {HF_INDEX} or {SSM_WEIGHTS})")
+
+
+def _read_weights_file(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} is missing")
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, RuntimeError, EOFError, OSError, ValueError) as err:
+        raise ValueError(f"weights file {path} is corrupt or unreadable: {err}") from err
+    except Exception as err:  # unpickling errors come in many types
+        raise ValueError(f"weights file {path} is corrupt or unreadable: {err}") from err
+    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+        raise ValueError(f"weights file {path} does not hold a flat state dict of tensors")
+    return tensors
+
+
+def _ssm_to_hf_name(name: str) -> str:
+    return name.replace("backbone.embedding.", "backbone.embeddings.", 1)
+
+
+def _hf_to_ssm_name(name: str) -> str:
+    return name.replace("backbone.embeddings.", "backbone.embedding.", 1)
+
+
+def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.PathLike, *, format: str = "hf",
+                    overwrite: bool = False, copy_from: Path | None = None) -> Path:
+    """Write `tensors` (HF names) in `format`; the directory appears complete or not at all."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {format!r}; choose one of {FORMATS}")
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty (pass overwrite=True to replace it)")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        if format == "hf":
+            if config.tie_embeddings:
+                tensors.pop("lm_head.weight", None)  # tied: HF stores the embedding once
+            save_file(tensors, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+        else:
+            if config.tie_embeddings:  # MambaLMHeadModel.state_dict() lists the tied head under both names
+                tensors["lm_head.weight"] = tensors["backbone.embeddings.weight"]
+            torch.save({_hf_to_ssm_name(k): v for k, v in tensors.items()}, tmp / SSM_WEIGHTS)
+            (tmp / "config.json").write_text(json.dumps(config.to_mamba_ssm_dict(), indent=2))
+        if copy_from is not None:
+            for name in TOKENIZER_FILES:
+                if (copy_from / name).is_file():
+                    shutil.copy2(copy_from / name, tmp / name)
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False) -> Path:
+    """Convert a checkpoint directory to `to` ('hf' or 'mamba_ssm'), bit-identically; the source format is detected."""
+    if to not in FORMATS:
+        raise ValueError(f"unknown target format {to!r}; choose one of {FORMATS}")
+    directory = resolve_directory(src)
+    config, tensors = load_checkpoint(directory)
+    # Validate the tensors against the config before writing anything.
+    from .model import MambaDrafter
+
+    with torch.device("meta"):
+        reference = MambaDrafter(config, backend="torch")
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
+    problems = sorted(set(expected) ^ set(tensors))
+    problems += [k for k in expected if k in tensors and tuple(tensors[k].shape) != expected[k]]
+    if problems:
+        raise ValueError(f"{directory}: weights do not match config.json ({problems[:8]})")
+    return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory)
+

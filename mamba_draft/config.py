@@ -1,0 +1,233 @@
+"""Drafter configuration and its mapping to the Hugging Face and mamba_ssm checkpoint formats."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class MambaConfig:
+    """Shape of a Mamba-1 or Mamba-2 language model.
+
+    `vocab_size` is the number of embedding rows (possibly padded); `real_vocab_size` is the tokenizer's
+    vocabulary, the width the drafter's logits are sliced to.
+    """
+
+    arch: str  # "mamba1" | "mamba2"
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    real_vocab_size: int | None = None
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int | None = None  # Mamba-1 only; None -> ceil(d_model / 16)
+    headdim: int = 64  # Mamba-2 only
+    ngroups: int = 1  # Mamba-2 only
+    chunk_size: int = 256  # Mamba-2 only (kept for round trips; the torch path does not chunk)
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # Mamba-2 only
+    bias: bool = False
+    conv_bias: bool = True
+    norm_eps: float = 1e-5
+    residual_in_fp32: bool = True
+    tie_embeddings: bool = True
+    pad_vocab_size_multiple: int = 1
+    extra: dict = field(default_factory=dict)  # HF config fields we do not interpret (eos ids, ...)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("mamba1", "mamba2"):
+            raise ValueError(f"unknown Mamba architecture {self.arch!r}; expected 'mamba1' or 'mamba2'")
+        if self.dt_rank is None:
+            self.dt_rank = math.ceil(self.d_model / 16)
+        if self.real_vocab_size is None:
+            self.real_vocab_size = self.vocab_size
+        if self.real_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"real_vocab_size {self.real_vocab_size} exceeds the embedding rows vocab_size {self.vocab_size}"
+            )
+        self.dt_limit = tuple(float(v) for v in self.dt_limit)
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.arch == "mamba2" and self.d_inner % self.headdim:
+            raise ValueError(f"d_inner {self.d_inner} (expand*d_model) is not a multiple of headdim {self.headdim}")
+        if self.arch == "mamba2" and self.nheads % self.ngroups:
+            raise ValueError(f"nheads {self.nheads} is not a multiple of ngroups {self.ngroups}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels that go through the causal convolution (x for Mamba-1; x, B, C for Mamba-2)."""
+        if self.arch == "mamba1":
+            return self.d_inner
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, ...]:
+        if self.arch == "mamba1":
+            return (self.d_inner, self.d_state)
+        return (self.nheads, self.headdim, self.d_state)
+
+    # ---- Hugging Face (transformers MambaConfig / Mamba2Config) ----
+
+    def to_hf_dict(self) -> dict:
+        common = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.d_model,
+            state_size=self.d_state,
+            num_hidden_layers=self.n_layer,
+            layer_norm_epsilon=self.norm_eps,
+            expand=self.expand,
+            conv_kernel=self.d_conv,
+            use_bias=self.bias,
+            use_conv_bias=self.conv_bias,
+            residual_in_fp32=self.residual_in_fp32,
+            tie_word_embeddings=self.tie_embeddings,
+            time_step_rank=self.dt_rank,
+        )
+        if self.arch == "mamba1":
+            hf = dict(model_type="mamba", architectures=["MambaForCausalLM"], **common)
+        else:
+            hf = dict(
+                model_type="mamba2",
+                architectures=["Mamba2ForCausalLM"],
+                num_heads=self.nheads,
+                head_dim=self.headdim,
+                n_groups=self.ngroups,
+                chunk_size=self.chunk_size,
+                time_step_limit=list(self.dt_limit),
+                **common,
+            )
+        # Kept so a padded checkpoint can still tell its tokenizer's size (transformers ignores these keys).
+        hf["real_vocab_size"] = self.real_vocab_size
+        hf["pad_vocab_size_multiple"] = self.pad_vocab_size_multiple
+        return {**self.extra, **hf}
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "MambaConfig":
+        model_type = hf.get("model_type")
+        if model_type not in ("mamba", "mamba2"):
+            raise ValueError(
+                f"config.json describes model_type={model_type!r} (architectures={hf.get('architectures')}); "
+                "a Mamba drafter needs 'mamba' (MambaForCausalLM) or 'mamba2' (Mamba2ForCausalLM)"
+            )
+        hf = dict(hf)
+        pop = hf.pop
+        kwargs = dict(
+            arch="mamba1" if model_type == "mamba" else "mamba2",
+            d_model=pop("hidden_size"),
+            n_layer=pop("num_hidden_layers"),
+            vocab_size=pop("vocab_size"),
+            real_vocab_size=pop("real_vocab_size", None),
+            d_state=pop("state_size", 16 if model_type == "mamba" else 128),
+            d_conv=pop("conv_kernel", 4),
+            expand=pop("expand", 2),
+            bias=pop("use_bias", False),
+            conv_bias=pop("use_conv_bias", True),
+            norm_eps=pop("layer_norm_epsilon", 1e-5),
+            residual_in_fp32=pop("residual_in_fp32", True),
+            tie_embeddings=pop("tie_word_embeddings", model_type == "mamba"),
+            pad_vocab_size_multiple=pop("pad_vocab_size_multiple", 1),
+        )
+        rank = pop("time_step_rank", "auto")
+        kwargs["dt_rank"] = None if rank == "auto" else int(rank)
+        if model_type == "mamba2":
+            kwargs.update(
+                headdim=pop("head_dim", 64),
+                ngroups=pop("n_groups", 1),
+                chunk_size=pop("chunk_size", 256),
+                dt_limit=tuple(_json_float(v) for v in pop("time_step_limit", (0.0, math.inf))),
+            )
+            num_heads = pop("num_heads", None)
+            expected = kwargs["expand"] * kwargs["d_model"] // kwargs["headdim"]
+            if num_heads is not None and num_heads != expected:
+                raise ValueError(f"num_heads {num_heads} != expand*hidden_size/head_dim = {expected}")
+        for derived in ("intermediate_size", "model_type"):
+            pop(derived, None)
+        kwargs["extra"] = hf
+        return cls(**kwargs)
+
+    # ---- mamba_ssm (MambaLMHeadModel config.json) ----
+
+    def to_mamba_ssm_dict(self) -> dict:
+        ssm_cfg: dict = dict(d_state=self.d_state, d_conv=self.d_conv, expand=self.expand,
+                             bias=self.bias, conv_bias=self.conv_bias)
+        if self.arch == "mamba1":
+            ssm_cfg = dict(layer="Mamba1", dt_rank=self.dt_rank, **ssm_cfg)
+        else:
+            ssm_cfg = dict(layer="Mamba2", headdim=self.headdim, ngroups=self.ngroups,
+                           chunk_size=self.chunk_size, rmsnorm=True, norm_before_gate=False, **ssm_cfg)
+            if self.dt_limit != (0.0, math.inf):
+                ssm_cfg["dt_limit"] = list(self.dt_limit)
+        return dict(
+            d_model=self.d_model,
+            d_intermediate=0,
+            n_layer=self.n_layer,
+            vocab_size=self.real_vocab_size,
+            ssm_cfg=ssm_cfg,
+            attn_layer_idx=[],
+            attn_cfg={},
+            rms_norm=True,
+            residual_in_fp32=self.residual_in_fp32,
+            fused_add_norm=True,
+            pad_vocab_size_multiple=self.pad_vocab_size_multiple,
+            tie_embeddings=self.tie_embeddings,
+        )
+
+    @classmethod
+    def from_mamba_ssm_dict(cls, cfg: dict) -> "MambaConfig":
+        if cfg.get("attn_layer_idx"):
+            raise ValueError("hybrid mamba_ssm checkpoints (attn_layer_idx) are not supported as drafters")
+        if cfg.get("d_intermediate", 0):
+            raise ValueError("mamba_ssm checkpoints with an MLP (d_intermediate > 0) are not supported as drafters")
+        if not cfg.get("rms_norm", True):
+            raise ValueError("mamba_ssm checkpoints with LayerNorm (rms_norm=false) are not supported as drafters")
+        ssm_cfg = dict(cfg.get("ssm_cfg") or {})
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer not in ("Mamba1", "Mamba2"):
+            raise ValueError(f"unknown mamba_ssm layer type {layer!r}; expected 'Mamba1' or 'Mamba2'")
+        if layer == "Mamba2" and ssm_cfg.get("norm_before_gate", False):
+            raise ValueError("Mamba-2 checkpoints with norm_before_gate=True are not supported")
+        multiple = int(cfg.get("pad_vocab_size_multiple", 8))
+        real_vocab = int(cfg["vocab_size"])
+        padded = real_vocab + (-real_vocab) % multiple
+        kwargs = dict(
+            arch="mamba1" if layer == "Mamba1" else "mamba2",
+            d_model=cfg["d_model"],
+            n_layer=cfg["n_layer"],
+            vocab_size=padded,
+            real_vocab_size=real_vocab,
+            d_state=ssm_cfg.get("d_state", 16 if layer == "Mamba1" else 128),
+            d_conv=ssm_cfg.get("d_conv", 4),
+            expand=ssm_cfg.get("expand", 2),
+            bias=ssm_cfg.get("bias", False),
+            conv_bias=ssm_cfg.get("conv_bias", True),
+            residual_in_fp32=cfg.get("residual_in_fp32", True),
+            tie_embeddings=cfg.get("tie_embeddings", True),
+            pad_vocab_size_multiple=multiple,
+        )
+        if layer == "Mamba1":
+            rank = ssm_cfg.get("dt_rank", "auto")
+            kwargs["dt_rank"] = None if rank == "auto" else int(rank)
+        else:
+            kwargs.update(headdim=ssm_cfg.get("headdim", 64), ngroups=ssm_cfg.get("ngroups", 1),
+                          chunk_size=ssm_cfg.get("chunk_size", 256),
+                          dt_limit=tuple(ssm_cfg.get("dt_limit", (0.0, math.inf))))
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _json_float(value) -> float:
+    """transformers 5 writes inf as {"__float__": "Infinity"} in config.json."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)

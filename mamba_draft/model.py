@@ -1,0 +1,417 @@
+"""The Mamba drafter: Mamba-1 / Mamba-2 language model with an explicit, preallocated recurrent state.
+
+Parameter names match `transformers.MambaForCausalLM` / `Mamba2ForCausalLM`, so HF checkpoints load as they are.
+The torch path is the reference; on CUDA the single-token step can use mamba-ssm's `selective_state_update` and
+causal-conv1d's `causal_conv1d_update` (see `kernels.py`). A step only writes into the state in place, has no
+host sync and no data-dependent branching, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MambaConfig
+from .kernels import load_kernels
+from .state import DrafterState
+
+BACKENDS = ("auto", "torch", "kernels")
+# Prefill runs the recurrence in slices of this many positions, bounding the (B, L, d_inner, d_state) temporaries.
+SCAN_SLICE = 128
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        if gate is not None:  # Mamba-2's gated norm: normalise y * silu(z) per group
+            x = x * F.silu(gate.float())
+        shape = x.shape
+        if group_size is not None:
+            x = x.view(*shape[:-1], shape[-1] // group_size, group_size)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.view(shape).to(dtype)
+
+
+def _conv_sequence(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Causal depthwise conv over x (B, C, L) continuing from conv_state (B, C, K); updates conv_state in place."""
+    length, width = x.shape[-1], conv_state.shape[-1]
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+    conv_state.copy_(full[..., -width:])
+    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=x.shape[1])
+    return F.silu(out[..., -length:])
+
+
+def _conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """One position of the causal conv: x (B, C); shifts conv_state (B, C, K) left and appends x."""
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    out = (conv_state * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    return F.silu(out)
+
+
+class MambaMixer(nn.Module):
+    """Mamba-1 selective SSM block (HF `MambaMixer` parameter names)."""
+
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.cfg = cfg
+        d_inner, n = cfg.d_inner, cfg.d_state
+        self.in_proj = nn.Linear(cfg.d_model, 2 * d_inner, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(d_inner, d_inner, cfg.d_conv, groups=d_inner, padding=cfg.d_conv - 1,
+                                bias=cfg.conv_bias)
+        self.x_proj = nn.Linear(d_inner, cfg.dt_rank + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(cfg.dt_rank, d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(d_inner, 1))
+        self.D = nn.Parameter(torch.ones(d_inner))
+        self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=cfg.bias)
+
+    def _dt_B_C(self, x: torch.Tensor):
+        dt, B, C = self.x_proj(x).split([self.cfg.dt_rank, self.cfg.d_state, self.cfg.d_state], dim=-1)
+        return F.linear(dt, self.dt_proj.weight), B, C  # dt_proj bias is added inside the softplus
+
+    def forward(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """h (B, L, d_model) continuing from the given state rows; updates them in place."""
+        x, z = self.in_proj(h).chunk(2, dim=-1)
+        x = _conv_sequence(x.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        x = x.transpose(1, 2)  # (B, L, d_inner)
+        dt, B, C = self._dt_B_C(x)
+        dt = F.softplus((dt + self.dt_proj.bias).float())
+        A = -torch.exp(self.A_log.float())
+        state = ssm_state.float()
+        ys = []
+        for start in range(0, x.shape[1], SCAN_SLICE):
+            s = slice(start, start + SCAN_SLICE)
+            dA = torch.exp(dt[:, s, :, None] * A)  # (B, l, d_inner, N)
+            dBx = (dt[:, s] * x[:, s].float())[..., None] * B[:, s, None, :].float()
+            Cs = C[:, s].float()
+            for t in range(dA.shape[1]):
+                state = state * dA[:, t] + dBx[:, t]
+                ys.append(torch.einsum("bdn,bn->bd", state, Cs[:, t]))
+        ssm_state.copy_(state)
+        y = torch.stack(ys, dim=1) + x.float() * self.D.float()
+        y = y * F.silu(z.float())
+        return self.out_proj(y.to(h.dtype))
+
+    def step(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, kernels) -> torch.Tensor:
+        """h (B, d_model) for one position; updates the state rows in place."""
+        x, z = self.in_proj(h).chunk(2, dim=-1)
+        weight = self.conv1d.weight.squeeze(1)
+        A = -torch.exp(self.A_log.float())
+        if kernels is not None:
+            selective_state_update, causal_conv1d_update = kernels
+            x = causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, "silu")
+            dt, B, C = self._dt_B_C(x)
+            y = selective_state_update(ssm_state, x, dt, A, B, C, self.D.float(), z=z,
+                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+            return self.out_proj(y)
+        x = _conv_step(x, conv_state, weight, self.conv1d.bias)
+        dt, B, C = self._dt_B_C(x)
+        dt = F.softplus((dt + self.dt_proj.bias).float())
+        dA = torch.exp(dt[..., None] * A)
+        dBx = (dt * x.float())[..., None] * B[:, None, :].float()
+        state = ssm_state.float() * dA + dBx
+        ssm_state.copy_(state)
+        y = torch.einsum("bdn,bn->bd", state, C.float()) + x.float() * self.D.float()
+        y = y * F.silu(z.float())
+        return self.out_proj(y.to(h.dtype))
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 (SSD) block with a gated RMSNorm (HF `Mamba2Mixer` parameter names, norm_before_gate=False)."""
+
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.nheads
+        self.in_proj = nn.Linear(cfg.d_model, cfg.d_inner + cfg.conv_dim + h, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim,
+                                padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(h))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(h))
+        self.norm = RMSNorm(cfg.d_inner, cfg.norm_eps)
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
+
+    def _split(self, xbc: torch.Tensor):
+        cfg = self.cfg
+        gn = cfg.ngroups * cfg.d_state
+        x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
+        rep = cfg.nheads // cfg.ngroups
+        lead = x.shape[:-1]
+        x = x.reshape(*lead, cfg.nheads, cfg.headdim)
+        B = B.reshape(*lead, cfg.ngroups, cfg.d_state).repeat_interleave(rep, dim=-2)  # (..., H, N)
+        C = C.reshape(*lead, cfg.ngroups, cfg.d_state).repeat_interleave(rep, dim=-2)
+        return x, B, C
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.cfg.dt_limit
+        return F.softplus((dt + self.dt_bias).float()).clamp(min=lo, max=hi)
+
+    def _out(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = self.norm(y.to(dtype), gate=z, group_size=self.cfg.d_inner // self.cfg.ngroups)
+        return self.out_proj(y.to(dtype))
+
+    def forward(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        z, xbc, dt = self.in_proj(h).split([cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
+        xbc = _conv_sequence(xbc.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        x, B, C = self._split(xbc.transpose(1, 2))  # x (B, L, H, P), B/C (B, L, H, N)
+        dt = self._dt(dt)  # (B, L, H)
+        A = -torch.exp(self.A_log.float())
+        dA = torch.exp(dt * A)  # (B, L, H): a scalar decay per head
+        dBx = (dt[..., None] * x.float())[..., None] * B.float()[..., None, :]  # (B, L, H, P, N)
+        state = ssm_state.float()
+        ys = []
+        for t in range(x.shape[1]):
+            state = state * dA[:, t, :, None, None] + dBx[:, t]
+            ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t].float()))
+        ssm_state.copy_(state)
+        y = torch.stack(ys, dim=1) + x.float() * self.D.float()[:, None]
+        return self._out(y.flatten(-2), z, h.dtype)
+
+    def step(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, kernels) -> torch.Tensor:
+        cfg = self.cfg
+        z, xbc, dt = self.in_proj(h).split([cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)
+        A = -torch.exp(self.A_log.float())
+        if kernels is not None:
+            selective_state_update, causal_conv1d_update = kernels
+            xbc = causal_conv1d_update(xbc, conv_state, weight, self.conv1d.bias, "silu")
+            gn = cfg.ngroups * cfg.d_state
+            x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
+            P, N = cfg.headdim, cfg.d_state
+            # Broadcast per-head scalars over headdim with zero strides: the kernel detects this (TIE_HDIM).
+            y = selective_state_update(
+                ssm_state, x.reshape(-1, cfg.nheads, P), dt[..., None].expand(-1, -1, P),
+                A[:, None, None].expand(-1, P, N), B.reshape(-1, cfg.ngroups, N), C.reshape(-1, cfg.ngroups, N),
+                self.D[:, None].expand(-1, P), z=None, dt_bias=self.dt_bias[:, None].expand(-1, P),
+                dt_softplus=True)
+            return self._out(y.flatten(-2), z, h.dtype)
+        xbc = _conv_step(xbc, conv_state, weight, self.conv1d.bias)
+        x, B, C = self._split(xbc)  # x (B, H, P), B/C (B, H, N)
+        dt = self._dt(dt)  # (B, H)
+        dA = torch.exp(dt * A)
+        state = ssm_state.float() * dA[..., None, None] + (dt[..., None] * x.float())[..., None] * B.float()[:, :, None]
+        ssm_state.copy_(state)
+        y = torch.einsum("bhpn,bhn->bhp", state, C.float()) + x.float() * self.D.float()[:, None]
+        return self._out(y.flatten(-2), z, h.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.residual_in_fp32 = cfg.residual_in_fp32
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = MambaMixer(cfg) if cfg.arch == "mamba1" else Mamba2Mixer(cfg)
+
+    def _residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h.float() if self.residual_in_fp32 else h
+
+    def forward(self, h, conv_state, ssm_state):
+        x = self.norm(h.to(self.norm.weight.dtype))
+        return self._residual(h) + self.mixer(x, conv_state, ssm_state)
+
+    def step(self, h, conv_state, ssm_state, kernels):
+        x = self.norm(h.to(self.norm.weight.dtype))
+        return self._residual(h) + self.mixer.step(x, conv_state, ssm_state, kernels)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+class MambaDrafter(nn.Module):
+    """A Mamba language model that prefills, steps one token per row on an explicit state, and forks rows."""
+
+    def __init__(self, config: MambaConfig, backend: str = "auto", state_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        self.backbone = Backbone(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+        self.state_dtype = state_dtype
+        self.backend = "torch"
+        self.set_backend(backend)
+
+    # ---- construction ----
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        backend: str = "auto", state_dtype: torch.dtype | None = None,
+                        revision: str | None = None) -> "MambaDrafter":
+        """Load an HF-format (`MambaForCausalLM`/`Mamba2ForCausalLM`) or mamba_ssm-format directory, or a hub id."""
+        from .checkpoint import load_checkpoint
+
+        config, tensors = load_checkpoint(path, revision=revision)
+        return cls.from_state_dict(config, tensors, device=device, dtype=dtype, backend=backend,
+                                   state_dtype=state_dtype)
+
+    @classmethod
+    def from_state_dict(cls, config: MambaConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
+                        dtype: torch.dtype = torch.float32, backend: str = "auto",
+                        state_dtype: torch.dtype | None = None) -> "MambaDrafter":
+        with torch.device("meta"):
+            model = cls(config, backend="torch", state_dtype=state_dtype)
+        model.to_empty(device=device)
+        model.load_hf_state_dict(tensors)
+        model.to(dtype=dtype)
+        model.eval().requires_grad_(False)
+        model.set_backend(backend)
+        return model
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the parameters, with errors that name every missing/unexpected/misshaped key."""
+        expected = {k: v for k, v in self.state_dict().items()}
+        if self.config.tie_embeddings:
+            expected.pop("lm_head.weight")
+            tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the config: missing {missing[:8]}"
+                             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                             f"{'...' if len(unexpected) > 8 else ''}")
+        bad = [f"{k}: checkpoint {tuple(tensors[k].shape)} vs config {tuple(v.shape)}"
+               for k, v in expected.items() if tuple(tensors[k].shape) != tuple(v.shape)]
+        if bad:
+            raise ValueError("shape mismatch between config.json and weights: " + "; ".join(bad[:8]))
+        self.load_state_dict(tensors, strict=False, assign=False)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def save_pretrained(self, directory, *, format: str = "hf", overwrite: bool = False) -> None:
+        """Write HF format (config.json + model.safetensors) or mamba_ssm format (config.json + pytorch_model.bin)."""
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self.config, self.state_dict(), directory, format=format, overwrite=overwrite)
+
+    def set_backend(self, backend: str) -> None:
+        """'torch' (reference), 'kernels' (mamba-ssm + causal-conv1d on CUDA) or 'auto' (kernels when usable)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+        on_cuda = self.lm_head.weight.device.type == "cuda"
+        if backend == "kernels":
+            if not on_cuda:
+                raise RuntimeError("backend='kernels' needs the drafter on a CUDA device")
+            if load_kernels() is None:
+                raise RuntimeError("backend='kernels' needs mamba-ssm and causal-conv1d (pip install "
+                                   "'mamba-draft[cuda]' on a CUDA machine); they could not be imported")
+        if backend == "auto":
+            backend = "kernels" if on_cuda and load_kernels() is not None else "torch"
+        self.backend = backend
+
+    # ---- properties ----
+
+    @property
+    def vocab_size(self) -> int:
+        """The real vocabulary: width of the logits this drafter returns."""
+        return self.config.real_vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    # ---- state ----
+
+    def allocate_state(self, max_batch: int) -> DrafterState:
+        cfg = self.config
+        return DrafterState.allocate(cfg.n_layer, max_batch, (cfg.conv_dim, cfg.d_conv), cfg.ssm_state_shape,
+                                     device=self.device, conv_dtype=self.dtype,
+                                     ssm_dtype=self.state_dtype or self.dtype)
+
+    # ---- compute ----
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.backbone.norm_f(h)
+        weight = self.lm_head.weight[: self.vocab_size]  # skip padded vocabulary rows entirely
+        return F.linear(h.to(weight.dtype), weight)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits (B, L, V) from a zero state (the reference for everything else)."""
+        input_ids = _check_ids(input_ids, self.config.vocab_size, self.device)
+        state = self.allocate_state(input_ids.shape[0])
+        return self.extend(input_ids, state)
+
+    @torch.no_grad()
+    def extend(self, input_ids: torch.Tensor, state: DrafterState, *, last_only: bool = False) -> torch.Tensor:
+        """Continue rows [0:B] of `state` with a (B, L) block of tokens; returns logits (B, L, V) or (B, V)."""
+        input_ids = _check_ids(input_ids, self.config.vocab_size, self.device)
+        batch = _check_batch(input_ids.shape[0], state)
+        h = self.backbone.embeddings(input_ids)
+        for i, layer in enumerate(self.backbone.layers):
+            h = layer(h, state.conv[i, :batch], state.ssm[i, :batch])
+        return self._logits(h[:, -1] if last_only else h)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, state: DrafterState | None = None,
+                max_batch: int | None = None) -> tuple[torch.Tensor, DrafterState]:
+        """Encode a prompt (B, L) from scratch into rows [0:B]; returns last-position logits (B, V) and the state.
+
+        Without `state`, one is allocated for max(B, max_batch) rows (tree drafting needs room for every node).
+        """
+        input_ids = _check_ids(input_ids, self.config.vocab_size, self.device)
+        if input_ids.shape[1] == 0:
+            raise ValueError("prefill needs at least one token")
+        if state is None:
+            state = self.allocate_state(max(input_ids.shape[0], max_batch or 0))
+        state.rows(0, _check_batch(input_ids.shape[0], state)).reset_()
+        return self.extend(input_ids, state, last_only=True), state
+
+    @torch.no_grad()
+    def step(self, token_ids: torch.Tensor, state: DrafterState) -> torch.Tensor:
+        """Feed one token per row (B,) to rows [0:B] of `state` (in place); returns logits (B, V).
+
+        No allocation outside temporaries, no host sync, no data-dependent branching: CUDA-graph capturable.
+        """
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"token ids must be an int64/int32 tensor, got "
+                            f"{token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
+        if token_ids.dim() != 1:
+            raise ValueError(f"step takes one token per row, shape (B,), got {tuple(token_ids.shape)}")
+        batch = _check_batch(token_ids.shape[0], state)
+        kernels = load_kernels() if self.backend == "kernels" else None
+        h = self.backbone.embeddings(token_ids)
+        for i, layer in enumerate(self.backbone.layers):
+            h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch], kernels)
+        return self._logits(h)
+
+
+def _check_ids(input_ids, vocab_rows: int, device) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        try:
+            input_ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"token ids must be integers, got {type(input_ids).__name__}") from err
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"token ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"token ids must have shape (batch, length), got {tuple(input_ids.shape)}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_rows):
+        raise ValueError(f"token ids must lie in [0, {vocab_rows}), got range "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    return input_ids.to(device=device, dtype=torch.long)
+
+
+def _check_batch(batch: int, state: DrafterState) -> int:
+    if batch > state.max_batch:
+        raise ValueError(f"batch of {batch} rows exceeds the state's preallocated max_batch={state.max_batch}; "
+                         "allocate_state(max_batch) with room for every row")
+    return batch

@@ -1,0 +1,64 @@
+"""The drafter's recurrent state: per-layer conv and SSM buffers, preallocated for a maximum batch.
+
+Buffers are allocated once and only ever written in place, so their addresses never change and a CUDA graph
+captured on a view of them stays valid across rounds. Row operations (`gather_`, `fork_`, `select_`) are what
+tree drafting needs: copy parent rows into child rows before stepping the children.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DrafterState:
+    conv: torch.Tensor  # (n_layer, max_batch, conv_dim, d_conv)
+    ssm: torch.Tensor  # (n_layer, max_batch, *ssm_state_shape)
+
+    @classmethod
+    def allocate(cls, n_layer: int, max_batch: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...],
+                 device, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> "DrafterState":
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        return cls(
+            conv=torch.zeros(n_layer, max_batch, *conv_shape, device=device, dtype=conv_dtype),
+            ssm=torch.zeros(n_layer, max_batch, *ssm_shape, device=device, dtype=ssm_dtype),
+        )
+
+    @property
+    def max_batch(self) -> int:
+        return self.conv.shape[1]
+
+    def rows(self, start: int, stop: int) -> "DrafterState":
+        """A state viewing rows [start:stop] of this one (no copy: writes through)."""
+        if not 0 <= start < stop <= self.max_batch:
+            raise IndexError(f"rows [{start}:{stop}] out of range for a state of {self.max_batch} rows")
+        return DrafterState(self.conv[:, start:stop], self.ssm[:, start:stop])
+
+    def gather_(self, dst_start: int, src_rows: torch.Tensor) -> "DrafterState":
+        """rows[dst_start : dst_start + len(src_rows)] = rows[src_rows]; safe when source and destination overlap."""
+        n = src_rows.shape[0]
+        if dst_start < 0 or dst_start + n > self.max_batch:
+            raise IndexError(f"gather of {n} rows at {dst_start} overflows a state of {self.max_batch} rows")
+        # index_select materialises the sources before the copy, so overlapping rows are read before written.
+        self.conv[:, dst_start:dst_start + n].copy_(self.conv.index_select(1, src_rows))
+        self.ssm[:, dst_start:dst_start + n].copy_(self.ssm.index_select(1, src_rows))
+        return self
+
+    def fork_(self, parent_rows: torch.Tensor) -> "DrafterState":
+        """Child row i <- copy of row parent_rows[i], for i in range(len(parent_rows))."""
+        return self.gather_(0, parent_rows)
+
+    def select_(self, row: int | torch.Tensor) -> "DrafterState":
+        """Row 0 <- row `row` (e.g. the deepest accepted tree node); `row` may be a 0-d tensor (no host sync)."""
+        index = row.reshape(1) if isinstance(row, torch.Tensor) else torch.tensor([row], device=self.conv.device)
+        return self.gather_(0, index)
+
+    def reset_(self) -> "DrafterState":
+        self.conv.zero_()
+        self.ssm.zero_()
+        return self
+
+    def clone(self) -> "DrafterState":
+        return DrafterState(self.conv.clone(), self.ssm.clone())
