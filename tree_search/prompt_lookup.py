@@ -1,0 +1,85 @@
+"""FLy's multi-level acceleration: prompt-lookup n-gram proposals, pre-verified greedily by the drafter.
+
+Long chains (K up to ~25, which lossy verifiers such as FLy can use) make the drafter's sequential steps the
+bottleneck. Prompt lookup proposes the tokens that followed the most recent n-gram (n = max_ngram..1) earlier in
+the context; the drafter checks a whole proposal in one `extend` call and keeps the prefix equal to its own greedy
+choices, plus its next greedy token. The drafted chain is therefore exactly the drafter's greedy chain; only the
+number of drafter calls changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+_NO_LENGTH_LIMIT = 2**62
+
+
+def lookup_proposal(context: torch.Tensor, max_ngram: int = 4, num_tokens: int = 6) -> torch.Tensor:
+    """Tokens that followed the earliest earlier occurrence of the context's last n-gram (n = max_ngram..1).
+
+    context: (L,) token ids. Returns (m,) with 0 <= m <= num_tokens (empty when no n-gram recurs).
+    """
+    if max_ngram < 1 or num_tokens < 1:
+        raise ValueError(f"max_ngram and num_tokens must be >= 1, got {max_ngram} and {num_tokens}")
+    lookup = PromptLookupCandidateGenerator(
+        num_output_tokens=num_tokens, max_matching_ngram_size=max_ngram, max_length=_NO_LENGTH_LIMIT
+    )
+    candidates, _ = lookup.get_candidates(context.view(1, -1))
+    return candidates[0, context.numel():]
+
+
+@dataclass
+class LookupDraft:
+    tokens: torch.Tensor  # (num_tokens,) the drafter's greedy chain
+    drafter_calls: int  # sequential drafter invocations (step or extend) it took
+    proposed: int  # lookup tokens offered to the drafter
+    accepted: int  # lookup tokens the drafter agreed with
+
+
+@torch.no_grad()
+def draft_chain_with_lookup(
+    drafter,
+    state,
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    num_tokens: int,
+    max_ngram: int = 4,
+    num_proposed: int = 6,
+) -> LookupDraft:
+    """Draft the drafter's greedy chain of `num_tokens` tokens, using prompt lookup to skip drafter steps.
+
+    drafter: a `MambaDrafter`; state: a `DrafterState` with >= 2 rows whose row 0 holds the state after `context`
+    (rows 0 and 1 are used as scratch and left in an unspecified drafted state: resync from the committed state).
+    logits: (V,) the drafter's next-token logits after `context`; context: (L,) token ids up to the root token.
+    Host-side control flow (one sync per proposal): meant for the CPU / eager path.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    if state.max_batch < 2:
+        raise ValueError("draft_chain_with_lookup needs a DrafterState with at least 2 rows (live + snapshot)")
+    live = state.rows(0, 1)
+    snapshot_row = torch.tensor([0], device=context.device)
+    restore_row = torch.tensor([1], device=context.device)
+    tokens = [int(logits.argmax())]
+    calls = proposed = accepted = 0
+    while len(tokens) < num_tokens:
+        last = torch.tensor([tokens[-1]], device=context.device)
+        history = torch.cat([context, torch.tensor(tokens, device=context.device)])
+        proposal = lookup_proposal(history, max_ngram, num_proposed)[: num_tokens - len(tokens)]
+        if proposal.numel() == 0:
+            tokens.append(int(drafter.step(last, live)[0].argmax()))
+            calls += 1
+            continue
+        state.gather_(1, snapshot_row)  # keep the pre-proposal state in case the drafter disagrees
+        greedy = drafter.extend(torch.cat([last, proposal]).view(1, -1), live)[0].argmax(-1)
+        calls += 1
+        agree = int((proposal == greedy[:-1]).long().cumprod(0).sum())
+        proposed, accepted = proposed + proposal.numel(), accepted + agree
+        tokens += proposal[:agree].tolist() + [int(greedy[agree])]
+        if agree < proposal.numel() and len(tokens) < num_tokens:  # live row ran past the agreed prefix: rebuild
+            state.gather_(0, restore_row)
+            drafter.extend(torch.cat([last, proposal[:agree]]).view(1, -1), live)
+            calls += 1
+    return LookupDraft(torch.tensor(tokens[:num_tokens], device=context.device), calls, proposed, accepted)

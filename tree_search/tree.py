@@ -1,0 +1,160 @@
+"""Draft-tree topology: `TreeConfig` (N1, ..., Nγ) and the parent-pointer `Tree` everything else derives from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+MAX_TREE_NODES = 1024  # draft nodes (root excluded); beyond this a tree forward stops being one cheap target call
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Static tree shape: every node at depth d has `branching[d]` children (depth 0 = root).
+
+    Level i holds B_i = N1·…·Ni nodes; a chain is `(1, ..., 1)`.
+    """
+
+    branching: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        branching = tuple(self.branching)
+        if not branching:
+            raise ValueError("TreeConfig needs at least one level, got an empty branching tuple")
+        for n in branching:
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"TreeConfig branching factors must be positive integers, got {branching!r}")
+        object.__setattr__(self, "branching", branching)
+        if self.num_nodes > MAX_TREE_NODES:
+            raise ValueError(
+                f"TreeConfig{branching} has {self.num_nodes} draft nodes, over the budget of {MAX_TREE_NODES}"
+            )
+
+    @classmethod
+    def parse(cls, spec: str | TreeConfig | tuple[int, ...] | list[int]) -> TreeConfig:
+        """Build from `"3,2,2,1,1"`, a tuple/list of ints, or pass a TreeConfig through."""
+        if isinstance(spec, TreeConfig):
+            return spec
+        if isinstance(spec, str):
+            parts = [p.strip() for p in spec.replace("(", "").replace(")", "").split(",") if p.strip()]
+            try:
+                return cls(tuple(int(p) for p in parts))
+            except ValueError as err:
+                if "TreeConfig" in str(err):
+                    raise
+                raise ValueError(f"cannot parse tree spec {spec!r}: expected comma-separated positive ints") from err
+        return cls(tuple(spec))
+
+    @property
+    def depth(self) -> int:
+        """γ, the draft length (number of levels)."""
+        return len(self.branching)
+
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        """(B_1, ..., B_γ), B_i = N1·…·Ni."""
+        sizes, b = [], 1
+        for n in self.branching:
+            b *= n
+            sizes.append(b)
+        return tuple(sizes)
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes T = Σ B_i (root excluded)."""
+        return sum(self.level_sizes)
+
+    def __str__(self) -> str:
+        return "(" + ",".join(map(str, self.branching)) + ")"
+
+    def build(self) -> Tree:
+        """The level-ordered parent-pointer tree for this shape."""
+        parents = [-1]
+        prev_start, prev_stop = 0, 1
+        for n in self.branching:
+            start = len(parents)
+            for parent in range(prev_start, prev_stop):
+                parents.extend([parent] * n)
+            prev_start, prev_stop = start, len(parents)
+        return Tree(tuple(parents))
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A rooted tree as a parent-pointer array in level order.
+
+    Node 0 is the root (the last committed token, parent -1); every other node's parent has a smaller index
+    and nodes of one level are contiguous. Masks, depths, levels, children and leaf paths derive from it.
+    """
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parents or self.parents[0] != -1:
+            raise ValueError("Tree.parents must start with the root's parent -1")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"Tree node {i} has parent {p}; parents must precede their children")
+        depths = [0]
+        for p in self.parents[1:]:
+            depths.append(depths[p] + 1)
+        if depths != sorted(depths):
+            raise ValueError("Tree nodes must be in level order (depth non-decreasing)")
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Depth of each node (root 0); the target sees node i at position P + depths[i]."""
+        depths = [0]
+        for p in self.parents[1:]:
+            depths.append(depths[p] + 1)
+        return tuple(depths)
+
+    @property
+    def depth(self) -> int:
+        return self.depths[-1]
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[i] = node indices whose parent is i, in order (= the order they were drafted)."""
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) node range of each depth 0..γ."""
+        bounds, start = [], 0
+        for i in range(1, len(self.depths) + 1):
+            if i == len(self.depths) or self.depths[i] != self.depths[start]:
+                bounds.append((start, i))
+                start = i
+        return tuple(bounds)
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """(T+1, T+1) bool: mask[i, j] = j is i or an ancestor of i (what node i may attend to)."""
+        n = len(self.parents)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node` (root excluded)."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    @cached_property
+    def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Every root-to-leaf path (root excluded), leaves in level order."""
+        return tuple(tuple(self.path_to(i)) for i, kids in enumerate(self.children) if not kids and i > 0)

@@ -1,0 +1,110 @@
+"""The verifier contract (see docs/architecture.md) and the by-name registry."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+
+from tree_search.sampling import SamplingParams
+from tree_search.tree import Tree
+
+DRAFT_MODES = ("topk", "sample")
+
+
+@dataclass
+class VerifyInput:
+    """One drafted tree and everything the target said about it."""
+
+    tree: Tree  # topology: node 0 = root (last committed token), parents in level order
+    tokens: torch.Tensor  # (T+1,) token at each node; tokens[0] = root token
+    target_logits: torch.Tensor  # (T+1, V) raw target logits at each node (they predict that node's children)
+    draft_probs: torch.Tensor | None  # (T+1, V) processed draft distribution each node's children came from
+    hidden: torch.Tensor | None  # (T+1, H) target final hidden states (what lm_head consumes), if needs_hidden
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None  # target output head, hidden -> logits
+    sampling: SamplingParams  # temperature, top_k, top_p (applied identically to target and draft)
+    generator: torch.Generator | None
+    draft_mode: str = "topk"  # how the children were chosen ("topk" or "sample")
+
+
+@dataclass
+class VerifyResult:
+    """Which root-to-node path the target accepts and the token that follows it."""
+
+    path: list[int]  # accepted node indices in depth order, root excluded
+    next_token: int  # bonus / correction token after the path
+    lossy_accepts: int = 0  # path nodes accepted although they differ from the target's own choice
+    info: dict = field(default_factory=dict)
+
+
+class Verifier:
+    """Base class: subclasses set the class variables and implement `verify`."""
+
+    name: ClassVar[str]
+    lossless: ClassVar[bool]
+    draft_mode: ClassVar[str]  # "topk" (top-N distinct draft tokens) | "sample" (N draws without replacement, q recorded)
+    needs_hidden: ClassVar[bool] = False
+    needs_draft_probs: ClassVar[bool] = False  # record q even at temperature 0 (always recorded when T > 0)
+    greedy_only: ClassVar[bool] = False  # refuses temperature > 0 (checked by generate before any work)
+
+    def verify(self, inp: VerifyInput) -> VerifyResult:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, lossless={self.lossless}, draft_mode={self.draft_mode!r})"
+
+
+_REGISTRY: dict[str, type[Verifier]] = {}
+
+
+def register_verifier(cls: type[Verifier]) -> type[Verifier]:
+    """Class decorator: make `cls` available to `get_verifier(cls.name)`."""
+    for attr in ("name", "lossless", "draft_mode"):
+        if not hasattr(cls, attr):
+            raise TypeError(f"verifier {cls.__name__} must define the class variable {attr!r}")
+    if cls.draft_mode not in DRAFT_MODES:
+        raise ValueError(f"verifier {cls.__name__} has draft_mode {cls.draft_mode!r}; expected one of {DRAFT_MODES}")
+    if "+" in cls.name:
+        raise ValueError(f"verifier name {cls.name!r} must not contain '+' (reserved for combinations)")
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"verifier name {cls.name!r} is already registered by {existing.__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtin_verifiers() -> None:
+    """Import every module of this package once, so their @register_verifier decorators run."""
+    package = importlib.import_module("tree_search.verifiers")
+    for module in pkgutil.iter_modules(package.__path__):
+        if module.name != "base":
+            importlib.import_module(f"tree_search.verifiers.{module.name}")
+
+
+def available_verifiers() -> list[str]:
+    """Names accepted by `get_verifier` (plus any 'a+b' combination of them)."""
+    _load_builtin_verifiers()
+    return sorted(_REGISTRY)
+
+
+def get_verifier(name: str | Verifier, **params) -> Verifier:
+    """Build a verifier by registered name; `"a+b"` builds the any-of combinator `combine.AnyOf` over a and b.
+
+    Unknown names raise ValueError listing the known ones. A Verifier instance is passed through.
+    """
+    if isinstance(name, Verifier):
+        if params:
+            raise ValueError("parameters cannot be applied to an already built verifier instance")
+        return name
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"verifier name must be a non-empty string, got {name!r}")
+    _load_builtin_verifiers()
+    if "+" in name:
+        from tree_search.verifiers.combine import AnyOf  # owned by the lossy-verifier engineer
+
+        return AnyOf([get_verifier(part.strip()) for part in name.split("+")], **params)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown verifier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**params)

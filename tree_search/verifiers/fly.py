@@ -1,0 +1,68 @@
+"""FLy (training-free loosely speculative decoding): entropy gate + deferred window over each root-to-leaf path.
+
+At a mismatch j on a path: if the target's entropy h_j at the parent is below θ the position is deterministic and
+the mismatch is rejected; otherwise the decision is deferred and j is accepted only if the next W draft tokens on
+that path match the target exactly (the target did not "self-correct"). If j+W runs past the drafted path, j is
+rejected. Defaults θ=0.3, W=6 (the paper's). Entropy defaults to the reference implementation's top-3 entropy
+-Σ_{top3} p log p over the full-vocabulary softmax (not renormalised, natural log); `entropy="normalized"` is the
+full entropy divided by log|V|. At T > 0 the entropy is taken on the processed target distribution.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tree_search.sampling import logits_to_probs
+from tree_search.verifiers.base import VerifyInput, register_verifier
+from tree_search.verifiers.combine import LossyVerifier, Paths
+
+ENTROPIES = ("top3", "normalized")
+
+
+def target_entropy(probs: torch.Tensor, kind: str = "top3") -> torch.Tensor:
+    """(N, V) distributions -> (N,) entropies: top-3 (reference FLy) or full entropy / log|V|."""
+    if kind == "top3":
+        return torch.special.entr(probs.topk(min(3, probs.shape[-1]), dim=-1).values).sum(-1)
+    if kind == "normalized":
+        return torch.special.entr(probs).sum(-1) / math.log(probs.shape[-1])
+    raise ValueError(f"unknown FLy entropy {kind!r}; choose one of {ENTROPIES}")
+
+
+def fly_mask(native: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor, theta: float, window: int) -> torch.Tensor:
+    """(P, D) mismatches FLy accepts: entropy >= θ and the next `window` path nodes all match natively.
+
+    native / valid / entropy are (P, D) over path positions; entropy is that of the distribution that chose
+    the node (its parent's). A window running past the path end contains padding, which never matches.
+    """
+    num_paths, depth = native.shape
+    if depth == 0:
+        return torch.zeros_like(native)
+    matched = native & valid
+    following = torch.cat([matched[:, 1:], matched.new_zeros(num_paths, window)], dim=1)  # (P, D-1+W)
+    window_clean = following.unfold(1, window, 1).all(dim=-1)  # (P, D): positions d+1..d+W all matched
+    return ~native & valid & (entropy >= theta) & window_clean
+
+
+@register_verifier
+class FLyVerifier(LossyVerifier):
+    """FLy's loose verification, `lossless = False`. θ = inf rejects every mismatch (≡ greedy)."""
+
+    name = "fly"
+
+    def __init__(self, theta: float = 0.3, window: int = 6, entropy: str = "top3") -> None:
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or math.isnan(theta) or theta < 0:
+            raise ValueError(f"fly: entropy threshold theta must be a number >= 0 (inf = never loosen), got {theta!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"fly: window W must be an integer >= 1, got {window!r}")
+        if entropy not in ENTROPIES:
+            raise ValueError(f"fly: unknown entropy {entropy!r}; choose one of {ENTROPIES}")
+        self.theta, self.window, self.entropy = float(theta), window, entropy
+
+    def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
+        if inp.sampling.greedy:
+            probs = torch.softmax(inp.target_logits.float(), dim=-1)
+        else:
+            probs = logits_to_probs(inp.target_logits, inp.sampling)
+        entropy = target_entropy(probs, self.entropy)[paths.parents]  # of the distribution each node was judged by
+        return fly_mask(paths.native, paths.valid, entropy, self.theta, self.window)

@@ -1,0 +1,90 @@
+"""`sampling`: lossless multi-candidate recursive rejection sampling over the tree (MCSD / SpecInfer rule)."""
+from __future__ import annotations
+
+import torch
+
+from tree_search.sampling import logits_to_probs, sample
+from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, register_verifier
+from tree_search.verifiers.greedy import greedy_walk
+
+
+def accept_among_children(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    candidates: list[int],
+    generator: torch.Generator | None,
+) -> tuple[int | None, torch.Tensor]:
+    """Try candidates x1..xk (drawn from q without replacement, in draw order) against the target p.
+
+    Accept xi with prob min(1, p_i(xi)/q_i(xi)); on rejection p_{i+1} = norm(max(p_i − q_i, 0)) and
+    q_{i+1} = q_i without xi, renormalised. Returns (index of the accepted candidate or None, the
+    distribution to sample the next token from if none was accepted: the final residual).
+    Candidates with zero remaining draft mass were never drawn (padding of a small support) and are skipped.
+    """
+    p, q = p.clone(), q.clone()
+    for i, x in enumerate(candidates):
+        qx = q[x].item()
+        if qx <= 0.0:
+            continue
+        u = torch.rand((), generator=generator, device=p.device).item()
+        if u * qx < p[x].item():  # u < p/q without dividing
+            return i, p
+        residual = torch.clamp(p - q, min=0.0)
+        mass = residual.sum()
+        if mass.item() > 0.0:  # mass 0 only if p == q up to rounding, where rejection has probability 0
+            p = residual / mass
+        q[x] = 0.0
+        q_mass = q.sum()
+        q = q / q_mass if q_mass.item() > 0.0 else q
+    return None, p
+
+
+@register_verifier
+class SamplingVerifier(Verifier):
+    """Lossless at any temperature; at temperature 0 it is exactly the greedy verifier."""
+
+    name = "sampling"
+    lossless = True
+    draft_mode = "sample"
+
+    def verify(self, inp: VerifyInput) -> VerifyResult:
+        tokens = inp.tokens.tolist()
+        if inp.sampling.greedy:
+            path, next_token = greedy_walk(inp.tree, tokens, torch.argmax(inp.target_logits, -1).tolist())
+            return VerifyResult(path=path, next_token=next_token)
+        if inp.draft_probs is None:
+            raise ValueError("the sampling verifier needs draft_probs (the distribution each node's children came from)")
+        # Host syncs per tried child: the accept/reject walk is inherently sequential Python on a few nodes.
+        target_probs = logits_to_probs(inp.target_logits, inp.sampling)
+        node, path, rejected = 0, [], 0
+        while True:
+            kids = inp.tree.children[node]
+            p = target_probs[node]
+            if inp.draft_mode == "topk":
+                # Deterministic candidates (q = point mass per child, EAGLE-2 rule): accept x w.p. p(x), else zero it.
+                pick, p = _accept_point_masses(p, [tokens[c] for c in kids], inp.generator)
+            else:
+                pick, p = accept_among_children(p, inp.draft_probs[node].float(), [tokens[c] for c in kids], inp.generator)
+            if pick is None:
+                rejected += len(kids)
+                next_token = int(sample(p, inp.generator).item())
+                return VerifyResult(path=path, next_token=next_token, info={"rejected_children": rejected})
+            node = kids[pick]
+            path.append(node)
+
+
+def _accept_point_masses(
+    p: torch.Tensor, candidates: list[int], generator: torch.Generator | None
+) -> tuple[int | None, torch.Tensor]:
+    """Lossless test for deterministic (top-k) candidates: accept x w.p. p(x); on rejection p <- norm(p without x)."""
+    p = p.clone()
+    for i, x in enumerate(candidates):
+        px = p[x].item()
+        if px <= 0.0:
+            continue
+        u = torch.rand((), generator=generator, device=p.device).item()
+        if u < px:
+            return i, p
+        p[x] = 0.0
+        p = p / p.sum()
+    return None, p
