@@ -1,0 +1,29 @@
+"""Losses: next-token cross-entropy and forward KL to a frozen target, both over labelled positions only."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from training.data import IGNORE_INDEX
+
+
+def shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position t predicts token t+1."""
+    return logits[:, :-1].float(), labels[:, 1:]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits, labels = shift(logits, labels)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, vocab: int,
+               temperature: float = 1.0) -> torch.Tensor:
+    """Mean over labelled positions of KL(p_target || q_drafter) on the shared `vocab` (padding rows dropped)."""
+    logits, labels = shift(logits[..., :vocab], labels)
+    target_logits = target_logits[:, :-1, :vocab].float()
+    mask = labels != IGNORE_INDEX
+    log_q = F.log_softmax(logits[mask] / temperature, dim=-1)
+    log_p = F.log_softmax(target_logits[mask] / temperature, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return kl.mean() * temperature ** 2  # T^2 keeps gradient scale independent of T (Hinton et al.)

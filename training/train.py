@@ -1,0 +1,231 @@
+"""Train a Mamba drafter (or a small Llama target) with DeepSpeed: pretraining, SFT or distillation.
+
+    python -m training.train --config configs/tiny/pretrain-cpu.yaml [key=value ...] [--resume]
+    deepspeed --num_gpus 2 --module training.train --config ...      (or torchrun -m training.train ...)
+
+Output directory layout:
+    config.yaml          the resolved TrainConfig
+    model/               HF config + tokenizer files (weights come from a checkpoint via `mamba-draft export`)
+    checkpoints/         DeepSpeed checkpoints (`latest`, global_stepN/ incl. train_state_rank{r}.pt)
+    metrics.jsonl        one record per logged step
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from training import data as data_lib
+from training.config import TrainConfig, load_config, save_config
+from training.distributed import deepspeed_config, init_distributed, use_bf16
+from training.loss import cross_entropy, forward_kl
+from training.model import build_model, check_vocab, load_tokenizer, weight_decay_groups
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warmup, then cosine from 1 down to `min_ratio` (lingua's schedule), as a LambdaLR multiplier."""
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + 0.5 * (1 - min_ratio) * (1 + math.cos(math.pi * progress))
+    return multiplier
+
+
+def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
+    """The rank's data iterator and the number of records (None when streaming)."""
+    records = data_lib.load_records(cfg.data)
+    if cfg.data.kind == "pretrain":
+        n = None if isinstance(records, data_lib.datasets.IterableDataset) else len(records)
+        return data_lib.PackedSequences(records, tokenizer, cfg.data, rank, world), n
+    if cfg.data.kind == "sft":
+        examples, skipped = data_lib.prepare_sft(records, tokenizer, cfg.data.seq_len)
+        if rank == 0:
+            print(f"SFT: {len(examples)} conversations kept, {sum(skipped.values())} skipped {dict(skipped)}")
+        return data_lib.SFTExamples(examples, tokenizer.pad_token_id, cfg.data.seed, rank, world), len(examples)
+    raise ValueError(f"data.kind must be pretrain or sft, got {cfg.data.kind!r}")
+
+
+def total_steps(cfg: TrainConfig, n_records: int | None) -> int:
+    if cfg.steps > 0:
+        return cfg.steps
+    if cfg.epochs <= 0 or n_records is None:
+        raise ValueError("set steps > 0 (or epochs > 0 for a finite dataset)")
+    return max(1, math.ceil(cfg.epochs * n_records / cfg.global_batch_size))
+
+
+def load_target(cfg: TrainConfig, tokenizer, device, dtype):
+    if not cfg.distill.target:
+        return None
+    target = AutoModelForCausalLM.from_pretrained(cfg.distill.target, dtype=dtype).to(device).eval()
+    check_vocab(target.config, tokenizer, f"distill.target {cfg.distill.target!r}")
+    target.requires_grad_(False)
+    return target
+
+
+def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int) -> torch.Tensor:
+    logits = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    if target is None:
+        return cross_entropy(logits, batch["labels"])
+    with torch.no_grad():
+        target_logits = target(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    d = cfg.distill
+    loss = d.kl_weight * forward_kl(logits, target_logits, batch["labels"], vocab, d.temperature)
+    return loss + d.ce_weight * cross_entropy(logits, batch["labels"]) if d.ce_weight else loss
+
+
+def write_model_dir(model, tokenizer, out: Path) -> None:
+    """HF config + tokenizer next to the checkpoints, so export needs nothing but the output dir."""
+    if out.exists():
+        return
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out)
+
+
+def save_checkpoint(engine, ckpt_dir: Path, step: int, data, rank: int) -> None:
+    """Per-rank train state (data position, RNG) first, then DeepSpeed writes `latest` last."""
+    tag = f"global_step{step}"
+    (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "data": data.state_dict(), "rng": torch.get_rng_state()},
+               ckpt_dir / tag / f"train_state_rank{rank}.pt")
+    engine.save_checkpoint(str(ckpt_dir), tag=tag)
+    torch.distributed.barrier()
+
+
+def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> int:
+    if not (ckpt_dir / "latest").is_file():
+        raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
+    path, _ = engine.load_checkpoint(str(ckpt_dir))
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
+    state_file = Path(path) / f"train_state_rank{rank}.pt"
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{state_file} missing: was the checkpoint written by {world} ranks?")
+    state = torch.load(state_file, weights_only=True)
+    data.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"])
+    return state["step"]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records logged after the checkpoint we resume from: that timeline was lost."""
+    if path.is_file():
+        records = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in records))
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cheap checks before any process group, model or data work."""
+    if not cfg.output_dir:
+        raise ValueError("output_dir is empty")
+    if cfg.micro_batch_size < 1 or cfg.global_batch_size < 1:
+        raise ValueError("micro_batch_size and global_batch_size must be >= 1")
+    if cfg.data.kind not in ("pretrain", "sft"):
+        raise ValueError(f"data.kind must be pretrain or sft, got {cfg.data.kind!r}")
+    if cfg.data.path and data_lib.is_local(cfg.data.path) and not data_lib.glob.glob(str(Path(cfg.data.path).expanduser())):
+        raise FileNotFoundError(f"data.path {cfg.data.path!r} matches no file")
+    if cfg.model.init_from and data_lib.is_local(cfg.model.init_from) and not Path(cfg.model.init_from).exists():
+        raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
+    use_bf16(cfg.precision)
+
+
+def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
+    """Run (or resume) training; returns the output directory. Works under any launcher or in-process."""
+    validate(cfg)
+    rank, world = init_distributed(cfg.build_shm_comm)
+    out = Path(cfg.output_dir)
+    ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
+    if resume_run and not (ckpt_dir / "latest").is_file():
+        raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    data, n_records = build_data(cfg, tokenizer, rank, world)
+    steps = total_steps(cfg, n_records)
+    model = build_model(cfg.model, tokenizer, cfg.seed)
+    warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * steps)
+    ds_config = deepspeed_config(cfg, world)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=weight_decay_groups(model, cfg.optim.weight_decay), config=ds_config,
+        lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(warmup, steps, cfg.optim.lr_min_ratio)))
+    target = load_target(cfg, tokenizer, engine.device, torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32)
+    torch.manual_seed(cfg.seed + rank)
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        write_model_dir(model, tokenizer, out / "model")
+    start = resume(engine, ckpt_dir, data, rank, world) if resume_run else 0
+    if rank == 0 and resume_run:
+        truncate_metrics(metrics_path, start)
+    writer = None
+    if cfg.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
+        writer = SummaryWriter(str(out / "tensorboard"))
+
+    gas = ds_config["gradient_accumulation_steps"]
+    vocab = len(tokenizer)
+    bar = tqdm(total=steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
+    for step in range(start + 1, steps + 1):
+        t0, loss_sum, tokens = time.perf_counter(), torch.zeros((), device=engine.device), 0
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
+        for _ in range(gas):
+            batch = {k: v.to(engine.device) for k, v in data.next_batch(cfg.micro_batch_size).items()}
+            loss = compute_loss(engine, target, batch, cfg, vocab)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach()
+            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+        stats = torch.tensor([loss_sum.item() / gas, tokens], dtype=torch.float64)
+        torch.distributed.all_reduce(stats)
+        record = {"step": step, "loss": stats[0].item() / world, "lr": lr,
+                  "tokens": int(stats[1]), "tokens_per_s": stats[1].item() / (time.perf_counter() - t0),
+                  "grad_norm": float(engine.get_global_grad_norm() or 0.0)}
+        if rank == 0:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}")
+            if step % cfg.log_every == 0 or step == steps:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if writer is not None:
+                    for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
+                        writer.add_scalar(f"train/{key}", record[key], step)
+        if step % cfg.checkpoint_every == 0 or step == steps:
+            save_checkpoint(engine, ckpt_dir, step, data, rank)
+        if cfg.hang_after_step == step:
+            print(f"hang_after_step: checkpoint at step {step} written; blocking", flush=True)
+            while True:
+                time.sleep(3600)
+    bar.close()
+    if writer is not None:
+        writer.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML file of TrainConfig fields")
+    parser.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/latest")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 data.seq_len=512")
+    args = parser.parse_args(argv)
+    train(load_config(args.config, args.overrides), resume_run=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
