@@ -1,0 +1,48 @@
+"""AutoJudge verifier: accept a mismatching draft token when the trained head says P(important) < threshold.
+
+The head reads the target's final hidden state at the mismatching node itself (the position that encodes the
+draft token, the paper's "DT" features), which the tree forward already computed. Threshold 0 ≡ greedy.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tree_search.autojudge.classifier import JudgeHead
+from tree_search.verifiers.base import VerifyInput, register_verifier
+from tree_search.verifiers.combine import LossyVerifier, Paths
+
+
+@register_verifier
+class AutoJudgeVerifier(LossyVerifier):
+    """judge: path to a head from `mamba-draft autojudge train` (or a JudgeHead); threshold in [0, 1].
+
+    Without a threshold the head's own suggestion is used (recall >= 90% of important tokens on its held-out split).
+    """
+
+    name = "autojudge"
+    needs_hidden = True
+
+    def __init__(self, judge: str | os.PathLike | JudgeHead | None = None, threshold: float | None = None) -> None:
+        if judge is None:
+            raise ValueError("autojudge needs judge=<path to a trained AutoJudge head (.safetensors)>")
+        head = judge if isinstance(judge, JudgeHead) else JudgeHead.load(judge)
+        if threshold is None:
+            threshold = head.info.get("threshold")
+            if threshold is None:
+                raise ValueError("autojudge: the judge file suggests no threshold; pass threshold=<value in [0, 1]>")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"autojudge: threshold must be in [0, 1], got {threshold!r}")
+        self.head, self.threshold = head, float(threshold)
+
+    def node_mask(self, hidden: torch.Tensor | None) -> torch.Tensor:
+        """(T+1,) bool: the judge deems each node's token unimportant (P(important) < threshold)."""
+        if hidden is None:
+            raise ValueError("autojudge needs the target's final hidden states (VerifyInput.hidden)")
+        if self.head.mean.device != hidden.device:
+            self.head = self.head.to(hidden.device)
+        return self.head.prob_important(hidden) < self.threshold
+
+    def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
+        return paths.on_paths(self.node_mask(inp.hidden))
