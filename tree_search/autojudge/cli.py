@@ -1,0 +1,76 @@
+"""Mine labelled target/draft mismatches (`mine`) and train an AutoJudge classifier on them (`train`)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{mine,train}")
+    mine = actions.add_parser("mine", help="label mismatches important/unimportant (AutoJudge Algorithm 1)")
+    mine.add_argument("--target", required=True, help="target causal LM (HF directory or hub id)")
+    mine.add_argument("--draft", required=True, help="Mamba drafter (HF-format directory or hub id)")
+    mine.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (or Spec-Bench 'turns')")
+    mine.add_argument("--task", default="gsm8k", help="answer extraction: gsm8k (final number) or exact (whole text)")
+    mine.add_argument("--out", required=True, help="output directory (one file per prompt; reruns resume)")
+    mine.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
+    mine.add_argument("--max-new-tokens", type=int, default=256)
+    mine.add_argument("--limit", type=int, default=None, help="mine only the first N prompts")
+    mine.add_argument("--no-chat-template", action="store_true", help="encode prompts as raw text")
+    mine.add_argument("--device", default="cpu")
+    mine.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                      help="float32 recommended: half-precision features drift between sequential and parallel passes")
+    train = actions.add_parser("train", help="fit the logistic-regression judge on mined mismatches")
+    train.add_argument("--data", required=True, help="directory written by `autojudge mine`")
+    train.add_argument("--out", required=True, help="judge file to write (.safetensors)")
+    train.add_argument("--val-fraction", type=float, default=0.2)
+    train.add_argument("--recall", type=float, default=0.9, help="suggested threshold keeps this recall of important tokens")
+    train.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    return _mine(args) if args.action == "mine" else _train(args)
+
+
+def _mine(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.prompts import encode_prompt, load_prompts
+    from mamba_draft import MambaDrafter
+    from tree_search.autojudge.answers import get_task
+    from tree_search.autojudge.mine import mine
+
+    task = get_task(args.task)  # validate everything cheap before loading models
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = load_prompts(args.prompts, limit=args.limit)
+    dtype = DTYPES[args.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    drafter = MambaDrafter.from_pretrained(args.draft, device=args.device, dtype=dtype)
+    encoded = [encode_prompt(tokenizer, p.text, use_chat_template=not args.no_chat_template) for p in prompts]
+    manifest = {"target": str(args.target), "draft": str(args.draft), "task": args.task,
+                "prompts": str(Path(args.prompts).resolve()), "chat_template": not args.no_chat_template}
+    counts = mine(
+        target, drafter.forward, encoded, task, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        args.out, args.max_new_tokens, tokenizer.eos_token_id, manifest,
+    )
+    print(json.dumps(counts))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tree_search.autojudge.mine import load_mined
+    from tree_search.autojudge.train import TrainConfig, train_judge
+
+    cfg = TrainConfig(val_fraction=args.val_fraction, seed=args.seed, recall=args.recall)
+    features, labels = load_mined(args.data)
+    head = train_judge(features, labels, cfg)
+    head.save(args.out)
+    print(json.dumps(head.info, indent=2))
+    return 0
