@@ -8,6 +8,7 @@ batch it would have seen.
 from __future__ import annotations
 
 import glob
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,8 @@ class PackedSequences:
             ds = self.docs.shuffle(seed=self.cfg.seed, buffer_size=self.cfg.shuffle_buffer)
             ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world)
             ds.set_epoch(self.epoch)
-            yield from (row[self.cfg.text_column] for row in ds.skip(self.doc_pos))
+            # islice, not ds.skip(): skip() changes how a shuffled stream orders its shards and buffer
+            yield from (row[self.cfg.text_column] for row in itertools.islice(ds, self.doc_pos, None))
         else:
             order = rank_order(len(self.docs), self.cfg.seed, self.epoch, self.rank, self.world)
             yield from (self.docs[i][self.cfg.text_column] for i in order[self.doc_pos:])

@@ -1,0 +1,191 @@
+"""Zero-shot multiple-choice accuracy (lm-eval-harness style acc / acc_norm) and held-out perplexity of a model.
+
+    mamba-draft eval MODEL_DIR --tasks hellaswag,arc_easy,piqa,perplexity:heldout.jsonl
+    mamba-draft eval MODEL_DIR --tasks hellaswag:local/hellaswag.jsonl   (a local file with the hub schema)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import datasets
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+@dataclass
+class Item:
+    context: str
+    choices: list[str]
+    gold: int
+
+
+def _hellaswag_clean(text: str) -> str:
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def hellaswag_item(doc: dict) -> Item:
+    ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
+    return Item(_hellaswag_clean(doc["activity_label"] + ": " + ctx),
+                [_hellaswag_clean(e) for e in doc["endings"]], int(doc["label"]))
+
+
+def arc_item(doc: dict) -> Item:
+    labels = list(doc["choices"]["label"])
+    return Item(f"Question: {doc['question']}\nAnswer:", list(doc["choices"]["text"]), labels.index(doc["answerKey"]))
+
+
+def piqa_item(doc: dict) -> Item:
+    return Item(f"Question: {doc['goal']}\nAnswer:", [doc["sol1"], doc["sol2"]], int(doc["label"]))
+
+
+@dataclass
+class Task:
+    hub: tuple[str, str | None, str]       # (dataset id, config, split) as lm-eval-harness uses them
+    columns: tuple[str, ...]
+    to_item: Callable[[dict], Item]
+
+
+TASKS = {
+    "hellaswag": Task(("Rowan/hellaswag", None, "validation"), ("ctx_a", "ctx_b", "activity_label", "endings", "label"),
+                      hellaswag_item),
+    "arc_easy": Task(("allenai/ai2_arc", "ARC-Easy", "test"), ("question", "choices", "answerKey"), arc_item),
+    "piqa": Task(("baber/piqa", None, "validation"), ("goal", "sol1", "sol2", "label"), piqa_item),
+}
+
+
+def parse_tasks(spec: str) -> list[tuple[str, str | None]]:
+    """'hellaswag,arc_easy:file.jsonl,perplexity:held.jsonl' -> [(name, local file or None)], checked up front."""
+    tasks = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, path = part.partition(":")
+        if name != "perplexity" and name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASKS)} or perplexity:FILE")
+        if name == "perplexity" and not path:
+            raise ValueError("perplexity needs a file: perplexity:FILE")
+        if path and not Path(path).is_file():
+            raise FileNotFoundError(f"{name}: file {path} does not exist")
+        tasks.append((name, path or None))
+    if not tasks:
+        raise ValueError("no tasks given")
+    return tasks
+
+
+def load_rows(path: str) -> datasets.Dataset:
+    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}.get(Path(path).suffix)
+    if builder is None:
+        raise ValueError(f"{path}: expected a .json, .jsonl, .parquet or .txt file")
+    return datasets.load_dataset(builder, data_files=path, split="train")
+
+
+def load_task(name: str, path: str | None, limit: int | None) -> list[Item]:
+    task = TASKS[name]
+    rows = load_rows(path) if path else datasets.load_dataset(task.hub[0], name=task.hub[1], split=task.hub[2])
+    missing = [c for c in task.columns if c not in rows.column_names]
+    if missing:
+        raise ValueError(f"{name}: {path or task.hub[0]} lacks column(s) {missing}; it has {rows.column_names}")
+    rows = rows.select(range(min(limit, len(rows)))) if limit else rows
+    return [task.to_item(row) for row in rows]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, tokenizer, context: str, continuations: list[str]) -> list[float]:
+    """Sum of log p(continuation tokens | context) for each continuation, in one right-padded batch.
+
+    As lm-eval-harness: encode context+continuation together and split at the context's token length.
+    """
+    device = next(model.parameters()).device
+    ctx_ids = tokenizer(context, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
+    seqs, starts = [], []
+    for cont in continuations:
+        whole = tokenizer(context + cont, add_special_tokens=False)["input_ids"]
+        cont_ids = whole[len(ctx_ids):] if whole[:len(ctx_ids)] == ctx_ids else tokenizer(cont, add_special_tokens=False)["input_ids"]
+        seqs.append(ctx_ids + cont_ids)
+        starts.append(len(ctx_ids))
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    logprobs = F.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1).cpu()
+    scores = []
+    for i, (s, start) in enumerate(zip(seqs, starts)):
+        targets = torch.tensor(s[start:])
+        scores.append(logprobs[i, start - 1:len(s) - 1].gather(-1, targets[:, None]).sum().item())
+    return scores
+
+
+def multiple_choice(model, tokenizer, items: list[Item], desc: str) -> dict:
+    """acc: argmax log-likelihood; acc_norm: argmax log-likelihood / characters of the choice (lm-eval acc_norm)."""
+    correct = correct_norm = 0
+    for item in tqdm(items, desc=desc):
+        scores = continuation_logprobs(model, tokenizer, item.context, [" " + c for c in item.choices])
+        normed = [s / len(c) for s, c in zip(scores, item.choices)]
+        correct += max(range(len(scores)), key=scores.__getitem__) == item.gold
+        correct_norm += max(range(len(normed)), key=normed.__getitem__) == item.gold
+    return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "n": len(items)}
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, path: str, max_len: int, text_column: str = "text") -> dict:
+    """exp(mean NLL) over every token of every document (each document starts after an EOS, split in max_len windows)."""
+    rows = load_rows(path)
+    if text_column not in rows.column_names:
+        raise ValueError(f"perplexity: {path} has no {text_column!r} column; it has {rows.column_names}")
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    for text in tqdm(rows[text_column], desc="perplexity"):
+        ids = [tokenizer.eos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids) - 1, max_len):
+            window = torch.tensor(ids[start:start + max_len + 1], device=device)[None]
+            logits = model(input_ids=window[:, :-1]).logits.float()
+            nll += F.cross_entropy(logits[0], window[0, 1:], reduction="sum").item()
+            count += window.size(1) - 1
+    if count == 0:
+        raise ValueError(f"perplexity: {path} holds no tokens")
+    return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "tokens": count}
+
+
+def evaluate(model_dir: str | Path, tasks: str, limit: int | None = None, max_len: int = 2048,
+             device: str = "cpu") -> dict:
+    """Run the tasks of a `--tasks` spec on an HF model directory; returns {task: metrics}."""
+    parsed = parse_tasks(tasks)
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    results = {}
+    for name, path in parsed:
+        if name == "perplexity":
+            results[f"perplexity:{Path(path).name}"] = perplexity(model, tokenizer, path, max_len)
+        else:
+            results[name] = multiple_choice(model, tokenizer, load_task(name, path, limit), name)
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="HF-format model directory (e.g. from `mamba-draft export`)")
+    parser.add_argument("--tasks", default="hellaswag,arc_easy,piqa",
+                        help="comma list of hellaswag, arc_easy, piqa (each optionally NAME:FILE for a local file "
+                             "with the hub schema) and perplexity:FILE")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N items of each task")
+    parser.add_argument("--max-len", type=int, default=2048, help="perplexity window length")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--output", default=None, help="also write the results as JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    results = evaluate(args.model_dir, args.tasks, args.limit, args.max_len, args.device)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0

@@ -1,0 +1,87 @@
+"""Export a DeepSpeed training checkpoint (any ZeRO stage) to an HF-format (or mamba_ssm-format) model directory."""
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+FORMATS = ("hf", "mamba_ssm")
+
+
+def locate(checkpoint_dir: str | Path) -> tuple[Path, Path, str]:
+    """(run dir with model/, DeepSpeed save dir, tag) for a training output dir or its checkpoints/ dir."""
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not (ckpt / "latest").is_file():
+        raise FileNotFoundError(f"no 'latest' file in {ckpt}: not a DeepSpeed checkpoint directory "
+                                "(expected the training output_dir or its checkpoints/ subdirectory)")
+    tag = (ckpt / "latest").read_text().strip()
+    if not (ckpt / tag).is_dir():
+        raise FileNotFoundError(f"{ckpt}/latest names {tag!r}, which does not exist")
+    run = ckpt.parent if ckpt.name == "checkpoints" else ckpt
+    if not (run / "model" / "config.json").is_file():
+        raise FileNotFoundError(f"{run / 'model'} has no config.json: was this checkpoint written by training.train?")
+    return run, ckpt, tag
+
+
+def consolidated_model(run: Path, ckpt: Path, tag: str) -> torch.nn.Module:
+    """Gather the fp32 master weights from the (possibly ZeRO-partitioned) checkpoint into a fresh HF model."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run / "model"), dtype=torch.float32)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", overwrite: bool = False) -> Path:
+    """Write `out_dir` (safetensors + config + tokenizer files, or mamba_ssm config + pytorch_model.bin)."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; choose one of {FORMATS}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    run, ckpt, tag = locate(checkpoint_dir)
+    model_type = AutoConfig.from_pretrained(run / "model").model_type
+    if format == "mamba_ssm" and model_type not in ("mamba", "mamba2"):
+        raise ValueError(f"--format mamba_ssm needs a Mamba model, this checkpoint is {model_type!r}")
+
+    model = consolidated_model(run, ckpt, tag)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)  # safetensors by default
+        AutoTokenizer.from_pretrained(run / "model").save_pretrained(tmp)
+        if format == "mamba_ssm":
+            from mamba_draft.checkpoint import convert
+            convert(tmp, out, to="mamba_ssm", overwrite=True)
+            shutil.rmtree(tmp)
+        else:
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_dir", help="training output_dir (or its checkpoints/ dir with a 'latest' file)")
+    parser.add_argument("out_dir", help="directory to write the model to")
+    parser.add_argument("--format", choices=FORMATS, default="hf", help="hf (default) or mamba_ssm")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("deepspeed").setLevel(logging.WARNING)
+    out = export(args.checkpoint_dir, args.out_dir, format=args.format, overwrite=args.overwrite)
+    print(f"exported {args.checkpoint_dir} -> {out} ({args.format})")
+    return 0
