@@ -1,0 +1,260 @@
+"""Drafter step latency and memory vs context length: a Mamba drafter vs a Transformer drafter of similar size."""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.report import line_plot, markdown_table, write_json, write_text
+
+BASE_CONTEXT = 64  # ratios are reported against the step time at this context (the issue's reference point)
+PREFILL_CHUNK = 1024  # the Transformer prefills in chunks, bounding attention temporaries at long contexts
+
+
+@dataclass
+class DrafterBenchConfig:
+    contexts: tuple[int, ...] = (256, 1024, 4096, 8192)
+    arch: str = "mamba1"
+    d_model: int = 512
+    n_layer: int = 8               # Mamba layers; the Transformer's depth is chosen to match the parameter count
+    vocab_size: int = 4096
+    steps: int = 16                # timed decoding steps per context (median reported)
+    warmup: int = 3
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def build_mamba(cfg: DrafterBenchConfig, device: torch.device, dtype: torch.dtype):
+    from mamba_draft import MambaDrafter
+    from mamba_draft.config import MambaConfig
+
+    torch.manual_seed(cfg.seed)
+    config = MambaConfig(arch=cfg.arch, d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
+    return MambaDrafter(config, backend="auto").to(device=device, dtype=dtype).eval()
+
+
+def build_llama(cfg: DrafterBenchConfig, target_params: int, device: torch.device, dtype: torch.dtype):
+    """A Llama of the same width whose depth brings its parameter count closest to `target_params`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def config(layers: int) -> LlamaConfig:
+        return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=layers,
+                           num_attention_heads=max(1, cfg.d_model // 64), intermediate_size=cfg.d_model * 8 // 3,
+                           max_position_embeddings=2 * max(cfg.contexts + (BASE_CONTEXT,)) + cfg.steps + cfg.warmup,
+                           tie_word_embeddings=True)
+
+    def size(layers: int) -> int:
+        c = config(layers)
+        block = 4 * c.hidden_size**2 + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+        return layers * block + c.vocab_size * c.hidden_size + c.hidden_size
+
+    layers = min(range(1, 4 * cfg.n_layer + 1), key=lambda n: abs(size(n) - target_params))
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM._from_config(config(layers), attn_implementation="sdpa", dtype=dtype)
+    return model.to(device).eval()
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_cache_bytes(cache) -> int:
+    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def time_steps(step, device: torch.device, warmup: int, steps: int) -> float:
+    """Median seconds of `step()` (one decoded token each), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_mamba(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device) -> dict:
+    gen = torch.Generator().manual_seed(cfg.seed + context)
+    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
+    reset_peak(device)
+    sync(device)
+    start = time.perf_counter()
+    logits, state = drafter.prefill(prompt, max_batch=1)
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    token = logits.argmax(-1)
+
+    def step():
+        nonlocal token
+        token = drafter.step(token, state).argmax(-1)
+
+    step_s = time_steps(step, device, cfg.warmup, cfg.steps)
+    return {"context": context, "step_ms": 1e3 * step_s, "prefill_ms": 1e3 * prefill_s,
+            "cache_bytes": tensor_bytes([state.conv, state.ssm]), "peak_bytes": peak(device)}
+
+
+@torch.no_grad()
+def measure_llama(model, context: int, cfg: DrafterBenchConfig, device: torch.device) -> dict:
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(cfg.seed + context)
+    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
+    cache = DynamicCache(config=model.config)
+    reset_peak(device)
+    sync(device)
+    start = time.perf_counter()
+    for chunk in prompt.split(PREFILL_CHUNK, dim=1):
+        out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def step():
+        nonlocal token
+        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+
+    step_s = time_steps(step, device, cfg.warmup, cfg.steps)
+    return {"context": context, "step_ms": 1e3 * step_s, "prefill_ms": 1e3 * prefill_s,
+            "cache_bytes": kv_cache_bytes(cache), "peak_bytes": peak(device)}
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device: torch.device) -> int | None:
+    """Peak allocated bytes since the last reset (CUDA only; None on CPU, where cache_bytes is the measure)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
+    """Measure both drafters at BASE_CONTEXT and every configured context; returns a JSON-able dict."""
+    from tqdm import tqdm
+
+    contexts = sorted(set(cfg.contexts) | {BASE_CONTEXT})
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    mamba = build_mamba(cfg, device, dtype)
+    llama = build_llama(cfg, n_params(mamba), device, dtype)
+    models = {f"Mamba ({cfg.arch})": (mamba, measure_mamba), "Transformer (Llama)": (llama, measure_llama)}
+    results = {}
+    bar = tqdm(total=len(models) * len(contexts), desc="bench-drafters", disable=not progress)
+    for name, (model, measure) in models.items():
+        measure(model, BASE_CONTEXT, cfg, device)  # untimed: first-call allocations and lazy init
+        rows = []
+        for context in contexts:
+            bar.set_postfix_str(f"{name} @ {context}")
+            rows.append(measure(model, context, cfg, device))
+            bar.update()
+        base = next(r["step_ms"] for r in rows if r["context"] == BASE_CONTEXT)
+        for r in rows:
+            r["ratio_to_64"] = r["step_ms"] / base
+        results[name] = {"params": n_params(model), "weight_bytes": tensor_bytes(model.state_dict().values()),
+                         "rows": rows}
+    bar.close()
+    return {"config": asdict(cfg), "device": describe_device(device), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "memory_measure": memory_measure(device), "models": results}
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def memory_measure(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "peak = torch.cuda.max_memory_allocated over prefill + decoding (weights included)"
+    return ("CPU: decoding memory = exact bytes of the recurrent state (Mamba) or KV cache (Transformer) "
+            "tensors after decoding; weights listed separately")
+
+
+def markdown_report(result: dict) -> str:
+    header = ["drafter", "params", "context", "step ms", "ratio to ctx 64", "prefill ms", "state / KV cache MiB"]
+    if result["device"].startswith("CPU") is False:
+        header.append("peak MiB")
+    rows = []
+    for name, m in result["models"].items():
+        for r in m["rows"]:
+            row = [name, f"{m['params'] / 1e6:.1f}M", r["context"], f"{r['step_ms']:.2f}", f"{r['ratio_to_64']:.2f}",
+                   f"{r['prefill_ms']:.0f}", f"{r['cache_bytes'] / 2**20:.2f}"]
+            if r["peak_bytes"] is not None:
+                row.append(f"{r['peak_bytes'] / 2**20:.0f}")
+            rows.append(row)
+    return (f"Device: {result['device']}, torch {result['torch']}, {result['config']['dtype']}. "
+            f"{result['memory_measure']}.\n\n" + markdown_table(header, rows))
+
+
+def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
+    contexts = [r["context"] for r in next(iter(result["models"].values()))["rows"]]
+    paths = {"json": out_dir / "bench_drafters.json", "markdown": out_dir / "bench_drafters.md",
+             "latency_png": out_dir / "bench_drafters_latency.png", "memory_png": out_dir / "bench_drafters_memory.png"}
+    write_json(paths["json"], result)
+    write_text(paths["markdown"], markdown_report(result))
+    models = result["models"]
+    line_plot(paths["latency_png"], contexts, {n: [r["step_ms"] for r in m["rows"]] for n, m in models.items()},
+              f"Drafter decoding step latency ({result['device']})", "context length (tokens)", "ms per token")
+    on_gpu = next(iter(models.values()))["rows"][0]["peak_bytes"] is not None
+    mem_key, mem_label = ("peak_bytes", "peak MiB") if on_gpu else ("cache_bytes", "state / KV cache MiB")
+    line_plot(paths["memory_png"], contexts, {n: [r[mem_key] / 2**20 for r in m["rows"]] for n, m in models.items()},
+              "Drafter decoding memory", "context length (tokens)", mem_label)
+    return paths
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DrafterBenchConfig()
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(d.contexts), help="context lengths to measure")
+    parser.add_argument("--arch", choices=("mamba1", "mamba2"), default=d.arch)
+    parser.add_argument("--d-model", type=int, default=d.d_model, help="width of both drafters")
+    parser.add_argument("--n-layer", type=int, default=d.n_layer, help="Mamba depth (the Transformer's is matched)")
+    parser.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed decoding steps per context")
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--out", type=Path, required=True, help="directory for JSON, markdown and PNG plots")
+
+
+def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
+    if not args.contexts or min(args.contexts) < 1:
+        raise ValueError(f"--contexts must be positive integers, got {args.contexts}")
+    for name in ("d_model", "n_layer", "vocab_size", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    return DrafterBenchConfig(contexts=tuple(args.contexts), arch=args.arch, d_model=args.d_model, n_layer=args.n_layer,
+                              vocab_size=args.vocab_size, steps=args.steps, warmup=args.warmup, device=args.device,
+                              dtype=args.dtype, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    result = run_bench(cfg)
+    paths = write_outputs(result, args.out)
+    print(markdown_report(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
