@@ -104,7 +104,7 @@ def get_verifier(name: str | Verifier, **params) -> Verifier:
     if "+" in name:
         from tree_search.verifiers.combine import AnyOf  # owned by the lossy-verifier engineer
 
-        return AnyOf([get_verifier(part.strip()) for part in name.split("+")], **params)
+        return AnyOf([part.strip() for part in name.split("+")], **params)
     if name not in _REGISTRY:
         raise ValueError(f"unknown verifier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](**params)

@@ -1,0 +1,158 @@
+"""Batched tree drafting on the Mamba state: one drafter step per level over all of that level's rows.
+
+Node i's drafter state lives in state row i (row 0 = root = state after the last committed token). A level
+forks its parents' rows into its own rows (`gather_`) and steps them together, so the drafter holds the
+state after every non-leaf node; leaves are never stepped (their state is only needed if one is accepted,
+and then `resync` steps it). On CUDA each (rows) step is a captured graph reused across rounds and calls.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
+from tree_search.tree import Tree, TreeConfig
+
+_SOFTMAX = SamplingParams(temperature=1.0)
+
+
+@dataclass
+class DraftTree:
+    """Preallocated buffers of one tree shape, refilled every round."""
+
+    config: TreeConfig
+    tree: Tree
+    parent_rows: list[torch.Tensor]  # per level 1..γ: (B_i,) state row of each node's parent
+    tokens: torch.Tensor  # (T+1,) token at each node; tokens[0] = root
+    probs: torch.Tensor  # (T+1, V_target) draft distribution each node's children came from (when recorded)
+
+
+class TreeDrafter:
+    """Owns the drafter's state (one row per tree node) and the per-shape buffers; reuse it across calls."""
+
+    def __init__(self, drafter, max_rows: int, out_vocab: int) -> None:
+        self.drafter = drafter
+        self.device = drafter.device
+        self.out_vocab = out_vocab  # width of the probs buffers (the target's vocabulary)
+        self.vocab = min(int(drafter.vocab_size), out_vocab)  # draft tokens are chosen among ids < vocab
+        self.state = drafter.allocate_state(max_rows)
+        self.row_index = torch.arange(max_rows, device=self.device)
+        self.one_token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.trees: dict[TreeConfig, DraftTree] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.use_graphs = self.device.type == "cuda"
+
+    @classmethod
+    def for_drafter(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
+        """The cached TreeDrafter of `drafter` (state, buffers and graphs survive across generate calls)."""
+        cached = _CACHE.get(drafter)
+        if cached is None or cached.state.max_batch < max_rows or cached.out_vocab != out_vocab:
+            cached = cls(drafter, max_rows, out_vocab)
+            _CACHE[drafter] = cached
+        return cached
+
+    def buffers(self, config: TreeConfig) -> DraftTree:
+        if config not in self.trees:
+            tree = config.build()
+            if len(tree) > self.state.max_batch:
+                raise ValueError(f"tree {config} needs {len(tree)} state rows, only {self.state.max_batch} allocated")
+            parents = torch.tensor(tree.parents, device=self.device)
+            rows = [parents[start:stop] for start, stop in tree.levels[1:]]
+            self.trees[config] = DraftTree(
+                config=config,
+                tree=tree,
+                parent_rows=rows,
+                tokens=torch.zeros(len(tree), dtype=torch.long, device=self.device),
+                probs=torch.zeros(len(tree), self.out_vocab, dtype=torch.float32, device=self.device),
+            )
+        return self.trees[config]
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Encode the prompt (1, L) into row 0; returns the logits for the next token (V,)."""
+        logits, _ = self.drafter.prefill(input_ids, state=self.state)
+        return logits[0]
+
+    @torch.no_grad()
+    def draft(
+        self,
+        config: TreeConfig,
+        root_token: torch.Tensor,
+        root_logits: torch.Tensor,
+        params: SamplingParams,
+        mode: str,
+        record_probs: bool,
+        generator: torch.Generator | None,
+    ) -> DraftTree:
+        """Fill the tree's tokens level by level (and, if recorded, each node's draft distribution).
+
+        mode "topk": the N most likely distinct tokens per node. mode "sample" (temperature > 0): N draws without
+        replacement from the processed draft distribution q, which is then always recorded.
+        """
+        buf = self.buffers(config)
+        tree, vocab = buf.tree, self.vocab
+        sampled = mode == "sample" and not params.greedy
+        buf.tokens[0] = root_token
+        logits = root_logits.view(1, -1)
+        for level, n in enumerate(config.branching, start=1):
+            (prev_start, prev_stop), (start, stop) = tree.levels[level - 1], tree.levels[level]
+            logits = logits[:, :vocab]
+            if sampled or record_probs:
+                q = logits_to_probs(logits, params if not params.greedy else _SOFTMAX)
+                buf.probs[prev_start:prev_stop, :vocab] = q
+            kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
+            buf.tokens[start:stop] = kids.reshape(-1)
+            if level < config.depth:
+                self.state.gather_(start, buf.parent_rows[level - 1])
+                logits = self._step(buf.tokens, start, stop)
+        return buf
+
+    @torch.no_grad()
+    def resync(self, buf: DraftTree, path: list[int], next_token: int) -> torch.Tensor:
+        """Move the deepest accepted node's state to row 0 and step the next token; returns the next logits (V,).
+
+        No re-encoding: non-leaf nodes already have their state; an accepted leaf is stepped from its parent's row.
+        """
+        node = path[-1] if path else 0
+        if node and not buf.tree.children[node] and buf.tree.depths[node] == buf.config.depth:
+            self.state.select_(self.row_index[buf.tree.parents[node]])
+            self.one_token.copy_(buf.tokens[node : node + 1])
+            self._step(self.one_token, 0, 1)
+        else:
+            self.state.select_(self.row_index[node])
+        self.one_token.fill_(int(next_token))
+        return self._step(self.one_token, 0, 1)[0]
+
+    def _step(self, tokens: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """drafter.step on rows [start:stop] with tokens[start:stop] (tokens[0:1] for the resync buffer)."""
+        inputs = tokens if tokens is self.one_token else tokens[start:stop]
+        if not self.use_graphs:
+            return self.drafter.step(inputs, self.state.rows(start, stop))
+        key = (inputs.data_ptr(), start, stop)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(inputs, start, stop)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, inputs: torch.Tensor, start: int, stop: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture one step on fixed rows; the warm-up steps run on a backup of those rows, which is restored."""
+        rows = self.state.rows(start, stop)
+        backup = rows.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.drafter.step(inputs, rows)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.drafter.step(inputs, rows)
+        rows.conv.copy_(backup.conv)
+        rows.ssm.copy_(backup.ssm)
+        return graph, out
+
+
+_CACHE: "weakref.WeakKeyDictionary[object, TreeDrafter]" = weakref.WeakKeyDictionary()

@@ -1,0 +1,299 @@
+"""Speculative generation with a Mamba tree drafter: draft tree -> verify -> commit -> resync, plus the
+plain autoregressive loop on the same harness (for fair baselines)."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tree_search.bandit import FixedPolicy, UCBBandit
+from tree_search.drafting import TreeDrafter
+from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from tree_search.target import TargetState, check_tree_support, max_positions, target_vocab_size
+from tree_search.tree import TreeConfig
+from tree_search.verifiers import Verifier, VerifyInput, get_verifier
+
+
+@dataclass
+class GenerateStats:
+    """What one call did. accepted_lengths: tokens committed per round, bonus included (Spec-Bench)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    target_forwards: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    lossy_accepts: int = 0
+    cut_tokens: int = 0  # tokens the last round proposed beyond EOS / max_new_tokens (dropped)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
+    verifier: str = ""
+    lossless: bool = True
+
+    @property
+    def mean_accepted(self) -> float:
+        """τ: mean tokens committed per target verification round (1.0 for autoregressive decoding)."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def other_time(self) -> float:
+        """Prefill, cache compaction and bookkeeping: everything that is neither drafting nor verification."""
+        return max(self.total_time - self.draft_time - self.verify_time, 0.0)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(mean_accepted=self.mean_accepted, tokens_per_s=self.tokens_per_s, other_time=self.other_time)
+        return out
+
+
+@dataclass
+class GenerateResult:
+    tokens: torch.Tensor  # (1, prompt + new) committed sequence
+    stats: GenerateStats
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return self.tokens[:, self.stats.prompt_tokens :]
+
+
+def generate(
+    target: torch.nn.Module,
+    drafter,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "bandit",
+    verifier: str | Verifier = "greedy",
+    verifier_params: dict | None = None,
+    eos_token_id: int | list[int] | None = None,
+    seed: int | None = None,
+    tokenizer=None,
+    streamer=None,
+) -> GenerateResult:
+    """Tree speculative decoding of one prompt (batch size 1).
+
+    tree: a TreeConfig / "3,2,2,1,1" / tuple (fixed shape), "bandit" (UCB over the default arms, reset per
+    call) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls).
+    eos_token_id: None takes the target's generation_config (as `target.generate` does).
+    All inputs are validated before any model runs.
+    """
+    params = SamplingParams(temperature, top_k, top_p)
+    verifier = get_verifier(verifier, **(verifier_params or {}))
+    if verifier.greedy_only and not params.greedy:
+        raise ValueError(f"verifier {verifier.name!r} is for temperature 0; use verifier='sampling' for temperature {temperature}")
+    policy = make_policy(tree)
+    ids = check_prompt(target, input_ids, max_new_tokens, extra_positions=max(a.depth for a in policy.arms))
+    vocab = check_vocab(target, drafter, tokenizer)
+    widest = max(max(a.branching) for a in policy.arms)
+    if widest > vocab:
+        raise ValueError(f"a tree level asks for {widest} distinct children but the vocabulary has {vocab} tokens")
+    check_tree_support(target)
+    eos = eos_set(target, eos_token_id)
+
+    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier=verifier.name, lossless=verifier.lossless)
+    generator = make_generator(seed, ids.device)
+    mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
+    record_probs = not params.greedy or verifier.needs_draft_probs
+    policy.start_call()
+    started = time.perf_counter()
+
+    target_state = TargetState(target)
+    target_state.prefill(ids[:, :-1])  # the last prompt token is the first round's root
+    drafts = TreeDrafter.for_drafter(drafter, max(a.num_nodes for a in policy.arms) + 1, target_vocab_size(target))
+    root_logits = drafts.prefill(ids)
+    root = ids[0, -1]
+    out: list[int] = []
+    if streamer is not None:
+        streamer.put(ids[0].cpu())
+
+    while True:
+        arm = policy.select()
+        config = policy.arms[arm]
+        t0 = _now(ids.device)
+        buf = drafts.draft(config, root, root_logits, params, mode, record_probs, generator)
+        t1 = _now(ids.device)
+        logits, hidden = target_state.tree_forward(buf.tokens, buf.tree, want_hidden=verifier.needs_hidden)
+        result = verifier.verify(
+            VerifyInput(
+                tree=buf.tree,
+                tokens=buf.tokens,
+                target_logits=logits,
+                draft_probs=buf.probs if record_probs else None,
+                hidden=hidden,
+                lm_head=target.get_output_embeddings() if verifier.needs_hidden else None,
+                sampling=params,
+                generator=generator,
+                draft_mode=mode,
+            )
+        )
+        t2 = _now(ids.device)
+        proposed = buf.tokens[result.path].tolist() + [int(result.next_token)]
+        committed, finished = truncate(proposed, max_new_tokens - len(out), eos)
+        policy.update(arm, len(proposed), draft_time=t1 - t0, verify_time=t2 - t1)
+        out.extend(committed)
+        stats.cut_tokens = len(proposed) - len(committed)
+        stats.rounds += 1
+        stats.accepted_lengths.append(len(committed))
+        stats.lossy_accepts += result.lossy_accepts
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        if streamer is not None:
+            streamer.put(torch.tensor(committed))
+        if finished:
+            break
+        target_state.commit(result.path, len(buf.tree))
+        t3 = _now(ids.device)
+        root_logits = drafts.resync(buf, result.path, result.next_token)
+        root = drafts.one_token[0]
+        stats.draft_time += _now(ids.device) - t3
+
+    stats.total_time = _now(ids.device) - started
+    stats.new_tokens = len(out)
+    stats.target_forwards = target_state.forwards
+    stats.arms = policy.summary()
+    if streamer is not None:
+        streamer.end()
+    return GenerateResult(torch.cat([ids, torch.tensor([out], device=ids.device)], dim=1), stats)
+
+
+@torch.no_grad()
+def generate_autoregressive(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_id: int | list[int] | None = None,
+    seed: int | None = None,
+    streamer=None,
+) -> GenerateResult:
+    """One target forward per token on the same cache, sampling and stats code as `generate` (the baseline)."""
+    params = SamplingParams(temperature, top_k, top_p)
+    ids = check_prompt(target, input_ids, max_new_tokens)
+    eos = eos_set(target, eos_token_id)
+    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier="autoregressive")
+    generator = make_generator(seed, ids.device)
+    started = time.perf_counter()
+    target_state = TargetState(target)
+    logits = target_state.prefill(ids)
+    out: list[int] = []
+    if streamer is not None:
+        streamer.put(ids[0].cpu())
+    while True:
+        token = logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), generator)
+        out.append(int(token))
+        stats.accepted_lengths.append(1)
+        if streamer is not None:
+            streamer.put(torch.tensor(out[-1:]))
+        if out[-1] in eos or len(out) >= max_new_tokens:
+            break
+        t0 = _now(ids.device)
+        logits = target_state.decode(token)
+        stats.verify_time += _now(ids.device) - t0
+    stats.rounds = len(out)
+    stats.total_time = _now(ids.device) - started
+    stats.new_tokens = len(out)
+    stats.target_forwards = target_state.forwards
+    if streamer is not None:
+        streamer.end()
+    return GenerateResult(torch.cat([ids, torch.tensor([out], device=ids.device)], dim=1), stats)
+
+
+def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
+    """Cut a round's tokens at the first EOS (kept) or at the remaining budget; returns (tokens, finished)."""
+    for i, tok in enumerate(tokens[:budget]):
+        if tok in eos:
+            return tokens[: i + 1], True
+    kept = tokens[:budget]
+    return kept, len(kept) >= budget
+
+
+def make_policy(tree) -> UCBBandit:
+    """'bandit' -> a fresh UCBBandit over the default arms; a UCBBandit passes through; anything else is one shape."""
+    if isinstance(tree, UCBBandit):
+        return tree
+    if isinstance(tree, str) and tree.strip().lower() == "bandit":
+        return UCBBandit()
+    if isinstance(tree, (TreeConfig, str, tuple, list)):
+        return FixedPolicy(TreeConfig.parse(tree))
+    raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'bandit' or a UCBBandit; got {type(tree).__name__}")
+
+
+def check_prompt(target: torch.nn.Module, input_ids, max_new_tokens: int, extra_positions: int = 0) -> torch.Tensor:
+    """Validate the prompt (batch 1, non-empty, in-vocabulary, within the position limit) -> (1, L) on the target device."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    ids = torch.as_tensor(input_ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (1, L), got {tuple(ids.shape)}")
+    if ids.shape[0] != 1:
+        raise ValueError(f"only batch size 1 is supported, got a batch of {ids.shape[0]} prompts")
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: input_ids needs at least one token")
+    vocab = target_vocab_size(target)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+    limit = max_positions(target)
+    if limit is not None:
+        if ids.shape[1] > limit:
+            raise ValueError(f"the prompt has {ids.shape[1]} tokens, beyond the target's {limit} max positions")
+        if ids.shape[1] + max_new_tokens + extra_positions > limit:
+            raise ValueError(
+                f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree depth ({extra_positions}) "
+                f"exceeds the target's {limit} max positions"
+            )
+    return ids.to(device=next(target.parameters()).device, dtype=torch.long)
+
+
+def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
+    """Refuse a drafter/target vocabulary mismatch; returns the shared vocabulary size.
+
+    Different logit widths are accepted only when a tokenizer shows both cover its real vocabulary (checkpoints
+    pad their embeddings to multiples of 8/128); the drafter then only proposes ids below the narrower width.
+    """
+    target_vocab, draft_vocab = target_vocab_size(target), int(drafter.vocab_size)
+    if tokenizer is not None:
+        real = len(tokenizer)
+        if min(target_vocab, draft_vocab) < real:
+            raise ValueError(
+                f"vocabulary mismatch: tokenizer has {real} tokens but the target covers {target_vocab} "
+                f"and the drafter {draft_vocab}"
+            )
+    elif draft_vocab != target_vocab:
+        raise ValueError(
+            f"vocabulary mismatch: drafter has {draft_vocab} tokens, target {type(target).__name__} has "
+            f"{target_vocab}; pass the tokenizer if both only pad the same real vocabulary"
+        )
+    return min(target_vocab, draft_vocab)
+
+
+def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        config = getattr(target, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+
+
+def _now(device: torch.device) -> float:
+    """Wall clock after the device finished queued work (so time splits are real on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
