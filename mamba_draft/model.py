@@ -57,6 +57,31 @@ def _conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, 
     return F.silu(out)
 
 
+def _ssd_scan(x, dt, A, B, C, state, chunk: int = SCAN_SLICE):
+    """Mamba-2 recurrence over a sequence in chunks (the SSD "attention" form), continuing from `state`.
+
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T and y_t = h_t C_t, with a scalar decay per head. Inside a chunk
+    the pairwise decays exp(cum_t - cum_s) (s <= t) turn the recurrence into batched matmuls.
+    x (b, L, H, P), dt (b, L, H), A (H,), B/C (b, L, H, N), state (b, H, P, N) -> y (b, L, H, P), final state.
+    """
+    ys = []
+    for start in range(0, x.shape[1], chunk):
+        s = slice(start, start + chunk)
+        xc, dtc, Bc, Cc = x[:, s], dt[:, s], B[:, s], C[:, s]
+        cum = torch.cumsum(dtc * A, dim=1)  # (b, l, H) inclusive log-decay
+        length = cum.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        diff = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+        scores = torch.einsum("bthn,bshn->btsh", Cc, Bc) * torch.exp(diff)  # (b, t, s, H)
+        y = torch.einsum("btsh,bshp->bthp", scores, xc * dtc[..., None])
+        y = y + torch.einsum("bhpn,bthn->bthp", state, Cc) * torch.exp(cum)[..., None]
+        decay_to_end = torch.exp(cum[:, -1:] - cum)  # (b, l, H)
+        state = state * torch.exp(cum[:, -1])[..., None, None] + torch.einsum(
+            "bsh,bshp,bshn->bhpn", decay_to_end * dtc, xc, Bc)
+        ys.append(y)
+    return torch.cat(ys, dim=1), state
+
+
 class MambaMixer(nn.Module):
     """Mamba-1 selective SSM block (HF `MambaMixer` parameter names)."""
 
@@ -166,15 +191,9 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split(xbc.transpose(1, 2))  # x (B, L, H, P), B/C (B, L, H, N)
         dt = self._dt(dt)  # (B, L, H)
         A = -torch.exp(self.A_log.float())
-        dA = torch.exp(dt * A)  # (B, L, H): a scalar decay per head
-        dBx = (dt[..., None] * x.float())[..., None] * B.float()[..., None, :]  # (B, L, H, P, N)
-        state = ssm_state.float()
-        ys = []
-        for t in range(x.shape[1]):
-            state = state * dA[:, t, :, None, None] + dBx[:, t]
-            ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t].float()))
-        ssm_state.copy_(state)
-        y = torch.stack(ys, dim=1) + x.float() * self.D.float()[:, None]
+        y, final = _ssd_scan(x.float(), dt, A, B.float(), C.float(), ssm_state.float())
+        ssm_state.copy_(final)
+        y = y + x.float() * self.D.float()[:, None]
         return self._out(y.flatten(-2), z, h.dtype)
 
     def step(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, kernels) -> torch.Tensor:
