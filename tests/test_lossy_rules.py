@@ -301,3 +301,69 @@ def test_registered_and_flagged_lossy():
         from tree_search.verifiers.base import _REGISTRY
 
         assert name in _REGISTRY and _REGISTRY[name].lossless is False
+
+
+# ---------------------------------------------------------------- properties shared by every lossy rule
+
+
+def random_case(seed: int, branching=(3, 2, 2, 1)):
+    g = torch.Generator().manual_seed(seed)
+    tree = TreeConfig(branching).build()
+    logits = torch.randn(len(tree), V, generator=g) * 2
+    tokens = torch.randint(0, V, (len(tree),), generator=g)
+    for node, kids in enumerate(tree.children):  # distinct siblings, and often the target's own choice first
+        order = torch.randperm(V, generator=g)
+        if torch.rand((), generator=g) < 0.6:
+            order = torch.cat([logits[node].argmax().view(1), order[order != logits[node].argmax()]])
+        tokens[list(kids)] = order[: len(kids)]
+    hidden = logits.clone()  # lm_head = identity
+    return make_input(tree, tokens.tolist(), list(logits), hidden=hidden, lm_head=torch.nn.Identity(),
+                      draft_probs=torch.softmax(torch.randn(len(tree), V, generator=g), -1))
+
+
+LOOSE = [
+    lambda: FLyVerifier(theta=0.0, window=1),
+    lambda: TopKVerifier(k=3),
+    lambda: DropMatchVerifier(p=0.5, criterion="naive"),
+    lambda: DropMatchVerifier(p=0.3, criterion="js"),
+    lambda: AutoJudgeVerifier(JudgeHead(torch.zeros(V), torch.ones(V), torch.randn(V), torch.zeros(1)), threshold=0.5),
+]
+
+
+@pytest.mark.parametrize("build", LOOSE)
+def test_lossy_path_is_a_valid_prefix_at_least_as_long_as_greedy(build):
+    verifier, grew = build(), 0
+    for seed in range(40):
+        case = random_case(seed)
+        exact, loose = GreedyVerifier().verify(case), verifier.verify(case)
+        parents = case.tree.parents
+        assert all(parents[b] == a for a, b in zip([0] + loose.path, loose.path))
+        assert len(loose.path) >= len(exact.path)
+        last = loose.path[-1] if loose.path else 0
+        assert loose.next_token == int(case.target_logits[last].argmax())
+        natives = sum(int(case.tokens[n]) == int(case.target_logits[parents[n]].argmax()) for n in loose.path)
+        assert loose.lossy_accepts == len(loose.path) - natives
+        grew += len(loose.path) > len(exact.path)
+    assert grew > 0
+
+
+def test_sampling_with_the_rule_off_is_lossless_and_with_it_on_is_not():
+    """T = 1, children 3 and 5 drafted: the first committed token must follow the target softmax exactly."""
+    from scipy.stats import chisquare
+
+    logits = torch.tensor([1.0, 0.5, -0.5, 2.0, 0.0, 1.5, -1.0, 0.2])
+    tree = Tree((-1, 0, 0))
+    sampling = SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    case = make_input(tree, [0, 3, 5], [logits] * 3, sampling=sampling, generator=generator)
+    expected = torch.softmax(logits, -1) * 1000
+
+    def first_tokens(verifier):
+        counts = torch.zeros(V)
+        for _ in range(1000):
+            result = verifier.verify(case)
+            counts[int(case.tokens[result.path[0]]) if result.path else result.next_token] += 1
+        return counts
+
+    assert chisquare(first_tokens(FLyVerifier(theta=math.inf)), expected).pvalue > 1e-3
+    assert chisquare(first_tokens(TopKVerifier(k=8)), expected).pvalue < 1e-6  # accepts child 3 always
