@@ -1,0 +1,160 @@
+"""Decoding methods a benchmark compares, parsed from strings like `chain`, `tree:3,2,2,1,1@fly` or `verifier=fly`.
+
+    hf-ar            transformers `generate` (greedy or sampling), the target alone
+    hf-assisted      transformers assisted generation with a Transformer assistant (`--assistant`)
+    ar               our harness, one target forward per token (tree_search.generate_autoregressive)
+    chain[:N]        chain drafting with the Mamba drafter, N tokens per round (default 5)
+    tree:3,2,2,1,1   a fixed tree shape
+    bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes)
+    <drafting>@V     any drafting method verified by verifier V (default `greedy`, lossless)
+    verifier=V       shorthand for `bandit@V`
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+HF_KINDS = ("hf-ar", "hf-assisted")
+DEFAULT_CHAIN = 5
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str                 # the spec as given (table label)
+    kind: str                 # hf-ar | hf-assisted | ar | spec
+    tree: str = ""            # spec: "1,1,1,1,1", "3,2,2,1,1", "bandit" or "bandit:3,2,2,1,1/1,1,1,1"
+    verifier: str = "greedy"
+
+    @property
+    def baseline(self) -> str:
+        """The autoregressive method of the same harness, the denominator of this method's speedup."""
+        return "hf-ar" if self.kind in HF_KINDS else "ar"
+
+    @property
+    def lossless(self) -> bool:
+        if self.kind != "spec":
+            return True
+        from tree_search import get_verifier
+
+        return get_verifier(self.verifier).lossless
+
+
+def parse_method(spec: str) -> Method:
+    """Parse and validate one method string (unknown verifiers and bad tree shapes raise ValueError)."""
+    from tree_search import TreeConfig, available_verifiers
+
+    name = spec.strip()
+    if name in ("hf-ar", "hf-assisted", "ar"):
+        return Method(name, name)
+    body = name
+    if body.startswith("verifier="):
+        body = "bandit@" + body.removeprefix("verifier=")
+    drafting, _, verifier = body.partition("@")
+    verifier = verifier or "greedy"
+    for part in verifier.split("+"):
+        if part not in available_verifiers():
+            raise ValueError(f"method {spec!r}: unknown verifier {part!r}; available: {', '.join(available_verifiers())}")
+    kind, _, arg = drafting.partition(":")
+    if kind == "chain":
+        depth = int(arg) if arg.isdigit() else (DEFAULT_CHAIN if not arg else -1)
+        if depth < 1:
+            raise ValueError(f"method {spec!r}: chain length must be a positive integer, got {arg!r}")
+        tree = ",".join(["1"] * depth)
+    elif kind == "tree" and arg:
+        tree = ",".join(map(str, TreeConfig.parse(arg).branching))
+    elif kind == "bandit":
+        arms = [a for a in arg.split("/") if a] if arg else []
+        tree = "bandit:" + "/".join(",".join(map(str, TreeConfig.parse(a).branching)) for a in arms) if arms else "bandit"
+    else:
+        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, ar, chain[:N], tree:3,2,2,1,1, "
+                         "bandit[:A/B], with an optional @verifier, or verifier=NAME")
+    return Method(name, "spec", tree, verifier)
+
+
+def make_tree_policy(tree: str):
+    """A fresh policy for one benchmark pass: a fixed shape, or a UCB bandit that learns across the pass's prompts."""
+    from tree_search import UCBBandit
+
+    if tree.startswith("bandit"):
+        arms = tree.partition(":")[2]
+        kwargs = {"arms": tuple(arms.split("/"))} if arms else {}
+        return UCBBandit(persistent=True, **kwargs)
+    return tree
+
+
+@dataclass
+class Models:
+    target: torch.nn.Module
+    drafter: object = None
+    assistant: torch.nn.Module | None = None
+    tokenizer: object = None
+
+
+class ForwardCounter:
+    """Counts forward calls of a module (target forwards = verification rounds for HF methods)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.count = 0
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+@torch.no_grad()
+def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
+           eos: list[int], pad: int | None) -> tuple[list[int], dict]:
+    """transformers `generate`, alone or assisted; rounds = target forward calls."""
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
+                  attention_mask=torch.ones_like(ids))
+    if sampling["temperature"] > 0:
+        kwargs.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                      top_k=sampling["top_k"] or None)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if method.kind == "hf-assisted":
+        kwargs["assistant_model"] = models.assistant
+    counter = ForwardCounter(models.target)
+    try:
+        sync(ids.device)
+        start = time.perf_counter()
+        out = models.target.generate(ids, **kwargs)
+        sync(ids.device)
+        wall = time.perf_counter() - start
+    finally:
+        counter.close()
+    new = out[0, ids.shape[1]:].tolist()
+    return new, {"new_tokens": len(new), "wall_time": wall, "rounds": counter.count, "accepted": len(new)}
+
+
+def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
+             eos: list[int], policy, seed: int) -> tuple[list[int], dict]:
+    """Our harness: `generate_autoregressive` for `ar`, tree speculative `generate` for the rest."""
+    from tree_search.generate import generate, generate_autoregressive
+
+    sync(ids.device)
+    start = time.perf_counter()
+    if method.kind == "ar":
+        result = generate_autoregressive(models.target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                         seed=seed, **sampling)
+    else:
+        result = generate(models.target, models.drafter, ids, max_new_tokens=max_new_tokens, tree=policy,
+                          verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
+                          **sampling)
+    sync(ids.device)
+    wall = time.perf_counter() - start
+    s = result.stats
+    record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
+              "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,
+              "lossy_accepts": s.lossy_accepts}
+    return result.new_tokens[0].tolist(), record
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
