@@ -109,10 +109,11 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, data, rank: int) -> None:
 def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> int:
     if not (ckpt_dir / "latest").is_file():
         raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
-    path, _ = engine.load_checkpoint(str(ckpt_dir))
+    tag = (ckpt_dir / "latest").read_text().strip()
+    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
-    state_file = Path(path) / f"train_state_rank{rank}.pt"
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} in {ckpt_dir}")
+    state_file = ckpt_dir / tag / f"train_state_rank{rank}.pt"
     if not state_file.is_file():
         raise FileNotFoundError(f"{state_file} missing: was the checkpoint written by {world} ranks?")
     state = torch.load(state_file, weights_only=True)
