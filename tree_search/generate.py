@@ -10,7 +10,7 @@ import torch
 from tree_search.bandit import FixedPolicy, UCBBandit
 from tree_search.drafting import TreeDrafter
 from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from tree_search.target import TargetState, check_tree_support, max_positions, target_vocab_size
+from tree_search.target import TargetState, check_tree_support, max_positions, target_vocab_size, window_capacity
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import Verifier, VerifyInput, get_verifier
 
@@ -92,7 +92,10 @@ def generate(
     if verifier.greedy_only and not params.greedy:
         raise ValueError(f"verifier {verifier.name!r} is for temperature 0; use verifier='sampling' for temperature {temperature}")
     policy = make_policy(tree)
-    ids = check_prompt(target, input_ids, max_new_tokens, extra_positions=max(a.depth for a in policy.arms))
+    ids = check_prompt(
+        target, input_ids, max_new_tokens,
+        tree_depth=max(a.depth for a in policy.arms), tree_nodes=max(a.num_nodes for a in policy.arms),
+    )
     vocab = check_vocab(target, drafter, tokenizer)
     widest = max(max(a.branching) for a in policy.arms)
     if widest > vocab:
@@ -231,8 +234,11 @@ def make_policy(tree) -> UCBBandit:
     raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'bandit' or a UCBBandit; got {type(tree).__name__}")
 
 
-def check_prompt(target: torch.nn.Module, input_ids, max_new_tokens: int, extra_positions: int = 0) -> torch.Tensor:
-    """Validate the prompt (batch 1, non-empty, in-vocabulary, within the position limit) -> (1, L) on the target device."""
+def check_prompt(
+    target: torch.nn.Module, input_ids, max_new_tokens: int, tree_depth: int = 0, tree_nodes: int = 0
+) -> torch.Tensor:
+    """Validate the prompt (batch 1, non-empty, in-vocabulary, within the position and sliding-window limits)
+    -> (1, L) on the target device. A tree reaches `tree_depth` positions and `tree_nodes` cache slots past the end."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     ids = torch.as_tensor(input_ids)
@@ -253,11 +259,17 @@ def check_prompt(target: torch.nn.Module, input_ids, max_new_tokens: int, extra_
     if limit is not None:
         if ids.shape[1] > limit:
             raise ValueError(f"the prompt has {ids.shape[1]} tokens, beyond the target's {limit} max positions")
-        if ids.shape[1] + max_new_tokens + extra_positions > limit:
+        if ids.shape[1] + max_new_tokens + tree_depth > limit:
             raise ValueError(
-                f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree depth ({extra_positions}) "
+                f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree depth ({tree_depth}) "
                 f"exceeds the target's {limit} max positions"
             )
+    window = window_capacity(target)
+    if window is not None and tree_nodes and ids.shape[1] + max_new_tokens + tree_nodes > window:
+        raise ValueError(
+            f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes ({tree_nodes}) exceeds "
+            f"the {window} tokens {type(target).__name__}'s sliding-window cache holds exactly"
+        )
     return ids.to(device=next(target.parameters()).device, dtype=torch.long)
 
 

@@ -6,7 +6,7 @@ import weakref
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from tree_search.tree import Tree
 
@@ -26,8 +26,23 @@ def target_vocab_size(model: torch.nn.Module) -> int:
 
 
 def max_positions(model: torch.nn.Module) -> int | None:
-    """The target's position limit (None if the config does not state one)."""
-    return getattr(model.config, "max_position_embeddings", None)
+    """The target's position-embedding limit (None if the config does not state one)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return int(limit) if limit is not None else None
+
+
+def window_capacity(model: torch.nn.Module) -> int | None:
+    """Tokens a sliding-window cache holds before HF starts dropping its head (None = no sliding window).
+
+    Once a window is full the cache keeps only its tail and a tree forward's 4D mask would no longer describe
+    it, so generation (cache + one tree) must stay below this.
+    """
+    windows = [layer.sliding_window - 1 for layer in _cache_layers(model) if isinstance(layer, DynamicSlidingWindowLayer)]
+    return min(windows) if windows else None
+
+
+def _cache_layers(model: torch.nn.Module) -> list:
+    return list(DynamicCache(config=model.config).layers)
 
 
 def check_tree_support(model: torch.nn.Module) -> None:
@@ -47,6 +62,12 @@ def check_tree_support(model: torch.nn.Module) -> None:
             f"{name} uses attn_implementation={attn!r}, which ignores arbitrary 4D tree masks; "
             "load it with attn_implementation='sdpa' or 'eager'"
         )
+    for layer in _cache_layers(model):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise UnsupportedTargetError(
+                f"{name} uses {type(layer).__name__} cache layers; tree verification needs attention KV caches "
+                "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the accepted path"
+            )
     if model in _TREE_MASK_OK:
         return
     try:
@@ -79,26 +100,20 @@ class TargetState:
         self.device = next(model.parameters()).device
         self.cache = DynamicCache(config=model.config)
         self.length = 0  # P: committed tokens held in the cache
+        self.ids = torch.zeros(1, 0, dtype=torch.long, device=self.device)  # the tokens the cache holds (1, P)
         self.forwards = 0
-
-    def _check_layers(self) -> None:
-        for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
-                raise UnsupportedTargetError(
-                    f"{type(self.model).__name__} uses {type(layer).__name__} cache layers (sliding window, "
-                    "linear attention, ...); only full-attention DynamicLayer caches can be compacted to a tree path"
-                )
+        self._pending: torch.Tensor | None = None  # tree tokens of the last tree_forward
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Encode `input_ids` (1, L) into a fresh cache; returns the last position's logits (V,) (None if L = 0)."""
         self.cache = DynamicCache(config=self.model.config)
         self.length = 0
+        self.ids = input_ids
         if input_ids.shape[1] == 0:
             return None
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
-        self._check_layers()
         self.length = input_ids.shape[1]
         self.forwards += 1
         return out.logits[0, -1]
@@ -109,6 +124,7 @@ class TargetState:
         pos = torch.tensor([[self.length]], device=self.device)
         out = self.model(input_ids=token.view(1, 1), position_ids=pos, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
+        self.ids = torch.cat([self.ids, token.view(1, 1)], dim=1)
         self.length += 1
         self.forwards += 1
         return out.logits[0, -1]
@@ -136,8 +152,7 @@ class TargetState:
             output_hidden_states=want_hidden,
         )
         self.cache = out.past_key_values
-        if self.length == 0:
-            self._check_layers()
+        self._pending = tokens
         self.forwards += 1
         hidden = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0], hidden
@@ -159,5 +174,6 @@ class TargetState:
         drop = tree_size - 1 - keep
         if drop:
             self.cache.crop(-drop)
+        self.ids = torch.cat([self.ids, self._pending[[0] + list(path)].view(1, -1)], dim=1)
         self.length = root + 1 + keep
 

@@ -40,6 +40,27 @@ def tiny_neox(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0,
     return model.eval()
 
 
+def tiny_causal_lm(kind: str, vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, **extra):
+    """A tiny random Mistral / Qwen2 / Llama / GPT-NeoX causal LM (the attention families tree verification supports)."""
+    if kind == "llama":
+        return tiny_llama(vocab, hidden, layers, seed)
+    if kind == "neox":
+        return tiny_neox(vocab, hidden, layers, seed)
+    torch.manual_seed(seed)
+    config_cls, model_cls = {
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    config = config_cls(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **extra,
+    )
+    model = model_cls(config)
+    _finish(model, 1.0)
+    return model.eval()
+
+
 def _finish(model, head_scale: float) -> None:
     """Random init is near-uniform; perturb weights and scale the head so distributions are peaked and varied."""
     model.generation_config.eos_token_id = None

@@ -36,6 +36,14 @@ class AutoJudgeVerifier(LossyVerifier):
             raise ValueError(f"autojudge: threshold must be in [0, 1], got {threshold!r}")
         self.head, self.threshold = head, float(threshold)
 
+    def check_target(self, target: torch.nn.Module) -> None:
+        hidden_size = getattr(target.config, "hidden_size", None)
+        if hidden_size is not None and hidden_size != self.head.hidden_size:
+            raise ValueError(
+                f"AutoJudge head was trained on hidden size {self.head.hidden_size}, but {type(target).__name__} "
+                f"has hidden size {hidden_size}: the judge file belongs to another target model"
+            )
+
     def node_mask(self, hidden: torch.Tensor | None) -> torch.Tensor:
         """(T+1,) bool: the judge deems each node's token unimportant (P(important) < threshold)."""
         if hidden is None:

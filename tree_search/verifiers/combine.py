@@ -19,7 +19,7 @@ import torch
 
 from tree_search.sampling import logits_to_probs, sample
 from tree_search.tree import Tree
-from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, get_verifier, register_verifier
+from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, register_verifier
 
 
 @dataclass
@@ -81,16 +81,17 @@ def accept_longest(paths: Paths, lossy: dict[str, torch.Tensor]) -> VerifyResult
     length = prefix.sum(dim=1)
     lossy_count = (prefix.bool() & ~paths.native).sum(dim=1)
     score = length * (paths.nodes.shape[1] + 1) - lossy_count  # longest, then fewest lossy accepts
-    best = int(score.argmax())  # first maximum = earliest path in tree order
-    path = paths.nodes[best, : int(length[best])].tolist()
+    best = score.argmax()  # first maximum = earliest path in tree order
     on_path = prefix[best].bool() & ~paths.native[best]
-    by_rule = {name: int((mask[best] & on_path).sum()) for name, mask in lossy.items()}
-    last = path[-1] if path else 0
+    last = paths.nodes[best].gather(0, (length[best] - 1).clamp(min=0).view(1)).clamp(min=0)  # root if empty
+    counts = [(mask[best] & on_path).sum() for mask in lossy.values()]
+    summary = torch.stack([length[best], lossy_count[best], paths.choice[last][0], *counts])
+    n, lossy_accepts, next_token, *by_rule = summary.tolist()  # the round's one host sync (plus the path row)
     return VerifyResult(
-        path=path,
-        next_token=int(paths.choice[last]),
-        lossy_accepts=int(lossy_count[best]),
-        info={"lossy_accepts_by": by_rule},
+        path=paths.nodes[best, :n].tolist(),
+        next_token=next_token,
+        lossy_accepts=lossy_accepts,
+        info={"lossy_accepts_by": dict(zip(lossy, by_rule))},
     )
 
 
@@ -103,6 +104,9 @@ class LossyVerifier(Verifier):
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
         """(P, D) bool: path nodes this rule accepts even if they differ from the target's choice."""
         raise NotImplementedError
+
+    def check_target(self, target: torch.nn.Module) -> None:
+        """Refuse a target this verifier cannot judge, before any generation work (default: any target)."""
 
     def verify(self, inp: VerifyInput) -> VerifyResult:
         paths = build_paths(inp)
@@ -162,6 +166,10 @@ class AnyOf(LossyVerifier):
     def verify(self, inp: VerifyInput) -> VerifyResult:
         paths = build_paths(inp)
         return accept_longest(paths, {v.name: v.lossy_mask(inp, paths) & paths.valid for v in self.verifiers})
+
+    def check_target(self, target: torch.nn.Module) -> None:
+        for v in self.verifiers:
+            v.check_target(target)
 
 
 def get_verifier_class(name: str) -> type[Verifier]:

@@ -6,7 +6,8 @@ For each node the target's final hidden state h goes through K independent inver
   head's processed distribution otherwise). Needs no draft distribution, so it also works across vocabularies.
 - `js` (Eqs. 5-7): centroid c = softmax(mean of head logits); accept if JS(q, c) <= max_k JS(p_k, c), with q the
   draft distribution the token came from, or if the token is the heads' majority (plurality) token. On a tree
-  all siblings share q, so a JS acceptance admits every sibling and the longest path decides.
+  all siblings share q, so a JS acceptance admits every sibling and the longest path decides; that is why the
+  default is `naive` (the paper also uses it on EAGLE-3 trees) and `js` suits chains.
 Distributions are compared at the sampling temperature (temperature 1 when greedy); p = 0 ≡ greedy.
 """
 from __future__ import annotations
@@ -88,7 +89,7 @@ class DropMatchVerifier(LossyVerifier):
     name = "dropmatch"
     needs_hidden = True
 
-    def __init__(self, p: float = 0.1, num_heads: int = 5, criterion: str = "js", seed: int = 0) -> None:
+    def __init__(self, p: float = 0.1, num_heads: int = 5, criterion: str = "naive", seed: int = 0) -> None:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise ValueError(f"dropmatch: dropout probability p must be in [0, 1), got {p!r}")
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:

@@ -1,0 +1,97 @@
+"""UCB over tree shapes: the reward of paper Eq. 2, convergence on synthetic arms, reset/persistence, λ_γ."""
+import math
+import random
+
+import pytest
+
+from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, tree_reward
+from tree_search.tree import TreeConfig
+
+
+def test_reward_formula():
+    assert tree_reward(4, 5, 0.1) == pytest.approx(-(1 / 4 + 0.1 * 5 / 4))
+    assert tree_reward(1, 3, 0.0) == -1.0
+    assert tree_reward(6, 6, 0.5) == pytest.approx(-(1 + 3) / 6)
+    # more accepted tokens is always better; a longer draft costs more at equal acceptance
+    assert tree_reward(5, 4, 0.2) > tree_reward(3, 4, 0.2)
+    assert tree_reward(3, 2, 0.2) > tree_reward(3, 5, 0.2)
+    with pytest.raises(ValueError, match="n_accept"):
+        tree_reward(0, 3, 0.1)
+
+
+def _binomial_mean_reward(gamma: int, p: float, lam: float) -> float:
+    """Exact E[r] when N_accept = 1 + Binomial(γ, p)."""
+    return sum(math.comb(gamma, k) * p**k * (1 - p) ** (gamma - k) * tree_reward(1 + k, gamma, lam)
+               for k in range(gamma + 1))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ucb_concentrates_on_the_best_arm(seed):
+    rng = random.Random(seed)
+    accept_prob = [0.35, 0.8, 0.5]  # per-level acceptance of each default arm: arm 1 is best by construction
+    bandit = UCBBandit(arms=DEFAULT_ARMS, lambda_gamma=0.1)
+    means = [_binomial_mean_reward(a.depth, p, 0.1) for a, p in zip(bandit.arms, accept_prob)]
+    best = max(range(3), key=means.__getitem__)
+    assert best == 1
+    pulls = []
+    for _ in range(500):
+        arm = bandit.select()
+        n_accept = 1 + sum(rng.random() < accept_prob[arm] for _ in range(bandit.arms[arm].depth))
+        bandit.update(arm, n_accept)
+        pulls.append(arm)
+    assert pulls[:3] == [0, 1, 2]  # one pull of each arm first
+    assert pulls.count(best) / len(pulls) >= 0.9
+    assert bandit.stats[best].pulls == pulls.count(best)
+    assert bandit.stats[best].mean_reward == pytest.approx(means[best], abs=0.05)
+
+
+def test_ucb_explores_an_arm_whose_estimate_is_stale():
+    bandit = UCBBandit(arms=("1", "2", "3"), lambda_ucb=1.0, lambda_gamma=0.0)
+    for arm, n in [(0, 2), (1, 1), (2, 1)]:
+        bandit.update(arm, n)
+    assert bandit.select() == 0
+    for _ in range(50):
+        bandit.update(0, 2)
+    # arm 0 is still best on average, but the bonus of the rarely pulled arms has grown past the gap
+    assert bandit.select() in (1, 2)
+
+
+def test_reset_per_call_and_persistence():
+    fresh = UCBBandit(arms=("1,1", "2"))
+    fresh.update(0, 2)
+    fresh.start_call()
+    assert fresh.rounds == 0 and all(s.pulls == 0 for s in fresh.stats)
+    kept = UCBBandit(arms=("1,1", "2"), persistent=True)
+    kept.update(0, 2)
+    kept.start_call()
+    assert kept.rounds == 1 and kept.stats[0].pulls == 1
+    kept.reset()
+    assert kept.rounds == 0
+
+
+def test_auto_lambda_gamma_is_the_measured_cost_ratio():
+    bandit = UCBBandit(arms=("1,1,1,1",), lambda_gamma="auto")
+    assert bandit.current_lambda_gamma == 0.0
+    bandit.update(0, 3, draft_time=0.004, verify_time=0.010)  # 1 ms per level / 10 ms -> 0.1
+    bandit.update(0, 3, draft_time=0.012, verify_time=0.010)  # 3 ms per level -> 0.3
+    assert bandit.current_lambda_gamma == pytest.approx(0.2)
+    assert bandit.stats[0].reward_sum == pytest.approx(tree_reward(3, 4, 0.1) + tree_reward(3, 4, 0.2))
+
+
+def test_fixed_policy_always_picks_its_tree():
+    policy = FixedPolicy("3,2,2,1,1")
+    assert policy.arms == (TreeConfig((3, 2, 2, 1, 1)),)
+    for n in (1, 4, 2):
+        assert policy.select() == 0
+        policy.update(0, n)
+    assert policy.summary()["(3,2,2,1,1)"]["pulls"] == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(arms=()), "at least one arm"), (dict(lambda_ucb=-1), "lambda_ucb"), (dict(lambda_gamma=-0.1), "lambda_gamma"),
+     (dict(lambda_gamma="fast"), "lambda_gamma"), (dict(arms=("3,0",)), "positive")],
+)
+def test_bad_bandit_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        UCBBandit(**kwargs)

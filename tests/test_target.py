@@ -1,0 +1,94 @@
+"""Target adapter: tree forward == plain forward per path, KV compaction == re-encoding, refusals name the class."""
+import pytest
+import torch
+import transformers
+
+from tests.helpers.tree_models import tiny_causal_lm
+from tree_search.generate import generate
+from tree_search.target import TargetState, UnsupportedTargetError, check_tree_support, window_capacity
+from tree_search.tree import TreeConfig
+
+KINDS = ["llama", "neox", "mistral", "qwen2"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def target(request):
+    return tiny_causal_lm(request.param, sliding_window=64) if request.param == "mistral" else tiny_causal_lm(request.param)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 6])
+def test_tree_forward_matches_plain_forward_on_every_path(target, prompt_len):
+    torch.manual_seed(prompt_len)
+    tree = TreeConfig((3, 2, 1)).build()
+    prompt = torch.randint(0, 64, (1, prompt_len))
+    state = TargetState(target)
+    state.prefill(prompt[:, :-1])
+    tokens = torch.cat([prompt[0, -1:], torch.randint(0, 64, (len(tree) - 1,))])
+    logits, hidden = state.tree_forward(tokens, tree, want_hidden=True)
+    assert logits.shape == (len(tree), 64)
+    # the hidden states are what the head consumes (DropMatch / AutoJudge rely on it)
+    torch.testing.assert_close(target.get_output_embeddings()(hidden), logits, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        for node in range(len(tree)):
+            sequence = torch.cat([prompt[0], tokens[tree.path_to(node)]])
+            plain = target(sequence[None]).logits[0, -1]
+            torch.testing.assert_close(logits[node], plain, atol=1e-5, rtol=1e-4)
+
+
+def test_commit_equals_reencoding_over_several_rounds(target):
+    torch.manual_seed(0)
+    tree = TreeConfig((2, 2, 2)).build()
+    prompt = torch.randint(0, 64, (1, 5))
+    state = TargetState(target)
+    state.prefill(prompt[:, :-1])
+    root = prompt[0, -1]
+    for path in ([], list(tree.leaf_paths[5]), list(tree.leaf_paths[2][:2]), [2]):
+        tokens = torch.cat([root.view(1), torch.randint(0, 64, (len(tree) - 1,))])
+        state.tree_forward(tokens, tree)
+        state.commit(path, len(tree))
+        assert torch.equal(state.ids[0, -len(path) - 1 :], tokens[[0] + path])
+        with torch.no_grad():
+            reference = target(state.ids, use_cache=True).past_key_values
+        assert state.cache.get_seq_length() == state.length == state.ids.shape[1]
+        for ours, ref in zip(state.cache.layers, reference.layers):
+            torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
+        root = torch.randint(0, 64, ())
+
+
+def test_flash_attention_is_refused_with_the_class_name():
+    model = tiny_causal_lm("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UnsupportedTargetError, match="LlamaForCausalLM.*flash_attention_2"):
+        check_tree_support(model)
+
+
+class MaskIgnoringLlama(transformers.LlamaForCausalLM):
+    """A model that silently drops custom attention masks (falls back to causal attention)."""
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_a_model_that_ignores_tree_masks_is_detected():
+    base = tiny_causal_lm("llama")
+    model = MaskIgnoringLlama(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    with pytest.raises(UnsupportedTargetError, match="MaskIgnoringLlama ignores 4D attention masks"):
+        check_tree_support(model)
+
+
+def test_non_attention_models_are_refused_before_generation(tmp_path):
+    from tests.helpers.tree_models import random_drafter
+
+    mamba_target = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
+    drafter = random_drafter(tmp_path, vocab=64)
+    with pytest.raises(UnsupportedTargetError, match="MambaForCausalLM"):
+        generate(mamba_target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree="2,1")
+
+
+def test_sliding_window_capacity_is_enforced():
+    model = tiny_causal_lm("mistral", sliding_window=32)
+    assert window_capacity(model) == 31
+    assert window_capacity(tiny_causal_lm("qwen2")) is None
