@@ -1,0 +1,218 @@
+"""Train a demo target + Mamba drafter on this machine (stdlib source corpus) and compare decoding methods."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from benchmarks.corpus import CorpusConfig, build_corpus
+
+# The table compares these on held-out prompts. Verifiers: `greedy` is the lossless one for temperature 0;
+# `sampling` needs temperature > 0 and `autojudge` a trained judge head, so neither runs in the greedy demo.
+DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "chain", "tree:3,2,2,1,1", "bandit", "bandit:1,1,1,1/2,1,1,1/3,2,1",
+                "bandit@fly", "bandit@topk", "bandit@dropmatch")
+SKIPPED_VERIFIERS = {"sampling": "lossless rejection sampling; needs temperature > 0 (the demo is greedy)",
+                     "autojudge": "needs a trained AutoJudge head (`mamba-draft autojudge`), not part of the demo"}
+
+
+@dataclass
+class ModelSize:
+    arch: str
+    hidden_size: int
+    num_hidden_layers: int
+    steps: int
+    lr: float
+    num_heads: int = 0            # llama attention heads (0: hidden / 64)
+    state_size: int = 16          # mamba
+    seq_len: int = 256
+    global_batch_size: int = 16
+    micro_batch_size: int = 16
+
+
+@dataclass
+class DemoConfig:
+    corpus: CorpusConfig
+    target: ModelSize
+    drafter: ModelSize
+    assistant: ModelSize          # a Transformer drafter for transformers' assisted generation
+    max_new_tokens: int = 128
+    repeats: int = 3
+    methods: tuple[str, ...] = DEMO_METHODS
+
+    def fingerprint(self) -> str:
+        """Cache key: models are reused only when everything that shapes them is unchanged."""
+        shaping = {k: v for k, v in asdict(self).items() if k not in ("max_new_tokens", "repeats", "methods")}
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
+
+
+FULL = DemoConfig(
+    corpus=CorpusConfig(max_train_chars=3_000_000, max_heldout_chars=300_000, vocab_size=2048, n_prompts=8,
+                        prompt_chars=400),
+    target=ModelSize("llama", 256, 8, steps=160, lr=2e-3, num_heads=4),
+    drafter=ModelSize("mamba1", 128, 2, steps=120, lr=4e-3, seq_len=128, global_batch_size=16, micro_batch_size=16),
+    assistant=ModelSize("llama", 128, 2, steps=120, lr=4e-3, num_heads=2, seq_len=128),
+)
+QUICK = DemoConfig(
+    corpus=CorpusConfig(max_train_chars=200_000, max_heldout_chars=60_000, vocab_size=384, n_prompts=2,
+                        prompt_chars=200),
+    target=ModelSize("llama", 64, 2, steps=12, lr=3e-3, num_heads=2, seq_len=64, global_batch_size=8, micro_batch_size=8),
+    drafter=ModelSize("mamba1", 32, 1, steps=6, lr=3e-3, seq_len=32, global_batch_size=4, micro_batch_size=4),
+    assistant=ModelSize("llama", 32, 1, steps=6, lr=3e-3, num_heads=1, seq_len=32, global_batch_size=4, micro_batch_size=4),
+    max_new_tokens=24,
+    repeats=1,
+)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mamba-draft" / "demo"
+
+
+def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distill_from: Path | None):
+    """A training.TrainConfig for one demo model (fp32 on CPU, bf16 on GPU; ZeRO-1; no shm JIT)."""
+    from training.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, TrainConfig
+
+    model = ModelConfig(arch=size.arch, tokenizer=str(tokenizer), hidden_size=size.hidden_size,
+                        num_hidden_layers=size.num_hidden_layers, state_size=size.state_size,
+                        num_heads=size.num_heads or max(1, size.hidden_size // 64),
+                        max_position_embeddings=1024, tie_word_embeddings=True)
+    distill = (DistillConfig(target=str(distill_from), kl_weight=1.0, ce_weight=0.0) if distill_from
+               else DistillConfig())
+    return TrainConfig(output_dir=str(out), model=model,
+                       data=DataConfig(kind="pretrain", path=str(data), seq_len=size.seq_len),
+                       optim=OptimConfig(lr=size.lr, weight_decay=0.1, warmup_steps=max(1, size.steps // 10),
+                                         lr_min_ratio=0.1),
+                       distill=distill, deepspeed="configs/deepspeed/zero1.json", steps=size.steps,
+                       global_batch_size=size.global_batch_size, micro_batch_size=size.micro_batch_size,
+                       checkpoint_every=10**9, log_every=10, build_shm_comm=False)
+
+
+def train_and_export(name: str, size: ModelSize, corpus: dict[str, Path], cache: Path,
+                     distill_from: Path | None) -> Path:
+    """Train through `training` (DeepSpeed), export to cache/<name>; reused when already there."""
+    from training.export import export
+    from training.train import train
+
+    final = cache / name
+    if (final / "config.json").is_file():
+        print(f"[demo] {name}: cached at {final}")
+        return final
+    run = cache / "runs" / name
+    shutil.rmtree(run, ignore_errors=True)
+    what = "distilled from the target" if distill_from else "trained from scratch"
+    print(f"[demo] {name}: {size.arch} d{size.hidden_size} x{size.num_hidden_layers}, {size.steps} steps, {what}")
+    started = time.perf_counter()
+    train(train_config(size, corpus["tokenizer"], corpus["train"], run, distill_from))
+    export(run, final, overwrite=True)
+    shutil.rmtree(run, ignore_errors=True)  # DeepSpeed checkpoints (optimizer states) are no longer needed
+    print(f"[demo] {name}: done in {time.perf_counter() - started:.0f} s -> {final}")
+    return final
+
+
+def prepare_corpus(cfg: DemoConfig, cache: Path) -> dict[str, Path]:
+    done = cache / "corpus"
+    paths = {"train": done / "train.jsonl", "heldout": done / "heldout.jsonl", "prompts": done / "prompts.jsonl",
+             "tokenizer": done / "tokenizer"}
+    if not (done / "tokenizer").is_dir():
+        tmp = cache / "corpus.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        print("[demo] corpus: standard-library sources, split by file; training a BPE tokenizer")
+        build_corpus(tmp, cfg.corpus)
+        tmp.rename(done)
+    return paths
+
+
+def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, force: bool = False,
+             rebench: bool = False, progress: bool = True) -> dict:
+    """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
+    cache = cache_dir / cfg.fingerprint()
+    if force:
+        shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    out_dir = out_dir or cache / "results"
+    result_file = out_dir / "demo.json"
+    if result_file.is_file() and not (force or rebench):
+        print(f"[demo] results cached in {out_dir} (--rebench to measure again, --force to retrain)")
+        return json.loads(result_file.read_text())
+
+    started = time.perf_counter()
+    corpus = prepare_corpus(cfg, cache)
+    target = train_and_export("target", cfg.target, corpus, cache, None)
+    drafter = train_and_export("drafter", cfg.drafter, corpus, cache, target)
+    assistant = train_and_export("assistant", cfg.assistant, corpus, cache, target)
+    result = benchmark(cfg, corpus, target, drafter, assistant, progress)
+    result["models"] = {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
+                        "sizes": describe_models(target, drafter, assistant)}
+    result["skipped_verifiers"] = SKIPPED_VERIFIERS
+    result["demo_seconds"] = time.perf_counter() - started
+    from benchmarks.bench import write_outputs
+
+    write_outputs(result, out_dir, prefix="demo")
+    return result
+
+
+def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: Path, assistant: Path,
+              progress: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
+    from benchmarks.methods import Models
+    from benchmarks.prompts import load_prompts
+    from mamba_draft import MambaDrafter
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def causal_lm(path):
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).eval()
+
+    models = Models(target=causal_lm(target), drafter=MambaDrafter.from_pretrained(str(drafter), device=device),
+                    assistant=causal_lm(assistant), tokenizer=AutoTokenizer.from_pretrained(corpus["tokenizer"]))
+    methods = resolve_methods(cfg.methods)
+    bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=cfg.repeats,
+                            max_new_tokens=cfg.max_new_tokens, chat_template=False)
+    return run_benchmark(models, load_prompts(corpus["prompts"]), methods, bench_cfg, progress)
+
+
+def describe_models(*paths: Path) -> dict[str, int]:
+    """Parameter counts read from the exported safetensors headers."""
+    from safetensors import safe_open
+
+    sizes = {}
+    for path in paths:
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            sizes[path.name] = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny models and few tokens (CI smoke test, ~2 min)")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                        help="where corpus, models and results are cached (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="discard the cache and rebuild everything")
+    parser.add_argument("--rebench", action="store_true", help="reuse cached models but measure again")
+    parser.add_argument("--out", type=Path, help="results directory (default: <cache>/results)")
+    parser.add_argument("--repeats", type=int, help="benchmark repeats (default 3, 1 with --quick)")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt (default 128, 24 with --quick)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from benchmarks.bench import markdown_report
+
+    cfg = QUICK if args.quick else FULL
+    for flag in ("repeats", "max_new_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    cfg = replace(cfg, repeats=args.repeats or cfg.repeats, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    if args.cache_dir.exists() and not args.cache_dir.is_dir():
+        raise NotADirectoryError(f"--cache-dir {args.cache_dir} is not a directory")
+    result = run_demo(cfg, args.cache_dir, args.out, force=args.force, rebench=args.rebench)
+    print(markdown_report(result))
+    print("Skipped verifiers: " + "; ".join(f"{k} ({v})" for k, v in result["skipped_verifiers"].items()))
+    return 0
