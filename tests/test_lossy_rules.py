@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers.tree_models import tiny_llama
 from tree_search.autojudge.classifier import JudgeHead
 from tree_search.sampling import SamplingParams
 from tree_search.tree import Tree, TreeConfig
@@ -218,8 +219,15 @@ def test_autojudge_threshold_both_sides():
 
 def test_autojudge_wrong_hidden_size_is_a_clear_error():
     case = make_input(chain(1), [0, 2], [peaked(1)] * 2, hidden=torch.zeros(2, 3))
+    verifier = AutoJudgeVerifier(judge_head(2), threshold=0.5)
     with pytest.raises(ValueError, match="hidden size 2"):
-        AutoJudgeVerifier(judge_head(2), threshold=0.5).verify(case)
+        verifier.verify(case)
+    target = tiny_llama(vocab=V)  # hidden size 32: refused up front, before any generation work
+    with pytest.raises(ValueError, match="LlamaForCausalLM has hidden size 32"):
+        verifier.check_target(target)
+    with pytest.raises(ValueError, match="hidden size 32"):
+        AnyOf([TopKVerifier(), verifier]).check_target(target)
+    AutoJudgeVerifier(judge_head(32), threshold=0.5).check_target(target)
 
 
 # ---------------------------------------------------------------- composition
@@ -242,10 +250,10 @@ def test_anyof_accepts_when_either_rule_accepts_and_attributes_counts():
 def test_anyof_built_by_name_routes_parameters(tmp_path):
     path = tmp_path / "judge.safetensors"
     judge_head().save(path)
-    built = AnyOf("autojudge+dropmatch", judge=str(path), threshold=0.3, p=0.2, **{"dropmatch.num_heads": 3})
+    built = AnyOf("autojudge+dropmatch", judge=str(path), threshold=0.3, p=0.2, **{"dropmatch.criterion": "js"})
     judge, drop = built.verifiers
-    assert judge.threshold == 0.3 and drop.p == 0.2 and drop.num_heads == 3
-    assert built.needs_draft_probs  # dropmatch's default js criterion
+    assert judge.threshold == 0.3 and drop.p == 0.2 and drop.criterion == "js" and drop.num_heads == 5
+    assert built.needs_draft_probs and not AnyOf("autojudge+dropmatch", judge=str(path), threshold=0.3).needs_draft_probs
     assert get_verifier("anyof", verifiers=["topk", "fly"], k=3, theta=0.5).verifiers[0].k == 3
     with pytest.raises(ValueError, match="not accepted by any"):
         AnyOf("topk+fly", bogus=1)

@@ -83,7 +83,8 @@ def accept_longest(paths: Paths, lossy: dict[str, torch.Tensor]) -> VerifyResult
     score = length * (paths.nodes.shape[1] + 1) - lossy_count  # longest, then fewest lossy accepts
     best = score.argmax()  # first maximum = earliest path in tree order
     on_path = prefix[best].bool() & ~paths.native[best]
-    last = paths.nodes[best].gather(0, (length[best] - 1).clamp(min=0).view(1)).clamp(min=0)  # root if empty
+    deepest = paths.nodes[best].gather(0, (length[best] - 1).clamp(min=0).view(1))
+    last = torch.where(length[best] > 0, deepest, torch.zeros_like(deepest))  # the root when nothing was accepted
     counts = [(mask[best] & on_path).sum() for mask in lossy.values()]
     summary = torch.stack([length[best], lossy_count[best], paths.choice[last][0], *counts])
     n, lossy_accepts, next_token, *by_rule = summary.tolist()  # the round's one host sync (plus the path row)
