@@ -115,7 +115,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
 
 def _build(cls, raw: dict, where: str):
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {raw!r}")
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
@@ -139,8 +139,11 @@ def _coerce(hint, value, key: str):
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, key) for a, v in zip(args, value))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:  # YAML 1.1 reads `1e-4` (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected float, got {value!r}") from None
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

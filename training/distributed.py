@@ -13,22 +13,24 @@ import torch
 from training.config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SINGLE_PROCESS_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
 
 
 def init_distributed(build_shm_comm: bool = True) -> tuple[int, int]:
-    """Initialise torch.distributed through DeepSpeed; returns (rank, world_size).
+    """Initialise torch.distributed through DeepSpeed (once per process); returns (rank, world_size).
 
-    Under a launcher the env vars are set; a plain `python` process becomes a world of one (otherwise
-    DeepSpeed would try MPI discovery). `build_shm_comm=False` skips the JIT compile of DeepSpeed's CPU
-    shared-memory op: it only serves `inference_all_reduce` (tensor-parallel inference), which training
-    never calls; gradients go through the process group (gloo on CPU, nccl on GPU) either way.
+    Under a launcher (`deepspeed`, `torchrun`) the env vars are set; a plain `python` process becomes a world of
+    one (otherwise DeepSpeed would try MPI discovery) and keeps it for later runs in the same process: DeepSpeed
+    caches its process groups per process, so the group is not torn down between in-process runs.
+    `build_shm_comm=False` skips the JIT compile of DeepSpeed's CPU shared-memory op: it only serves
+    `inference_all_reduce` (tensor-parallel inference), which training never calls; gradients go through the
+    process group (gloo on CPU, nccl on GPU) either way.
     """
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(SINGLE_PROCESS_ENV, MASTER_PORT=str(port))
     if not build_shm_comm:
         # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports it)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
@@ -147,22 +148,26 @@ def validate(cfg: TrainConfig) -> None:
 def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
     """Run (or resume) training; returns the output directory. Works under any launcher or in-process."""
     validate(cfg)
+    latest = Path(cfg.output_dir) / "checkpoints" / "latest"
+    if resume_run and not latest.is_file():
+        raise FileNotFoundError(f"--resume: no 'latest' file in {latest.parent}; nothing to resume from")
+    if not resume_run and latest.is_file():
+        raise FileExistsError(f"{cfg.output_dir} already holds checkpoints: pass --resume or use a new output_dir")
     rank, world = init_distributed(cfg.build_shm_comm)
     out = Path(cfg.output_dir)
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
-    if resume_run and not (ckpt_dir / "latest").is_file():
-        raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
 
+    ds_config = deepspeed_config(cfg, world)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     data, n_records = build_data(cfg, tokenizer, rank, world)
     steps = total_steps(cfg, n_records)
     model = build_model(cfg.model, tokenizer, cfg.seed)
+    target = load_target(cfg, tokenizer, get_accelerator().current_device_name(),
+                         torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32)
     warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * steps)
-    ds_config = deepspeed_config(cfg, world)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=weight_decay_groups(model, cfg.optim.weight_decay), config=ds_config,
         lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(warmup, steps, cfg.optim.lr_min_ratio)))
-    target = load_target(cfg, tokenizer, engine.device, torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32)
     torch.manual_seed(cfg.seed + rank)
 
     if rank == 0:
