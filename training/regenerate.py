@@ -56,6 +56,9 @@ def regenerate(model_dir: str, input_path: str, output_path: str, max_new_tokens
             if m["role"] == "assistant":
                 m = {"role": "assistant", "content": reply(model, tokenizer, new, max_new_tokens, temperature)}
             new.append(m)
+        if any(not m["content"] for m in new):
+            counts["empty_reply"] += 1  # SFT would reject it as an empty turn; the original is not silently kept
+            continue
         out.append({"id": str(record.get("id", i)),
                     "conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in new]})
         counts["written"] += 1
