@@ -174,6 +174,10 @@ def test_cli_mine_and_train(tmp_path, target):
     assert main(args) == 0
     assert sorted(p.name for p in out.glob("prompt_*")) == ["prompt_000000.safetensors", "prompt_000001.safetensors"]
     assert json.loads((out / "manifest.json").read_text())["task"] == "gsm8k"
+    with pytest.raises(ValueError, match="different settings"):  # resuming with other settings is refused
+        main([*args[:-2], "8", "--no-chat-template"])
+    with pytest.raises(ValueError, match="unknown AutoJudge task"):
+        main([*args, "--task", "mmlu"])
     # train on a synthetic mined directory in the same format
     data = tmp_path / "synthetic"
     data.mkdir()

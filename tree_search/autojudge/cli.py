@@ -38,24 +38,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _mine(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.prompts import encode_prompt, load_prompts
     from mamba_draft import MambaDrafter
     from tree_search.autojudge.answers import get_task
-    from tree_search.autojudge.mine import mine
+    from tree_search.autojudge.mine import check_or_write_manifest, mine
 
     task = get_task(args.task)  # validate everything cheap before loading models
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = load_prompts(args.prompts, limit=args.limit)
+    manifest = {"target": str(args.target), "draft": str(args.draft), "task": args.task,
+                "prompts": str(Path(args.prompts).resolve()), "chat_template": not args.no_chat_template}
+    hidden_size = AutoConfig.from_pretrained(args.target).hidden_size  # refuse a mismatched --out before loading weights
+    check_or_write_manifest(Path(args.out), {**manifest, "hidden_size": hidden_size, "max_new_tokens": args.max_new_tokens})
     dtype = DTYPES[args.dtype]
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     drafter = MambaDrafter.from_pretrained(args.draft, device=args.device, dtype=dtype)
     encoded = [encode_prompt(tokenizer, p.text, use_chat_template=not args.no_chat_template) for p in prompts]
-    manifest = {"target": str(args.target), "draft": str(args.draft), "task": args.task,
-                "prompts": str(Path(args.prompts).resolve()), "chat_template": not args.no_chat_template}
     counts = mine(
         target, drafter.forward, encoded, task, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         args.out, args.max_new_tokens, tokenizer.eos_token_id, manifest,
