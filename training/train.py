@@ -12,15 +12,18 @@ Output directory layout:
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import json
 import math
 import shutil
 import time
 from pathlib import Path
 
+import datasets
 import deepspeed
-from deepspeed.accelerator import get_accelerator
 import torch
+from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
@@ -46,7 +49,7 @@ def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
     """The rank's data iterator and the number of records (None when streaming)."""
     records = data_lib.load_records(cfg.data)
     if cfg.data.kind == "pretrain":
-        n = None if isinstance(records, data_lib.datasets.IterableDataset) else len(records)
+        n = None if isinstance(records, datasets.IterableDataset) else len(records)
         return data_lib.PackedSequences(records, tokenizer, cfg.data, rank, world), n
     if cfg.data.kind == "sft":
         examples, skipped = data_lib.prepare_sft(records, tokenizer, cfg.data.seq_len)
@@ -138,11 +141,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("micro_batch_size and global_batch_size must be >= 1")
     if cfg.data.kind not in ("pretrain", "sft"):
         raise ValueError(f"data.kind must be pretrain or sft, got {cfg.data.kind!r}")
-    if cfg.data.path and data_lib.is_local(cfg.data.path) and not data_lib.glob.glob(str(Path(cfg.data.path).expanduser())):
+    if cfg.data.path and data_lib.is_local(cfg.data.path) and not glob.glob(str(Path(cfg.data.path).expanduser())):
         raise FileNotFoundError(f"data.path {cfg.data.path!r} matches no file")
     if cfg.model.init_from and data_lib.is_local(cfg.model.init_from) and not Path(cfg.model.init_from).exists():
         raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
     use_bf16(cfg.precision)
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ImportError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
 
 
 def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
@@ -189,12 +194,13 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
         t0, loss_sum, tokens = time.perf_counter(), torch.zeros((), device=engine.device), 0
         lr = scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
         for _ in range(gas):
-            batch = {k: v.to(engine.device) for k, v in data.next_batch(cfg.micro_batch_size).items()}
+            batch = data.next_batch(cfg.micro_batch_size)  # built on the host: counting tokens costs no sync
+            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
             loss = compute_loss(engine, target, batch, cfg, vocab)
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach()
-            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
         stats = torch.tensor([loss_sum.item() / gas, tokens], dtype=torch.float64)
         torch.distributed.all_reduce(stats)
         record = {"step": step, "loss": stats[0].item() / world, "lr": lr,
