@@ -1,0 +1,227 @@
+"""generate(): greedy output is token-identical to the target's own greedy `generate`; compaction, stops, errors."""
+import pytest
+import torch
+
+from tests.helpers.tree_models import (  # noqa: F401  (single_thread is an autouse fixture)
+    single_thread,
+    aligned_drafter, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama, tiny_neox,
+)
+from tree_search import UCBBandit
+from tree_search.generate import generate, generate_autoregressive
+from tree_search.target import TargetState
+
+TREES = ["1,1,1,1,1", "3,2,2,1,1", "3,3,2,1", "2,2,2,1,1,1", "4", "bandit"]
+NEW_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    """(target, drafter, prompts, HF greedy references) for: Llama + aligned drafter, GPT-NeoX + aligned drafter,
+    Llama + an unrelated random drafter (acceptance by chance only)."""
+    root = tmp_path_factory.mktemp("drafters")
+    out = {}
+    for name, make in (("llama", tiny_llama), ("neox", tiny_neox)):
+        target = make()
+        drafter = aligned_drafter(root / name, target)
+        out[name] = (target, drafter)
+    random_target = tiny_llama(seed=3)
+    out["llama-random-drafter"] = (random_target, random_drafter(root / "random", vocab=64))
+    cases = {}
+    for name, (target, drafter) in out.items():
+        ps = prompts(64, 10, seed=len(name))
+        cases[name] = (target, drafter, ps, [hf_greedy(target, p, NEW_TOKENS) for p in ps])
+    return cases
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("case", ["llama", "neox", "llama-random-drafter"])
+def test_greedy_is_token_identical_to_target_generate(setups, case, tree):
+    target, drafter, ps, refs = setups[case]
+    taus = []
+    for prompt, ref in zip(ps, refs):
+        result = generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, tree=tree)
+        assert torch.equal(result.tokens, ref), f"prompt {prompt.tolist()} diverged"
+        assert result.stats.new_tokens == NEW_TOKENS
+        assert sum(result.stats.accepted_lengths) == NEW_TOKENS
+        assert result.stats.target_forwards == result.stats.rounds + (prompt.shape[1] > 1)
+        taus.append(result.stats.mean_accepted)
+    if case != "llama-random-drafter":
+        assert sum(taus) / len(taus) > 1.5  # the aligned drafter makes acceptance non-trivial
+
+
+def test_eos_inside_an_accepted_path(setups):
+    target, drafter, ps, refs = setups["llama"]
+    cut_inside_path = 0
+    for prompt, ref in zip(ps, refs):
+        eos = int(ref[0, prompt.shape[1] + 30])  # a token the target really emits mid-way
+        expected = hf_greedy(target, prompt, NEW_TOKENS, eos_token_id=eos)
+        assert int(expected[0, -1]) == eos and expected.shape[1] <= prompt.shape[1] + 31
+        result = generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, tree="3,2,2,1,1", eos_token_id=eos)
+        assert torch.equal(result.tokens, expected)
+        cut_inside_path += result.stats.cut_tokens > 0
+    assert cut_inside_path > 0  # at least one EOS landed before the end of an accepted path
+
+
+def test_eos_from_the_generation_config(setups):
+    target, drafter, ps, refs = setups["neox"]
+    prompt, ref = ps[0], refs[0]
+    eos = int(ref[0, prompt.shape[1] + 10])
+    target.generation_config.eos_token_id = eos
+    try:
+        expected = hf_greedy(target, prompt, NEW_TOKENS, eos_token_id=eos)
+        assert torch.equal(generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, tree="2,2,1").tokens, expected)
+    finally:
+        target.generation_config.eos_token_id = None
+
+
+def test_max_new_tokens_inside_an_accepted_path(setups):
+    target, drafter, ps, refs = setups["neox"]
+    cut_inside_path = 0
+    for max_new in range(1, 13):
+        for prompt, ref in zip(ps[:3], refs[:3]):
+            result = generate(target, drafter, prompt, max_new_tokens=max_new, tree="1,1,1,1,1")
+            assert torch.equal(result.tokens, ref[:, : prompt.shape[1] + max_new])
+            cut_inside_path += result.stats.cut_tokens > 0
+    assert cut_inside_path > 0
+
+
+@pytest.mark.parametrize("temperature, verifier", [(0.0, "greedy"), (1.0, "sampling")])
+def test_cache_is_compacted_every_round(setups, monkeypatch, temperature, verifier):
+    """After every round the target cache equals the cache from re-encoding the committed sequence."""
+    target, drafter, ps, _ = setups["llama"]
+    original_commit = TargetState.commit
+    checks = []
+
+    def checked_commit(self, path, tree_size):
+        original_commit(self, path, tree_size)
+        with torch.no_grad():
+            reference = self.model(self.ids, use_cache=True).past_key_values
+        for ours, ref in zip(self.cache.layers, reference.layers):
+            torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
+        checks.append(len(path))
+
+    monkeypatch.setattr(TargetState, "commit", checked_commit)
+    result = generate(target, drafter, ps[1], max_new_tokens=40, tree="3,2,2,1,1", temperature=temperature,
+                      verifier=verifier, seed=0)
+    assert len(checks) == result.stats.rounds - 1 and max(checks) >= 2
+    # the committed sequence is what generate returned (minus the last round's next token, not yet encoded)
+    assert result.tokens.shape[1] == ps[1].shape[1] + 40
+
+
+def test_autoregressive_baseline_matches_target_generate(setups):
+    target, _, ps, refs = setups["llama"]
+    for prompt, ref in zip(ps[:3], refs[:3]):
+        result = generate_autoregressive(target, prompt, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(result.tokens, ref)
+        assert result.stats.mean_accepted == 1.0 and result.stats.target_forwards == NEW_TOKENS
+
+
+def test_sampling_is_reproducible_with_a_seed(setups):
+    target, drafter, ps, _ = setups["llama"]
+    runs = [generate(target, drafter, ps[2], max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9,
+                     verifier="sampling", tree="3,2,1", seed=s).tokens for s in (7, 7, 8)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_persistent_bandit_keeps_statistics_across_calls(setups):
+    target, drafter, ps, refs = setups["llama"]
+    bandit = UCBBandit(persistent=True)
+    first = generate(target, drafter, ps[0], max_new_tokens=30, tree=bandit)
+    second = generate(target, drafter, ps[1], max_new_tokens=30, tree=bandit)
+    assert torch.equal(second.tokens, refs[1][:, : ps[1].shape[1] + 30])
+    assert bandit.rounds == first.stats.rounds + second.stats.rounds
+    assert sum(a["pulls"] for a in second.stats.arms.values()) == bandit.rounds
+    fresh = generate(target, drafter, ps[1], max_new_tokens=30, tree="bandit")
+    assert sum(a["pulls"] for a in fresh.stats.arms.values()) == fresh.stats.rounds
+
+
+def test_other_attention_families_are_lossless(tmp_path):
+    for kind in ("mistral", "qwen2"):
+        target = tiny_causal_lm(kind, sliding_window=256) if kind == "mistral" else tiny_causal_lm(kind)
+        drafter = aligned_drafter(tmp_path / kind, target)
+        for prompt in prompts(64, 3, seed=5):
+            ref = hf_greedy(target, prompt, 40)
+            assert torch.equal(generate(target, drafter, prompt, max_new_tokens=40, tree="3,2,2,1,1").tokens, ref)
+
+
+# ---- bad input: a clear error, before any model runs ----
+
+
+@pytest.fixture
+def counted(setups, monkeypatch):
+    """The Llama setup with counters on every target forward and every drafter prefill/step."""
+    target, drafter, _, _ = setups["llama"]
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *_: calls.append("target"))
+    monkeypatch.setattr(type(drafter), "prefill", lambda *a, **k: calls.append("drafter"))
+    monkeypatch.setattr(type(drafter), "step", lambda *a, **k: calls.append("drafter"))
+    yield target, drafter, calls
+    handle.remove()
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(tree="3,0"), ValueError, "positive"),
+        (dict(tree=()), ValueError, "empty"),
+        (dict(tree=3.5), TypeError, "tree must be"),
+        (dict(temperature=-0.5), ValueError, "temperature"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_k=-1), ValueError, "top_k"),
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "empty"),
+        (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "batch size 1"),
+        (dict(input_ids=torch.zeros(1, 600, dtype=torch.long)), ValueError, "max positions"),
+        (dict(input_ids=torch.zeros(1, 500, dtype=torch.long)), ValueError, "max positions"),
+        (dict(input_ids=torch.tensor([[1, 64]])), ValueError, r"\[0, 64\)"),
+        (dict(input_ids=torch.tensor([[0.5, 1.0]])), TypeError, "integer"),
+        (dict(verifier="no-such-verifier"), ValueError, "unknown verifier 'no-such-verifier'"),
+        (dict(verifier="greedy", temperature=0.7), ValueError, "temperature 0"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(tree="100"), ValueError, "distinct children"),
+    ],
+)
+def test_bad_input_is_refused_before_any_work(counted, change, error, message):
+    target, drafter, calls = counted
+    kwargs = dict(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=20, tree="3,2,1")
+    kwargs.update(change)
+    with pytest.raises(error, match=message):
+        generate(target, drafter, **kwargs)
+    assert calls == []
+
+
+def test_vocab_mismatch_is_refused_before_any_work(tmp_path, counted):
+    target, _, calls = counted
+    small = random_drafter(tmp_path / "small", vocab=48)
+    with pytest.raises(ValueError, match="vocabulary mismatch: drafter has 48 tokens, target LlamaForCausalLM has 64"):
+        generate(target, small, torch.tensor([[1, 2, 3]]), max_new_tokens=5)
+    assert calls == []
+
+
+def test_padded_vocabularies_are_accepted_with_a_tokenizer(tmp_path):
+    """A drafter padded past the tokenizer (mamba pads to multiples of 8) is fine when the real vocabularies match."""
+    target = tiny_llama(vocab=64)
+    padded = random_drafter(tmp_path / "padded", vocab=72)
+
+    class Tok:
+        def __len__(self):
+            return 60
+
+    prompt = torch.tensor([[5, 6, 7]])
+    result = generate(target, padded, prompt, max_new_tokens=20, tree="3,2", tokenizer=Tok())
+    assert torch.equal(result.tokens, hf_greedy(target, prompt, 20))
+
+    class BigTok:
+        def __len__(self):
+            return 70
+
+    with pytest.raises(ValueError, match="tokenizer has 70 tokens"):
+        generate(target, padded, prompt, max_new_tokens=20, tree="3,2", tokenizer=BigTok())
+
+
+def test_sliding_window_overflow_is_refused(tmp_path):
+    target = tiny_causal_lm("mistral", sliding_window=64)
+    drafter = random_drafter(tmp_path / "d", vocab=64)
+    with pytest.raises(ValueError, match="sliding-window"):
+        generate(target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=40, tree="3,2,2,1,1")
