@@ -235,6 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, all cores)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (JSON, markdown, PNG)")
 
 
@@ -275,6 +276,8 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
                                  f"use {m.name.partition('@')[0]}@sampling at temperature {args.temperature}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
 
 
 def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
@@ -308,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
     validate(args, methods)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     cfg = config_from_args(args, methods)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     models = load_models(args, methods)
     result = run_benchmark(models, prompts, methods, cfg)
     result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant}

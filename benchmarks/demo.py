@@ -29,6 +29,7 @@ class ModelSize:
     steps: int
     lr: float
     num_heads: int = 0            # llama attention heads (0: hidden / 64)
+    intermediate_size: int = 0    # llama MLP width (0: 8/3 * hidden, rounded to 64, as Llama)
     state_size: int = 16          # mamba
     seq_len: int = 256
     global_batch_size: int = 16
@@ -51,12 +52,17 @@ class DemoConfig:
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 
+# Sized from CPU measurements (docs/benchmarks.md). The target is deep and narrow: small-model latency on CPU is
+# per-layer overhead, so one target forward costs >10x a drafter step while training stays cheap in FLOPs.
+# The drafter trains on short windows: transformers' reference (kernel-less) Mamba backward costs O(B * L^2).
 FULL = DemoConfig(
     corpus=CorpusConfig(max_train_chars=3_000_000, max_heldout_chars=300_000, vocab_size=2048, n_prompts=8,
                         prompt_chars=400),
-    target=ModelSize("llama", 256, 8, steps=160, lr=2e-3, num_heads=4),
-    drafter=ModelSize("mamba1", 128, 2, steps=120, lr=4e-3, seq_len=128, global_batch_size=16, micro_batch_size=16),
-    assistant=ModelSize("llama", 128, 2, steps=120, lr=4e-3, num_heads=2, seq_len=128),
+    target=ModelSize("llama", 192, 12, steps=120, lr=2e-3, num_heads=3, seq_len=256, global_batch_size=16,
+                     micro_batch_size=16),
+    drafter=ModelSize("mamba1", 128, 2, steps=100, lr=4e-3, seq_len=64, global_batch_size=32, micro_batch_size=32),
+    assistant=ModelSize("llama", 128, 2, steps=40, lr=4e-3, num_heads=2, seq_len=128, global_batch_size=32,
+                        micro_batch_size=32),
 )
 QUICK = DemoConfig(
     corpus=CorpusConfig(max_train_chars=200_000, max_heldout_chars=60_000, vocab_size=384, n_prompts=2,
@@ -80,6 +86,7 @@ def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distil
     model = ModelConfig(arch=size.arch, tokenizer=str(tokenizer), hidden_size=size.hidden_size,
                         num_hidden_layers=size.num_hidden_layers, state_size=size.state_size,
                         num_heads=size.num_heads or max(1, size.hidden_size // 64),
+                        intermediate_size=size.intermediate_size or -(-size.hidden_size * 8 // 3 // 64) * 64,
                         max_position_embeddings=1024, tie_word_embeddings=True)
     distill = (DistillConfig(target=str(distill_from), kl_weight=1.0, ce_weight=0.0) if distill_from
                else DistillConfig())
@@ -89,7 +96,7 @@ def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distil
                                          lr_min_ratio=0.1),
                        distill=distill, deepspeed="configs/deepspeed/zero1.json", steps=size.steps,
                        global_batch_size=size.global_batch_size, micro_batch_size=size.micro_batch_size,
-                       checkpoint_every=10**9, log_every=10, build_shm_comm=False)
+                       checkpoint_every=10**9, log_every=1, build_shm_comm=False)
 
 
 def train_and_export(name: str, size: ModelSize, corpus: dict[str, Path], cache: Path,
@@ -199,6 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="results directory (default: <cache>/results)")
     parser.add_argument("--repeats", type=int, help="benchmark repeats (default 3, 1 with --quick)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt (default 128, 24 with --quick)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, all cores)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -210,8 +218,14 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     cfg = replace(cfg, repeats=args.repeats or cfg.repeats, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.cache_dir.exists() and not args.cache_dir.is_dir():
         raise NotADirectoryError(f"--cache-dir {args.cache_dir} is not a directory")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     result = run_demo(cfg, args.cache_dir, args.out, force=args.force, rebench=args.rebench)
     print(markdown_report(result))
     print("Skipped verifiers: " + "; ".join(f"{k} ({v})" for k, v in result["skipped_verifiers"].items()))
