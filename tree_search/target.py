@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from tree_search.tree import Tree
 
 _TREE_MASK_OK: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 class UnsupportedTargetError(TypeError):
@@ -42,7 +43,10 @@ def window_capacity(model: torch.nn.Module) -> int | None:
 
 
 def _cache_layers(model: torch.nn.Module) -> list:
-    return list(DynamicCache(config=model.config).layers)
+    """The cache layer objects HF builds for this model (cached per model: building them is not free)."""
+    if model not in _LAYERS:
+        _LAYERS[model] = list(DynamicCache(config=model.config).layers)
+    return _LAYERS[model]
 
 
 def check_tree_support(model: torch.nn.Module) -> None:
@@ -98,7 +102,7 @@ class TargetState:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.cache = DynamicCache(config=model.config)
+        self.cache = None  # DynamicCache, created by prefill
         self.length = 0  # P: committed tokens held in the cache
         self.ids = torch.zeros(1, 0, dtype=torch.long, device=self.device)  # the tokens the cache holds (1, P)
         self.forwards = 0

@@ -75,12 +75,19 @@ def register_verifier(cls: type[Verifier]) -> type[Verifier]:
     return cls
 
 
+_LOADED = False
+
+
 def _load_builtin_verifiers() -> None:
     """Import every module of this package once, so their @register_verifier decorators run."""
+    global _LOADED
+    if _LOADED:
+        return
     package = importlib.import_module("tree_search.verifiers")
     for module in pkgutil.iter_modules(package.__path__):
         if module.name != "base":
             importlib.import_module(f"tree_search.verifiers.{module.name}")
+    _LOADED = True
 
 
 def available_verifiers() -> list[str]:
