@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     from mamba_draft import MambaDrafter
     from tree_search.bandit import DEFAULT_ARMS, UCBBandit
-    from tree_search.generate import generate, generate_autoregressive
+    from tree_search.generate import generate, generate_autoregressive, make_policy
+    from tree_search.sampling import SamplingParams
+    from tree_search.verifiers import get_verifier
 
     if not args.autoregressive and not args.drafter:
         raise SystemExit("mamba-draft generate: --drafter is required (or pass --autoregressive for the baseline)")
@@ -54,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
         path = getattr(args, flag)
         if path and (path.startswith((".", "/")) or Path(path).exists()) and not Path(path).is_dir():
             raise SystemExit(f"mamba-draft generate: --{flag} {path} is not a directory")
-    tree = args.tree or UCBBandit(arms=tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS)
-    verifier = args.verifier or ("greedy" if args.temperature == 0 else "sampling")
+    # everything checkable without the models is checked before loading them
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    tree = make_policy(args.tree or UCBBandit(arms=tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS))
+    verifier = get_verifier(args.verifier or ("greedy" if args.temperature == 0 else "sampling"))
 
     dtype = DTYPES[args.dtype]
     tokenizer = AutoTokenizer.from_pretrained(args.target)

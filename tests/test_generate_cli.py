@@ -1,0 +1,88 @@
+"""`mamba-draft generate`: loads a saved target + tokenizer + drafter, streams text or prints JSON stats."""
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from mamba_draft.cli import main
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, single_thread, tiny_llama  # noqa: F401
+
+WORDS = ("the cat dog sat ran on a mat log and then it was big small red blue green one two three four five six "
+         "seven eight nine ten up down left right in out over under by to from with at").split()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    target = tiny_llama(vocab=64)
+    aligned_drafter(root / "drafter", target)
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    return root, target, tokenizer
+
+
+def _run(capsys, *argv):
+    code = main(["generate", *map(str, argv)])
+    return code, capsys.readouterr().out
+
+
+def test_json_output_is_the_targets_greedy_continuation(saved, capsys):
+    root, target, tokenizer = saved
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "the cat sat on",
+                     "--tree", "3,2,1", "--max-new-tokens", 24, "--json")
+    assert code == 0
+    report = json.loads(out)
+    prompt = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    expected = hf_greedy(target, prompt, 24)[0, prompt.shape[1]:].tolist()
+    assert report["tokens"] == expected
+    assert report["new_tokens"] == 24 and report["mean_accepted"] > 1.0 and report["lossless"]
+    assert report["text"] == tokenizer.decode(expected)
+    assert set(report["arms"]) == {"(3,2,1)"}
+
+
+def test_streams_text_then_prints_stats(saved, capsys, tmp_path):
+    root, target, tokenizer = saved
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("one two three")
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt-file", prompt_file,
+                     "--bandit", "--arms", "2,1;1,1,1", "--max-new-tokens", 16)
+    assert code == 0
+    prompt = tokenizer("one two three", return_tensors="pt").input_ids
+    text = tokenizer.decode(hf_greedy(target, prompt, 16)[0, prompt.shape[1]:])
+    assert out.startswith(text)
+    assert "mean accepted length (tau)" in out and "tree (2,1)" in out and "tree (1,1,1)" in out
+
+
+def test_sampling_and_autoregressive_modes(saved, capsys):
+    root, _, _ = saved
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "red blue",
+                     "--temperature", 0.8, "--seed", 3, "--tree", "2,2", "--max-new-tokens", 10, "--json")
+    assert code == 0 and json.loads(out)["verifier"] == "sampling"
+    code, out = _run(capsys, "--target", root / "target", "--prompt", "red blue", "--autoregressive",
+                     "--max-new-tokens", 10, "--json")
+    assert code == 0 and json.loads(out)["mean_accepted"] == 1.0
+
+
+def test_bad_arguments_fail_clearly(saved, tmp_path):
+    root, _, _ = saved
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["generate", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
+              "--prompt-file", str(tmp_path / "missing.txt")])
+    with pytest.raises(SystemExit, match="--drafter is required"):
+        main(["generate", "--target", str(root / "target"), "--prompt", "the"])
+    with pytest.raises(SystemExit, match="not a directory"):
+        main(["generate", "--target", str(tmp_path / "nowhere"), "--drafter", str(root / "drafter"), "--prompt", "x"])
+    # checked before any model is loaded: the paths below do not even exist
+    nowhere = ["--target", "no/such/target", "--drafter", "no/such/drafter", "--prompt", "the"]
+    with pytest.raises(ValueError, match="temperature"):
+        main(["generate", *nowhere, "--temperature", "-1"])
+    with pytest.raises(ValueError, match="positive"):
+        main(["generate", *nowhere, "--tree", "3,0"])
+    with pytest.raises(ValueError, match="unknown verifier 'exact'"):
+        main(["generate", *nowhere, "--verifier", "exact"])
