@@ -1,19 +1,27 @@
 """Tree-structured speculative decoding with a Mamba drafter: topology, drafting, verification, bandit, generate."""
-from tree_search.bandit import FixedPolicy, UCBBandit, tree_reward
+from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, tree_reward
+from tree_search.generate import GenerateResult, GenerateStats, generate, generate_autoregressive
 from tree_search.sampling import SamplingParams
+from tree_search.target import UnsupportedTargetError
 from tree_search.tree import Tree, TreeConfig
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, available_verifiers, get_verifier, register_verifier
 
 __all__ = [
+    "DEFAULT_ARMS",
     "FixedPolicy",
+    "GenerateResult",
+    "GenerateStats",
     "SamplingParams",
     "Tree",
     "TreeConfig",
     "UCBBandit",
+    "UnsupportedTargetError",
     "Verifier",
     "VerifyInput",
     "VerifyResult",
     "available_verifiers",
+    "generate",
+    "generate_autoregressive",
     "get_verifier",
     "register_verifier",
     "tree_reward",
