@@ -176,3 +176,19 @@ def test_bad_data_inputs_fail_clearly(tokenizer, tmp_path):
         PackedSequences(records, tokenizer, DataConfig(text_column="content"), 0, 1)
     with pytest.raises(ValueError, match="'conversations' or 'messages'"):
         prepare_sft(records, tokenizer, 2048)
+
+
+def test_hub_dataset_id_goes_to_load_dataset_with_config_and_streaming(tokenizer, monkeypatch):
+    """No network in tests: the hub call is intercepted, and fed local FineWeb-Edu-shaped rows."""
+    calls = []
+    local = datasets.load_dataset("json", data_files=str(FIXTURES / "fineweb_edu.jsonl"), split="train", streaming=True)
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        return local
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = DataConfig(path="HuggingFaceFW/fineweb-edu", hub_config="sample-10BT", streaming=True, seq_len=8)
+    records = load_records(cfg)
+    assert calls == [("HuggingFaceFW/fineweb-edu", {"name": "sample-10BT", "split": "train", "streaming": True})]
+    assert next(PackedSequences(records, tokenizer, cfg, rank=0, world=1)).shape == (8,)
