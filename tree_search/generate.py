@@ -30,6 +30,7 @@ class GenerateStats:
     verify_time: float = 0.0
     total_time: float = 0.0
     arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
+    round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
     verifier: str = ""
     lossless: bool = True
 
@@ -63,6 +64,7 @@ class GenerateResult:
         return self.tokens[:, self.stats.prompt_tokens :]
 
 
+@torch.no_grad()
 def generate(
     target: torch.nn.Module,
     drafter,
@@ -125,20 +127,7 @@ def generate(
         t0 = _now(ids.device)
         buf = drafts.draft(config, root, root_logits, params, mode, record_probs, generator)
         t1 = _now(ids.device)
-        logits, hidden = target_state.tree_forward(buf.tokens, buf.tree, want_hidden=verifier.needs_hidden)
-        result = verifier.verify(
-            VerifyInput(
-                tree=buf.tree,
-                tokens=buf.tokens,
-                target_logits=logits,
-                draft_probs=buf.probs if record_probs else None,
-                hidden=hidden,
-                lm_head=target.get_output_embeddings() if verifier.needs_hidden else None,
-                sampling=params,
-                generator=generator,
-                draft_mode=mode,
-            )
-        )
+        result = verify_tree(target_state, verifier, buf, params, generator, mode, record_probs)
         t2 = _now(ids.device)
         proposed = buf.tokens[result.path].tolist() + [int(result.next_token)]
         committed, finished = truncate(proposed, max_new_tokens - len(out), eos)
@@ -148,6 +137,8 @@ def generate(
         stats.rounds += 1
         stats.accepted_lengths.append(len(committed))
         stats.lossy_accepts += result.lossy_accepts
+        if result.info:
+            stats.round_info.append(result.info)
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
         if streamer is not None:
@@ -167,6 +158,25 @@ def generate(
     if streamer is not None:
         streamer.end()
     return GenerateResult(torch.cat([ids, torch.tensor([out], device=ids.device)], dim=1), stats)
+
+
+def verify_tree(target_state: TargetState, verifier: Verifier, buf, params: SamplingParams, generator,
+                mode: str, record_probs: bool):
+    """One target forward over the drafted tree, then the verifier's decision (a VerifyResult)."""
+    logits, hidden = target_state.tree_forward(buf.tokens, buf.tree, want_hidden=verifier.needs_hidden)
+    return verifier.verify(
+        VerifyInput(
+            tree=buf.tree,
+            tokens=buf.tokens,
+            target_logits=logits,
+            draft_probs=buf.probs if record_probs else None,
+            hidden=hidden,
+            lm_head=target_state.model.get_output_embeddings() if verifier.needs_hidden else None,
+            sampling=params,
+            generator=generator,
+            draft_mode=mode,
+        )
+    )
 
 
 @torch.no_grad()
