@@ -146,3 +146,36 @@ def test_bad_checkpoints(tmp_path):
         convert(tmp_path / "shape", tmp_path / "out", to="mamba_ssm")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_hub_id_resolves_through_huggingface_hub(tmp_path, monkeypatch):
+    """A non-local `org/name` goes through huggingface_hub.snapshot_download (stubbed here: tests never download)."""
+    import huggingface_hub
+
+    local = save_tiny_hf_mamba(tmp_path / "snapshot", "mamba2")
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, allow_patterns))
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    drafter = MambaDrafter.from_pretrained("state-spaces/tiny-test", revision="main")
+    assert calls[0][:2] == ("state-spaces/tiny-test", "main")
+    assert "config.json" in calls[0][2] and "*.safetensors" in calls[0][2]
+    assert drafter.config.arch == "mamba2"
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a downloadable hub repository"):
+        MambaDrafter.from_pretrained("org/missing-model")
+
+
+def test_cli_lists_commands_and_rejects_unknown(capsys):
+    assert cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "convert" in out and "generate" in out and "export" in out
+    assert cli(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
