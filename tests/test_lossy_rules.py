@@ -10,7 +10,7 @@ from tests.helpers.tree_models import tiny_llama
 from tree_search.autojudge.classifier import JudgeHead
 from tree_search.sampling import SamplingParams
 from tree_search.tree import Tree, TreeConfig
-from tree_search.verifiers import get_verifier
+from tree_search.verifiers import get_verifier, verifier_class
 from tree_search.verifiers.autojudge import AutoJudgeVerifier
 from tree_search.verifiers.base import VerifyInput
 from tree_search.verifiers.combine import AnyOf
@@ -306,9 +306,10 @@ def test_dropmatch_needs_hidden_and_draft_probs():
 
 def test_registered_and_flagged_lossy():
     for name in ("dropmatch", "fly", "topk", "autojudge", "anyof"):
-        from tree_search.verifiers.base import _REGISTRY
-
-        assert name in _REGISTRY and _REGISTRY[name].lossless is False
+        assert verifier_class(name).lossless is False
+    assert verifier_class("greedy").lossless is True
+    with pytest.raises(ValueError, match="unknown verifier 'exact'.*available: .*greedy"):
+        verifier_class("exact")
 
 
 # ---------------------------------------------------------------- properties shared by every lossy rule

@@ -4,6 +4,9 @@ Node i's drafter state lives in state row i (row 0 = root = state after the last
 forks its parents' rows into its own rows (`gather_`) and steps them together, so the drafter holds the
 state after every non-leaf node; leaves are never stepped (their state is only needed if one is accepted,
 and then `resync` steps it). On CUDA each (rows) step is a captured graph reused across rounds and calls.
+
+Chains at temperature 0 can instead be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven): it
+drafts on scratch rows 1-2 and leaves row 0 committed, so `resync_extend` continues row 0 in one call.
 """
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
 from tree_search.tree import Tree, TreeConfig
 
 _SOFTMAX = SamplingParams(temperature=1.0)
+LOOKUP_ROWS = 3  # row 0 committed, rows 1-2 the lookup drafter's live + snapshot scratch rows
 
 
 @dataclass
@@ -43,6 +48,7 @@ class TreeDrafter:
         self.trees: dict[TreeConfig, DraftTree] = {}
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = self.device.type == "cuda"
+        self.calls = 0  # sequential drafter invocations (prefill, step, extend) since construction
 
     @classmethod
     def for_drafter(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
@@ -73,6 +79,7 @@ class TreeDrafter:
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Encode the prompt (1, L) into row 0; returns the logits for the next token (V,)."""
         logits, _ = self.drafter.prefill(input_ids, state=self.state)
+        self.calls += 1
         return logits[0]
 
     @torch.no_grad()
@@ -125,9 +132,41 @@ class TreeDrafter:
         self.one_token.fill_(int(next_token))
         return self._step(self.one_token, 0, 1)[0]
 
+    @torch.no_grad()
+    def draft_chain_lookup(
+        self, config: TreeConfig, root_token: torch.Tensor, root_logits: torch.Tensor, context: torch.Tensor,
+        record_probs: bool,
+    ) -> tuple[DraftTree, LookupDraft]:
+        """Fill a chain with the drafter's greedy tokens, skipping steps with prompt lookup (temperature 0 only).
+
+        context: (L,) committed tokens up to the root. Row 0 (the committed state) is copied to scratch row 1 and
+        left untouched; follow with `resync_extend`. Same tokens (and recorded probs) as `draft` on a chain.
+        """
+        buf = self.buffers(config)
+        self.state.gather_(1, self.row_index[:1])
+        lookup = draft_chain_with_lookup(self.drafter, self.state.rows(1, LOOKUP_ROWS), root_logits, context,
+                                         config.depth, vocab=self.vocab, keep_logits=record_probs)
+        self.calls += lookup.drafter_calls
+        buf.tokens[0] = root_token
+        buf.tokens[1:] = lookup.tokens
+        if record_probs:
+            buf.probs[: config.depth, : self.vocab] = logits_to_probs(lookup.logits[:, : self.vocab], _SOFTMAX)
+        return buf, lookup
+
+    @torch.no_grad()
+    def resync_extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Row 0 holds the state after the root: extend it by the accepted tokens + next token (1-D) in one call.
+
+        Returns the next logits (V,); `one_token` holds the next token (the new root).
+        """
+        self.one_token.copy_(tokens[-1:])
+        self.calls += 1
+        return self.drafter.extend(tokens.view(1, -1), self.state.rows(0, 1), last_only=True)[0]
+
     def _step(self, tokens: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """drafter.step on rows [start:stop] with tokens[start:stop] (tokens[0:1] for the resync buffer)."""
         inputs = tokens if tokens is self.one_token else tokens[start:stop]
+        self.calls += 1
         if not self.use_graphs:
             return self.drafter.step(inputs, self.state.rows(start, stop))
         key = (inputs.data_ptr(), start, stop)

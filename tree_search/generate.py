@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tree_search.bandit import FixedPolicy, UCBBandit
-from tree_search.drafting import TreeDrafter
+from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
 from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from tree_search.target import TargetState, check_tree_support, max_positions, target_vocab_size, window_capacity
 from tree_search.tree import TreeConfig
@@ -25,10 +25,13 @@ class GenerateStats:
     target_forwards: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     lossy_accepts: int = 0
+    lossy_accepts_by: dict[str, int] = field(default_factory=dict)  # per acceptance rule (a node two rules accept counts for both)
     cut_tokens: int = 0  # tokens the last round proposed beyond EOS / max_new_tokens (dropped)
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
+    drafter_calls: int = 0  # sequential drafter invocations (prefill, steps, extends)
+    drafter_calls_saved: int = 0  # prompt lookup: drafter calls the step-by-step chain path would have made more
     arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
     round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
     verifier: str = ""
@@ -81,19 +84,21 @@ def generate(
     seed: int | None = None,
     tokenizer=None,
     streamer=None,
+    prompt_lookup: bool = False,
 ) -> GenerateResult:
     """Tree speculative decoding of one prompt (batch size 1).
 
     tree: a TreeConfig / "3,2,2,1,1" / tuple (fixed shape), "bandit" (UCB over the default arms, reset per
     call) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls).
     eos_token_id: None takes the target's generation_config (as `target.generate` does).
+    prompt_lookup: FLy's multi-level acceleration for chains at temperature 0: prompt-lookup n-gram proposals
+    pre-verified by the drafter produce the same greedy chain with fewer drafter calls (same output).
     All inputs are validated before any model runs.
     """
     params = SamplingParams(temperature, top_k, top_p)
     verifier = get_verifier(verifier, **(verifier_params or {}))
-    if verifier.greedy_only and not params.greedy:
-        raise ValueError(f"verifier {verifier.name!r} is for temperature 0; use verifier='sampling' for temperature {temperature}")
     policy = make_policy(tree)
+    check_options(verifier, policy, params, prompt_lookup)
     ids = check_prompt(
         target, input_ids, max_new_tokens,
         tree_depth=max(a.depth for a in policy.arms), tree_nodes=max(a.num_nodes for a in policy.arms),
@@ -102,6 +107,7 @@ def generate(
     widest = max(max(a.branching) for a in policy.arms)
     if widest > vocab:
         raise ValueError(f"a tree level asks for {widest} distinct children but the vocabulary has {vocab} tokens")
+    verifier.check_target(target)
     check_tree_support(target)
     eos = eos_set(target, eos_token_id)
 
@@ -114,7 +120,9 @@ def generate(
 
     target_state = TargetState(target)
     target_state.prefill(ids[:, :-1])  # the last prompt token is the first round's root
-    drafts = TreeDrafter.for_drafter(drafter, max(a.num_nodes for a in policy.arms) + 1, target_vocab_size(target))
+    rows = max(a.num_nodes for a in policy.arms) + 1
+    drafts = TreeDrafter.for_drafter(drafter, max(rows, LOOKUP_ROWS) if prompt_lookup else rows, target_vocab_size(target))
+    calls_before = drafts.calls
     root_logits = drafts.prefill(ids)
     root = ids[0, -1]
     out: list[int] = []
@@ -125,7 +133,12 @@ def generate(
         arm = policy.select()
         config = policy.arms[arm]
         t0 = _now(ids.device)
-        buf = drafts.draft(config, root, root_logits, params, mode, record_probs, generator)
+        if prompt_lookup:
+            context = torch.cat([ids[0], torch.tensor(out, dtype=torch.long, device=ids.device)])
+            buf, lookup = drafts.draft_chain_lookup(config, root, root_logits, context, record_probs)
+            stats.drafter_calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
+        else:
+            buf = drafts.draft(config, root, root_logits, params, mode, record_probs, generator)
         t1 = _now(ids.device)
         result = verify_tree(target_state, verifier, buf, params, generator, mode, record_probs)
         t2 = _now(ids.device)
@@ -137,6 +150,7 @@ def generate(
         stats.rounds += 1
         stats.accepted_lengths.append(len(committed))
         stats.lossy_accepts += result.lossy_accepts
+        count_lossy_by_rule(stats.lossy_accepts_by, verifier, result)
         if result.info:
             stats.round_info.append(result.info)
         stats.draft_time += t1 - t0
@@ -147,17 +161,53 @@ def generate(
             break
         target_state.commit(result.path, len(buf.tree))
         t3 = _now(ids.device)
-        root_logits = drafts.resync(buf, result.path, result.next_token)
+        if prompt_lookup:
+            root_logits = drafts.resync_extend(torch.tensor(proposed, device=ids.device))
+            stats.drafter_calls_saved += len(result.path) == config.depth  # `resync` steps an accepted leaf too
+        else:
+            root_logits = drafts.resync(buf, result.path, result.next_token)
         root = drafts.one_token[0]
         stats.draft_time += _now(ids.device) - t3
 
     stats.total_time = _now(ids.device) - started
     stats.new_tokens = len(out)
     stats.target_forwards = target_state.forwards
+    stats.drafter_calls = drafts.calls - calls_before
     stats.arms = policy.summary()
     if streamer is not None:
         streamer.end()
     return GenerateResult(torch.cat([ids, torch.tensor([out], device=ids.device)], dim=1), stats)
+
+
+def count_lossy_by_rule(totals: dict[str, int], verifier: Verifier, result) -> None:
+    """Add a round's lossy acceptances per rule: the verifier's own breakdown, else all under its name."""
+    by_rule = result.info.get("lossy_accepts_by")
+    if by_rule is None:
+        by_rule = {verifier.name: result.lossy_accepts} if result.lossy_accepts else {}
+    for name, count in by_rule.items():
+        totals[name] = totals.get(name, 0) + int(count)
+
+
+def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams, prompt_lookup: bool) -> None:
+    """Refuse verifier / tree / sampling / prompt-lookup combinations that cannot work (no model needed)."""
+    if verifier.greedy_only and not params.greedy:
+        raise ValueError(
+            f"verifier {verifier.name!r} is for temperature 0; use verifier='sampling' for temperature {params.temperature}"
+        )
+    if not isinstance(prompt_lookup, bool):
+        raise TypeError(f"prompt_lookup must be True or False, got {prompt_lookup!r}")
+    if not prompt_lookup:
+        return
+    if not params.greedy:
+        raise ValueError(
+            f"prompt_lookup drafts the drafter's greedy chain, so it needs temperature 0 (got {params.temperature})"
+        )
+    trees = [str(arm) for arm in policy.arms if max(arm.branching) > 1]
+    if trees:
+        raise ValueError(
+            f"prompt_lookup drafts chains only (every branching factor 1), but tree arm(s) {', '.join(trees)} branch; "
+            "pass a chain such as tree='1,1,1,1,1'"
+        )
 
 
 def verify_tree(target_state: TargetState, verifier: Verifier, buf, params: SamplingParams, generator,

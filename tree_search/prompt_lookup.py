@@ -36,6 +36,7 @@ class LookupDraft:
     drafter_calls: int  # sequential drafter invocations (step or extend) it took
     proposed: int  # lookup tokens offered to the drafter
     accepted: int  # lookup tokens the drafter agreed with
+    logits: torch.Tensor | None = None  # (num_tokens, V) the logits each token was chosen from (if keep_logits)
 
 
 @torch.no_grad()
@@ -47,39 +48,50 @@ def draft_chain_with_lookup(
     num_tokens: int,
     max_ngram: int = 4,
     num_proposed: int = 6,
+    vocab: int | None = None,
+    keep_logits: bool = False,
 ) -> LookupDraft:
     """Draft the drafter's greedy chain of `num_tokens` tokens, using prompt lookup to skip drafter steps.
 
     drafter: a `MambaDrafter`; state: a `DrafterState` with >= 2 rows whose row 0 holds the state after `context`
     (rows 0 and 1 are used as scratch and left in an unspecified drafted state: resync from the committed state).
     logits: (V,) the drafter's next-token logits after `context`; context: (L,) token ids up to the root token.
+    vocab: greedy choices are made among ids < vocab (the target's vocabulary when the drafter's is padded wider).
+    keep_logits: also return the logits each drafted token was chosen from (for verifiers that read draft probs).
     Host-side control flow (one sync per proposal): meant for the CPU / eager path.
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     if state.max_batch < 2:
         raise ValueError("draft_chain_with_lookup needs a DrafterState with at least 2 rows (live + snapshot)")
+    vocab = vocab or logits.shape[-1]
     live = state.rows(0, 1)
     snapshot_row = torch.tensor([0], device=context.device)
     restore_row = torch.tensor([1], device=context.device)
-    tokens = [int(logits.argmax())]
+    chooser = [logits.view(1, -1)]  # chooser[i]: the logits token i was the argmax of
+    tokens = [int(logits[:vocab].argmax())]
     calls = proposed = accepted = 0
     while len(tokens) < num_tokens:
         last = torch.tensor([tokens[-1]], device=context.device)
         history = torch.cat([context, torch.tensor(tokens, device=context.device)])
         proposal = lookup_proposal(history, max_ngram, num_proposed)[: num_tokens - len(tokens)]
         if proposal.numel() == 0:
-            tokens.append(int(drafter.step(last, live)[0].argmax()))
+            step_logits = drafter.step(last, live)
+            tokens.append(int(step_logits[0, :vocab].argmax()))
+            chooser.append(step_logits)
             calls += 1
             continue
         state.gather_(1, snapshot_row)  # keep the pre-proposal state in case the drafter disagrees
-        greedy = drafter.extend(torch.cat([last, proposal]).view(1, -1), live)[0].argmax(-1)
+        block = drafter.extend(torch.cat([last, proposal]).view(1, -1), live)[0]
+        greedy = block[:, :vocab].argmax(-1)
         calls += 1
         agree = int((proposal == greedy[:-1]).long().cumprod(0).sum())
         proposed, accepted = proposed + proposal.numel(), accepted + agree
         tokens += proposal[:agree].tolist() + [int(greedy[agree])]
+        chooser.append(block[: agree + 1])
         if agree < proposal.numel() and len(tokens) < num_tokens:  # live row ran past the agreed prefix: rebuild
             state.gather_(0, restore_row)
             drafter.extend(torch.cat([last, proposal[:agree]]).view(1, -1), live)
             calls += 1
-    return LookupDraft(torch.tensor(tokens[:num_tokens], device=context.device), calls, proposed, accepted)
+    kept = torch.cat(chooser)[:num_tokens] if keep_logits else None
+    return LookupDraft(torch.tensor(tokens[:num_tokens], device=context.device), calls, proposed, accepted, kept)

@@ -40,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
 def _mine(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.prompts import encode_prompt, load_prompts
     from mamba_draft import MambaDrafter
     from tree_search.autojudge.answers import get_task
     from tree_search.autojudge.mine import check_or_write_manifest, mine
+    from tree_search.prompts import encode_prompt, load_prompts
 
     task = get_task(args.task)  # validate everything cheap before loading models
     if args.max_new_tokens < 1:

@@ -6,6 +6,7 @@ from tree_search.verifiers.base import (
     available_verifiers,
     get_verifier,
     register_verifier,
+    verifier_class,
 )
 from tree_search.verifiers.greedy import GreedyVerifier
 from tree_search.verifiers.sampling import SamplingVerifier
@@ -17,6 +18,7 @@ __all__ = [
     "available_verifiers",
     "get_verifier",
     "register_verifier",
+    "verifier_class",
     "GreedyVerifier",
     "SamplingVerifier",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -52,6 +53,9 @@ class Verifier:
     def verify(self, inp: VerifyInput) -> VerifyResult:
         raise NotImplementedError
 
+    def check_target(self, target: torch.nn.Module) -> None:
+        """Refuse a target this verifier cannot judge; `generate` calls it before any model runs (default: any)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, lossless={self.lossless}, draft_mode={self.draft_mode!r})"
 
@@ -96,10 +100,19 @@ def available_verifiers() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def verifier_class(name: str) -> type[Verifier]:
+    """The class registered under `name`, without constructing it (constructors may need parameters)."""
+    _load_builtin_verifiers()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown verifier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
 def get_verifier(name: str | Verifier, **params) -> Verifier:
     """Build a verifier by registered name; `"a+b"` builds the any-of combinator `combine.AnyOf` over a and b.
 
-    Unknown names raise ValueError listing the known ones. A Verifier instance is passed through.
+    Parameters may be given as `key` or `<name>.key`. Unknown names and parameters the verifier does not take raise
+    ValueError naming the known ones. A Verifier instance is passed through.
     """
     if isinstance(name, Verifier):
         if params:
@@ -107,11 +120,23 @@ def get_verifier(name: str | Verifier, **params) -> Verifier:
         return name
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"verifier name must be a non-empty string, got {name!r}")
-    _load_builtin_verifiers()
     if "+" in name:
         from tree_search.verifiers.combine import AnyOf  # owned by the lossy-verifier engineer
 
         return AnyOf([part.strip() for part in name.split("+")], **params)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown verifier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**params)
+    cls = verifier_class(name)
+    params = {key.removeprefix(f"{name}."): value for key, value in params.items()}
+    check_params(cls, params)
+    return cls(**params)
+
+
+def check_params(cls: type[Verifier], params: dict) -> None:
+    """Refuse parameters `cls`'s constructor does not take, listing the ones it does."""
+    signature = inspect.signature(cls.__init__)
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return
+    accepted = [p for p in signature.parameters if p != "self"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no parameters"
+        raise ValueError(f"verifier {cls.name!r} does not take {', '.join(map(repr, unknown))}; {takes}")

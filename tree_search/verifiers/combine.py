@@ -19,7 +19,7 @@ import torch
 
 from tree_search.sampling import logits_to_probs, sample
 from tree_search.tree import Tree
-from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, register_verifier
+from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, register_verifier, verifier_class
 
 
 @dataclass
@@ -106,9 +106,6 @@ class LossyVerifier(Verifier):
         """(P, D) bool: path nodes this rule accepts even if they differ from the target's choice."""
         raise NotImplementedError
 
-    def check_target(self, target: torch.nn.Module) -> None:
-        """Refuse a target this verifier cannot judge, before any generation work (default: any target)."""
-
     def verify(self, inp: VerifyInput) -> VerifyResult:
         paths = build_paths(inp)
         return accept_longest(paths, {self.name: self.lossy_mask(inp, paths) & paths.valid})
@@ -143,7 +140,7 @@ class AnyOf(LossyVerifier):
         built = []
         for v in verifiers:
             if isinstance(v, str):
-                cls = get_verifier_class(v)
+                cls = verifier_class(v)
                 routed = _route_params(cls, params)
                 used |= {k for k in params if k in routed or k.startswith(f"{v}.")}
                 v = cls(**routed)
@@ -172,12 +169,3 @@ class AnyOf(LossyVerifier):
         for v in self.verifiers:
             v.check_target(target)
 
-
-def get_verifier_class(name: str) -> type[Verifier]:
-    """A registered verifier's class, looked up without constructing it (constructors may need parameters)."""
-    from tree_search.verifiers import base
-
-    base._load_builtin_verifiers()
-    if name not in base._REGISTRY:
-        raise ValueError(f"unknown verifier {name!r}; available: {', '.join(sorted(base._REGISTRY))}")
-    return base._REGISTRY[name]

@@ -1,0 +1,78 @@
+"""Prompt files: Spec-Bench JSONL (`turns`, `category`) or plain JSONL with a `prompt` field, and their encoding.
+
+Lives in tree_search (AutoJudge mining reads prompt files) so that benchmarks can import it, never the reverse.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    category: str = "all"
+    question_id: str = ""
+
+
+def parse_prompt_line(line: str, where: str) -> Prompt:
+    """One JSONL record -> Prompt. Spec-Bench records use their first turn (later turns need the model's answer)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+        text = turns[0]
+    elif "prompt" in record:
+        text = record["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
+    else:
+        raise ValueError(f"{where}: record has neither 'turns' (Spec-Bench) nor 'prompt'; keys: {sorted(record)}")
+    if not text.strip():
+        raise ValueError(f"{where}: empty prompt")
+    category = record.get("category", "all")
+    if not isinstance(category, str) or not category:
+        raise ValueError(f"{where}: 'category' must be a non-empty string")
+    return Prompt(text=text, category=category, question_id=str(record.get("question_id", record.get("id", ""))))
+
+
+def load_prompts(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
+    """Read every line of a prompt file (validating all of them) and return the selected prompts.
+
+    `per_category` keeps the first N prompts of each category (Spec-Bench subsets), `limit` then caps the total.
+    Blank lines are skipped; any malformed line raises ValueError naming the file and line number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                prompts.append(parse_prompt_line(line, f"{path}:{number}"))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    if per_category is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            if seen[p.category] <= per_category:
+                kept.append(p)
+        prompts = kept
+    return prompts[:limit] if limit is not None else prompts
+
+
+def encode_prompt(tokenizer, text: str, use_chat_template: bool = True) -> list[int]:
+    """Token ids for one prompt: the tokenizer's chat template when it has one, else the raw text."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
