@@ -9,6 +9,7 @@ from tree_search.sampling import SamplingParams, logits_to_probs, sample_without
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import (
     GreedyVerifier, SamplingVerifier, Verifier, VerifyInput, available_verifiers, get_verifier, register_verifier,
+    verifier_class,
 )
 
 
@@ -107,6 +108,21 @@ def test_registry():
         get_verifier("nope")
     with pytest.raises(ValueError, match="non-empty"):
         get_verifier("")
+
+
+def test_verifier_class_and_parameter_checks():
+    from tree_search.verifiers.fly import FLyVerifier
+
+    assert verifier_class("greedy") is GreedyVerifier and verifier_class("fly") is FLyVerifier
+    with pytest.raises(ValueError, match="unknown verifier 'nope'; available: .*greedy"):
+        verifier_class("nope")
+    assert get_verifier("fly", **{"fly.theta": 0.7}, window=3).theta == 0.7  # '<name>.key' works on a single verifier
+    with pytest.raises(ValueError, match="verifier 'fly' does not take 'foo'; it takes theta, window, entropy"):
+        get_verifier("fly", foo=1)
+    with pytest.raises(ValueError, match="verifier 'greedy' does not take 'k'; it takes no parameters"):
+        get_verifier("greedy", k=1)
+    with pytest.raises(ValueError, match="does not take 'topk.k'"):  # another verifier's prefix is not stripped
+        get_verifier("fly", **{"topk.k": 2})
 
 
 def test_register_verifier_validates_declarations():

@@ -132,10 +132,10 @@ def get_verifier(name: str | Verifier, **params) -> Verifier:
 
 def check_params(cls: type[Verifier], params: dict) -> None:
     """Refuse parameters `cls`'s constructor does not take, listing the ones it does."""
-    signature = inspect.signature(cls.__init__)
+    signature = inspect.signature(cls)
     if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         return
-    accepted = [p for p in signature.parameters if p != "self"]
+    accepted = list(signature.parameters)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no parameters"
