@@ -85,3 +85,56 @@ def test_bad_arguments_fail_clearly(saved, tmp_path):
         main(["generate", *nowhere, "--tree", "3,0"])
     with pytest.raises(ValueError, match="unknown verifier 'exact'"):
         main(["generate", *nowhere, "--verifier", "exact"])
+
+
+def test_combined_verifier_with_routed_parameters(saved, capsys):
+    root, _, _ = saved
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "the cat sat on",
+                     "--tree", "2,2,1,1", "--max-new-tokens", 24, "--json", "--verifier", "topk+fly",
+                     "--verifier-param", "k=3", "--verifier-param", "fly.theta=0.3", "--verifier-param", "fly.window=2")
+    assert code == 0
+    report = json.loads(out)
+    assert report["verifier"] == "topk+fly" and not report["lossless"]
+    assert set(report["lossy_accepts_by"]) == {"topk", "fly"} and report["lossy_accepts"] > 0
+    # the routed values reached the verifiers: theta = inf and k = 1 never loosen, so this run is the greedy one
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "the cat sat on",
+                     "--tree", "2,2,1,1", "--max-new-tokens", 24, "--json", "--verifier", "topk+fly",
+                     "--verifier-param", "k=1", "--verifier-param", "fly.theta=.inf")
+    strict = json.loads(out)
+    assert strict["lossy_accepts"] == 0 and strict["lossy_accepts_by"] == {"topk": 0, "fly": 0}
+
+
+def test_prompt_lookup_keeps_the_greedy_output(saved, capsys):
+    root, target, tokenizer = saved
+    args = ["--target", root / "target", "--drafter", root / "drafter", "--prompt", "one two one two one",
+            "--tree", "1,1,1,1,1,1", "--max-new-tokens", 30, "--json"]
+    plain = json.loads(_run(capsys, *args)[1])
+    code, out = _run(capsys, *args, "--prompt-lookup")
+    assert code == 0
+    lookup = json.loads(out)
+    prompt = tokenizer("one two one two one", return_tensors="pt").input_ids
+    assert lookup["tokens"] == plain["tokens"] == hf_greedy(target, prompt, 30)[0, prompt.shape[1]:].tolist()
+    assert plain["drafter_calls"] - lookup["drafter_calls"] == lookup["drafter_calls_saved"]
+    _, out = _run(capsys, *args[:-1], "--prompt-lookup")
+    assert f"({lookup['drafter_calls_saved']} saved by prompt lookup)" in out
+
+
+@pytest.mark.parametrize("extra, error, message", [
+    (["--verifier-param", "theta"], SystemExit, "expects KEY=VALUE, got 'theta'"),
+    (["--verifier", "fly", "--verifier-param", "theta=[1"], SystemExit, "--verifier-param theta: cannot parse"),
+    (["--verifier", "fly", "--verifier-param", "k=1", "--verifier-param", "k=2"], SystemExit, "k is given twice"),
+    (["--verifier", "fly", "--verifier-param", "foo=1"], ValueError, "verifier 'fly' does not take 'foo'"),
+    (["--verifier", "fly", "--verifier-param", "theta=-1"], ValueError, "theta must be a number >= 0"),
+    (["--verifier-param", "k=2"], ValueError, "verifier 'greedy' does not take 'k'"),
+    (["--verifier", "topk+fly", "--verifier-param", "p=0.1"], ValueError, r"parameters \['p'\] are not accepted"),
+    (["--verifier", "autojudge+dropmatch", "--verifier-param", "judge=no/such/judge.safetensors"], FileNotFoundError,
+     "does not exist"),
+    (["--prompt-lookup", "--tree", "3,2"], ValueError, "chains only"),
+    (["--prompt-lookup"], ValueError, "chains only"),  # the default bandit has tree arms
+    (["--prompt-lookup", "--tree", "1,1", "--temperature", "0.5"], ValueError, "needs temperature 0"),
+    (["--prompt-lookup", "--autoregressive"], SystemExit, "--autoregressive uses no drafter"),
+])
+def test_verifier_params_and_prompt_lookup_are_checked_before_loading_models(extra, error, message):
+    # the model paths do not exist: each error must come before anything is loaded
+    with pytest.raises(error, match=message):
+        main(["generate", "--target", "no/such/target", "--drafter", "no/such/drafter", "--prompt", "the", *extra])
