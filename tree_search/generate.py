@@ -12,7 +12,7 @@ from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
 from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from tree_search.target import TargetState, check_tree_support, max_positions, target_vocab_size, window_capacity
 from tree_search.tree import TreeConfig
-from tree_search.verifiers import Verifier, VerifyInput, get_verifier
+from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
 
 
 @dataclass
@@ -25,13 +25,13 @@ class GenerateStats:
     target_forwards: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     lossy_accepts: int = 0
-    lossy_accepts_by: dict[str, int] = field(default_factory=dict)  # per acceptance rule (a node two rules accept counts for both)
+    lossy_accepts_by: dict[str, int] = field(default_factory=dict)  # per rule; a node two rules accept counts twice
     cut_tokens: int = 0  # tokens the last round proposed beyond EOS / max_new_tokens (dropped)
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
     drafter_calls: int = 0  # sequential drafter invocations (prefill, steps, extends)
-    drafter_calls_saved: int = 0  # prompt lookup: drafter calls the step-by-step chain path would have made more
+    drafter_calls_saved: int = 0  # prompt lookup: calls the step-by-step chain path would have made more (can be < 0)
     arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
     round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
     verifier: str = ""
@@ -92,7 +92,8 @@ def generate(
     call) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls).
     eos_token_id: None takes the target's generation_config (as `target.generate` does).
     prompt_lookup: FLy's multi-level acceleration for chains at temperature 0: prompt-lookup n-gram proposals
-    pre-verified by the drafter produce the same greedy chain with fewer drafter calls (same output).
+    pre-verified by the drafter give the same greedy chain (so the same output) in fewer drafter calls when the text
+    repeats itself, more when proposals keep failing (stats.drafter_calls_saved). Host-driven, not graph-captured.
     All inputs are validated before any model runs.
     """
     params = SamplingParams(temperature, top_k, top_p)
@@ -121,7 +122,8 @@ def generate(
     target_state = TargetState(target)
     target_state.prefill(ids[:, :-1])  # the last prompt token is the first round's root
     rows = max(a.num_nodes for a in policy.arms) + 1
-    drafts = TreeDrafter.for_drafter(drafter, max(rows, LOOKUP_ROWS) if prompt_lookup else rows, target_vocab_size(target))
+    rows = max(rows, LOOKUP_ROWS) if prompt_lookup else rows
+    drafts = TreeDrafter.for_drafter(drafter, rows, target_vocab_size(target))
     calls_before = drafts.calls
     root_logits = drafts.prefill(ids)
     root = ids[0, -1]
@@ -179,7 +181,7 @@ def generate(
     return GenerateResult(torch.cat([ids, torch.tensor([out], device=ids.device)], dim=1), stats)
 
 
-def count_lossy_by_rule(totals: dict[str, int], verifier: Verifier, result) -> None:
+def count_lossy_by_rule(totals: dict[str, int], verifier: Verifier, result: VerifyResult) -> None:
     """Add a round's lossy acceptances per rule: the verifier's own breakdown, else all under its name."""
     by_rule = result.info.get("lossy_accepts_by")
     if by_rule is None:
@@ -192,7 +194,8 @@ def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams,
     """Refuse verifier / tree / sampling / prompt-lookup combinations that cannot work (no model needed)."""
     if verifier.greedy_only and not params.greedy:
         raise ValueError(
-            f"verifier {verifier.name!r} is for temperature 0; use verifier='sampling' for temperature {params.temperature}"
+            f"verifier {verifier.name!r} is for temperature 0; "
+            f"use verifier='sampling' for temperature {params.temperature}"
         )
     if not isinstance(prompt_lookup, bool):
         raise TypeError(f"prompt_lookup must be True or False, got {prompt_lookup!r}")
