@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
+from tree_search.prompt_lookup import LookupDraft, advance, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
 from tree_search.tree import Tree, TreeConfig
 
@@ -161,7 +161,7 @@ class TreeDrafter:
         """
         self.one_token.copy_(tokens[-1:])
         self.calls += 1
-        return self.drafter.extend(tokens.view(1, -1), self.state.rows(0, 1), last_only=True)[0]
+        return advance(self.drafter, tokens, self.state.rows(0, 1))
 
     def _step(self, tokens: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """drafter.step on rows [start:stop] with tokens[start:stop] (tokens[0:1] for the resync buffer)."""
