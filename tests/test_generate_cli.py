@@ -104,6 +104,22 @@ def test_combined_verifier_with_routed_parameters(saved, capsys):
     assert strict["lossy_accepts"] == 0 and strict["lossy_accepts_by"] == {"topk": 0, "fly": 0}
 
 
+def test_autojudge_plus_dropmatch_from_the_command_line(saved, capsys, tmp_path):
+    import torch
+
+    from tree_search.autojudge.classifier import JudgeHead
+
+    root, _, _ = saved
+    g = torch.Generator().manual_seed(0)  # an untrained head for the 32-wide tiny target
+    JudgeHead(torch.zeros(32), torch.ones(32), torch.randn(32, generator=g), torch.zeros(1)).save(tmp_path / "j.safetensors")
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "red blue green",
+                     "--tree", "2,2,1", "--max-new-tokens", 20, "--verifier", "autojudge+dropmatch",
+                     "--verifier-param", f"judge={tmp_path / 'j.safetensors'}", "--verifier-param", "threshold=0.5",
+                     "--verifier-param", "dropmatch.p=0.2")
+    assert code == 0
+    assert "verifier autojudge+dropmatch (lossy" in out and "lossy accepts by rule: autojudge " in out
+
+
 def test_prompt_lookup_keeps_the_greedy_output(saved, capsys):
     root, target, tokenizer = saved
     args = ["--target", root / "target", "--drafter", root / "drafter", "--prompt", "one two one two one",
