@@ -1,6 +1,7 @@
 """The verifier contract (see docs/architecture.md) and the by-name registry."""
 from __future__ import annotations
 
+import abc
 import importlib
 import inspect
 import pkgutil
@@ -40,7 +41,7 @@ class VerifyResult:
     info: dict = field(default_factory=dict)
 
 
-class Verifier:
+class Verifier(abc.ABC):
     """Base class: subclasses set the class variables and implement `verify`."""
 
     name: ClassVar[str]
@@ -50,8 +51,9 @@ class Verifier:
     needs_draft_probs: ClassVar[bool] = False  # record q even at temperature 0 (always recorded when T > 0)
     greedy_only: ClassVar[bool] = False  # refuses temperature > 0 (checked by generate before any work)
 
+    @abc.abstractmethod
     def verify(self, inp: VerifyInput) -> VerifyResult:
-        raise NotImplementedError
+        """Accepted path and next token for one drafted tree."""
 
     def check_target(self, target: torch.nn.Module) -> None:
         """Refuse a target this verifier cannot judge; `generate` calls it before any model runs (default: any)."""

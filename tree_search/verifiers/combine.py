@@ -11,6 +11,8 @@ With a rule that never fires this is token-for-token the greedy (or naive-sampli
 """
 from __future__ import annotations
 
+import abc
+
 import inspect
 from dataclasses import dataclass
 from functools import lru_cache
@@ -102,9 +104,9 @@ class LossyVerifier(Verifier):
     lossless = False
     draft_mode = "topk"
 
+    @abc.abstractmethod
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
         """(P, D) bool: path nodes this rule accepts even if they differ from the target's choice."""
-        raise NotImplementedError
 
     def verify(self, inp: VerifyInput) -> VerifyResult:
         paths = build_paths(inp)
@@ -161,7 +163,12 @@ class AnyOf(LossyVerifier):
         self.needs_hidden = any(v.needs_hidden for v in built)
         self.needs_draft_probs = any(v.needs_draft_probs for v in built)
 
+    def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
+        """Nodes any of the rules accepts."""
+        return torch.stack([v.lossy_mask(inp, paths) for v in self.verifiers]).any(0)
+
     def verify(self, inp: VerifyInput) -> VerifyResult:
+        # each rule's mask separately, so acceptances are counted per rule
         paths = build_paths(inp)
         return accept_longest(paths, {v.name: v.lossy_mask(inp, paths) & paths.valid for v in self.verifiers})
 
