@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import transformers
@@ -183,8 +184,13 @@ def test_resume_after_sigkill_is_exact(workdir, tok_dir, pretrain_run):
     try:
         wait_for(log, "hang_after_step: checkpoint at step 4 written", proc, LAUNCH_TIMEOUT)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks: nothing gets to clean up
+        # torchrun starts each rank in its own session, so killing the launcher's group would orphan them:
+        # SIGKILL the launcher and every descendant at once; nothing gets to clean up.
+        family = [proc.pid] + [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+        for pid in family:
+            os.kill(pid, signal.SIGKILL)
         proc.wait()
+        psutil.wait_procs([psutil.Process(pid) for pid in family[1:] if psutil.pid_exists(pid)], timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert (killed / "checkpoints" / "latest").read_text().strip() == "global_step4"
     assert not (killed / "checkpoints" / "global_step8").exists()

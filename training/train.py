@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -219,8 +220,10 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
             save_checkpoint(engine, ckpt_dir, step, data, rank)
         if cfg.hang_after_step == step:
             print(f"hang_after_step: checkpoint at step {step} written; blocking", flush=True)
-            while True:
-                time.sleep(3600)
+            parent = os.getppid()
+            while os.getppid() == parent:  # block until killed; never outlive the launcher as an orphan
+                time.sleep(1)
+            raise SystemExit(f"hang_after_step: launcher {parent} went away")
     bar.close()
     if writer is not None:
         writer.close()
