@@ -169,7 +169,8 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
         base = next(r["step_ms"] for r in rows if r["context"] == BASE_CONTEXT)
         for r in rows:
             r["ratio_to_64"] = r["step_ms"] / base
-        results[name] = {"params": n_params(model), "weight_bytes": tensor_bytes(model.state_dict().values()),
+        weights = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied tensors once
+        results[name] = {"params": n_params(model), "weight_bytes": tensor_bytes(weights),
                          "rows": rows}
     bar.close()
     return {"config": asdict(cfg), "device": describe_device(device), "torch": torch.__version__,

@@ -13,10 +13,13 @@ from pathlib import Path
 
 from benchmarks.corpus import CorpusConfig, build_corpus
 
-# The table compares these on held-out prompts. Verifiers: `greedy` is the lossless one for temperature 0;
-# `sampling` needs temperature > 0 and `autojudge` a trained judge head, so neither runs in the greedy demo.
-DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "chain", "tree:3,2,2,1,1", "bandit", "bandit:1,1,1,1/2,1,1,1/3,2,1",
-                "bandit@fly", "bandit@topk", "bandit@dropmatch")
+# The table compares these on held-out prompts. `bandit` uses the paper's arms (38-48-node trees, built for GPUs);
+# the CPU bandit's arms are small, because on CPU verifying a 45-node tree costs ~2.5x one token.
+# Verifiers: `greedy` is the lossless one at temperature 0; `sampling` needs temperature > 0 and `autojudge`
+# a trained judge head, so neither runs in the greedy demo.
+CPU_BANDIT = "bandit:1,1,1,1/3,2,1/3,2,1,1"
+DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "chain", "tree:3,2,2,1,1", "bandit", CPU_BANDIT,
+                f"{CPU_BANDIT}@fly", f"{CPU_BANDIT}@topk", f"{CPU_BANDIT}@dropmatch")
 SKIPPED_VERIFIERS = {"sampling": "lossless rejection sampling; needs temperature > 0 (the demo is greedy)",
                      "autojudge": "needs a trained AutoJudge head (`mamba-draft autojudge`), not part of the demo"}
 
@@ -52,16 +55,17 @@ class DemoConfig:
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 
-# Sized from CPU measurements (docs/benchmarks.md). The target is deep and narrow: small-model latency on CPU is
-# per-layer overhead, so one target forward costs >10x a drafter step while training stays cheap in FLOPs.
-# The drafter trains on short windows: transformers' reference (kernel-less) Mamba backward costs O(B * L^2).
+# Sized from CPU measurements (docs/benchmarks.md). Small-model latency on CPU is per-layer overhead (~0.4-0.7 ms
+# per layer per forward), so the target is 8 layers deep and the drafter one wide Mamba layer: a target forward
+# costs ~20x a drafter step. The drafter trains on short windows: transformers' reference (kernel-less) Mamba
+# backward costs O(B * L^2).
 FULL = DemoConfig(
     corpus=CorpusConfig(max_train_chars=3_000_000, max_heldout_chars=300_000, vocab_size=2048, n_prompts=8,
                         prompt_chars=400),
-    target=ModelSize("llama", 192, 12, steps=120, lr=2e-3, num_heads=3, seq_len=256, global_batch_size=16,
-                     micro_batch_size=16),
-    drafter=ModelSize("mamba1", 128, 2, steps=100, lr=4e-3, seq_len=64, global_batch_size=32, micro_batch_size=32),
-    assistant=ModelSize("llama", 128, 2, steps=40, lr=4e-3, num_heads=2, seq_len=128, global_batch_size=32,
+    target=ModelSize("llama", 256, 8, steps=300, lr=3e-3, num_heads=4, seq_len=256, global_batch_size=8,
+                     micro_batch_size=8),
+    drafter=ModelSize("mamba1", 192, 1, steps=120, lr=4e-3, seq_len=64, global_batch_size=16, micro_batch_size=16),
+    assistant=ModelSize("llama", 128, 2, steps=60, lr=4e-3, num_heads=2, seq_len=128, global_batch_size=32,
                         micro_batch_size=32),
 )
 QUICK = DemoConfig(
