@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, tree_reward
+from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
 from tree_search.tree import TreeConfig
 
 
@@ -95,3 +95,39 @@ def test_fixed_policy_always_picks_its_tree():
 def test_bad_bandit_parameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         UCBBandit(**kwargs)
+
+
+def test_time_reward_formula():
+    assert time_reward(4, 2.0, 1.0) == pytest.approx(-0.5)
+    assert time_reward(2, 1.0, 0.5) == pytest.approx(-1.0)
+    assert time_reward(4, 1.0, 1.0) > time_reward(4, 2.0, 1.0)  # same tokens in less time is better
+    with pytest.raises(ValueError, match="n_accept"):
+        time_reward(0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="time_scale"):
+        time_reward(1, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_time_reward_prefers_cheap_chain_that_eq2_ranks_lower(seed):
+    """A wide tree accepts a bit more per round but costs twice the time (CPU verification): Eq. 2 prefers the
+    tree, the time reward the chain — which is the faster arm in tokens per second."""
+    rng = random.Random(seed)
+    arms = ("1,1,1,1", "3,2,2,1")
+    accepts = {0: lambda: 1 + sum(rng.random() < 0.8 for _ in range(4)),  # mean 4.2 per round, 1.0 s
+               1: lambda: 1 + sum(rng.random() < 0.95 for _ in range(4))}  # mean 4.8 per round, 2.0 s
+    seconds = {0: 1.0, 1: 2.0}
+    picks = {}
+    for reward in ("paper", "time"):
+        bandit = UCBBandit(arms=arms, lambda_gamma=0.1, reward=reward)
+        pulls = []
+        for _ in range(400):
+            arm = bandit.select()
+            bandit.update(arm, accepts[arm](), draft_time=0.1 * seconds[arm], verify_time=0.9 * seconds[arm])
+            pulls.append(arm)
+        picks[reward] = pulls.count(0) / len(pulls)
+    assert picks["time"] >= 0.9  # the chain: 4.2 tokens/s vs 2.4
+    assert picks["paper"] <= 0.1  # Eq. 2 sees only acceptance and depth
+    with pytest.raises(ValueError, match="draft_time and verify_time"):
+        UCBBandit(arms=arms, reward="time").update(0, 3)
+    with pytest.raises(ValueError, match="reward must be"):
+        UCBBandit(reward="speed")

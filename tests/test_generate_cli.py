@@ -154,3 +154,16 @@ def test_verifier_params_and_prompt_lookup_are_checked_before_loading_models(ext
     # the model paths do not exist: each error must come before anything is loaded
     with pytest.raises(error, match=message):
         main(["generate", "--target", "no/such/target", "--drafter", "no/such/drafter", "--prompt", "the", *extra])
+
+
+def test_time_reward_bandit_from_the_command_line(saved, capsys):
+    root, target, tokenizer = saved
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "one two three",
+                     "--bandit", "--arms", "2,1;1,1,1", "--bandit-reward", "time", "--max-new-tokens", 16, "--json")
+    report = json.loads(out)
+    prompt = tokenizer("one two three", return_tensors="pt").input_ids
+    assert code == 0 and report["tokens"] == hf_greedy(target, prompt, 16)[0, prompt.shape[1]:].tolist()
+    rewards = [arm["mean_reward"] for arm in report["arms"].values()]
+    assert sum(arm["pulls"] for arm in report["arms"].values()) == report["rounds"]
+    # time rewards are scaled by the mean round time, so they sit around -1/N_accept, not at Eq. 2's values
+    assert all(-5.0 < r < 0 for r in rewards)

@@ -1,5 +1,5 @@
 """Tree-structured speculative decoding with a Mamba drafter: topology, drafting, verification, bandit, generate."""
-from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, tree_reward
+from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
 from tree_search.generate import GenerateResult, GenerateStats, generate, generate_autoregressive
 from tree_search.sampling import SamplingParams
 from tree_search.target import UnsupportedTargetError
@@ -24,5 +24,6 @@ __all__ = [
     "generate_autoregressive",
     "get_verifier",
     "register_verifier",
+    "time_reward",
     "tree_reward",
 ]

@@ -19,6 +19,19 @@ def tree_reward(n_accept: int, gamma: int, lambda_gamma: float) -> float:
     return -(1.0 + lambda_gamma * gamma) / n_accept
 
 
+def time_reward(n_accept: int, round_time: float, time_scale: float) -> float:
+    """r = −(T_round / N_accept) / T_scale: minus the measured time per committed token, in units of T_scale.
+
+    Unlike Eq. 2 this charges what a round really cost, including verifying a wider tree (nearly free on a GPU,
+    not on a CPU), so the bandit can discover that a long chain beats a wide tree on a given machine.
+    """
+    if n_accept < 1:
+        raise ValueError(f"n_accept must be >= 1 (a round always commits the bonus token), got {n_accept}")
+    if round_time < 0 or time_scale <= 0:
+        raise ValueError(f"round_time must be >= 0 and time_scale > 0, got {round_time}, {time_scale}")
+    return -(round_time / n_accept) / time_scale
+
+
 @dataclass
 class ArmStats:
     pulls: int = 0
@@ -36,21 +49,27 @@ class UCBBandit:
     lambda_gamma: the draft/target per-step cost ratio in the reward; a float, or "auto" to estimate it
     online as the running ratio of measured drafter time per level to target verify time.
     persistent: keep the statistics across `generate` calls instead of resetting at the start of each.
+    reward: "paper" (Eq. 2, `tree_reward`) or "time" (`time_reward`: measured draft + verify time per committed
+    token, scaled by the running mean round time so it stays comparable with the exploration bonus).
     """
 
     arms: tuple[TreeConfig, ...] = DEFAULT_ARMS
     lambda_ucb: float = 0.1
     lambda_gamma: float | str = 0.1
     persistent: bool = False
+    reward: str = "paper"
     stats: list[ArmStats] = field(init=False)
     rounds: int = field(init=False, default=0)
     _cost_ratio_sum: float = field(init=False, default=0.0)
     _cost_ratio_n: int = field(init=False, default=0)
+    _time_sum: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self.arms = tuple(TreeConfig.parse(a) for a in self.arms)
         if not self.arms:
             raise ValueError("UCBBandit needs at least one arm")
+        if self.reward not in ("paper", "time"):
+            raise ValueError(f"reward must be 'paper' or 'time', got {self.reward!r}")
         if self.lambda_ucb < 0:
             raise ValueError(f"lambda_ucb must be >= 0, got {self.lambda_ucb}")
         if isinstance(self.lambda_gamma, str):
@@ -65,6 +84,7 @@ class UCBBandit:
         self.stats = [ArmStats() for _ in self.arms]
         self.rounds = 0
         self._cost_ratio_sum, self._cost_ratio_n = 0.0, 0
+        self._time_sum = 0.0
 
     def start_call(self) -> None:
         """Called by `generate` at the start of every call: resets unless persistent."""
@@ -92,7 +112,15 @@ class UCBBandit:
         if self.lambda_gamma == "auto" and draft_time is not None and verify_time and verify_time > 0:
             self._cost_ratio_sum += (draft_time / gamma) / verify_time
             self._cost_ratio_n += 1
-        reward = tree_reward(n_accept, gamma, self.current_lambda_gamma)
+        if self.reward == "time":
+            if draft_time is None or verify_time is None:
+                raise ValueError("reward='time' needs the round's draft_time and verify_time")
+            round_time = draft_time + verify_time
+            self._time_sum += round_time
+            scale = self._time_sum / (self.rounds + 1)
+            reward = time_reward(n_accept, round_time, scale) if scale > 0 else -1.0 / n_accept
+        else:
+            reward = tree_reward(n_accept, gamma, self.current_lambda_gamma)
         self.stats[arm].pulls += 1
         self.stats[arm].reward_sum += reward
         self.rounds += 1

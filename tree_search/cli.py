@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--bandit", action="store_true", help="UCB over tree shapes (the default)")
     shape.add_argument("--autoregressive", action="store_true", help="plain target decoding (baseline; no drafter)")
     parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'")
+    parser.add_argument("--bandit-reward", choices=("paper", "time"), default="paper",
+                        help="bandit reward: paper Eq. 2 (acceptance and depth) or measured time per token")
     parser.add_argument("--verifier", help="verifier name, or lossy ones joined by '+' to accept a token if any accepts "
                         "it, e.g. autojudge+dropmatch (default: greedy at temperature 0, else sampling)")
     parser.add_argument("--verifier-param", action="append", default=[], metavar="KEY=VALUE",
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"mamba-draft generate: --{flag} {path} is not a directory")
     # everything checkable without the models is checked before loading them
     sampling_params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    tree = make_policy(args.tree or UCBBandit(arms=tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS))
+    arms = tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS
+    tree = make_policy(args.tree or UCBBandit(arms=arms, reward=args.bandit_reward))
     verifier_name = args.verifier or ("greedy" if args.temperature == 0 else "sampling")
     verifier = get_verifier(verifier_name, **parse_verifier_params(args.verifier_param))
     check_options(verifier, tree, sampling_params, args.prompt_lookup)
