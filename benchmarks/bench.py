@@ -200,14 +200,15 @@ def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> d
              "speedup_png": out_dir / f"{prefix}_speedup.png"}
     methods = result["methods"]
     names = list(methods)
+    lossy = [not methods[n]["lossless"] for n in names]
     write_json(paths["json"], result)
     write_text(paths["markdown"], markdown_report(result))
     bar_plot(paths["tokens_png"], names, [methods[n]["tokens_per_s"] for n in names],
-             f"Decoding throughput ({result['device']})", "tokens / s")
+             f"Decoding throughput ({result['device']})", "tokens / s", lossy=lossy)
     bar_plot(paths["tau_png"], names, [methods[n]["tau"] for n in names],
-             "Mean accepted tokens per target forward (τ)", "τ", baseline=1.0)
+             "Mean accepted tokens per target forward (τ)", "τ", baseline=1.0, lossy=lossy)
     bar_plot(paths["speedup_png"], names, [methods[n]["speedup"] for n in names],
-             "Speedup vs same-harness autoregressive", "× tokens/s", baseline=1.0)
+             "Speedup vs same-harness autoregressive", "× tokens/s", baseline=1.0, lossy=lossy)
     return paths
 
 

@@ -26,6 +26,7 @@ class CorpusConfig:
     vocab_size: int = 2048
     n_prompts: int = 16
     prompt_chars: int = 400
+    chunk_lines: int = 40            # training documents: files cut at blank lines into ~this many lines
 
 
 def source_files(root: str | Path | None = None) -> list[Path]:
@@ -74,6 +75,23 @@ def split_corpus(cfg: CorpusConfig) -> tuple[list[str], list[str]]:
     return read_texts(train, cfg.max_train_chars), read_texts(heldout, cfg.max_heldout_chars)
 
 
+def chunk_source(text: str, lines_per_chunk: int) -> list[str]:
+    """Cut a file at blank lines into pieces of about `lines_per_chunk` lines, trailing newlines stripped.
+
+    Packed pretraining appends EOS to every document; short documents mix many files into each batch, and
+    stripping the final newline keeps EOS from becoming a likely token after every line break.
+    """
+    chunks, current = [], []
+    for block in re.split(r"\n\s*\n", text):
+        current.append(block)
+        if sum(b.count("\n") + 1 for b in current) >= lines_per_chunk:
+            chunks.append("\n\n".join(current).strip("\n"))
+            current = []
+    if current:
+        chunks.append("\n\n".join(current).strip("\n"))
+    return [c for c in chunks if c.strip()]
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE trained on `texts`, wrapped as a transformers PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -114,14 +132,15 @@ def completion_prompts(texts: list[str], n: int, prompt_chars: int) -> list[dict
 
 
 def build_corpus(out_dir: str | Path, cfg: CorpusConfig) -> dict[str, Path]:
-    """Write train.jsonl / heldout.jsonl ({"text": file}), prompts.jsonl and tokenizer/ under `out_dir`."""
+    """Write train.jsonl / heldout.jsonl ({"text": chunk}), prompts.jsonl and tokenizer/ under `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train, heldout = split_corpus(cfg)
     paths = {"train": out_dir / "train.jsonl", "heldout": out_dir / "heldout.jsonl",
              "prompts": out_dir / "prompts.jsonl", "tokenizer": out_dir / "tokenizer"}
     for key, texts in (("train", train), ("heldout", heldout)):
-        paths[key].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+        docs = [chunk for text in texts for chunk in chunk_source(text, cfg.chunk_lines)]
+        paths[key].write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     prompts = completion_prompts(heldout, cfg.n_prompts, cfg.prompt_chars)
     paths["prompts"].write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
     train_tokenizer(train, cfg.vocab_size).save_pretrained(paths["tokenizer"])

@@ -56,13 +56,13 @@ class DemoConfig:
 
 
 # Sized from CPU measurements (docs/benchmarks.md). Small-model latency on CPU is per-layer overhead (~0.4-0.7 ms
-# per layer per forward), so the target is 8 layers deep and the drafter one wide Mamba layer: a target forward
-# costs ~20x a drafter step. The drafter trains on short windows: transformers' reference (kernel-less) Mamba
+# per layer per forward), so the target is 6 layers deep and the drafter one wide Mamba layer: a target forward
+# costs >10x a drafter step. The drafter trains on short windows: transformers' reference (kernel-less) Mamba
 # backward costs O(B * L^2).
 FULL = DemoConfig(
     corpus=CorpusConfig(max_train_chars=3_000_000, max_heldout_chars=300_000, vocab_size=2048, n_prompts=8,
                         prompt_chars=400),
-    target=ModelSize("llama", 256, 8, steps=300, lr=3e-3, num_heads=4, seq_len=256, global_batch_size=8,
+    target=ModelSize("llama", 256, 6, steps=420, lr=3e-3, num_heads=4, seq_len=256, global_batch_size=8,
                      micro_batch_size=8),
     drafter=ModelSize("mamba1", 192, 1, steps=120, lr=4e-3, seq_len=64, global_batch_size=16, micro_batch_size=16),
     assistant=ModelSize("llama", 128, 2, steps=60, lr=4e-3, num_heads=2, seq_len=128, global_batch_size=32,
@@ -156,6 +156,7 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
     target = train_and_export("target", cfg.target, corpus, cache, None)
     drafter = train_and_export("drafter", cfg.drafter, corpus, cache, target)
     assistant = train_and_export("assistant", cfg.assistant, corpus, cache, target)
+    shutil.rmtree(cache / "runs", ignore_errors=True)
     result = benchmark(cfg, corpus, target, drafter, assistant, progress)
     result["models"] = {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
                         "sizes": describe_models(target, drafter, assistant)}

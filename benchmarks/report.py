@@ -9,6 +9,13 @@ import tempfile
 from pathlib import Path
 
 
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp creates 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write to a temporary file next to `path`, then rename, so readers never see a half-written file."""
     path = Path(path)
@@ -17,6 +24,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -41,6 +49,7 @@ def save_figure(fig, path: str | Path) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -75,8 +84,8 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def bar_plot(path: str | Path, labels: list[str], values: list[list[float]], title: str, ylabel: str,
-             baseline: float | None = None) -> None:
-    """One bar per label with mean ± std error bars over its repeat values; optional dashed baseline line."""
+             baseline: float | None = None, lossy: list[bool] | None = None) -> None:
+    """One bar per label with mean ± std error bars over its repeat values; lossy methods in orange."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,7 +93,12 @@ def bar_plot(path: str | Path, labels: list[str], values: list[list[float]], tit
 
     stats = [mean_std(v) for v in values]
     fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(labels) + 1.5), 3.6))
-    ax.bar(range(len(labels)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3, color="#4C72B0")
+    colors = ["#DD8452" if flag else "#4C72B0" for flag in (lossy or [False] * len(labels))]
+    ax.bar(range(len(labels)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3, color=colors)
+    if lossy and any(lossy):
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color="#4C72B0", label="lossless"), Patch(color="#DD8452", label="lossy")])
     if baseline is not None:
         ax.axhline(baseline, color="grey", linestyle="--", linewidth=1)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")

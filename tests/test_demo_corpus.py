@@ -40,9 +40,21 @@ def test_build_corpus_writes_data_tokenizer_and_heldout_prompts(tmp_path):
     assert tok.decode(tok(heldout[0])["input_ids"]) == heldout[0]  # byte-level BPE round-trips source exactly
     prompts = [json.loads(line) for line in paths["prompts"].read_text().splitlines()]
     assert len(prompts) == 4
+    heldout_text, train_text = "\n".join(heldout), "\n".join(train)
     for p in prompts:
         assert p["category"] in ("def", "class") and p["prompt"].rstrip().endswith(":")
-        assert any(p["prompt"] in text for text in heldout) and not any(p["prompt"] in text for text in train)
+        header = p["prompt"].rstrip("\n").splitlines()[-1]
+        assert header in heldout_text and header not in train_text
+
+
+def test_chunks_split_at_blank_lines_without_trailing_newline():
+    from benchmarks.corpus import chunk_source
+
+    text = "".join(f"def f{i}():\n    return {i}\n\n\n" for i in range(10))
+    chunks = chunk_source(text, lines_per_chunk=6)
+    assert len(chunks) > 1 and all(not c.endswith("\n") and c.startswith("def ") for c in chunks)
+    nonblank = lambda t: [line for line in t.splitlines() if line.strip()]  # noqa: E731
+    assert [line for c in chunks for line in nonblank(c)] == nonblank(text)  # nothing lost or reordered
 
 
 def test_too_few_prompts_is_an_error():
