@@ -81,6 +81,8 @@ def run_pass(method: Method, models: Models, prompt_ids: list[torch.Tensor], cfg
         if bar is not None:
             bar.update()
     arms = policy.summary() if hasattr(policy, "summary") else {}
+    arms = {a: {"pulls": v["pulls"], "mean_reward": v["mean_reward"] if v["pulls"] else None}  # NaN: not JSON
+            for a, v in arms.items()}
     return outputs, records, arms
 
 

@@ -110,7 +110,10 @@ _DEF = re.compile(r"^[ \t]*(async\s+def|def|class)\s+\w+.*:[ \t]*$", re.MULTILIN
 
 
 def completion_prompts(texts: list[str], n: int, prompt_chars: int) -> list[dict]:
-    """Code-completion prompts: the source up to and including a `def`/`class` header line.
+    """Code-completion prompts: the source up to the colon ending a `def`/`class` header line.
+
+    The prompt ends before the header's newline: byte-level BPE encodes "newline + indentation" as one token,
+    so a prompt ending in a bare newline would force a tokenization the model never saw in training.
 
     Taken round-robin over files so prompts come from many files; each is cut to start at a line boundary,
     at most `prompt_chars` characters before the header's end. Category = "def" or "class".
@@ -121,7 +124,7 @@ def completion_prompts(texts: list[str], n: int, prompt_chars: int) -> list[dict
         for text, matches in zip(texts, per_file):
             if depth < len(matches) and len(prompts) < n:
                 m = matches[depth * 7 % len(matches)] if depth else matches[len(matches) // 2]
-                end = m.end() + 1
+                end = m.end()  # stop at the colon: BPE merges the newline with the next line's indentation
                 start = text.find("\n", max(0, end - prompt_chars)) + 1
                 kind = "class" if m.group(1) == "class" else "def"
                 prompts.append({"prompt": text[start:end], "category": kind})

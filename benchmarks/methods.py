@@ -5,9 +5,11 @@
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
     chain[:N]        chain drafting with the Mamba drafter, N tokens per round (default 5)
     tree:3,2,2,1,1   a fixed tree shape
-    bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes)
+    bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes), paper reward (Eq. 2)
+    bandit-time[:..] the same with the measured-time reward (draft + verify seconds per committed token)
     <drafting>@V     any drafting method verified by verifier V (default `greedy`, lossless)
     verifier=V       shorthand for `bandit@V`
+    LABEL=METHOD     any of the above, shown as LABEL in tables and plots
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ DEFAULT_CHAIN = 5
 class Method:
     name: str                 # the spec as given (table label)
     kind: str                 # hf-ar | hf-assisted | ar | spec
-    tree: str = ""            # spec: "1,1,1,1,1", "3,2,2,1,1", "bandit" or "bandit:3,2,2,1,1/1,1,1,1"
+    tree: str = ""            # spec: "1,1,1,1,1", "3,2,2,1,1", "bandit" or "bandit-time:3,2,2,1,1/1,1,1,1"
     verifier: str = "greedy"
 
     @property
@@ -46,6 +48,12 @@ def parse_method(spec: str) -> Method:
     from tree_search import TreeConfig, available_verifiers
 
     name = spec.strip()
+    label, sep, rest = name.partition("=")
+    if sep and label != "verifier":
+        if not label or not rest:
+            raise ValueError(f"method {spec!r}: expected LABEL=METHOD")
+        method = parse_method(rest)
+        return Method(label, method.kind, method.tree, method.verifier)
     if name in ("hf-ar", "hf-assisted", "ar"):
         return Method(name, name)
     body = name
@@ -64,12 +72,12 @@ def parse_method(spec: str) -> Method:
         tree = ",".join(["1"] * depth)
     elif kind == "tree" and arg:
         tree = ",".join(map(str, TreeConfig.parse(arg).branching))
-    elif kind == "bandit":
+    elif kind in ("bandit", "bandit-time"):
         arms = [a for a in arg.split("/") if a] if arg else []
-        tree = "bandit:" + "/".join(",".join(map(str, TreeConfig.parse(a).branching)) for a in arms) if arms else "bandit"
+        tree = f"{kind}:" + "/".join(",".join(map(str, TreeConfig.parse(a).branching)) for a in arms) if arms else kind
     else:
         raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, ar, chain[:N], tree:3,2,2,1,1, "
-                         "bandit[:A/B], with an optional @verifier, or verifier=NAME")
+                         "bandit[:A/B] or bandit-time[:A/B], with an optional @verifier, or verifier=NAME")
     return Method(name, "spec", tree, verifier)
 
 
@@ -78,9 +86,9 @@ def make_tree_policy(tree: str):
     from tree_search import UCBBandit
 
     if tree.startswith("bandit"):
-        arms = tree.partition(":")[2]
+        kind, _, arms = tree.partition(":")
         kwargs = {"arms": tuple(arms.split("/"))} if arms else {}
-        return UCBBandit(persistent=True, **kwargs)
+        return UCBBandit(persistent=True, reward="time" if kind == "bandit-time" else "paper", **kwargs)
     return tree
 
 

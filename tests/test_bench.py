@@ -48,13 +48,13 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     code = cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
                      "--assistant", str(root / "assistant"), "--prompts", str(prompts), "--repeats", "2",
                      "--max-new-tokens", "12", "--methods", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1",
-                     "bandit:1,1,1/2,1", "tree:2,1@fly", "--out", str(out)])
+                     "cpu=bandit-time:1,1,1/2,1", "tree:2,1@fly", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "bench.json").read_text())
     methods = result["methods"]
     # `ar` was added as the baseline of our harness; hf-assisted is measured against hf-ar
     assert list(methods)[0] == "ar" and methods["hf-assisted"]["baseline"] == "hf-ar"
-    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "bandit:1,1,1/2,1"):
+    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu"):
         s = methods[name]
         assert s["lossless"] and s["equality"]["all_repeats_identical"], (name, s["equality"])
         assert len(s["tokens_per_s"]) == 2 and all(v > 0 for v in s["tokens_per_s"])
@@ -62,7 +62,8 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     assert methods["ar"]["tau"] == [1.0, 1.0] and methods["hf-ar"]["tau"] == [1.0, 1.0]
     assert methods["tree:2,2,1"]["tau"][0] >= 1.0
     assert methods["tree:2,1@fly"]["lossless"] is False and "prefix_agreement" in methods["tree:2,1@fly"]["equality"]
-    assert sum(v["pulls"] for v in methods["bandit:1,1,1/2,1"]["arms"].values()) >= 3
+    assert methods["cpu"]["tree"] == "bandit-time:1,1,1/2,1"  # LABEL=METHOD; measured-time reward
+    assert sum(v["pulls"] for v in methods["cpu"]["arms"].values()) >= 3
     md = (out / "bench.md").read_text()
     assert "| chain:3 |" in md and "identical" in md and "per category" in md
     for png in ("bench_tokens_per_s.png", "bench_tau.png", "bench_speedup.png"):
@@ -83,4 +84,6 @@ def test_bench_rejects_bad_arguments_before_loading(tiny_pair, tmp_path):
         cli.main(base + ["--drafter", str(root / "drafter"), "--methods", "chain@nope"])
     with pytest.raises(ValueError, match="unknown method"):
         resolve_methods(["beam"])
+    with pytest.raises(ValueError, match="duplicate methods"):
+        resolve_methods(["chain", "chain"])
     assert not (tmp_path / "o").exists()

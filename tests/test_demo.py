@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks import demo
+from benchmarks.methods import parse_method
 from mamba_draft import cli
 
 
@@ -31,7 +32,8 @@ def test_quick_demo_trains_exports_and_benchmarks(quick_run):
 
     result = json.loads((run_dir / "results" / "demo.json").read_text())
     methods = result["methods"]
-    assert set(demo.DEMO_METHODS) <= set(methods)
+    assert {parse_method(spec).name for spec in demo.DEMO_METHODS} <= set(methods)
+    assert methods["cpu-bandit"]["tree"].startswith("bandit-time:")
     for name, s in methods.items():
         assert all(v > 0 for v in s["tokens_per_s"]), name
         if s["lossless"]:  # greedy speculative output must equal the target's own greedy generate
