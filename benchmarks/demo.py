@@ -8,7 +8,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.corpus import CorpusConfig, build_corpus
