@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.equality import compare_outputs
 from benchmarks.methods import Method, Models, make_tree_policy, parse_method, run_hf, run_ours
-from benchmarks.prompts import Prompt, encode_prompt, load_prompts
+from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from benchmarks.report import bar_plot, fmt_mean_std, markdown_table, mean_std, write_json, write_text
 
 DEFAULT_METHODS = ("hf-ar", "ar", "chain", "tree:3,2,2,1,1", "bandit")

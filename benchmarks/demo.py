@@ -177,7 +177,7 @@ def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: P
 
     from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
     from benchmarks.methods import Models
-    from benchmarks.prompts import load_prompts
+    from tree_search.prompts import load_prompts
     from mamba_draft import MambaDrafter
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.prompts import encode_prompt, load_prompts
+from tree_search.prompts import encode_prompt, load_prompts
 
 SPEC_BENCH = Path("/work/shared/data/spec_bench_question.jsonl")
 
