@@ -11,6 +11,7 @@ and directories are written to a temporary sibling and renamed, so a failure nev
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -132,13 +133,8 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
     """Write `tensors` (HF names) in `format`; the directory appears complete or not at all."""
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; choose one of {FORMATS}")
-    directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"{directory} exists and is not empty (pass overwrite=True to replace it)")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
         if format == "hf":
             if config.tie_embeddings:
                 tensors.pop("lm_head.weight", None)  # tied: HF stores the embedding once
@@ -153,13 +149,25 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
             for name in TOKENIZER_FILES:
                 if (copy_from / name).is_file():
                     shutil.copy2(copy_from / name, tmp / name)
+    return Path(directory)
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: str | os.PathLike, *, overwrite: bool = False):
+    """Yield a fresh temporary sibling of `directory`; it replaces `directory` only if the block succeeds."""
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty (pass overwrite=True to replace it)")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        yield tmp
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return directory
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False) -> Path:

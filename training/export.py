@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from mamba_draft.checkpoint import atomic_directory, convert
 
 FORMATS = ("hf", "mamba_ssm")
 
@@ -55,22 +56,19 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", 
 
     model = consolidated_model(run, ckpt, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)  # safetensors by default
-        AutoTokenizer.from_pretrained(run / "model").save_pretrained(tmp)
-        if format == "mamba_ssm":
-            from mamba_draft.checkpoint import convert
-            convert(tmp, out, to="mamba_ssm", overwrite=True)
-            shutil.rmtree(tmp)
-        else:
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if format == "mamba_ssm":  # stage the HF export, then convert it (conversion is itself atomic)
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
+            _write_hf(model, run, Path(staging))
+            convert(staging, out, to="mamba_ssm", overwrite=True)
+    else:
+        with atomic_directory(out, overwrite=True) as tmp:
+            _write_hf(model, run, tmp)
     return out
+
+
+def _write_hf(model: torch.nn.Module, run: Path, directory: Path) -> None:
+    model.save_pretrained(directory)  # safetensors by default
+    AutoTokenizer.from_pretrained(run / "model").save_pretrained(directory)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
