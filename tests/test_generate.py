@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from tests.helpers.tree_models import (  # noqa: F401  (single_thread is an autouse fixture)
-    single_thread,
+from tests.helpers.tree_models import (
     aligned_drafter, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama, tiny_neox,
 )
 from tree_search import UCBBandit

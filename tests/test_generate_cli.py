@@ -6,7 +6,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mamba_draft.cli import main
-from tests.helpers.tree_models import aligned_drafter, hf_greedy, single_thread, tiny_llama  # noqa: F401
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama
 
 WORDS = ("the cat dog sat ran on a mat log and then it was big small red blue green one two three four five six "
          "seven eight nine ten up down left right in out over under by to from with at").split()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.tree_models import (  # noqa: F401  (single_thread is an autouse fixture)
-    aligned_drafter, hf_greedy, prompts, single_thread, tiny_llama,
+from tests.helpers.tree_models import (
+    aligned_drafter, hf_greedy, prompts, tiny_llama,
 )
 from tree_search.autojudge.classifier import JudgeHead
 from tree_search.generate import generate

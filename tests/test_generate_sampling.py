@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers.tree_models import random_drafter, single_thread, tiny_llama  # noqa: F401  (autouse fixture)
+from tests.helpers.tree_models import random_drafter, tiny_llama
 from tree_search import UCBBandit
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import SamplingParams, logits_to_probs

@@ -3,7 +3,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.tree_models import single_thread, tiny_causal_lm  # noqa: F401  (autouse fixture)
+from tests.helpers.tree_models import tiny_causal_lm
 from tree_search.generate import generate
 from tree_search.target import TargetState, UnsupportedTargetError, check_tree_support, window_capacity
 from tree_search.tree import TreeConfig

@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 
-from tests.helpers.tree_models import single_thread  # noqa: F401  (autouse fixture)
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import (

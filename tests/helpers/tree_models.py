@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 
@@ -129,13 +128,3 @@ def hf_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=No
     """The target's own greedy generation (the reference for losslessness)."""
     return target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                            do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models are pure overhead: one intra-op thread avoids spin-waiting on a busy 2-core machine
-    (measured 25x faster there). Import this into a test module to apply it to that module only."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
