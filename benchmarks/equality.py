@@ -3,13 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def first_divergence(reference: list[int], candidate: list[int]) -> int | None:
-    """Index of the first position where the two sequences differ (a length difference counts); None if equal."""
-    for i, (a, b) in enumerate(zip(reference, candidate)):
-        if a != b:
-            return i
-    return None if len(reference) == len(candidate) else min(len(reference), len(candidate))
+from tree_search.divergence import divergence as compare_tokens
 
 
 @dataclass
@@ -32,7 +26,7 @@ def compare_outputs(references: list[list[int]], candidates: list[list[int]]) ->
     """Compare each candidate output with the reference output for the same prompt."""
     if len(references) != len(candidates):
         raise ValueError(f"{len(candidates)} outputs for {len(references)} reference outputs")
-    divergence = [first_divergence(list(r), list(c)) for r, c in zip(references, candidates)]
+    divergence = [compare_tokens(r, c).first_divergence for r, c in zip(references, candidates)]
     agreement = [1.0 if d is None else d / max(len(r), 1) for d, r in zip(divergence, references)]
     n_identical = sum(d is None for d in divergence)
     return Equality(

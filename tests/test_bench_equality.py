@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.equality import compare_outputs, first_divergence
+from benchmarks.equality import compare_outputs
+from tree_search.divergence import divergence
 
 
 def test_identical_outputs_pass():
@@ -24,8 +25,8 @@ def test_corrupted_token_is_flagged_with_position():
 
 
 def test_truncated_or_extended_output_is_flagged():
-    assert first_divergence([1, 2, 3], [1, 2]) == 2
-    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert divergence([1, 2, 3], [1, 2]).first_divergence == 2
+    assert divergence([1, 2], [1, 2, 3]).first_divergence == 2
     assert not compare_outputs([[1, 2, 3]], [[1, 2]]).identical
 
 
