@@ -5,9 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tree_search.cli import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
