@@ -65,7 +65,7 @@ def sampling_of(cfg: BenchConfig) -> dict:
 
 def run_pass(method: Method, models: Models, prompt_ids: list[torch.Tensor], cfg: BenchConfig, eos: list[int],
              seed: int, bar=None) -> tuple[list[list[int]], list[dict], dict]:
-    """One method over every prompt; returns outputs, per-prompt records and the bandit's arm summary."""
+    """One method over every prompt; returns outputs, per-prompt records and the tree shapes' pulls."""
     policy = make_tree_policy(method.tree) if method.kind == "spec" else None
     pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
     outputs, records = [], []
@@ -80,9 +80,10 @@ def run_pass(method: Method, models: Models, prompt_ids: list[torch.Tensor], cfg
         records.append(record)
         if bar is not None:
             bar.update()
-    arms = policy.summary() if hasattr(policy, "summary") else {}
-    arms = {a: {"pulls": v["pulls"], "mean_reward": v["mean_reward"] if v["pulls"] else None}  # NaN: not JSON
-            for a, v in arms.items()}
+    arms: dict[str, dict[str, int]] = {}  # pulls per tree shape, summed over the pass's prompts
+    for record in records:
+        for shape, pulls in record.get("arm_pulls", {}).items():
+            arms.setdefault(shape, {"pulls": 0})["pulls"] += pulls
     return outputs, records, arms
 
 

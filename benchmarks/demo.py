@@ -54,6 +54,7 @@ class DemoConfig:
     def fingerprint(self) -> str:
         """Cache key: models are reused only when everything that shapes them is unchanged."""
         shaping = {k: v for k, v in asdict(self).items() if k not in ("max_new_tokens", "repeats", "methods")}
+        shaping["precision"] = training_precision()
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -64,7 +65,7 @@ class DemoConfig:
 FULL = DemoConfig(
     corpus=CorpusConfig(max_train_chars=3_000_000, max_heldout_chars=300_000, vocab_size=2048, n_prompts=8,
                         prompt_chars=400),
-    target=ModelSize("llama", 256, 6, steps=420, lr=3e-3, num_heads=4, seq_len=256, global_batch_size=8,
+    target=ModelSize("llama", 384, 8, steps=360, lr=3e-3, num_heads=6, seq_len=256, global_batch_size=8,
                      micro_batch_size=8),
     drafter=ModelSize("mamba1", 192, 1, steps=120, lr=4e-3, seq_len=64, global_batch_size=16, micro_batch_size=16),
     assistant=ModelSize("llama", 128, 2, steps=60, lr=4e-3, num_heads=2, seq_len=128, global_batch_size=32,
@@ -85,8 +86,23 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mamba-draft" / "demo"
 
 
+def training_precision() -> str:
+    """bf16 on GPU and on CPUs with native bf16 matmuls (AVX512-BF16 / AMX: ~2x fp32 training throughput), else fp32."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16"
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        native = False
+    return "bf16" if native else "fp32"
+
+
 def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distill_from: Path | None):
-    """A training.TrainConfig for one demo model (fp32 on CPU, bf16 on GPU; ZeRO-1; no shm JIT)."""
+    """A training.TrainConfig for one demo model (bf16 where the hardware has it, else fp32; ZeRO-1; no shm JIT).
+
+    Exports keep DeepSpeed's fp32 master weights, so the models are benchmarked in fp32 either way."""
     from training.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, TrainConfig
 
     model = ModelConfig(arch=size.arch, tokenizer=str(tokenizer), hidden_size=size.hidden_size,
@@ -102,7 +118,7 @@ def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distil
                                          lr_min_ratio=0.1),
                        distill=distill, deepspeed="configs/deepspeed/zero1.json", steps=size.steps,
                        global_batch_size=size.global_batch_size, micro_batch_size=size.micro_batch_size,
-                       checkpoint_every=10**9, log_every=1, build_shm_comm=False)
+                       checkpoint_every=10**9, log_every=1, build_shm_comm=False, precision=training_precision())
 
 
 def train_and_export(name: str, size: ModelSize, corpus: dict[str, Path], cache: Path,

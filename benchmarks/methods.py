@@ -82,13 +82,15 @@ def parse_method(spec: str) -> Method:
 
 
 def make_tree_policy(tree: str):
-    """A fresh policy for one benchmark pass: a fixed shape, or a UCB bandit that learns across the pass's prompts."""
+    """A policy for one benchmark pass: a fixed shape, or a UCB bandit that (like `generate`'s default) starts
+    afresh on every prompt: prompts of different kinds favour different shapes, and a bandit carried across them
+    keeps exploiting what suited earlier ones."""
     from tree_search import UCBBandit
 
     if tree.startswith("bandit"):
         kind, _, arms = tree.partition(":")
         kwargs = {"arms": tuple(arms.split("/"))} if arms else {}
-        return UCBBandit(persistent=True, reward="time" if kind == "bandit-time" else "paper", **kwargs)
+        return UCBBandit(reward="time" if kind == "bandit-time" else "paper", **kwargs)
     return tree
 
 
@@ -159,7 +161,7 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     s = result.stats
     record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
               "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,
-              "lossy_accepts": s.lossy_accepts}
+              "lossy_accepts": s.lossy_accepts, "arm_pulls": {a: v["pulls"] for a, v in s.arms.items()}}
     return result.new_tokens[0].tolist(), record
 
 

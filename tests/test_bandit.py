@@ -98,12 +98,12 @@ def test_bad_bandit_parameters(kwargs, message):
 
 
 def test_time_reward_formula():
-    assert time_reward(4, 2.0, 1.0) == pytest.approx(-0.5)
-    assert time_reward(2, 1.0, 0.5) == pytest.approx(-1.0)
+    assert time_reward(4, 2.0, 1.0) == pytest.approx(2.0)  # 4 tokens in 2 s: 2 tokens/s
+    assert time_reward(2, 1.0, 0.5) == pytest.approx(4.0)  # in units of 0.5 tokens/s
     assert time_reward(4, 1.0, 1.0) > time_reward(4, 2.0, 1.0)  # same tokens in less time is better
     with pytest.raises(ValueError, match="n_accept"):
         time_reward(0, 1.0, 1.0)
-    with pytest.raises(ValueError, match="time_scale"):
+    with pytest.raises(ValueError, match="throughput_scale"):
         time_reward(1, 1.0, 0.0)
 
 
@@ -131,3 +131,22 @@ def test_time_reward_prefers_cheap_chain_that_eq2_ranks_lower(seed):
         UCBBandit(arms=arms, reward="time").update(0, 3)
     with pytest.raises(ValueError, match="reward must be"):
         UCBBandit(reward="speed")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_time_reward_ranks_arms_by_throughput_not_mean_per_round_cost(seed):
+    """An all-or-nothing chain (1 or 7 tokens, mean 4, per 1 s round) beats a steady tree (3 tokens per 1 s) in
+    tokens per second, but its mean per-round cost E[T/N] = 0.57 s is worse than the tree's 0.33 s (Jensen):
+    the arm's value must be total time over total tokens, or the bandit settles on the slower arm."""
+    rng = random.Random(seed)
+    bandit = UCBBandit(arms=("1,1,1,1,1,1", "3,2,1"), reward="time")
+    accepts = {0: lambda: 7 if rng.random() < 0.5 else 1, 1: lambda: 3}
+    pulls = []
+    for _ in range(400):
+        arm = bandit.select()
+        bandit.update(arm, accepts[arm](), draft_time=0.2, verify_time=0.8)
+        pulls.append(arm)
+    assert pulls.count(0) / len(pulls) >= 0.8
+    chain, tree = bandit.values()
+    assert chain > tree
+    assert bandit.summary()["(3,2,1)"]["mean_reward"] == pytest.approx(tree)

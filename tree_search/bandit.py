@@ -19,23 +19,26 @@ def tree_reward(n_accept: int, gamma: int, lambda_gamma: float) -> float:
     return -(1.0 + lambda_gamma * gamma) / n_accept
 
 
-def time_reward(n_accept: int, round_time: float, time_scale: float) -> float:
-    """r = −(T_round / N_accept) / T_scale: minus the measured time per committed token, in units of T_scale.
+def time_reward(n_accept: int, round_time: float, throughput_scale: float) -> float:
+    """r = (N_accept / T_round) / S: the round's measured tokens per second, in units of S.
 
     Unlike Eq. 2 this charges what a round really cost, including verifying a wider tree (nearly free on a GPU,
-    not on a CPU), so the bandit can discover that a long chain beats a wide tree on a given machine.
+    not on a CPU), so the bandit can discover that a long chain beats a wide tree on a given machine. Throughput
+    rather than time per token: it is linear in N_accept, so its mean over an arm's rounds (of similar cost) is
+    the arm's throughput, while a mean of T/N would favour steady arms (E[1/N] > 1/E[N]) and one unlucky
+    1-token round would sink an arm's estimate far enough to shut it out.
     """
     if n_accept < 1:
         raise ValueError(f"n_accept must be >= 1 (a round always commits the bonus token), got {n_accept}")
-    if round_time < 0 or time_scale <= 0:
-        raise ValueError(f"round_time must be >= 0 and time_scale > 0, got {round_time}, {time_scale}")
-    return -(round_time / n_accept) / time_scale
+    if round_time <= 0 or throughput_scale <= 0:
+        raise ValueError(f"round_time and throughput_scale must be > 0, got {round_time}, {throughput_scale}")
+    return (n_accept / round_time) / throughput_scale
 
 
 @dataclass
 class ArmStats:
     pulls: int = 0
-    reward_sum: float = 0.0
+    reward_sum: float = 0.0  # Eq. 2 rewards, or (time reward) per-round tokens per second
 
     @property
     def mean_reward(self) -> float:
@@ -49,12 +52,15 @@ class UCBBandit:
     lambda_gamma: the draft/target per-step cost ratio in the reward; a float, or "auto" to estimate it
     online as the running ratio of measured drafter time per level to target verify time.
     persistent: keep the statistics across `generate` calls instead of resetting at the start of each.
-    reward: "paper" (Eq. 2, `tree_reward`) or "time" (`time_reward`: measured draft + verify time per committed
-    token, scaled by the running mean round time so it stays comparable with the exploration bonus).
+    reward: "paper" (Eq. 2, `tree_reward`) or "time" (`time_reward`): an arm's value is its mean measured tokens
+    per second per round (draft + verify + commit + resync), in units of the throughput of all rounds so far,
+    which keeps it on the scale of the exploration bonus.
+    lambda_ucb: exploration weight; None = 0.1 (the paper's) for the paper reward and 0.5 for the time reward,
+    whose values spread wider (a chain round commits 1 or 6 tokens in nearly the same time).
     """
 
     arms: tuple[TreeConfig, ...] = DEFAULT_ARMS
-    lambda_ucb: float = 0.1
+    lambda_ucb: float | None = None
     lambda_gamma: float | str = 0.1
     persistent: bool = False
     reward: str = "paper"
@@ -62,7 +68,8 @@ class UCBBandit:
     rounds: int = field(init=False, default=0)
     _cost_ratio_sum: float = field(init=False, default=0.0)
     _cost_ratio_n: int = field(init=False, default=0)
-    _time_sum: float = field(init=False, default=0.0)
+    _seconds: float = field(init=False, default=0.0)  # all rounds (the time reward's scale)
+    _tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.arms = tuple(TreeConfig.parse(a) for a in self.arms)
@@ -70,6 +77,8 @@ class UCBBandit:
             raise ValueError("UCBBandit needs at least one arm")
         if self.reward not in ("paper", "time"):
             raise ValueError(f"reward must be 'paper' or 'time', got {self.reward!r}")
+        if self.lambda_ucb is None:
+            self.lambda_ucb = 0.5 if self.reward == "time" else 0.1
         if self.lambda_ucb < 0:
             raise ValueError(f"lambda_ucb must be >= 0, got {self.lambda_ucb}")
         if isinstance(self.lambda_gamma, str):
@@ -80,11 +89,11 @@ class UCBBandit:
         self.reset()
 
     def reset(self) -> None:
-        """Forget all pulls and rewards (and the online cost-ratio estimate)."""
+        """Forget all pulls and rewards (and the online cost-ratio and throughput estimates)."""
         self.stats = [ArmStats() for _ in self.arms]
         self.rounds = 0
         self._cost_ratio_sum, self._cost_ratio_n = 0.0, 0
-        self._time_sum = 0.0
+        self._seconds, self._tokens = 0.0, 0
 
     def start_call(self) -> None:
         """Called by `generate` at the start of every call: resets unless persistent."""
@@ -103,32 +112,38 @@ class UCBBandit:
             if s.pulls == 0:
                 return k
         t = self.rounds + 1
-        scores = [s.mean_reward + self.lambda_ucb * math.sqrt(2.0 * math.log(t) / s.pulls) for s in self.stats]
+        scores = [v + self.lambda_ucb * math.sqrt(2.0 * math.log(t) / s.pulls) for v, s in zip(self.values(), self.stats)]
         return max(range(len(scores)), key=scores.__getitem__)
 
+    def values(self) -> list[float]:
+        """Each arm's estimated reward (NaN before its first pull)."""
+        if self.reward == "paper" or not self._seconds:
+            return [s.mean_reward for s in self.stats]
+        scale = self._tokens / self._seconds
+        return [s.mean_reward / scale for s in self.stats]
+
     def update(self, arm: int, n_accept: int, draft_time: float | None = None, verify_time: float | None = None) -> float:
-        """Record one round of `arm` that committed `n_accept` tokens; returns the reward."""
+        """Record one round of `arm` that committed `n_accept` tokens; returns the arm's updated value."""
         gamma = self.arms[arm].depth
         if self.lambda_gamma == "auto" and draft_time is not None and verify_time and verify_time > 0:
             self._cost_ratio_sum += (draft_time / gamma) / verify_time
             self._cost_ratio_n += 1
+        stats = self.stats[arm]
         if self.reward == "time":
             if draft_time is None or verify_time is None:
                 raise ValueError("reward='time' needs the round's draft_time and verify_time")
-            round_time = draft_time + verify_time
-            self._time_sum += round_time
-            scale = self._time_sum / (self.rounds + 1)
-            reward = time_reward(n_accept, round_time, scale) if scale > 0 else -1.0 / n_accept
+            stats.reward_sum += time_reward(n_accept, draft_time + verify_time, 1.0)
+            self._seconds += draft_time + verify_time
+            self._tokens += n_accept
         else:
-            reward = tree_reward(n_accept, gamma, self.current_lambda_gamma)
-        self.stats[arm].pulls += 1
-        self.stats[arm].reward_sum += reward
+            stats.reward_sum += tree_reward(n_accept, gamma, self.current_lambda_gamma)
+        stats.pulls += 1
         self.rounds += 1
-        return reward
+        return self.values()[arm]
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per-arm pulls and mean reward, keyed by the arm's shape string."""
-        return {str(a): {"pulls": s.pulls, "mean_reward": s.mean_reward} for a, s in zip(self.arms, self.stats)}
+        """Per-arm pulls and value (mean reward), keyed by the arm's shape string."""
+        return {str(a): {"pulls": s.pulls, "mean_reward": v} for a, s, v in zip(self.arms, self.stats, self.values())}
 
 
 class FixedPolicy(UCBBandit):

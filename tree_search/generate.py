@@ -146,7 +146,6 @@ def generate(
         t2 = _now(ids.device)
         proposed = buf.tokens[result.path].tolist() + [int(result.next_token)]
         committed, finished = truncate(proposed, max_new_tokens - len(out), eos)
-        policy.update(arm, len(proposed), draft_time=t1 - t0, verify_time=t2 - t1)
         out.extend(committed)
         stats.cut_tokens = len(proposed) - len(committed)
         stats.rounds += 1
@@ -160,6 +159,7 @@ def generate(
         if streamer is not None:
             streamer.put(torch.tensor(committed))
         if finished:
+            policy.update(arm, len(proposed), draft_time=t1 - t0, verify_time=t2 - t1)
             break
         target_state.commit(result.path, len(buf.tree))
         t3 = _now(ids.device)
@@ -169,7 +169,10 @@ def generate(
         else:
             root_logits = drafts.resync(buf, result.path, result.next_token)
         root = drafts.one_token[0]
-        stats.draft_time += _now(ids.device) - t3
+        t4 = _now(ids.device)
+        stats.draft_time += t4 - t3
+        # The policy is charged the whole round: committing to the target cache and resyncing the drafter too.
+        policy.update(arm, len(proposed), draft_time=t1 - t0 + t4 - t3, verify_time=t3 - t1)
 
     stats.total_time = _now(ids.device) - started
     stats.new_tokens = len(out)
