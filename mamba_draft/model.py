@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         shape = x.shape
         if group_size is not None:
             x = x.view(*shape[:-1], shape[-1] // group_size, group_size)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return self.weight * x.view(shape).to(dtype)
 
 
@@ -119,7 +119,7 @@ class MambaMixer(nn.Module):
             Cs = C[:, s].float()
             for t in range(dA.shape[1]):
                 state = state * dA[:, t] + dBx[:, t]
-                ys.append(torch.einsum("bdn,bn->bd", state, Cs[:, t]))
+                ys.append(torch.matmul(state, Cs[:, t, :, None])[..., 0])
         ssm_state.copy_(state)
         y = torch.stack(ys, dim=1) + x.float() * self.D.float()
         y = y * F.silu(z.float())
@@ -144,7 +144,7 @@ class MambaMixer(nn.Module):
         dBx = (dt * x.float())[..., None] * B[:, None, :].float()
         state = ssm_state.float() * dA + dBx
         ssm_state.copy_(state)
-        y = torch.einsum("bdn,bn->bd", state, C.float()) + x.float() * self.D.float()
+        y = torch.matmul(state, C.float()[..., None])[..., 0] + x.float() * self.D.float()  # cheaper than einsum
         y = y * F.silu(z.float())
         return self.out_proj(y.to(h.dtype))
 
@@ -220,7 +220,7 @@ class Mamba2Mixer(nn.Module):
         dA = torch.exp(dt * A)
         state = ssm_state.float() * dA[..., None, None] + (dt[..., None] * x.float())[..., None] * B.float()[:, :, None]
         ssm_state.copy_(state)
-        y = torch.einsum("bhpn,bhn->bhp", state, C.float()) + x.float() * self.D.float()[:, None]
+        y = torch.matmul(state, C.float()[..., None])[..., 0] + x.float() * self.D.float()[:, None]
         return self._out(y.flatten(-2), z, h.dtype)
 
 
