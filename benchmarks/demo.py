@@ -206,7 +206,39 @@ def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: P
     methods = resolve_methods(cfg.methods)
     bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=cfg.repeats,
                             max_new_tokens=cfg.max_new_tokens, chat_template=False)
-    return run_benchmark(models, load_prompts(corpus["prompts"]), methods, bench_cfg, progress)
+    prompts = load_prompts(corpus["prompts"])
+    result = run_benchmark(models, prompts, methods, bench_cfg, progress)
+    first = models.tokenizer(prompts[0].text, return_tensors="pt").input_ids.to(device)
+    result["sizing"] = measure_sizing(models.target, models.drafter, first)
+    return result
+
+
+def measure_sizing(target, drafter, input_ids, steps: int = 64) -> dict[str, float]:
+    """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
+    (medians; the issue asks for a target forward well over 10x a drafter step)."""
+    import statistics
+
+    import torch
+
+    from tree_search.target import TargetState
+
+    def median_ms(step) -> float:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            if input_ids.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    token = input_ids[0, -1]
+    target_state = TargetState(target)
+    target_state.prefill(input_ids)
+    _, drafter_state = drafter.prefill(input_ids)
+    target_ms = median_ms(lambda: target_state.decode(token))
+    drafter_ms = median_ms(lambda: drafter.step(token.view(1), drafter_state))
+    return {"target_token_ms": target_ms, "drafter_step_ms": drafter_ms, "ratio": target_ms / drafter_ms}
 
 
 def describe_models(*paths: Path) -> dict[str, int]:
@@ -251,5 +283,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     result = run_demo(cfg, args.cache_dir, args.out, force=args.force, rebench=args.rebench)
     print(markdown_report(result))
+    if "sizing" in result:
+        sizing = result["sizing"]
+        print(f"Sizing (bare, batch 1): target token {sizing['target_token_ms']:.2f} ms, drafter step "
+              f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x)")
     print("Skipped verifiers: " + "; ".join(f"{k} ({v})" for k, v in result["skipped_verifiers"].items()))
     return 0

@@ -42,6 +42,9 @@ def test_quick_demo_trains_exports_and_benchmarks(quick_run):
             assert 0.0 <= s["equality"]["prefix_agreement"] <= 1.0
     assert methods["chain"]["tree"] == "1,1,1,1,1"
     assert set(result["skipped_verifiers"]) == {"sampling", "autojudge"}
+    sizing = result["sizing"]  # bare target token vs drafter step, the sizing criterion
+    assert sizing["target_token_ms"] > 0 and sizing["drafter_step_ms"] > 0
+    assert sizing["ratio"] == pytest.approx(sizing["target_token_ms"] / sizing["drafter_step_ms"])
     assert "| bandit |" in (run_dir / "results" / "demo.md").read_text()
     assert (run_dir / "results" / "demo_speedup.png").read_bytes()[:4] == b"\x89PNG"
     # the held-out prompts never come from files the models were trained on
