@@ -137,7 +137,8 @@ def test_time_reward_prefers_cheap_chain_that_eq2_ranks_lower(seed):
 def test_time_reward_ranks_arms_by_throughput_not_mean_per_round_cost(seed):
     """An all-or-nothing chain (1 or 7 tokens, mean 4, per 1 s round) beats a steady tree (3 tokens per 1 s) in
     tokens per second, but its mean per-round cost E[T/N] = 0.57 s is worse than the tree's 0.33 s (Jensen):
-    the arm's value must be total time over total tokens, or the bandit settles on the slower arm."""
+    the arm's value must be linear in the tokens (throughput), or the bandit settles on the slower arm; and an
+    unlucky 1-token first round must not shut the chain out."""
     rng = random.Random(seed)
     bandit = UCBBandit(arms=("1,1,1,1,1,1", "3,2,1"), reward="time")
     accepts = {0: lambda: 7 if rng.random() < 0.5 else 1, 1: lambda: 3}
