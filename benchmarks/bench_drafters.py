@@ -22,7 +22,7 @@ class DrafterBenchConfig:
     d_model: int = 512
     n_layer: int = 8               # Mamba layers; the Transformer's depth is chosen to match the parameter count
     vocab_size: int = 4096
-    steps: int = 16                # timed decoding steps per context (median reported)
+    steps: int = 64                # timed decoding steps per context, contexts in turn (median reported)
     warmup: int = 3
     device: str = "cpu"
     dtype: str = "float32"
@@ -76,25 +76,35 @@ def kv_cache_bytes(cache) -> int:
     return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-def time_steps(step, device: torch.device, warmup: int, steps: int) -> float:
-    """Median seconds of `step()` (one decoded token each), after `warmup` untimed calls."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_round_robin(steps: dict, device: torch.device, warmup: int, n_steps: int, block: int = 8) -> dict:
+    """Median seconds of one call of each `steps[key]()` (one decoded token each), after `warmup` untimed calls.
+
+    The keys take turns in blocks of `block` timed steps, so drift in the machine's load (a shared CPU) hits every
+    context alike instead of showing up as a context effect. Each block starts with one untimed step: a drafter
+    decodes one context step after step, so caches warm from that context's previous step are the realistic case,
+    not caches just flushed by another context's 100 MB KV cache.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {key: [] for key in steps}
+    for _ in range(-(-n_steps // block)):
+        for key, step in steps.items():
+            step()
+            for _ in range(block):
+                sync(device)
+                start = time.perf_counter()
+                step()
+                sync(device)
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 @torch.no_grad()
-def measure_mamba(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device) -> dict:
+def prepare_mamba(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device):
+    """Prefill a random `context`-token prompt; returns its record (prefill time, state size) and a step function."""
     gen = torch.Generator().manual_seed(cfg.seed + context)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-    reset_peak(device)
     sync(device)
     start = time.perf_counter()
     logits, state = drafter.prefill(prompt, max_batch=1)
@@ -102,23 +112,22 @@ def measure_mamba(drafter, context: int, cfg: DrafterBenchConfig, device: torch.
     prefill_s = time.perf_counter() - start
     token = logits.argmax(-1)
 
+    @torch.no_grad()
     def step():
         nonlocal token
         token = drafter.step(token, state).argmax(-1)
 
-    step_s = time_steps(step, device, cfg.warmup, cfg.steps)
-    return {"context": context, "step_ms": 1e3 * step_s, "prefill_ms": 1e3 * prefill_s,
-            "cache_bytes": tensor_bytes([state.conv, state.ssm]), "peak_bytes": peak(device)}
+    return {"context": context, "prefill_ms": 1e3 * prefill_s, "cache_bytes": tensor_bytes([state.conv, state.ssm])}, step
 
 
 @torch.no_grad()
-def measure_llama(model, context: int, cfg: DrafterBenchConfig, device: torch.device) -> dict:
+def prepare_llama(model, context: int, cfg: DrafterBenchConfig, device: torch.device):
+    """Prefill a random `context`-token prompt into a DynamicCache; returns its record and a step function."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(cfg.seed + context)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
     cache = DynamicCache(config=model.config)
-    reset_peak(device)
     sync(device)
     start = time.perf_counter()
     for chunk in prompt.split(PREFILL_CHUNK, dim=1):
@@ -127,24 +136,30 @@ def measure_llama(model, context: int, cfg: DrafterBenchConfig, device: torch.de
     prefill_s = time.perf_counter() - start
     token = out.logits[:, -1].argmax(-1, keepdim=True)
 
+    @torch.no_grad()
     def step():
         nonlocal token
         token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
 
-    step_s = time_steps(step, device, cfg.warmup, cfg.steps)
-    return {"context": context, "step_ms": 1e3 * step_s, "prefill_ms": 1e3 * prefill_s,
-            "cache_bytes": kv_cache_bytes(cache), "peak_bytes": peak(device)}
+    return {"context": context, "prefill_ms": 1e3 * prefill_s, "cache_bytes": kv_cache_bytes(cache)}, step
 
 
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+def reset_peak(device: torch.device) -> int:
+    """Reset CUDA's peak counter; returns the bytes allocated now (weights and the states kept so far; 0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
-def peak(device: torch.device) -> int | None:
-    """Peak allocated bytes since the last reset (CUDA only; None on CPU, where cache_bytes is the measure)."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+def peak(device: torch.device, held: int, weight_bytes: int) -> int | None:
+    """Peak bytes one context needed since `reset_peak` returned `held`, weights included: the other contexts'
+    states, kept alive for round-robin timing, are not counted (CUDA only; None on CPU, where cache_bytes is the
+    measure)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) - held + weight_bytes
 
 
 def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
@@ -155,22 +170,32 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     mamba = build_mamba(cfg, device, dtype)
     llama = build_llama(cfg, n_params(mamba), device, dtype)
-    models = {f"Mamba ({cfg.arch})": (mamba, measure_mamba), "Transformer (Llama)": (llama, measure_llama)}
+    models = {f"Mamba ({cfg.arch})": (mamba, prepare_mamba), "Transformer (Llama)": (llama, prepare_llama)}
     results = {}
-    bar = tqdm(total=len(models) * len(contexts), desc="bench-drafters", disable=not progress)
-    for name, (model, measure) in models.items():
-        measure(model, BASE_CONTEXT, cfg, device)  # untimed: first-call allocations and lazy init
-        rows = []
-        for context in contexts:
-            bar.set_postfix_str(f"{name} @ {context}")
-            rows.append(measure(model, context, cfg, device))
-            bar.update()
-        base = next(r["step_ms"] for r in rows if r["context"] == BASE_CONTEXT)
-        for r in rows:
-            r["ratio_to_64"] = r["step_ms"] / base
+    bar = tqdm(total=len(models) * (len(contexts) + 1), desc="bench-drafters", disable=not progress)
+    for name, (model, prepare) in models.items():
         weights = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied tensors once
-        results[name] = {"params": n_params(model), "weight_bytes": tensor_bytes(weights),
-                         "rows": rows}
+        weight_bytes = tensor_bytes(weights)
+        _, step = prepare(model, BASE_CONTEXT, cfg, device)  # untimed: first-call allocations and lazy init
+        step()
+        rows, steps = [], {}
+        for context in contexts:
+            bar.set_postfix_str(f"{name}: prefill {context}")
+            held = reset_peak(device)
+            row, steps[context] = prepare(model, context, cfg, device)
+            steps[context]()
+            row["peak_bytes"] = peak(device, held, weight_bytes)
+            rows.append(row)
+            bar.update()
+        bar.set_postfix_str(f"{name}: {cfg.steps} steps per context, round robin")
+        step_s = time_round_robin(steps, device, cfg.warmup, cfg.steps)
+        bar.update()
+        base = step_s[BASE_CONTEXT]
+        for r in rows:
+            r["step_ms"] = 1e3 * step_s[r["context"]]
+            r["ratio_to_64"] = step_s[r["context"]] / base
+        results[name] = {"params": n_params(model), "weight_bytes": weight_bytes, "rows": rows}
+        del steps  # free this model's states / KV caches before the next model
     bar.close()
     return {"config": asdict(cfg), "device": describe_device(device), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "memory_measure": memory_measure(device), "models": results}
@@ -188,7 +213,7 @@ def memory_measure(device: torch.device) -> str:
     if device.type == "cuda":
         return "peak = torch.cuda.max_memory_allocated over prefill + decoding (weights included)"
     return ("CPU: decoding memory = exact bytes of the recurrent state (Mamba) or KV cache (Transformer) "
-            "tensors after decoding; weights listed separately")
+            "tensors after the prefill; weights listed separately")
 
 
 def markdown_report(result: dict) -> str:
