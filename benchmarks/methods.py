@@ -6,7 +6,7 @@
     chain[:N]        chain drafting with the Mamba drafter, N tokens per round (default 5)
     tree:3,2,2,1,1   a fixed tree shape
     bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes), paper reward (Eq. 2)
-    bandit-time[:..] the same with the measured-time reward (draft + verify seconds per committed token)
+    bandit-time[:..] the same with the measured-time reward (tokens per second of each round)
     <drafting>@V     any drafting method verified by verifier V (default `greedy`, lossless)
     verifier=V       shorthand for `bandit@V`
     LABEL=METHOD     any of the above, shown as LABEL in tables and plots

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--autoregressive", action="store_true", help="plain target decoding (baseline; no drafter)")
     parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'")
     parser.add_argument("--bandit-reward", choices=("paper", "time"), default="paper",
-                        help="bandit reward: paper Eq. 2 (acceptance and depth) or measured time per token")
+                        help="bandit reward: paper Eq. 2 (acceptance and depth) or measured tokens per second per round")
     parser.add_argument("--verifier", help="verifier name, or lossy ones joined by '+' to accept a token if any accepts "
                         "it, e.g. autojudge+dropmatch (default: greedy at temperature 0, else sampling)")
     parser.add_argument("--verifier-param", action="append", default=[], metavar="KEY=VALUE",
