@@ -216,30 +216,19 @@ def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: P
 
 def measure_sizing(target, drafter, input_ids, steps: int = 64) -> dict[str, float]:
     """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
-    (medians; the issue asks for a target forward well over 10x a drafter step)."""
-    import statistics
-
-    import torch
-
+    (medians, timed in turns; the issue asks for a target forward well over 10x a drafter step)."""
+    from benchmarks.bench_drafters import time_round_robin
     from tree_search.target import TargetState
-
-    def median_ms(step) -> float:
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            if input_ids.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
 
     token = input_ids[0, -1]
     target_state = TargetState(target)
     target_state.prefill(input_ids)
     _, drafter_state = drafter.prefill(input_ids)
-    target_ms = median_ms(lambda: target_state.decode(token))
-    drafter_ms = median_ms(lambda: drafter.step(token.view(1), drafter_state))
-    return {"target_token_ms": target_ms, "drafter_step_ms": drafter_ms, "ratio": target_ms / drafter_ms}
+    seconds = time_round_robin({"target": lambda: target_state.decode(token),
+                                "drafter": lambda: drafter.step(token.view(1), drafter_state)},
+                               input_ids.device, warmup=3, n_steps=steps)
+    return {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
+            "ratio": seconds["target"] / seconds["drafter"]}
 
 
 def describe_models(*paths: Path) -> dict[str, int]:
