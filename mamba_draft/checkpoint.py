@@ -6,6 +6,10 @@
   `pytorch_model.bin`; the embedding is `backbone.embedding.weight` and the vocabulary is padded to
   `pad_vocab_size_multiple`.
 
+A drafter with a draft vocabulary (a subset of the target's ids it proposes from) keeps its id map in
+`draft_vocab.safetensors` (tensor `d2t`: draft id -> target id) next to the weights in either format, so the model
+part still loads in plain transformers. In memory the map travels among the tensors under `DRAFT_IDS`.
+
 Everything in memory uses HF names. Weights are read with safetensors or `torch.load(weights_only=True)` only,
 and directories are written to a temporary sibling and renamed, so a failure never leaves half a checkpoint.
 """
@@ -29,6 +33,8 @@ FORMATS = ("hf", "mamba_ssm")
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 SSM_WEIGHTS = "pytorch_model.bin"
+DRAFT_VOCAB = "draft_vocab.safetensors"
+DRAFT_IDS = "draft_vocab.d2t"  # in-memory key of the id map (mamba_draft.model imports it from here)
 # Files copied alongside the weights on save/convert so the directory stays usable with its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "generation_config.json", "chat_template.jinja")
@@ -86,6 +92,11 @@ def load_checkpoint(path: str | os.PathLike, revision: str | None = None) -> tup
     else:
         config = MambaConfig.from_mamba_ssm_dict(raw)
         tensors = {_ssm_to_hf_name(k): v for k, v in _read_weights_file(directory / SSM_WEIGHTS).items()}
+    if (directory / DRAFT_VOCAB).is_file():
+        draft = _read_weights_file(directory / DRAFT_VOCAB)
+        if "d2t" not in draft:
+            raise ValueError(f"{directory / DRAFT_VOCAB} has no 'd2t' tensor")
+        tensors[DRAFT_IDS] = draft["d2t"]
     return config, tensors
 
 
@@ -134,7 +145,10 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; choose one of {FORMATS}")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    draft_ids = tensors.pop(DRAFT_IDS, None)
     with atomic_directory(directory, overwrite=overwrite) as tmp:
+        if draft_ids is not None:
+            save_file({"d2t": draft_ids.to(torch.int64)}, str(tmp / DRAFT_VOCAB), metadata={"format": "pt"})
         if format == "hf":
             if config.tie_embeddings:
                 tensors.pop("lm_head.weight", None)  # tied: HF stores the embedding once
@@ -182,6 +196,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrit
     with torch.device("meta"):
         reference = MambaDrafter(config, backend="torch")
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if DRAFT_IDS in tensors:
+        expected[DRAFT_IDS] = tuple(tensors[DRAFT_IDS].shape)
     if config.tie_embeddings:
         expected.pop("lm_head.weight")
         tensors.pop("lm_head.weight", None)

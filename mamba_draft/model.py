@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint import DRAFT_IDS
 from .config import MambaConfig
 from .kernels import load_kernels
 from .state import DrafterState
@@ -262,6 +263,10 @@ class MambaDrafter(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         self.state_dtype = state_dtype
+        # Draft vocabulary (EAGLE-3's d2t, FR-Spec): the drafter proposes only these target ids, scoring them with
+        # a contiguous copy of their head rows; it still reads every token of the full vocabulary as input.
+        self.register_buffer("draft_ids", None, persistent=False)
+        self.register_buffer("draft_head", None, persistent=False)
         self.backend = "torch"
         self.set_backend(backend)
 
@@ -292,7 +297,12 @@ class MambaDrafter(nn.Module):
         return model
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into the parameters, with errors that name every missing/unexpected/misshaped key."""
+        """Copy HF-named tensors into the parameters, with errors that name every missing/unexpected/misshaped key.
+
+        A `DRAFT_IDS` entry (the draft-vocabulary id map, if the checkpoint has one) sets the draft vocabulary.
+        """
+        tensors = dict(tensors)
+        draft_ids = tensors.pop(DRAFT_IDS, None)
         expected = {k: v for k, v in self.state_dict().items()}
         if self.config.tie_embeddings:
             expected.pop("lm_head.weight")
@@ -310,12 +320,43 @@ class MambaDrafter(nn.Module):
         self.load_state_dict(tensors, strict=False, assign=False)
         if self.config.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
+        self.set_draft_vocab(draft_ids)
 
     def save_pretrained(self, directory, *, format: str = "hf", overwrite: bool = False) -> None:
         """Write HF format (config.json + model.safetensors) or mamba_ssm format (config.json + pytorch_model.bin)."""
         from .checkpoint import save_checkpoint
 
-        save_checkpoint(self.config, self.state_dict(), directory, format=format, overwrite=overwrite)
+        save_checkpoint(self.config, self.checkpoint_tensors(), directory, format=format, overwrite=overwrite)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The state dict plus, with a draft vocabulary, its id map under `DRAFT_IDS` (written to its own file)."""
+        tensors = dict(self.state_dict())
+        if self.draft_ids is not None:
+            tensors[DRAFT_IDS] = self.draft_ids
+        return tensors
+
+    @torch.no_grad()
+    def set_draft_vocab(self, draft_ids: torch.Tensor | None) -> None:
+        """Restrict proposals to `draft_ids` (distinct target ids, e.g. frequency-ranked), or lift it with None.
+
+        The head rows are copied once here so a step reads a contiguous (len(draft_ids), d_model) matrix; call it
+        again after changing the head's weights in place (`.to()` moves and casts the copy with the model).
+        """
+        if draft_ids is None:
+            self.draft_ids = self.draft_head = None
+            return
+        ids = torch.as_tensor(draft_ids)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        ids = ids.to(device=self.device, dtype=torch.long)
+        real = self.config.real_vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= real:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {real}), got [{int(ids.min())}, {int(ids.max())}]")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("draft vocabulary ids must be distinct")
+        self.draft_ids = ids
+        self.draft_head = self.lm_head.weight[ids].detach().clone()
 
     def set_backend(self, backend: str) -> None:
         """'torch' (reference), 'kernels' (mamba-ssm + causal-conv1d on CUDA) or 'auto' (kernels when usable)."""
@@ -336,7 +377,15 @@ class MambaDrafter(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        """The real vocabulary: width of the logits this drafter returns."""
+        """Width of the logits this drafter returns: the draft vocabulary if it has one, else the real vocabulary.
+
+        Logit column j scores target id `draft_ids[j]` when a draft vocabulary is set, id j otherwise.
+        """
+        return self.draft_ids.numel() if self.draft_ids is not None else self.config.real_vocab_size
+
+    @property
+    def input_vocab_size(self) -> int:
+        """Token ids the drafter reads (its embedding's real rows), whatever its draft vocabulary."""
         return self.config.real_vocab_size
 
     @property
@@ -359,7 +408,31 @@ class MambaDrafter(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.backbone.norm_f(h)
-        weight = self.lm_head.weight[: self.vocab_size]  # skip padded vocabulary rows entirely
+        if self.draft_head is not None:
+            weight = self.draft_head
+        else:
+            weight = self.lm_head.weight[: self.config.real_vocab_size]  # skip padded vocabulary rows entirely
+        return F.linear(h.to(weight.dtype), weight)
+
+    def _run(self, input_ids: torch.Tensor, state: DrafterState) -> torch.Tensor:
+        """Final hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (autograd-safe)."""
+        h = self.backbone.embeddings(input_ids)
+        for i, layer in enumerate(self.backbone.layers):
+            h = layer(h, state.conv[i, : input_ids.shape[0]], state.ssm[i, : input_ids.shape[0]])
+        return h
+
+    def train_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Differentiable full-sequence logits (B, L, vocab_size) from a zero state: the training forward.
+
+        The same chunked scans as prefill (Mamba-2: SSD matmuls; Mamba-1: a linear recurrence), linear in L, with
+        autograd through them. With a draft vocabulary the head rows are gathered here, so gradients reach the
+        (possibly tied) full-vocabulary weights.
+        """
+        ids = input_ids.to(device=self.device, dtype=torch.long)
+        state = self.allocate_state(ids.shape[0])
+        h = self.backbone.norm_f(self._run(ids, state))
+        weight = self.lm_head.weight[self.draft_ids] if self.draft_ids is not None \
+            else self.lm_head.weight[: self.config.real_vocab_size]
         return F.linear(h.to(weight.dtype), weight)
 
     @torch.no_grad()
@@ -373,10 +446,8 @@ class MambaDrafter(nn.Module):
     def extend(self, input_ids: torch.Tensor, state: DrafterState, *, last_only: bool = False) -> torch.Tensor:
         """Continue rows [0:B] of `state` with a (B, L) block of tokens; returns logits (B, L, V) or (B, V)."""
         input_ids = _check_ids(input_ids, self.config.vocab_size, self.device)
-        batch = _check_batch(input_ids.shape[0], state)
-        h = self.backbone.embeddings(input_ids)
-        for i, layer in enumerate(self.backbone.layers):
-            h = layer(h, state.conv[i, :batch], state.ssm[i, :batch])
+        _check_batch(input_ids.shape[0], state)
+        h = self._run(input_ids, state)
         return self._logits(h[:, -1] if last_only else h)
 
     @torch.no_grad()

