@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.equality import compare_outputs
 from benchmarks.methods import Method, Models, make_tree_policy, parse_method, run_hf, run_ours
-from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from benchmarks.report import bar_plot, fmt_mean_std, markdown_table, mean_std, write_json, write_text
+from tree_search.prompts import Prompt, encode_prompt, load_prompts
+from tree_search.sampling import SamplingParams, resolve_sampling
 
 DEFAULT_METHODS = ("hf-ar", "ar", "chain", "tree:3,2,2,1,1", "bandit")
 
@@ -23,11 +24,14 @@ class BenchConfig:
     warmup: int = 1                  # untimed passes of every method over the first prompt
     max_new_tokens: int = 128
     max_prompt_tokens: int = 1024    # longer prompts keep their last tokens
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # None: the target's generation_config, as target.generate; run_benchmark resolves them once and every method
+    # (hf-* and ours) gets the same explicit values, which the result's config records
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int = 0
     chat_template: bool = True
+    system_prompt: str | None = None
 
 
 def resolve_methods(specs) -> list[Method]:
@@ -47,7 +51,7 @@ def resolve_methods(specs) -> list[Method]:
 def encode_prompts(tokenizer, prompts: list[Prompt], cfg: BenchConfig, device) -> list[torch.Tensor]:
     out = []
     for p in prompts:
-        ids = encode_prompt(tokenizer, p.text, cfg.chat_template)[-cfg.max_prompt_tokens:]
+        ids = encode_prompt(tokenizer, p.text, cfg.chat_template, cfg.system_prompt)[-cfg.max_prompt_tokens:]
         out.append(torch.tensor([ids], dtype=torch.long, device=device))
     return out
 
@@ -61,6 +65,25 @@ def eos_ids(models: Models) -> list[int]:
 
 def sampling_of(cfg: BenchConfig) -> dict:
     return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+
+
+def resolve_config(cfg: BenchConfig, target, methods: list[Method]) -> BenchConfig:
+    """cfg with the sampling values every method uses: explicit ones, else the target's generation_config."""
+    params = resolve_sampling(target, cfg.temperature, cfg.top_p, cfg.top_k)
+    check_verifiers(methods, params)
+    return replace(cfg, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+
+
+def check_verifiers(methods: list[Method], params: SamplingParams) -> None:
+    """Refuse greedy-only verifiers when sampling."""
+    if params.greedy:
+        return
+    from tree_search import get_verifier
+
+    for m in methods:
+        if m.kind == "spec" and getattr(get_verifier(m.verifier), "greedy_only", False):
+            raise ValueError(f"method {m.name!r}: verifier {m.verifier!r} is greedy-only; "
+                             f"use {m.name.partition('@')[0]}@sampling at temperature {params.temperature}")
 
 
 def run_pass(method: Method, models: Models, prompt_ids: list[torch.Tensor], cfg: BenchConfig, eos: list[int],
@@ -98,6 +121,7 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     """Warm up, then `repeats` passes of every method over every prompt; returns the full JSON-able result."""
     from tqdm import tqdm
 
+    cfg = resolve_config(cfg, models.target, methods)
     device = next(models.target.parameters()).device
     prompt_ids = encode_prompts(models.tokenizer, prompts, cfg, device)
     eos = eos_ids(models)
@@ -180,7 +204,9 @@ def markdown_report(result: dict) -> str:
     rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
              fmt_mean_std(s["tau"]), fmt_mean_std(s["speedup"]) + "×", s["baseline"], equality_cell(s)]
             for name, s in result["methods"].items()]
-    text = (f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, temperature {cfg['temperature']}, "
+    sampling = f"temperature {cfg['temperature']}" + (
+        f" (top-k {cfg['top_k'] or 'off'}, top-p {cfg['top_p']})" if cfg["temperature"] else " (greedy)")
+    text = (f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, {sampling}, "
             f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}.\n\n" + markdown_table(header, rows))
     categories = list(next(iter(result["methods"].values()))["categories"])
     if len(categories) > 1:
@@ -219,7 +245,8 @@ def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> d
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
-    parser.add_argument("--target", required=True, help="HF causal LM directory (or hub id) to accelerate")
+    parser.add_argument("--target", required=True, help="causal LM to accelerate: HF directory, hub id or .gguf "
+                        "file; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format); needed by drafting methods")
     parser.add_argument("--prompts", required=True, type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt'")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
@@ -232,14 +259,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     parser.add_argument("--limit", type=int, help="use at most this many prompts")
     parser.add_argument("--per-category", type=int, help="use the first N prompts of each category")
-    parser.add_argument("--temperature", type=float, default=d.temperature)
-    parser.add_argument("--top-p", type=float, default=d.top_p)
-    parser.add_argument("--top-k", type=int, default=d.top_k)
+    parser.add_argument("--temperature", type=float,
+                        help="0 = greedy (default: the target's generation_config, as target.generate)")
+    parser.add_argument("--top-p", type=float, help="nucleus mass when sampling (default: generation_config, 1.0)")
+    parser.add_argument("--top-k", type=int, help="top-k when sampling, 0 = off (default: generation_config, 50)")
     parser.add_argument("--no-chat-template", action="store_true", help="encode prompts as raw text")
+    parser.add_argument("--system-prompt", help="system message placed before every prompt by the chat template")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, all cores)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (JSON, markdown, PNG)")
 
 
@@ -256,8 +284,12 @@ def model_type(path: str) -> str:
 
 def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     """Every argument problem is reported here, before any model is loaded."""
-    for flag in ("target", "drafter", "assistant", "tokenizer"):
-        check_model_dir(getattr(args, flag), "--" + flag)
+    from tree_search.cli import check_target_path
+
+    for flag in ("target", "assistant", "tokenizer"):  # HF causal LMs and tokenizers: a directory, hub id or .gguf
+        if getattr(args, flag):
+            check_target_path(getattr(args, flag), "--" + flag, command="bench")
+    check_model_dir(args.drafter, "--drafter")
     if any(m.kind == "spec" for m in methods) and not args.drafter:
         raise ValueError("drafting methods need --drafter PATH")
     if any(m.kind == "hf-assisted" for m in methods):
@@ -269,31 +301,25 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     for flag in ("repeats", "max_new_tokens", "max_prompt_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise ValueError("need --warmup >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
-    if args.temperature > 0:
-        from tree_search import get_verifier
-
-        for m in methods:
-            if m.kind == "spec" and getattr(get_verifier(m.verifier), "greedy_only", False):
-                raise ValueError(f"method {m.name!r}: verifier {m.verifier!r} is greedy-only; "
-                                 f"use {m.name.partition('@')[0]}@sampling at temperature {args.temperature}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    # explicit sampling values are checked now; unset ones come from the target once it is loaded (resolve_config)
+    check_verifiers(methods, resolve_sampling(None, args.temperature, args.top_p, args.top_k))
+    if args.system_prompt is not None and args.no_chat_template:
+        raise ValueError("--system-prompt needs the chat template; drop --no-chat-template")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
 
 
 def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from mamba_draft.targets import load_causal_lm, load_tokenizer
 
     dtype = getattr(torch, args.dtype)
 
     def causal_lm(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-        return model.to(args.device).eval()
+        return load_causal_lm(path, dtype=dtype, device=args.device, attn_implementation="sdpa")
 
-    models = Models(target=causal_lm(args.target), tokenizer=AutoTokenizer.from_pretrained(args.tokenizer or args.target))
+    models = Models(target=causal_lm(args.target), tokenizer=load_tokenizer(args.tokenizer or args.target))
     if any(m.kind == "spec" for m in methods):
         from mamba_draft import MambaDrafter
 
@@ -307,7 +333,7 @@ def config_from_args(args: argparse.Namespace, methods: list[Method]) -> BenchCo
     return BenchConfig(methods=tuple(m.name for m in methods), repeats=args.repeats, warmup=args.warmup,
                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       chat_template=not args.no_chat_template)
+                       chat_template=not args.no_chat_template, system_prompt=args.system_prompt)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -315,8 +341,6 @@ def run(args: argparse.Namespace) -> int:
     validate(args, methods)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     cfg = config_from_args(args, methods)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     models = load_models(args, methods)
     result = run_benchmark(models, prompts, methods, cfg)
     result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant}

@@ -260,14 +260,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, all cores)")
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON, markdown and PNG plots")
 
 
 def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
     if not args.contexts or min(args.contexts) < 1:
         raise ValueError(f"--contexts must be positive integers, got {args.contexts}")
-    for name in ("d_model", "n_layer", "vocab_size", "steps", "threads"):
+    for name in ("d_model", "n_layer", "vocab_size", "steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -279,8 +278,6 @@ def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     result = run_bench(cfg)
     paths = write_outputs(result, args.out)
     print(markdown_report(result))

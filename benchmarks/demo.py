@@ -251,7 +251,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="results directory (default: <cache>/results)")
     parser.add_argument("--repeats", type=int, help="benchmark repeats (default 3, 1 with --quick)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt (default 128, 24 with --quick)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, all cores)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -263,14 +262,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     cfg = replace(cfg, repeats=args.repeats or cfg.repeats, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.cache_dir.exists() and not args.cache_dir.is_dir():
         raise NotADirectoryError(f"--cache-dir {args.cache_dir} is not a directory")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     result = run_demo(cfg, args.cache_dir, args.out, force=args.force, rebench=args.rebench)
     print(markdown_report(result))
     if "sizing" in result:

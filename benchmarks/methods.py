@@ -119,12 +119,15 @@ class ForwardCounter:
 @torch.no_grad()
 def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
            eos: list[int], pad: int | None) -> tuple[list[int], dict]:
-    """transformers `generate`, alone or assisted; rounds = target forward calls."""
+    """transformers `generate`, alone or assisted; rounds = target forward calls.
+
+    `sampling` holds resolved values (bench.resolve_config), passed explicitly so that the generation_config cannot
+    add a top-k or top-p our methods do not apply (top_k 0 is off in transformers too)."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
                   attention_mask=torch.ones_like(ids))
     if sampling["temperature"] > 0:
         kwargs.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                      top_k=sampling["top_k"] or None)
+                      top_k=sampling["top_k"])
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     if method.kind == "hf-assisted":

@@ -5,7 +5,8 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args).
+# subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args);
+# the dispatcher adds --threads to every command (and sets torch's thread count) so no module repeats it.
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("mamba_draft.convert", "convert a drafter checkpoint between HF and mamba_ssm formats"),
     "generate": ("tree_search.cli", "generate text with a target model and a Mamba tree drafter"),
@@ -26,6 +27,40 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line, `mamba-draft COMMAND: error: MESSAGE` (exit 2); --help shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _thread_count(value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _add_threads(parser: argparse.ArgumentParser, default=None) -> None:
+    """--threads on a command and on each of its sub-actions (`autojudge mine --threads 4`)."""
+    parser.add_argument("--threads", type=_thread_count, default=default,
+                        help="torch CPU threads for this command (default: torch's choice, all cores)")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                # SUPPRESS: a sub-action that was not given --threads keeps the command-level value
+                _add_threads(sub, default=argparse.SUPPRESS)
+
+
+def build_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand: the module's own arguments plus the global --threads."""
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = _Parser(prog=f"mamba-draft {name}", description=module.__doc__ or help_)
+    module.add_arguments(parser)
+    _add_threads(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -35,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"mamba-draft: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name, help_ = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"mamba-draft {name}", description=module.__doc__ or help_)
-    module.add_arguments(parser)
-    result = module.run(parser.parse_args(rest))
+    parser = build_parser(name)
+    args = parser.parse_args(rest)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = importlib.import_module(COMMANDS[name][0]).run(args)
     return int(result or 0)
 
 

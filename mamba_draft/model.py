@@ -39,11 +39,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.view(shape).to(dtype)
 
 
-def _conv_sequence(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Causal depthwise conv over x (B, C, L) continuing from conv_state (B, C, K); updates conv_state in place."""
-    length, width = x.shape[-1], conv_state.shape[-1]
-    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
-    conv_state.copy_(full[..., -width:])
+def _conv_sequence(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Causal depthwise conv over x (B, C, L) continuing from conv_state (B, C, K), updated in place.
+
+    conv_state None: start from zeros and keep no state (the training forward: nothing is written in place, which
+    autograd needs)."""
+    length, width = x.shape[-1], weight.shape[-1]
+    if conv_state is None:
+        full = F.pad(x, (width, 0))
+    else:
+        full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+        conv_state.copy_(full[..., -width:])
     out = F.conv1d(full, weight.unsqueeze(1), bias, groups=x.shape[1])
     return F.silu(out[..., -length:])
 
@@ -103,25 +109,28 @@ class MambaMixer(nn.Module):
         dt, B, C = self.x_proj(x).split([self.cfg.dt_rank, self.cfg.d_state, self.cfg.d_state], dim=-1)
         return F.linear(dt, self.dt_proj.weight), B, C  # dt_proj bias is added inside the softplus
 
-    def forward(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
-        """h (B, L, d_model) continuing from the given state rows; updates them in place."""
+    def forward(self, h: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> torch.Tensor:
+        """h (B, L, d_model) continuing from the given state rows, updated in place (None: zero state, not kept)."""
         x, z = self.in_proj(h).chunk(2, dim=-1)
         x = _conv_sequence(x.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias)
         x = x.transpose(1, 2)  # (B, L, d_inner)
         dt, B, C = self._dt_B_C(x)
         dt = F.softplus((dt + self.dt_proj.bias).float())
         A = -torch.exp(self.A_log.float())
-        state = ssm_state.float()
+        state = x.new_zeros(x.shape[0], *self.A_log.shape, dtype=torch.float32) if ssm_state is None \
+            else ssm_state.float()
         ys = []
         for start in range(0, x.shape[1], SCAN_SLICE):
             s = slice(start, start + SCAN_SLICE)
             dA = torch.exp(dt[:, s, :, None] * A)  # (B, l, d_inner, N)
             dBx = (dt[:, s] * x[:, s].float())[..., None] * B[:, s, None, :].float()
-            Cs = C[:, s].float()
-            for t in range(dA.shape[1]):
-                state = state * dA[:, t] + dBx[:, t]
-                ys.append(torch.matmul(state, Cs[:, t, :, None])[..., 0])
-        ssm_state.copy_(state)
+            # unbind, not dA[:, t]: autograd then stacks the slices' gradients once instead of scattering each
+            # into a zero tensor of the whole slice (that made the backward O(L^2), as transformers' reference is).
+            for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C[:, s].float().unbind(1)):
+                state = state * dA_t + dBx_t
+                ys.append(torch.matmul(state, C_t[..., None])[..., 0])
+        if ssm_state is not None:
+            ssm_state.copy_(state)
         y = torch.stack(ys, dim=1) + x.float() * self.D.float()
         y = y * F.silu(z.float())
         return self.out_proj(y.to(h.dtype))
@@ -185,15 +194,18 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.to(dtype), gate=z, group_size=self.cfg.d_inner // self.cfg.ngroups)
         return self.out_proj(y.to(dtype))
 
-    def forward(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         z, xbc, dt = self.in_proj(h).split([cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
         xbc = _conv_sequence(xbc.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias)
         x, B, C = self._split(xbc.transpose(1, 2))  # x (B, L, H, P), B/C (B, L, H, N)
         dt = self._dt(dt)  # (B, L, H)
         A = -torch.exp(self.A_log.float())
-        y, final = _ssd_scan(x.float(), dt, A, B.float(), C.float(), ssm_state.float())
-        ssm_state.copy_(final)
+        start = x.new_zeros(x.shape[0], *cfg.ssm_state_shape, dtype=torch.float32) if ssm_state is None \
+            else ssm_state.float()
+        y, final = _ssd_scan(x.float(), dt, A, B.float(), C.float(), start)
+        if ssm_state is not None:
+            ssm_state.copy_(final)
         y = y + x.float() * self.D.float()[:, None]
         return self._out(y.flatten(-2), z, h.dtype)
 
@@ -414,11 +426,12 @@ class MambaDrafter(nn.Module):
             weight = self.lm_head.weight[: self.config.real_vocab_size]  # skip padded vocabulary rows entirely
         return F.linear(h.to(weight.dtype), weight)
 
-    def _run(self, input_ids: torch.Tensor, state: DrafterState) -> torch.Tensor:
-        """Final hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (autograd-safe)."""
+    def _run(self, input_ids: torch.Tensor, state: DrafterState | None) -> torch.Tensor:
+        """Hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (None: from zero, kept nowhere)."""
         h = self.backbone.embeddings(input_ids)
+        rows = input_ids.shape[0]
         for i, layer in enumerate(self.backbone.layers):
-            h = layer(h, state.conv[i, : input_ids.shape[0]], state.ssm[i, : input_ids.shape[0]])
+            h = layer(h, None if state is None else state.conv[i, :rows], None if state is None else state.ssm[i, :rows])
         return h
 
     def train_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -429,8 +442,7 @@ class MambaDrafter(nn.Module):
         (possibly tied) full-vocabulary weights.
         """
         ids = input_ids.to(device=self.device, dtype=torch.long)
-        state = self.allocate_state(ids.shape[0])
-        h = self.backbone.norm_f(self._run(ids, state))
+        h = self.backbone.norm_f(self._run(ids, None))
         weight = self.lm_head.weight[self.draft_ids] if self.draft_ids is not None \
             else self.lm_head.weight[: self.config.real_vocab_size]
         return F.linear(h.to(weight.dtype), weight)

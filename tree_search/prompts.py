@@ -70,9 +70,18 @@ def load_prompts(path: str | Path, limit: int | None = None, per_category: int |
     return prompts[:limit] if limit is not None else prompts
 
 
-def encode_prompt(tokenizer, text: str, use_chat_template: bool = True) -> list[int]:
-    """Token ids for one prompt: the tokenizer's chat template when it has one, else the raw text."""
+def encode_prompt(tokenizer, text: str, use_chat_template: bool = True, system_prompt: str | None = None) -> list[int]:
+    """Token ids for one prompt: the tokenizer's chat template when it has one (a user turn after an optional system
+    turn, then the assistant's generation prompt, as HF chat models expect), else the raw text.
+
+    A system prompt needs the template: refused (ValueError) when the text is encoded raw.
+    """
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    if system_prompt is not None:
+        reason = "chat templates are off" if not use_chat_template else "the tokenizer has no chat template"
+        raise ValueError(f"a system prompt needs a chat template, but {reason}")
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])

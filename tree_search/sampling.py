@@ -27,6 +27,36 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# transformers' values for generation_config fields a model leaves unset (GenerationConfig._get_default_generation_params)
+HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def resolve_sampling(target=None, temperature: float | None = None, top_p: float | None = None,
+                     top_k: int | None = None) -> SamplingParams:
+    """The sampling `target.generate(...)` would do: explicit values win, None takes the target's generation_config,
+    unset fields there take transformers' defaults (no target: those defaults alone).
+
+    temperature None -> greedy unless generation_config.do_sample, else its temperature; when sampling, top_k None ->
+    generation_config.top_k (50 by default) and top_p None -> generation_config.top_p (1.0). top_k 0 is no top-k.
+    Explicit values are validated even where greedy decoding ignores them. Other generation_config processors
+    (repetition_penalty, min_p, ...) are not applied by tree_search.
+    """
+    explicit = SamplingParams(0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
+                              1.0 if top_p is None else top_p)
+    config = getattr(target, "generation_config", None)
+
+    def default(name):
+        value = getattr(config, name, None)
+        return HF_DEFAULTS[name] if value is None else value
+
+    if temperature is None:
+        temperature = default("temperature") if default("do_sample") else 0.0
+    if temperature == 0:  # greedy: top-k / top-p do not change the argmax
+        return SamplingParams(0.0, explicit.top_k, explicit.top_p)
+    return SamplingParams(float(temperature), int(default("top_k") if top_k is None else top_k),
+                          float(default("top_p") if top_p is None else top_p))
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed distribution (..., V) in float32: one-hot argmax when greedy, else softmax(logits / T)
     restricted to the top-k tokens and then to the smallest top-p nucleus (HF warper order)."""
