@@ -109,3 +109,27 @@ def test_eval_bad_input(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"piqa: .* lacks column\(s\) \['goal', 'sol1', 'sol2', 'label'\]"):
         load_task("piqa", str(wrong), None)
     assert set(TASKS) == {"hellaswag", "arc_easy", "piqa"}
+
+
+def test_cli_eval_bad_input_is_one_line(tokenizer, tmp_path):
+    model_dir, _ = save_model(tokenizer, tmp_path / "zero", zero=True)
+    with pytest.raises(SystemExit, match="^mamba-draft eval: unknown task 'winogrande'"):
+        cli(["eval", str(model_dir), "--tasks", "winogrande"])
+    with pytest.raises(SystemExit, match="^mamba-draft eval: model directory .* does not exist"):
+        cli(["eval", str(tmp_path / "missing"), "--tasks", f"perplexity:{FIXTURES / 'heldout.jsonl'}"])
+    with pytest.raises(SystemExit, match="^mamba-draft eval: --agreement FILE and --target TARGET go together"):
+        cli(["eval", str(model_dir), "--target", str(model_dir)])
+
+
+def test_cli_eval_tasks_and_agreement_in_one_run(tokenizer, tmp_path):
+    """--tasks and --agreement together: both result sets; a model agrees with itself everywhere."""
+    model_dir, vocab = save_model(tokenizer, tmp_path / "random", zero=False)
+    out = tmp_path / "results.json"
+    assert cli(["eval", str(model_dir), "--tasks", f"perplexity:{FIXTURES / 'heldout.jsonl'}", "--target",
+                str(model_dir), "--agreement", str(FIXTURES / "messages.jsonl"), "--gammas", "2",
+                "--output", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results) == {"perplexity:heldout.jsonl", "agreement:messages.jsonl"}
+    agreement = results["agreement:messages.jsonl"]
+    assert agreement["agreement"] == 1.0 and set(agreement) == {"agreement", "tau2", "greedy_path", "positions",
+                                                                 "sequences", "skipped"}

@@ -29,6 +29,10 @@ class ModelConfig:
     num_key_value_heads: int = 0          # llama (0: num_heads)
     max_position_embeddings: int = 4096   # llama
     tie_word_embeddings: bool = True
+    draft_vocab_size: int = 0             # > 0: propose only the N most frequent target ids of the training data
+    draft_vocab: str | None = None        # or a draft_vocab.safetensors file / drafter directory to reuse
+    init_embeddings_from: str | None = None  # target whose input embedding initialises the drafter's (same width)
+    freeze_embeddings: bool = False
 
 
 @dataclass
@@ -65,12 +69,23 @@ class DistillConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out agreement with the target (training/agreement.py), logged to metrics.jsonl and agreement.png."""
+    data: str = ""                        # held-out file: SFT (conversations / messages, like data.path) or text
+    every: int = 0                        # evaluate every N optimizer steps and after the last one; 0: off
+    max_sequences: int = 64               # the file's first N records (kept cheap: every evaluation runs them all)
+    gammas: tuple[int, ...] = (1, 3, 5)   # chain lengths for tau
+    target: str | None = None             # model whose greedy choices are scored; None: distill.target
+
+
+@dataclass
 class TrainConfig:
     output_dir: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     deepspeed: str = "configs/deepspeed/zero1.json"   # DeepSpeed JSON (ZeRO stage, bf16)
     precision: str = "auto"               # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     steps: int = 0                        # optimizer steps; 0: derived from epochs (sft)
@@ -135,6 +150,10 @@ def _coerce(hint, value, key: str):
             return None
         hint = next(a for a in args if a is not type(None))
         return _coerce(hint, value, key)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(args[0], v, key) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")

@@ -1,7 +1,9 @@
-"""Zero-shot multiple-choice accuracy (lm-eval-harness style acc / acc_norm) and held-out perplexity of a model.
+"""Zero-shot multiple-choice accuracy (lm-eval-harness style acc / acc_norm) and held-out perplexity of a model,
+and a drafter's held-out agreement with its target (top-1 agreement, expected accepted length tau_gamma).
 
     mamba-draft eval MODEL_DIR --tasks hellaswag,arc_easy,piqa,perplexity:heldout.jsonl
     mamba-draft eval MODEL_DIR --tasks hellaswag:local/hellaswag.jsonl   (a local file with the hub schema)
+    mamba-draft eval DRAFTER --target TARGET --agreement heldout.json [--gammas 1,3,5] [--max-sequences N]
 """
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from training.agreement import drafter_agreement
+
+DEFAULT_TASKS = "hellaswag,arc_easy,piqa"
 
 
 @dataclass
@@ -172,18 +178,50 @@ def evaluate(model_dir: str | Path, tasks: str, limit: int | None = None, max_le
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="HF-format model directory (e.g. from `mamba-draft export`)")
-    parser.add_argument("--tasks", default="hellaswag,arc_easy,piqa",
+    parser.add_argument("model_dir", help="HF-format model directory (e.g. from `mamba-draft export`); with "
+                                          "--agreement, the drafter (HF or mamba_ssm format, or a hub id)")
+    parser.add_argument("--tasks", default=None,
                         help="comma list of hellaswag, arc_easy, piqa (each optionally NAME:FILE for a local file "
-                             "with the hub schema) and perplexity:FILE")
+                             f"with the hub schema) and perplexity:FILE (default {DEFAULT_TASKS}, unless only "
+                             "--agreement is asked for)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N items of each task")
-    parser.add_argument("--max-len", type=int, default=2048, help="perplexity window length")
+    parser.add_argument("--max-len", type=int, default=2048,
+                        help="perplexity window length; agreement: tokens kept per sequence")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", default=None, help="also write the results as JSON to this file")
+    group = parser.add_argument_group("drafter agreement with its target (teacher-forced, greedy)")
+    group.add_argument("--target", default=None, help="the target: HF directory, hub id, .gguf file or 'smollm2'")
+    group.add_argument("--agreement", metavar="FILE", default=None,
+                       help="held-out chat file (ShareGPT conversations / messages, rendered with the target's chat "
+                            "template, assistant tokens scored) or text file (.json, .jsonl, .parquet)")
+    group.add_argument("--gammas", default="1,3,5", help="chain lengths for tau_gamma, comma separated")
+    group.add_argument("--max-sequences", type=int, default=None, help="score only the file's first N records")
+    group.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+
+
+def parse_gammas(spec: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(g) for g in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--gammas expects comma-separated integers, got {spec!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    results = evaluate(args.model_dir, args.tasks, args.limit, args.max_len, args.device)
+    if (args.agreement is None) != (args.target is None):
+        raise SystemExit("mamba-draft eval: --agreement FILE and --target TARGET go together")
+    if args.max_sequences is not None and args.max_sequences < 1:
+        raise SystemExit(f"mamba-draft eval: --max-sequences must be >= 1, got {args.max_sequences}")
+    results = {}
+    try:
+        gammas = parse_gammas(args.gammas)
+        if args.tasks or not args.agreement:
+            results.update(evaluate(args.model_dir, args.tasks or DEFAULT_TASKS, args.limit, args.max_len, args.device))
+        if args.agreement:
+            results[f"agreement:{Path(args.agreement).name}"] = drafter_agreement(
+                args.model_dir, args.target, args.agreement, gammas=gammas, max_sequences=args.max_sequences,
+                max_len=args.max_len, batch_size=args.batch_size, device=args.device)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        raise SystemExit(f"mamba-draft eval: {err}") from None
     text = json.dumps(results, indent=2)
     print(text)
     if args.output:

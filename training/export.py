@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from mamba_draft.checkpoint import atomic_directory, convert
+from mamba_draft.checkpoint import DRAFT_VOCAB, atomic_directory, convert
 
 FORMATS = ("hf", "mamba_ssm")
 
@@ -69,6 +70,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", 
 def _write_hf(model: torch.nn.Module, run: Path, directory: Path) -> None:
     model.save_pretrained(directory)  # safetensors by default
     AutoTokenizer.from_pretrained(run / "model").save_pretrained(directory)
+    if (run / "model" / DRAFT_VOCAB).is_file():  # the draft vocabulary's id map travels with the weights
+        shutil.copy2(run / "model" / DRAFT_VOCAB, directory / DRAFT_VOCAB)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

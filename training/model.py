@@ -1,13 +1,38 @@
-"""Build the model being trained (HF Mamba-1 / Mamba-2 drafter or a small Llama target) and its tokenizer."""
+"""Build the model being trained (Mamba-1 / Mamba-2 drafter or a small Llama target) and its tokenizer.
+
+Drafters train through mamba_draft's own chunked scans (`MambaDrafter.train_logits`): transformers' kernel-free
+Mamba path is O(B·L²) on CPU. Parameter names are the HF ones, so a DeepSpeed checkpoint exports to a plain
+`MambaForCausalLM` / `Mamba2ForCausalLM` directory.
+"""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.modeling_outputs import CausalLMOutput
 
+from mamba_draft import MambaConfig, MambaDrafter
+from mamba_draft.checkpoint import DRAFT_VOCAB
 from training.config import ModelConfig
+
+
+class TrainableDrafter(MambaDrafter):
+    """A MambaDrafter whose forward is the differentiable full-sequence pass (what DeepSpeed's engine calls).
+
+    `hf_config` is the transformers config the run's model/ directory and the export are written with.
+    """
+
+    def __init__(self, hf_config: transformers.PretrainedConfig):
+        super().__init__(MambaConfig.from_hf_dict(hf_config.to_dict()), backend="torch")
+        self.hf_config = hf_config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> CausalLMOutput:
+        # attention_mask is unused: padding sits after the real tokens (right padding) and carries no labels.
+        return CausalLMOutput(logits=self.train_logits(input_ids))
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
@@ -48,15 +73,77 @@ def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> transf
     raise ValueError(f"model.arch must be mamba1, mamba2 or llama, got {cfg.arch!r}")
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> torch.nn.Module:
-    """A fresh model (seeded init) or `init_from` weights; fails if the tokenizer does not fit the vocabulary."""
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
+                draft_ids: torch.Tensor | None = None) -> torch.nn.Module:
+    """A fresh model (seeded init) or `init_from` weights; fails if the tokenizer does not fit the vocabulary.
+
+    Mamba models come back as a TrainableDrafter (initialised as transformers initialises them), with the draft
+    vocabulary `draft_ids` if given and the embedding copied from `init_embeddings_from` if set.
+    """
     if cfg.init_from:
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     else:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config(cfg, tokenizer), dtype=torch.float32)
     check_vocab(model.config, tokenizer, cfg.init_from or "model")
-    return model
+    if model.config.model_type not in ("mamba", "mamba2"):
+        if draft_ids is not None or cfg.init_embeddings_from:
+            raise ValueError("model.draft_vocab* and model.init_embeddings_from apply to Mamba drafters only")
+        return model
+    drafter = TrainableDrafter(model.config)
+    drafter.load_hf_state_dict(model.state_dict())
+    if cfg.init_embeddings_from:
+        copy_target_embeddings(drafter, cfg.init_embeddings_from)
+    drafter.set_draft_vocab(draft_ids)
+    drafter.backbone.embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
+    return drafter.train()
+
+
+def copy_target_embeddings(drafter: MambaDrafter, target_path: str) -> None:
+    """Start from the target's input embedding (same width): the drafter then reads and, tied, scores tokens in
+    the target's own embedding space from step 0."""
+    from mamba_draft.targets import load_causal_lm
+
+    source = load_causal_lm(target_path, attn_implementation=None).get_input_embeddings().weight.detach()
+    weight = drafter.backbone.embeddings.weight
+    if source.shape[1] != weight.shape[1]:
+        raise ValueError(f"model.init_embeddings_from {target_path!r}: its embedding width {source.shape[1]} != "
+                         f"model.hidden_size {weight.shape[1]}")
+    rows = min(source.shape[0], weight.shape[0])
+    with torch.no_grad():
+        weight[:rows].copy_(source[:rows])
+
+
+def read_draft_vocab(path: str) -> torch.Tensor:
+    """The id map of a draft_vocab.safetensors file (or of a checkpoint directory holding one)."""
+    file = Path(path) / DRAFT_VOCAB if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"model.draft_vocab {path!r}: no {DRAFT_VOCAB} there")
+    tensors = load_file(str(file))
+    if "d2t" not in tensors:
+        raise ValueError(f"{file} has no 'd2t' tensor")
+    return tensors["d2t"]
+
+
+def frequency_ranked_vocab(token_lists, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """FR-Spec's draft vocabulary: the `size` most frequent ids of `token_lists` (ties by id), plus `always` ids
+    (end-of-turn tokens must stay proposable however rare)."""
+    counts = torch.zeros(0, dtype=torch.long)
+    for ids in token_lists:
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        ids = ids[ids >= 0]
+        if ids.numel():
+            grown = torch.bincount(ids)
+            if grown.numel() > counts.numel():
+                grown[: counts.numel()] += counts
+                counts = grown
+            else:
+                counts[: grown.numel()] += grown
+    seen = torch.nonzero(counts).flatten()
+    order = seen[torch.argsort(counts[seen], descending=True, stable=True)]
+    forced = [i for i in dict.fromkeys(always) if i is not None and i >= 0]
+    rest = order[~torch.isin(order, torch.tensor(forced, dtype=torch.long))] if forced else order
+    return torch.cat([torch.tensor(forced, dtype=torch.long), rest])[: max(size, len(forced))]
 
 
 def check_vocab(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:

@@ -7,7 +7,8 @@ Output directory layout:
     config.yaml          the resolved TrainConfig
     model/               HF config + tokenizer files (weights come from a checkpoint via `mamba-draft export`)
     checkpoints/         DeepSpeed checkpoints (`latest`, global_stepN/ incl. train_state_rank{r}.pt)
-    metrics.jsonl        one record per logged step
+    metrics.jsonl        one record per logged step (and per held-out evaluation: heldout_*, train_tokens)
+    agreement.png        held-out agreement with the target vs training tokens (with eval.every > 0)
 """
 from __future__ import annotations
 
@@ -27,13 +28,17 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
+from mamba_draft.checkpoint import DRAFT_VOCAB
+from mamba_draft.targets import load_causal_lm
+from safetensors.torch import save_file
 
 from training import data as data_lib
+from training.agreement import HeldoutEval, check_eval_config, plot_agreement
 from training.config import TrainConfig, load_config, save_config
 from training.distributed import deepspeed_config, init_distributed, use_bf16
 from training.loss import cross_entropy, forward_kl
-from training.model import build_model, check_vocab, load_tokenizer, weight_decay_groups
+from training.model import (build_model, check_vocab, frequency_ranked_vocab, load_tokenizer, read_draft_vocab,
+                            weight_decay_groups)
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -47,17 +52,32 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
-    """The rank's data iterator and the number of records (None when streaming)."""
+    """The rank's data iterator, the number of records (None when streaming) and the draft vocabulary (or None)."""
     records = data_lib.load_records(cfg.data)
     if cfg.data.kind == "pretrain":
         n = None if isinstance(records, datasets.IterableDataset) else len(records)
-        return data_lib.PackedSequences(records, tokenizer, cfg.data, rank, world), n
+        if cfg.model.draft_vocab_size and n is None:
+            raise ValueError("model.draft_vocab_size counts the training data, which a stream cannot give; "
+                             "pass model.draft_vocab (a draft_vocab.safetensors file) instead")
+        counted = (tokenizer(r[cfg.data.text_column])["input_ids"] for r in records) if n else ()
+        return data_lib.PackedSequences(records, tokenizer, cfg.data, rank, world), n, draft_vocab(cfg, tokenizer, counted)
     if cfg.data.kind == "sft":
         examples, skipped = data_lib.prepare_sft(records, tokenizer, cfg.data.seq_len)
         if rank == 0:
             print(f"SFT: {len(examples)} conversations kept, {sum(skipped.values())} skipped {dict(skipped)}")
-        return data_lib.SFTExamples(examples, tokenizer.pad_token_id, cfg.data.seed, rank, world), len(examples)
+        draft_ids = draft_vocab(cfg, tokenizer, (e["labels"] for e in examples))  # what the drafter must predict
+        return (data_lib.SFTExamples(examples, tokenizer.pad_token_id, cfg.data.seed, rank, world), len(examples),
+                draft_ids)
     raise ValueError(f"data.kind must be pretrain or sft, got {cfg.data.kind!r}")
+
+
+def draft_vocab(cfg: TrainConfig, tokenizer, token_lists) -> torch.Tensor | None:
+    """model.draft_vocab (a file) or the model.draft_vocab_size most frequent ids of the training data (with EOS)."""
+    if cfg.model.draft_vocab:
+        return read_draft_vocab(cfg.model.draft_vocab)
+    if not cfg.model.draft_vocab_size:
+        return None
+    return frequency_ranked_vocab(token_lists, cfg.model.draft_vocab_size, always=(tokenizer.eos_token_id,))
 
 
 def total_steps(cfg: TrainConfig, n_records: int | None) -> int:
@@ -71,47 +91,67 @@ def total_steps(cfg: TrainConfig, n_records: int | None) -> int:
 def load_target(cfg: TrainConfig, tokenizer, device, dtype):
     if not cfg.distill.target:
         return None
-    target = AutoModelForCausalLM.from_pretrained(cfg.distill.target, dtype=dtype).to(device).eval()
+    target = load_causal_lm(cfg.distill.target, dtype=dtype, device=device)  # HF dir, hub id or .gguf
     check_vocab(target.config, tokenizer, f"distill.target {cfg.distill.target!r}")
     target.requires_grad_(False)
     return target
 
 
-def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int) -> torch.Tensor:
+def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draft_ids: torch.Tensor | None = None,
+                 to_draft: torch.Tensor | None = None) -> torch.Tensor:
+    """CE and/or forward KL to the target. With a draft vocabulary the drafter's logits cover `draft_ids` only:
+    labels map to draft columns (ids outside it are not scored) and the target's distribution is renormalised
+    over the subset (q is zero outside it, so that is the KL the drafter can reach)."""
     logits = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    labels = batch["labels"]
+    if draft_ids is not None:
+        labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], labels)
+        vocab = draft_ids.numel()
     if target is None:
-        return cross_entropy(logits, batch["labels"])
+        return cross_entropy(logits, labels)
     with torch.no_grad():
         target_logits = target(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        if draft_ids is not None:
+            target_logits = target_logits.index_select(-1, draft_ids)
     d = cfg.distill
-    loss = d.kl_weight * forward_kl(logits, target_logits, batch["labels"], vocab, d.temperature)
-    return loss + d.ce_weight * cross_entropy(logits, batch["labels"]) if d.ce_weight else loss
+    loss = d.kl_weight * forward_kl(logits, target_logits, labels, vocab, d.temperature)
+    return loss + d.ce_weight * cross_entropy(logits, labels) if d.ce_weight else loss
+
+
+def draft_label_map(draft_ids: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """target id -> draft column, IGNORE_INDEX for ids outside the draft vocabulary."""
+    to_draft = torch.full((vocab,), data_lib.IGNORE_INDEX, dtype=torch.long)
+    to_draft[draft_ids] = torch.arange(draft_ids.numel())
+    return to_draft.to(device)
 
 
 def write_model_dir(model, tokenizer, out: Path) -> None:
-    """HF config + tokenizer next to the checkpoints, so export needs nothing but the output dir."""
+    """HF config + tokenizer (+ draft vocabulary) next to the checkpoints, so export needs only the output dir."""
     if out.exists():
         return
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.config.save_pretrained(tmp)
+    getattr(model, "hf_config", model.config).save_pretrained(tmp)
+    if getattr(model, "draft_ids", None) is not None:
+        save_file({"d2t": model.draft_ids.cpu()}, str(tmp / DRAFT_VOCAB))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.replace(out)
 
 
-def save_checkpoint(engine, ckpt_dir: Path, step: int, data, rank: int) -> None:
+def save_checkpoint(engine, ckpt_dir: Path, step: int, data, rank: int, train_tokens: int = 0) -> None:
     """Per-rank train state (data position, RNG) first, then DeepSpeed writes `latest` last."""
     tag = f"global_step{step}"
     (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-    torch.save({"step": step, "data": data.state_dict(), "rng": torch.get_rng_state()},
+    torch.save({"step": step, "data": data.state_dict(), "rng": torch.get_rng_state(), "train_tokens": train_tokens},
                ckpt_dir / tag / f"train_state_rank{rank}.pt")
     engine.save_checkpoint(str(ckpt_dir), tag=tag)
     torch.distributed.barrier()
 
 
-def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> int:
+def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> tuple[int, int]:
+    """(step, cumulative training tokens) of the checkpoint, with weights, optimizer, data position and RNG loaded."""
     if not (ckpt_dir / "latest").is_file():
         raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
     tag = (ckpt_dir / "latest").read_text().strip()
@@ -124,7 +164,7 @@ def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> int:
     state = torch.load(state_file, weights_only=True)
     data.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"])
-    return state["step"]
+    return state["step"], state.get("train_tokens", 0)
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -147,6 +187,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.model.init_from and data_lib.is_local(cfg.model.init_from) and not Path(cfg.model.init_from).exists():
         raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
     use_bf16(cfg.precision)
+    check_eval_config(cfg)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
 
@@ -165,9 +206,9 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
 
     ds_config = deepspeed_config(cfg, world)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
-    data, n_records = build_data(cfg, tokenizer, rank, world)
+    data, n_records, draft_ids = build_data(cfg, tokenizer, rank, world)
     steps = total_steps(cfg, n_records)
-    model = build_model(cfg.model, tokenizer, cfg.seed)
+    model = build_model(cfg.model, tokenizer, cfg.seed, draft_ids)
     target = load_target(cfg, tokenizer, get_accelerator().current_device_name(),
                          torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32)
     warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * steps)
@@ -180,9 +221,14 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
         write_model_dir(model, tokenizer, out / "model")
-    start = resume(engine, ckpt_dir, data, rank, world) if resume_run else 0
+    start, train_tokens = resume(engine, ckpt_dir, data, rank, world) if resume_run else (0, 0)
     if rank == 0 and resume_run:
         truncate_metrics(metrics_path, start)
+    # held-out agreement with the target (training/agreement.py, eval.* fields): target argmax cached once here
+    heldout = HeldoutEval(cfg, tokenizer, rank, world, engine.device,
+                          torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32, target) \
+        if cfg.eval.every else None
+    heldout_postfix = {}
     writer = None
     if cfg.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
@@ -190,6 +236,11 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
 
     gas = ds_config["gradient_accumulation_steps"]
     vocab = len(tokenizer)
+    if draft_ids is not None:
+        draft_ids = draft_ids.to(engine.device)
+        to_draft = draft_label_map(draft_ids, max(vocab, int(draft_ids.max()) + 1), engine.device)
+    else:
+        to_draft = None
     bar = tqdm(total=steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in range(start + 1, steps + 1):
         t0, loss_sum, tokens = time.perf_counter(), torch.zeros((), device=engine.device), 0
@@ -198,7 +249,7 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
             batch = data.next_batch(cfg.micro_batch_size)  # built on the host: counting tokens costs no sync
             tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
-            loss = compute_loss(engine, target, batch, cfg, vocab)
+            loss = compute_loss(engine, target, batch, cfg, vocab, draft_ids, to_draft)
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach()
@@ -207,17 +258,22 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
         record = {"step": step, "loss": stats[0].item() / world, "lr": lr,
                   "tokens": int(stats[1]), "tokens_per_s": stats[1].item() / (time.perf_counter() - t0),
                   "grad_norm": float(engine.get_global_grad_norm() or 0.0)}
+        train_tokens += int(stats[1])
+        if heldout is not None and (step % cfg.eval.every == 0 or step == steps):  # a collective: every rank
+            record.update(train_tokens=train_tokens, **heldout(engine))
+            heldout_postfix = {"agree": f"{record['heldout_agreement']:.3f}"}
         if rank == 0:
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}")
-            if step % cfg.log_every == 0 or step == steps:
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}",
+                            **heldout_postfix)
+            if step % cfg.log_every == 0 or step == steps or "heldout_agreement" in record:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 if writer is not None:
                     for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
                         writer.add_scalar(f"train/{key}", record[key], step)
         if step % cfg.checkpoint_every == 0 or step == steps:
-            save_checkpoint(engine, ckpt_dir, step, data, rank)
+            save_checkpoint(engine, ckpt_dir, step, data, rank, train_tokens)
         if cfg.hang_after_step == step:
             print(f"hang_after_step: checkpoint at step {step} written; blocking", flush=True)
             parent = os.getppid()
@@ -225,6 +281,8 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
                 time.sleep(1)
             raise SystemExit(f"hang_after_step: launcher {parent} went away")
     bar.close()
+    if heldout is not None and rank == 0:
+        plot_agreement(metrics_path, out / "agreement.png")
     if writer is not None:
         writer.close()
     return out

@@ -7,6 +7,11 @@ and then `resync` steps it). On CUDA each (rows) step is a captured graph reused
 
 Chains at temperature 0 can instead be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven): it
 drafts on scratch rows 1-2 and leaves row 0 committed, so `resync_extend` continues row 0 in one call.
+
+A drafter with a draft vocabulary (`drafter.draft_ids`, EAGLE-3's d2t) scores only those target ids: logit column j
+is target id draft_ids[j]. Everything leaving this module is in target ids: drafted tokens are mapped through
+draft_ids, and a recorded draft distribution q is scattered into the full target-vocabulary buffer (exactly zero
+outside the subset), which is all the lossless rejection sampling needs.
 """
 from __future__ import annotations
 
@@ -41,10 +46,29 @@ class TreeDrafter:
         self.drafter = drafter
         self.device = drafter.device
         self.out_vocab = out_vocab  # width of the probs buffers (the target's vocabulary)
-        self.vocab = min(int(drafter.vocab_size), out_vocab)  # draft tokens are chosen among ids < vocab
+        # Draft column -> target id, fixed for this TreeDrafter. None = identity (column j is id j): no extra op.
+        self.draft_ids = drafter.draft_ids
+        if self.draft_ids is None:
+            self.vocab = min(int(drafter.vocab_size), out_vocab)  # draft tokens are chosen among ids < vocab
+        else:
+            if int(self.draft_ids.max()) >= out_vocab:
+                raise ValueError(f"draft vocabulary id {int(self.draft_ids.max())} is outside the target's "
+                                 f"vocabulary [0, {out_vocab})")
+            self.vocab = self.draft_ids.numel()  # every column is a valid target id
+        # The drafter reads every token the target commits. check_vocab guarantees that for every real token (the
+        # target's vocabulary, or the tokenizer's when given), but a target head padded wider than the drafter's
+        # embedding (e.g. Pythia's 50304 rows vs a 50280-token Mamba drafter) can still sample a padding id at
+        # temperature > 0. Refusing such pairs would lock out standard target/drafter pairs, so those ids are
+        # clamped to the drafter's last readable id instead: they are no tokenizer's tokens, and only what the
+        # drafter reads changes (later drafts may be accepted less), never what the target verifies, so the output
+        # stays exact. Drafted tokens are always readable; only committed target tokens go through the clamp.
+        readable = int(drafter.input_vocab_size)
+        self.read_limit = readable - 1 if readable < out_vocab else None
         self.state = drafter.allocate_state(max_rows)
         self.row_index = torch.arange(max_rows, device=self.device)
-        self.one_token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.one_token = torch.zeros(1, dtype=torch.long, device=self.device)  # last committed token (next root)
+        # What the drafter reads of it: the same buffer unless padding ids must be clamped.
+        self.drafter_token = self.one_token if self.read_limit is None else torch.zeros_like(self.one_token)
         self.trees: dict[TreeConfig, DraftTree] = {}
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = self.device.type == "cuda"
@@ -54,7 +78,8 @@ class TreeDrafter:
     def for_drafter(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
         """The cached TreeDrafter of `drafter` (state, buffers and graphs survive across generate calls)."""
         cached = _CACHE.get(drafter)
-        if cached is None or cached.state.max_batch < max_rows or cached.out_vocab != out_vocab:
+        if (cached is None or cached.state.max_batch < max_rows or cached.out_vocab != out_vocab
+                or cached.draft_ids is not drafter.draft_ids):  # set_draft_vocab / .to() install a new map
             cached = cls(drafter, max_rows, out_vocab)
             _CACHE[drafter] = cached
         return cached
@@ -78,6 +103,8 @@ class TreeDrafter:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Encode the prompt (1, L) into row 0; returns the logits for the next token (V,)."""
+        if self.read_limit is not None:
+            input_ids = input_ids.clamp(max=self.read_limit)  # padding ids the drafter cannot read (see __init__)
         logits, _ = self.drafter.prefill(input_ids, state=self.state)
         self.calls += 1
         return logits[0]
@@ -96,7 +123,8 @@ class TreeDrafter:
         """Fill the tree's tokens level by level (and, if recorded, each node's draft distribution).
 
         mode "topk": the N most likely distinct tokens per node. mode "sample" (temperature > 0): N draws without
-        replacement from the processed draft distribution q, which is then always recorded.
+        replacement from the processed draft distribution q, which is then always recorded. With a draft vocabulary
+        both happen in draft space (temperature / top-k / top-p over the subset) and are then mapped to target ids.
         """
         buf = self.buffers(config)
         tree, vocab = buf.tree, self.vocab
@@ -108,13 +136,24 @@ class TreeDrafter:
             logits = logits[:, :vocab]
             if sampled or record_probs:
                 q = logits_to_probs(logits, params if not params.greedy else _SOFTMAX)
-                buf.probs[prev_start:prev_stop, :vocab] = q
+                self._record(buf.probs[prev_start:prev_stop], q)
             kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
-            buf.tokens[start:stop] = kids.reshape(-1)
+            buf.tokens[start:stop] = self._to_target(kids).reshape(-1)
             if level < config.depth:
                 self.state.gather_(start, buf.parent_rows[level - 1])
-                logits = self._step(buf.tokens, start, stop)
+                logits = self._step(buf.tokens[start:stop], start, stop)
         return buf
+
+    def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
+        """Draft logit columns -> target token ids (a gather, no sync)."""
+        return columns if self.draft_ids is None else self.draft_ids[columns]
+
+    def _record(self, rows: torch.Tensor, q: torch.Tensor) -> None:
+        """Write draft distributions q (B, vocab) into probs rows (B, V_target); other columns stay zero."""
+        if self.draft_ids is None:
+            rows[:, : self.vocab] = q
+        else:
+            rows.index_copy_(1, self.draft_ids, q)
 
     @torch.no_grad()
     def resync(self, buf: DraftTree, path: list[int], next_token: int) -> torch.Tensor:
@@ -125,12 +164,15 @@ class TreeDrafter:
         node = path[-1] if path else 0
         if node and not buf.tree.children[node] and buf.tree.depths[node] == buf.config.depth:
             self.state.select_(self.row_index[buf.tree.parents[node]])
-            self.one_token.copy_(buf.tokens[node : node + 1])
-            self._step(self.one_token, 0, 1)
+            self.drafter_token.copy_(buf.tokens[node : node + 1])  # a drafted token: always readable
+            self._step(self.drafter_token, 0, 1)
         else:
             self.state.select_(self.row_index[node])
-        self.one_token.fill_(int(next_token))
-        return self._step(self.one_token, 0, 1)[0]
+        token = int(next_token)
+        self.one_token.fill_(token)
+        if self.drafter_token is not self.one_token:
+            self.drafter_token.fill_(min(token, self.read_limit))  # a padding id it cannot read (see __init__)
+        return self._step(self.drafter_token, 0, 1)[0]
 
     @torch.no_grad()
     def draft_chain_lookup(
@@ -144,13 +186,16 @@ class TreeDrafter:
         """
         buf = self.buffers(config)
         self.state.gather_(1, self.row_index[:1])
+        if self.read_limit is not None:  # look up in what the drafter read, so proposals are readable (see __init__)
+            context = context.clamp(max=self.read_limit)
         lookup = draft_chain_with_lookup(self.drafter, self.state.rows(1, LOOKUP_ROWS), root_logits, context,
-                                         config.depth, vocab=self.vocab, keep_logits=record_probs)
+                                         config.depth, vocab=self.vocab, keep_logits=record_probs,
+                                         draft_ids=self.draft_ids)
         self.calls += lookup.drafter_calls
         buf.tokens[0] = root_token
         buf.tokens[1:] = lookup.tokens
         if record_probs:
-            buf.probs[: config.depth, : self.vocab] = logits_to_probs(lookup.logits[:, : self.vocab], _SOFTMAX)
+            self._record(buf.probs[: config.depth], logits_to_probs(lookup.logits[:, : self.vocab], _SOFTMAX))
         return buf, lookup
 
     @torch.no_grad()
@@ -161,11 +206,12 @@ class TreeDrafter:
         """
         self.one_token.copy_(tokens[-1:])
         self.calls += 1
+        if self.read_limit is not None:
+            tokens = tokens.clamp(max=self.read_limit)  # the committed next token may be a padding id (see __init__)
         return advance(self.drafter, tokens, self.state.rows(0, 1))
 
-    def _step(self, tokens: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """drafter.step on rows [start:stop] with tokens[start:stop] (tokens[0:1] for the resync buffer)."""
-        inputs = tokens if tokens is self.one_token else tokens[start:stop]
+    def _step(self, inputs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """drafter.step on rows [start:stop] with `inputs` (stop - start,), a view of a persistent buffer."""
         self.calls += 1
         if not self.use_graphs:
             return self.drafter.step(inputs, self.state.rows(start, stop))

@@ -9,7 +9,7 @@ import torch
 
 from tree_search.bandit import FixedPolicy, UCBBandit
 from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
-from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, resolve_sampling, sample
 from tree_search.target import TargetState, check_tree_support, max_positions, target_vocab_size, window_capacity
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
@@ -36,6 +36,7 @@ class GenerateStats:
     round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
     verifier: str = ""
     lossless: bool = True
+    sampling: dict[str, float] = field(default_factory=dict)  # the resolved temperature, top_k, top_p
 
     @property
     def mean_accepted(self) -> float:
@@ -74,11 +75,11 @@ def generate(
     input_ids: torch.Tensor,
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
     tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "bandit",
-    verifier: str | Verifier = "greedy",
+    verifier: str | Verifier | None = None,
     verifier_params: dict | None = None,
     eos_token_id: int | list[int] | None = None,
     seed: int | None = None,
@@ -90,13 +91,18 @@ def generate(
 
     tree: a TreeConfig / "3,2,2,1,1" / tuple (fixed shape), "bandit" (UCB over the default arms, reset per
     call) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls).
+    temperature / top_p / top_k: None takes the target's generation_config, as `target.generate` does
+    (tree_search.sampling.resolve_sampling): greedy unless it sets do_sample; then its top_k (50 unless set) applies.
+    verifier: None is "greedy" when the resolved sampling is greedy, else "sampling" (both lossless).
     eos_token_id: None takes the target's generation_config (as `target.generate` does).
     prompt_lookup: FLy's multi-level acceleration for chains at temperature 0: prompt-lookup n-gram proposals
     pre-verified by the drafter give the same greedy chain (so the same output) in fewer drafter calls when the text
     repeats itself, more when proposals keep failing (stats.drafter_calls_saved). Host-driven, not graph-captured.
     All inputs are validated before any model runs.
     """
-    params = SamplingParams(temperature, top_k, top_p)
+    params = resolve_sampling(target, temperature, top_p, top_k)
+    if verifier is None:
+        verifier = "greedy" if params.greedy else "sampling"
     verifier = get_verifier(verifier, **(verifier_params or {}))
     policy = make_policy(tree)
     check_options(verifier, policy, params, prompt_lookup)
@@ -112,7 +118,8 @@ def generate(
     check_tree_support(target)
     eos = eos_set(target, eos_token_id)
 
-    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier=verifier.name, lossless=verifier.lossless)
+    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier=verifier.name, lossless=verifier.lossless,
+                          sampling=asdict(params))
     generator = make_generator(seed, ids.device)
     mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
     record_probs = not params.greedy or verifier.needs_draft_probs
@@ -241,18 +248,19 @@ def generate_autoregressive(
     input_ids: torch.Tensor,
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
     eos_token_id: int | list[int] | None = None,
     seed: int | None = None,
     streamer=None,
 ) -> GenerateResult:
-    """One target forward per token on the same cache, sampling and stats code as `generate` (the baseline)."""
-    params = SamplingParams(temperature, top_k, top_p)
+    """One target forward per token on the same cache, sampling and stats code as `generate` (the baseline).
+    Sampling arguments left None take the target's generation_config, as in `generate`."""
+    params = resolve_sampling(target, temperature, top_p, top_k)
     ids = check_prompt(target, input_ids, max_new_tokens)
     eos = eos_set(target, eos_token_id)
-    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier="autoregressive")
+    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier="autoregressive", sampling=asdict(params))
     generator = make_generator(seed, ids.device)
     started = time.perf_counter()
     target_state = TargetState(target)
@@ -340,11 +348,16 @@ def check_prompt(
 
 
 def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
-    """Refuse a drafter/target vocabulary mismatch; returns the shared vocabulary size.
+    """Refuse a drafter/target vocabulary mismatch; returns how many distinct tokens the drafter can propose.
 
     Different logit widths are accepted only when a tokenizer shows both cover its real vocabulary (checkpoints
     pad their embeddings to multiples of 8/128); the drafter then only proposes ids below the narrower width.
+    With a draft vocabulary (`drafter.draft_ids`) the drafter must read every token the target may commit (the
+    target's vocabulary, or the tokenizer's) and propose only distinct ids of the target's vocabulary.
+    Padding ids the target may still sample past the drafter's embedding are clamped by TreeDrafter.
     """
+    if drafter.draft_ids is not None:
+        return check_draft_vocab(target, drafter, tokenizer)
     target_vocab, draft_vocab = target_vocab_size(target), int(drafter.vocab_size)
     if tokenizer is not None:
         real = len(tokenizer)
@@ -359,6 +372,30 @@ def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
             f"{target_vocab}; pass the tokenizer if both only pad the same real vocabulary"
         )
     return min(target_vocab, draft_vocab)
+
+
+def check_draft_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
+    """check_vocab for a drafter with a draft vocabulary; returns its size."""
+    target_vocab, reads, ids = target_vocab_size(target), int(drafter.input_vocab_size), drafter.draft_ids
+    needed, owner = (len(tokenizer), "the tokenizer") if tokenizer is not None \
+        else (target_vocab, f"target {type(target).__name__}")
+    if target_vocab < needed:
+        raise ValueError(f"vocabulary mismatch: tokenizer has {needed} tokens but the target covers {target_vocab}")
+    if reads < needed:
+        raise ValueError(
+            f"vocabulary mismatch: the drafter reads {reads} token ids but {owner} has {needed}; a drafter with a "
+            "draft vocabulary must still read every token the target can commit"
+        )
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= target_vocab:
+        raise ValueError(
+            f"draft vocabulary ids must lie in the target's vocabulary [0, {target_vocab}), got [{low}, {high}]"
+        )
+    if torch.unique(ids).numel() != ids.numel():  # a repeated id would get only one column's share of q
+        raise ValueError("draft vocabulary ids must be distinct")
+    return ids.numel()
 
 
 def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:

@@ -50,14 +50,18 @@ def draft_chain_with_lookup(
     num_proposed: int = 6,
     vocab: int | None = None,
     keep_logits: bool = False,
+    draft_ids: torch.Tensor | None = None,
 ) -> LookupDraft:
     """Draft the drafter's greedy chain of `num_tokens` tokens, using prompt lookup to skip drafter steps.
 
     drafter: a `MambaDrafter`; state: a `DrafterState` with >= 2 rows whose row 0 holds the state after `context`
     (rows 0 and 1 are used as scratch and left in an unspecified drafted state: resync from the committed state).
     logits: (V,) the drafter's next-token logits after `context`; context: (L,) token ids up to the root token.
-    vocab: greedy choices are made among ids < vocab (the target's vocabulary when the drafter's is padded wider).
+    vocab: greedy choices are made among logit columns < vocab (the target's vocabulary when the drafter's is padded
+    wider).
     keep_logits: also return the logits each drafted token was chosen from (for verifiers that read draft probs).
+    draft_ids: the drafter's draft vocabulary (logit column j scores target id draft_ids[j]; None = identity). The
+    drafted tokens are target ids, so lookup proposals (target ids from the context) compare against them directly.
     Host-side control flow (one sync per proposal): meant for the CPU / eager path.
     """
     if num_tokens < 1:
@@ -68,8 +72,14 @@ def draft_chain_with_lookup(
     live = state.rows(0, 1)
     snapshot_row = torch.tensor([0], device=context.device)
     restore_row = torch.tensor([1], device=context.device)
+
+    def greedy_ids(rows: torch.Tensor) -> torch.Tensor:
+        """The drafter's greedy choice(s) as target ids."""
+        columns = rows[..., :vocab].argmax(-1)
+        return columns if draft_ids is None else draft_ids[columns]
+
     chooser = [logits.view(1, -1)]  # chooser[i]: the logits token i was the argmax of
-    tokens = [int(logits[:vocab].argmax())]
+    tokens = [int(greedy_ids(logits))]
     calls = proposed = accepted = 0
     while len(tokens) < num_tokens:
         last = torch.tensor([tokens[-1]], device=context.device)
@@ -77,13 +87,13 @@ def draft_chain_with_lookup(
         proposal = lookup_proposal(history, max_ngram, num_proposed)[: num_tokens - len(tokens)]
         if proposal.numel() == 0:
             step_logits = drafter.step(last, live)
-            tokens.append(int(step_logits[0, :vocab].argmax()))
+            tokens.append(int(greedy_ids(step_logits[0])))
             chooser.append(step_logits)
             calls += 1
             continue
         state.gather_(1, snapshot_row)  # keep the pre-proposal state in case the drafter disagrees
         block = drafter.extend(torch.cat([last, proposal]).view(1, -1), live)[0]
-        greedy = block[:, :vocab].argmax(-1)
+        greedy = greedy_ids(block)
         calls += 1
         agree = int((proposal == greedy[:-1]).long().cumprod(0).sum())
         proposed, accepted = proposed + proposal.numel(), accepted + agree

@@ -128,3 +128,26 @@ def hf_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=No
     """The target's own greedy generation (the reference for losslessness)."""
     return target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                            do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+
+
+def draft_subset(vocab: int, size: int, used: list[int], seed: int = 0) -> torch.Tensor:
+    """A draft vocabulary of `size` distinct ids in a shuffled order (so column j is not id j): half of them taken
+    from `used` (ids the target really emits, most frequent first), the rest from ids not in `used`."""
+    counts = torch.bincount(torch.as_tensor(used, dtype=torch.long), minlength=vocab)
+    frequent = [int(i) for i in counts.argsort(descending=True) if counts[i] > 0][: size // 2]
+    g = torch.Generator().manual_seed(seed)
+    unused = [int(i) for i in torch.randperm(vocab, generator=g) if counts[i] == 0][: size - len(frequent)]
+    ids = torch.tensor(frequent + unused)
+    if ids.numel() != size:
+        raise ValueError(f"cannot pick {size} ids: {len(frequent)} used and {len(unused)} unused available")
+    return ids[torch.randperm(size, generator=g)]
+
+
+class SizedTokenizer:
+    """Stands in for a tokenizer where only len(tokenizer) (its real vocabulary) matters."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size

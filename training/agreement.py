@@ -1,0 +1,318 @@
+"""Held-out agreement of a drafter with its target: teacher-forced top-1 agreement and expected accepted length.
+
+For every scored token i of a held-out sequence x (an assistant token of a chat; every token of a text), the
+target's greedy choice g_i = argmax p(. | x_<i) and the drafter's d_i = argmax q(. | x_<i) (its logit column mapped
+to a target id through `draft_ids`) are compared, both teacher-forced on the true prefix:
+
+    agreement = mean_i [d_i == g_i]
+    tau_gamma = mean_i (1 + run_i),   run_i = how many of the tokens i, i+1, ..., i+gamma-1 agree before the first
+                                      disagreement, unscored token or end of the sequence
+
+tau_gamma is the number of tokens a greedy chain of gamma drafts started before token i yields per target forward:
+its accepted drafts plus the target's bonus token. It is exact where the held-out text follows the target's greedy
+path (x_i == g_i along the run, e.g. replies regenerated greedily with `training.regenerate`); elsewhere the later
+drafts are conditioned on the reference tokens instead of the target's, and tau is the usual teacher-forced
+estimate. `greedy_path` is the fraction of scored tokens with x_i == g_i (1.0: tau is exact).
+
+Used by the training loop (`eval.*` config fields: `HeldoutEval`, `plot_agreement`) and by
+`mamba-draft eval DRAFTER --target TARGET --agreement FILE` (`drafter_agreement`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from training import data as data_lib
+from training.config import DataConfig, TrainConfig
+
+Row = tuple[list[int], list[bool]]  # token ids, and which tokens are scored
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, attention_mask) -> (B, L, V) logits
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Counts over scored tokens; `a + b` pools batches or ranks."""
+    gammas: tuple[int, ...]
+    positions: int = 0               # scored tokens
+    matches: int = 0                 # ... where the drafter's choice is the target's
+    greedy_path: int = 0             # ... where the held-out token is the target's choice
+    accepted: tuple[int, ...] = ()   # per gamma: sum over scored tokens of (1 + run)
+
+    def __post_init__(self):
+        if not self.accepted:
+            object.__setattr__(self, "accepted", (0,) * len(self.gammas))
+
+    def __add__(self, other: "Agreement") -> "Agreement":
+        if self.gammas != other.gammas:
+            raise ValueError(f"cannot pool agreement over gammas {self.gammas} and {other.gammas}")
+        return Agreement(self.gammas, self.positions + other.positions, self.matches + other.matches,
+                         self.greedy_path + other.greedy_path,
+                         tuple(a + b for a, b in zip(self.accepted, other.accepted)))
+
+    @property
+    def agreement(self) -> float:
+        return self.matches / self.positions if self.positions else math.nan
+
+    @property
+    def tau(self) -> dict[int, float]:
+        return {g: a / self.positions if self.positions else math.nan for g, a in zip(self.gammas, self.accepted)}
+
+    def as_dict(self, prefix: str = "") -> dict:
+        """{agreement, tau1, tau3, ..., greedy_path, positions}, keys prefixed (e.g. 'heldout_')."""
+        out = {f"{prefix}agreement": self.agreement}
+        out.update({f"{prefix}tau{g}": t for g, t in self.tau.items()})
+        out[f"{prefix}greedy_path"] = self.greedy_path / self.positions if self.positions else math.nan
+        out[f"{prefix}positions"] = self.positions
+        return out
+
+    def counts(self) -> list[int]:
+        return [self.positions, self.matches, self.greedy_path, *self.accepted]
+
+    @classmethod
+    def from_counts(cls, gammas: tuple[int, ...], counts: Sequence[int]) -> "Agreement":
+        return cls(gammas, *map(int, counts[:3]), tuple(map(int, counts[3:])))
+
+
+def check_gammas(gammas: Sequence[int]) -> tuple[int, ...]:
+    gammas = tuple(gammas)
+    if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in gammas) \
+            or len(set(gammas)) != len(gammas):
+        raise ValueError(f"gammas must be distinct integers >= 1, got {list(gammas)}")
+    return gammas
+
+
+def measure(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Tensor, draft_logits: torch.Tensor,
+            draft_ids: torch.Tensor | None = None, gammas: Sequence[int] = (1, 3, 5)) -> Agreement:
+    """Agreement counts of one batch.
+
+    tokens (B, L) ids; scored (B, L) bool: which tokens count (padding and prompts: False); target_ids (B, L): the
+    target's argmax at each position (position t predicts token t+1); draft_logits (B, L, V): the drafter's logits on
+    the same positions, column j scoring target id draft_ids[j] (id j without a map).
+    """
+    gammas = check_gammas(gammas)
+    if not (tokens.shape == scored.shape == target_ids.shape == draft_logits.shape[:2]) or tokens.dim() != 2:
+        raise ValueError(f"shapes disagree: tokens {tuple(tokens.shape)}, scored {tuple(scored.shape)}, "
+                         f"target_ids {tuple(target_ids.shape)}, draft_logits {tuple(draft_logits.shape)}")
+    draft = draft_logits.argmax(-1).cpu()
+    if draft_ids is not None:
+        if draft_ids.dim() != 1 or draft_ids.numel() != draft_logits.size(-1):
+            raise ValueError(f"draft_ids maps {tuple(draft_ids.shape)} columns but the drafter's logits have "
+                             f"{draft_logits.size(-1)}")
+        draft = draft_ids.cpu()[draft]
+    live = scored[:, 1:].cpu().bool()            # the prediction made at t scores token t+1
+    guess = target_ids[:, :-1].cpu()
+    agree = (draft[:, :-1] == guess) & live
+    on_path = (tokens[:, 1:].cpu() == guess) & live
+    accepted, alive, run = [], torch.ones_like(agree), torch.zeros(agree.shape, dtype=torch.long)
+    for k in range(max(gammas)):                  # alive[t]: the drafts for tokens t+1 .. t+1+k all agree
+        alive = alive & torch.cat([agree[:, k:], agree.new_zeros(agree.size(0), min(k, agree.size(1)))], dim=1)
+        run += alive
+        if k + 1 in gammas:
+            accepted.append((k + 1, int((1 + run)[live].sum())))
+    accepted = dict(accepted)
+    return Agreement(gammas, int(live.sum()), int(agree.sum()), int(on_path.sum()),
+                     tuple(accepted[g] for g in gammas))
+
+
+# ------------------------------------------------------------------------------------------ held-out data
+
+def load_heldout(path: str, tokenizer, max_len: int, max_sequences: int | None = None) -> tuple[list[Row], Counter]:
+    """The first `max_sequences` records of a local held-out file as (ids, scored) rows, and the skipped ones.
+
+    Chat records (ShareGPT `conversations` or `messages`, as SFT reads them) are rendered with the chat template
+    and score their assistant tokens; `text` records get an EOS in front (as pretraining packs them) and score
+    every token. Both are truncated to `max_len` tokens.
+    """
+    if not Path(path).expanduser().is_file():
+        raise FileNotFoundError(f"held-out file {path} does not exist")
+    records = data_lib.load_records(DataConfig(path=str(Path(path).expanduser())))
+    if max_sequences:
+        records = records.select(range(min(max_sequences, len(records))))
+    columns = records.column_names
+    if "conversations" in columns or "messages" in columns:
+        examples, skipped = data_lib.prepare_sft(records, tokenizer, max_len)
+        rows = [(ids, [label != data_lib.IGNORE_INDEX for label in labels])
+                for ids, labels in zip(examples["input_ids"], examples["labels"])]
+    elif "text" in columns:
+        skipped = Counter()
+        encoded = tokenizer(list(records["text"]), add_special_tokens=False)["input_ids"]
+        rows = [(ids, [False] + [True] * (len(ids) - 1))
+                for ids in ([tokenizer.eos_token_id] + e[:max_len - 1] for e in encoded)]
+    else:
+        raise ValueError(f"{path}: held-out records need a 'conversations' or 'messages' column (chat) or a 'text' "
+                         f"column; it has {columns}")
+    if not any(any(s[1:]) for _, s in rows):
+        raise ValueError(f"{path}: no scored tokens in the first {len(records)} records")
+    return rows, skipped
+
+
+def pad_batch(rows: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (ids, attention_mask, scored): causal models never see the padding of a row's own positions."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    scored = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, (row, marks) in enumerate(rows):
+        ids[i, :len(row)], attention[i, :len(row)], scored[i, :len(row)] = torch.tensor(row), 1, torch.tensor(marks)
+    return ids, attention, scored
+
+
+def hf_logits(model) -> LogitsFn:
+    """Logits of a Hugging Face causal LM (or anything called like one, e.g. a DeepSpeed engine)."""
+    return lambda ids, attention: model(input_ids=ids, attention_mask=attention).logits
+
+
+@torch.no_grad()
+def greedy_ids(logits_fn: LogitsFn, rows: Sequence[Row], batch_size: int, pad_id: int,
+               device: str | torch.device = "cpu", vocab: int | None = None) -> list[torch.Tensor]:
+    """The model's argmax at every position of every row (over its first `vocab` columns if given), computed in
+    batches without gradients, as CPU tensors to cache: the target's side of `measure`."""
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        ids, attention, _ = pad_batch(chunk, pad_id)
+        logits = logits_fn(ids.to(device), attention.to(device))
+        best = (logits[..., :vocab] if vocab else logits).argmax(-1).cpu()
+        out += [best[i, :len(row)] for i, (row, _) in enumerate(chunk)]
+    return out
+
+
+@torch.no_grad()
+def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.Tensor], *, gammas: Sequence[int],
+          batch_size: int, pad_id: int, device: str | torch.device = "cpu", draft_ids: torch.Tensor | None = None,
+          vocab: int | None = None, batches: int | None = None) -> Agreement:
+    """The drafter's agreement over `rows` against the cached target argmax ids.
+
+    `vocab` slices the drafter's logits to the real vocabulary when it has no draft map. `batches` > the batches
+    the rows need runs 1-token dummy forwards after them: under ZeRO-3 every rank must call forward equally often.
+    """
+    gammas = check_gammas(gammas)
+    total = Agreement(gammas)
+    needed = math.ceil(len(rows) / batch_size)
+    for b in range(max(needed, batches or 0)):
+        chunk = rows[b * batch_size:(b + 1) * batch_size]
+        if not chunk:
+            dummy = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+            logits_fn(dummy, torch.ones_like(dummy))
+            continue
+        ids, attention, scored = pad_batch(chunk, pad_id)
+        logits = logits_fn(ids.to(device), attention.to(device))
+        if draft_ids is None and vocab:
+            logits = logits[..., :vocab]
+        target = torch.nn.utils.rnn.pad_sequence(list(target_ids[b * batch_size:(b + 1) * batch_size]),
+                                                 batch_first=True, padding_value=-1)
+        total = total + measure(ids, scored, target, logits, draft_ids, gammas)
+    return total
+
+
+# ---------------------------------------------------------------------------------------- training hook
+
+def check_eval_config(cfg: TrainConfig) -> None:
+    """Cheap checks of the `eval.*` fields, before any process group or model work."""
+    e = cfg.eval
+    if e.every < 0:
+        raise ValueError(f"eval.every must be >= 0 (0: off), got {e.every}")
+    if e.every and not e.data:
+        raise ValueError("eval.every is set but eval.data is empty: name a held-out file")
+    if e.data and not e.every:
+        raise ValueError("eval.data is set but eval.every is 0: set eval.every to the steps between evaluations")
+    if not e.every:
+        return
+    if not Path(e.data).expanduser().is_file():
+        raise FileNotFoundError(f"eval.data {e.data!r} does not exist")
+    if e.max_sequences < 1:
+        raise ValueError(f"eval.max_sequences must be >= 1, got {e.max_sequences}")
+    check_gammas(e.gammas)
+    if not (e.target or cfg.distill.target):
+        raise ValueError("held-out agreement needs a target: set eval.target (or distill.target)")
+
+
+class HeldoutEval:
+    """Held-out agreement during training, run by every rank on its share (record i % world) of the first
+    `eval.max_sequences` records and summed; the target's argmax ids are computed once here and cached."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, rank: int, world: int, device, dtype: torch.dtype,
+                 target=None):
+        e = cfg.eval
+        rows, _ = load_heldout(e.data, tokenizer, cfg.data.seq_len, e.max_sequences)
+        self.rows = rows[rank::world]
+        self.gammas, self.batch_size, self.device = tuple(e.gammas), cfg.micro_batch_size, device
+        self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)  # the same on every rank
+        self.pad_id, self.vocab = tokenizer.pad_token_id, len(tokenizer)
+        name = e.target or cfg.distill.target
+        if target is None or name != cfg.distill.target:
+            from mamba_draft.targets import load_causal_lm
+            from training.model import check_vocab
+
+            target = load_causal_lm(name, dtype=dtype, device=device, attn_implementation=None)
+            check_vocab(target.config, tokenizer, f"eval.target {name!r}")
+        self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device, self.vocab)
+
+    @torch.no_grad()
+    def __call__(self, engine) -> dict:
+        """{'heldout_agreement', 'heldout_tau<g>', ...} of the model being trained (a collective: every rank)."""
+        was_training = engine.module.training
+        engine.eval()
+        try:
+            stats = score(hf_logits(engine), self.rows, self.target_ids, gammas=self.gammas,
+                          batch_size=self.batch_size, pad_id=self.pad_id, device=self.device,
+                          draft_ids=getattr(engine.module, "draft_ids", None), vocab=self.vocab,
+                          batches=self.batches)
+        finally:
+            engine.train(was_training)
+        counts = torch.tensor(stats.counts(), dtype=torch.long, device=self.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)
+        return Agreement.from_counts(self.gammas, counts.tolist()).as_dict("heldout_")
+
+
+def plot_agreement(metrics_path: Path, out: Path) -> bool:
+    """Held-out agreement vs training tokens from metrics.jsonl as a PNG; False (nothing written) without records."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    records = [r for r in map(json.loads, Path(metrics_path).read_text().splitlines()) if "heldout_agreement" in r]
+    if not records:
+        return False
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    ax.plot([r["train_tokens"] for r in records], [r["heldout_agreement"] for r in records], marker="o")
+    ax.set(xlabel="training tokens", ylabel="held-out top-1 agreement", ylim=(0, 1),
+           title=f"agreement with the target: {records[-1]['heldout_agreement']:.3f} at step {records[-1]['step']}")
+    ax.grid(alpha=0.3)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    return True
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *, gammas: Sequence[int] = (1, 3, 5),
+                      max_sequences: int | None = None, max_len: int = 2048, batch_size: int = 4,
+                      device: str = "cpu") -> dict:
+    """Agreement and tau of a saved drafter (`MambaDrafter.from_pretrained`) with a target (HF directory, hub id,
+    .gguf or 'smollm2'), on a held-out file rendered with the target's tokenizer."""
+    from mamba_draft import MambaDrafter
+    from mamba_draft.targets import load_causal_lm, load_tokenizer
+
+    gammas = check_gammas(gammas)
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    tokenizer = load_tokenizer(target_path)
+    rows, skipped = load_heldout(heldout_path, tokenizer, max_len, max_sequences)
+    drafter = MambaDrafter.from_pretrained(drafter_path, device=device)
+    if len(tokenizer) > drafter.input_vocab_size:
+        raise ValueError(f"the target's tokenizer has {len(tokenizer)} tokens but the drafter reads only "
+                         f"{drafter.input_vocab_size}: drafter and target must share a tokenizer")
+    pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    target = load_causal_lm(target_path, device=device, attn_implementation=None)
+    vocab = len(tokenizer)  # as training scores them: ids past the tokenizer are padding rows, never real tokens
+    target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
+    del target
+    stats = score(lambda ids, _: drafter(ids), rows, target_ids, gammas=gammas, batch_size=batch_size, pad_id=pad_id,
+                  device=device, draft_ids=drafter.draft_ids, vocab=vocab)
+    return {**stats.as_dict(), "sequences": len(rows), "skipped": sum(skipped.values())}
