@@ -13,8 +13,8 @@ import transformers
 from mamba_draft import MambaDrafter
 from mamba_draft.cli import main as cli
 from tests.helpers.training_fixtures import FIXTURES, REPO, deepspeed_cmd, make_tokenizer, read_metrics, train_env
-from training.agreement import (Agreement, greedy_ids, hf_logits, load_heldout, measure, pad_batch, plot_agreement,
-                                score)
+from training.agreement import (Agreement, HeldoutEval, greedy_ids, hf_logits, load_heldout, measure, pad_batch,
+                                plot_agreement, score)
 from training.config import ModelConfig, load_config
 from training.export import export
 from training.model import load_tokenizer, model_config
@@ -83,12 +83,14 @@ def reference(tokens, scored, target, draft, gammas) -> dict:
         for t in range(length - 1):
             if not scored[b, t + 1]:
                 continue
-            pos, match, path = pos + 1, match + int(draft[b, t] == target[b, t]), path + int(tokens[b, t + 1] == target[b, t])
+            pos += 1
+            match += int(draft[b, t] == target[b, t])
+            path += int(tokens[b, t + 1] == target[b, t])
             for g in gammas:
-                run = 0
-                while run < g and t + run < length - 1 and scored[b, t + run + 1] and draft[b, t + run] == target[b, t + run]:
-                    run += 1
-                acc[g] += 1 + run
+                s = t  # the chain drafts tokens s + 1 = t + 1, t + 2, ...
+                while s - t < g and s < length - 1 and scored[b, s + 1] and draft[b, s] == target[b, s]:
+                    s += 1
+                acc[g] += 1 + (s - t)
     return {"agreement": match / pos, **{f"tau{g}": acc[g] / pos for g in gammas}, "greedy_path": path / pos,
             "positions": pos}
 
@@ -96,12 +98,10 @@ def reference(tokens, scored, target, draft, gammas) -> dict:
 def test_matches_the_definition_on_random_batches():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
-        rows, length, vocab = torch.randint(1, 4, (1,), generator=g).item(), torch.randint(1, 12, (1,), generator=g).item(), 3
+        rows, length, vocab = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 4), (2, 12), (2, 4)))
         tokens = torch.randint(0, vocab, (rows, length), generator=g)
         scored = torch.rand(rows, length, generator=g) < 0.7
         scored[0, -1] = True  # at least one scored token
-        if length == 1:
-            continue
         target = torch.randint(0, vocab, (rows, length), generator=g)
         logits = torch.randn(rows, length, vocab, generator=g)
         got = measure(tokens, scored, target, logits, None, (1, 2, 3, 7)).as_dict()
@@ -288,6 +288,22 @@ def test_training_hook_logs_agreement_plots_and_resumes(tok_dir, target_dir, tmp
     assert (out / "agreement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_training_hook_with_a_draft_vocabulary_matches_the_cli_on_the_export(tok_dir, target_dir, tmp_path):
+    """The trained drafter proposes only its 64 most frequent ids: the hook maps its columns through draft_ids, and
+    `mamba-draft eval --agreement` on the export (which keeps the map) reports the same numbers."""
+    out = tmp_path / "run"
+    train(sft_config(tok_dir, target_dir, out, "steps=2", "model.draft_vocab_size=64"))
+    final = read_metrics(out)[-1]
+    hf_dir = export(out, tmp_path / "export")
+    assert MambaDrafter.from_pretrained(str(hf_dir)).vocab_size == 64
+    assert cli(["eval", str(hf_dir), "--target", str(target_dir), "--agreement", str(CHAT), "--max-sequences", "5",
+                "--max-len", "128", "--gammas", "1,3", "--output", str(tmp_path / "cli.json")]) == 0
+    result = json.loads((tmp_path / "cli.json").read_text())["agreement:messages.jsonl"]
+    assert 0.1 < final["heldout_agreement"] < 0.9 and result["positions"] == final["heldout_positions"]
+    for key in ("agreement", "tau1", "tau3", "greedy_path"):
+        assert result[key] == pytest.approx(final[f"heldout_{key}"]), key
+
+
 def test_training_hook_config_errors(tok_dir, target_dir, tmp_path):
     cases = [(["eval.every=0"], "eval.data is set but eval.every is 0"),
              (["eval.data=''", "eval.every=2"], "eval.every is set but eval.data is empty"),
@@ -303,9 +319,39 @@ def test_training_hook_config_errors(tok_dir, target_dir, tmp_path):
     assert plot_agreement(FIXTURES / "heldout.jsonl", tmp_path / "none.png") is False  # no heldout records
 
 
+class CountingEngine(torch.nn.Module):
+    """Stands in for the DeepSpeed engine: `.module`, called with input_ids / attention_mask."""
+    def __init__(self, model):
+        super().__init__()
+        self.module, self.calls = model, 0
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        return self.module(**kwargs)
+
+
+def test_heldout_eval_shards_rows_and_calls_forward_equally_often_on_every_rank(tok_dir, target_dir, tokenizer,
+                                                                                 tmp_path):
+    """5 sequences over 2 ranks, 2 per forward: rank 0 scores 3 (2 forwards), rank 1 scores 2 (1 forward + 1 dummy,
+    as ZeRO-3 needs every rank to gather parameters together); the shards add up to the whole set."""
+    cfg = load_config(TINY / "distill-cpu.yaml", [f"model.tokenizer={tok_dir}", f"output_dir={tmp_path}",
+                                                  f"distill.target={target_dir}", f"eval.data={CHAT}", "eval.every=2",
+                                                  "eval.max_sequences=5"])
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    drafter = transformers.AutoModelForCausalLM.from_pretrained(save_mamba(tokenizer, tmp_path / "d", seed=1)).eval()
+    results = []
+    for rank, world in [(0, 2), (1, 2), (0, 1)]:
+        heldout = HeldoutEval(cfg, tokenizer, rank, world, "cpu", torch.float32, target)
+        engine = CountingEngine(drafter)
+        results.append(heldout(engine))
+        assert engine.calls == (3 if world == 1 else 2)
+        assert len(heldout.rows) == {(0, 2): 3, (1, 2): 2, (0, 1): 5}[rank, world]
+    assert results[0]["heldout_positions"] + results[1]["heldout_positions"] == results[2]["heldout_positions"]
+
+
 def test_two_rank_zero3_distill_hook_matches_the_cli_on_the_export(tok_dir, target_dir, tmp_path):
-    """Two ranks under ZeRO-3 share 5 held-out sequences (3 + 2: rank 1 runs a dummy forward to keep the
-    parameter gathers in step); the summed numbers equal `mamba-draft eval --agreement` on the exported drafter."""
+    """Two ranks under ZeRO-3 (even tiny parameters partitioned) share 5 held-out sequences (3 + 2, so rank 1 adds a
+    dummy forward); the summed numbers equal `mamba-draft eval --agreement` on the exported drafter."""
     zero3 = json.loads((REPO / "configs/deepspeed/zero3.json").read_text())
     zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even tiny parameters
     (tmp_path / "zero3.json").write_text(json.dumps(zero3))

@@ -109,13 +109,12 @@ def measure(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Tensor
     guess = target_ids[:, :-1].cpu()
     agree = (draft[:, :-1] == guess) & live
     on_path = (tokens[:, 1:].cpu() == guess) & live
-    accepted, alive, run = [], torch.ones_like(agree), torch.zeros(agree.shape, dtype=torch.long)
+    accepted, alive, run = {}, torch.ones_like(agree), torch.zeros(agree.shape, dtype=torch.long)
     for k in range(max(gammas)):                  # alive[t]: the drafts for tokens t+1 .. t+1+k all agree
         alive = alive & torch.cat([agree[:, k:], agree.new_zeros(agree.size(0), min(k, agree.size(1)))], dim=1)
         run += alive
         if k + 1 in gammas:
-            accepted.append((k + 1, int((1 + run)[live].sum())))
-    accepted = dict(accepted)
+            accepted[k + 1] = int((1 + run)[live].sum())
     return Agreement(gammas, int(live.sum()), int(agree.sum()), int(on_path.sum()),
                      tuple(accepted[g] for g in gammas))
 
