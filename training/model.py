@@ -30,6 +30,9 @@ class TrainableDrafter(MambaDrafter):
         super().__init__(MambaConfig.from_hf_dict(hf_config.to_dict()), backend="torch")
         self.hf_config = hf_config
 
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.backbone.embeddings
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> CausalLMOutput:
         # attention_mask is unused: padding sits after the real tokens (right padding) and carries no labels.
         return CausalLMOutput(logits=self.train_logits(input_ids))
@@ -87,25 +90,28 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
         model = AutoModelForCausalLM.from_config(model_config(cfg, tokenizer), dtype=torch.float32)
     check_vocab(model.config, tokenizer, cfg.init_from or "model")
     if model.config.model_type not in ("mamba", "mamba2"):
-        if draft_ids is not None or cfg.init_embeddings_from:
-            raise ValueError("model.draft_vocab* and model.init_embeddings_from apply to Mamba drafters only")
-        return model
-    drafter = TrainableDrafter(model.config)
-    drafter.load_hf_state_dict(model.state_dict())
+        if draft_ids is not None:
+            raise ValueError("model.draft_vocab* applies to Mamba drafters only (transformers' assisted "
+                             "generation needs the assistant's full vocabulary)")
+    else:
+        drafter = TrainableDrafter(model.config)
+        drafter.load_hf_state_dict(model.state_dict())
+        model = drafter
     if cfg.init_embeddings_from:
-        copy_target_embeddings(drafter, cfg.init_embeddings_from)
-    drafter.set_draft_vocab(draft_ids)
-    drafter.backbone.embeddings.weight.requires_grad_(not cfg.freeze_embeddings)
-    return drafter.train()
+        copy_target_embeddings(model, cfg.init_embeddings_from)
+    if isinstance(model, MambaDrafter):
+        model.set_draft_vocab(draft_ids)
+    model.get_input_embeddings().weight.requires_grad_(not cfg.freeze_embeddings)
+    return model.train()
 
 
-def copy_target_embeddings(drafter: MambaDrafter, target_path: str) -> None:
-    """Start from the target's input embedding (same width): the drafter then reads and, tied, scores tokens in
+def copy_target_embeddings(model: torch.nn.Module, target_path: str) -> None:
+    """Start from the target's input embedding (same width): the model then reads and, tied, scores tokens in
     the target's own embedding space from step 0."""
     from mamba_draft.targets import load_causal_lm
 
     source = load_causal_lm(target_path, attn_implementation=None).get_input_embeddings().weight.detach()
-    weight = drafter.backbone.embeddings.weight
+    weight = model.get_input_embeddings().weight
     if source.shape[1] != weight.shape[1]:
         raise ValueError(f"model.init_embeddings_from {target_path!r}: its embedding width {source.shape[1]} != "
                          f"model.hidden_size {weight.shape[1]}")
@@ -125,9 +131,12 @@ def read_draft_vocab(path: str) -> torch.Tensor:
     return tensors["d2t"]
 
 
-def frequency_ranked_vocab(token_lists, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """FR-Spec's draft vocabulary: the `size` most frequent ids of `token_lists` (ties by id), plus `always` ids
-    (end-of-turn tokens must stay proposable however rare)."""
+def frequency_ranked_vocab(token_lists, size: int, always: tuple[int, ...] = (), vocab: int | None = None) -> torch.Tensor:
+    """FR-Spec's draft vocabulary: `always` ids (end-of-turn tokens must stay proposable however rare), then the
+    most frequent ids of `token_lists` (ties by id), then — when the data has fewer than `size` distinct ids and
+    `vocab` is given — unseen ids in id order: a BPE tokenizer numbers tokens in merge order, which follows its
+    training corpus's frequencies, and a drafter initialised from the target's embeddings can score ids it never
+    saw in training."""
     counts = torch.zeros(0, dtype=torch.long)
     for ids in token_lists:
         ids = torch.as_tensor(ids, dtype=torch.long)
@@ -143,7 +152,12 @@ def frequency_ranked_vocab(token_lists, size: int, always: tuple[int, ...] = ())
     order = seen[torch.argsort(counts[seen], descending=True, stable=True)]
     forced = [i for i in dict.fromkeys(always) if i is not None and i >= 0]
     rest = order[~torch.isin(order, torch.tensor(forced, dtype=torch.long))] if forced else order
-    return torch.cat([torch.tensor(forced, dtype=torch.long), rest])[: max(size, len(forced))]
+    ranked = torch.cat([torch.tensor(forced, dtype=torch.long), rest])[: max(size, len(forced))]
+    if vocab is not None and ranked.numel() < size:
+        unseen = torch.ones(vocab, dtype=torch.bool)
+        unseen[ranked[ranked < vocab]] = False
+        ranked = torch.cat([ranked, torch.nonzero(unseen).flatten()[: size - ranked.numel()]])
+    return ranked
 
 
 def check_vocab(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:

