@@ -207,13 +207,14 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 
 # CPU arms for the real pair: short chains (a target forward of 5 tokens already costs ~1.5x one token on 2 cores).
 REAL_CPU_BANDIT = "bandit-time:1,1/1,1,1/1,1,1,1,1"
-REAL_GREEDY = ("hf-ar", "hf-assisted", "ar", "chain:3", "bandit", f"cpu-bandit={REAL_CPU_BANDIT}",
-               f"cpu-bandit@fly={REAL_CPU_BANDIT}@fly")
-REAL_SAMPLED = ("hf-ar", "hf-assisted", "ar", "chain:3@sampling", f"cpu-bandit@sampling={REAL_CPU_BANDIT}@sampling")
+# Both bandits run over the CPU arms: the paper's reward (acceptance and depth) and the measured-time reward.
+REAL_GREEDY = ("hf-ar", "hf-assisted", "ar", "chain:2", f"bandit-paper=bandit:{REAL_CPU_BANDIT.partition(':')[2]}",
+               f"cpu-bandit={REAL_CPU_BANDIT}", f"cpu-bandit@fly={REAL_CPU_BANDIT}@fly")
+REAL_SAMPLED = ("hf-ar", "ar", "chain:2@sampling", f"cpu-bandit@sampling={REAL_CPU_BANDIT}@sampling")
 # --full adds the trees and the other lossy verifiers (FLy, Top-K and DropMatch are temperature-0 rules)
-REAL_FULL = {"greedy": ("chain:5", "tree:3,2,2,1,1", "tree:2,1,1", f"cpu-bandit@topk={REAL_CPU_BANDIT}@topk",
+REAL_FULL = {"greedy": ("chain:3", "chain:5", "tree:3,2,2,1,1", "tree:2,1,1", f"cpu-bandit@topk={REAL_CPU_BANDIT}@topk",
                         f"cpu-bandit@dropmatch={REAL_CPU_BANDIT}@dropmatch"),
-             "sampled": ("chain:5@sampling", "tree:3,2,2,1,1@sampling", "tree:2,1,1@sampling")}
+             "sampled": ("hf-assisted", "chain:5@sampling", "tree:3,2,2,1,1@sampling", "tree:2,1,1@sampling")}
 
 
 def real_configs():
@@ -222,12 +223,14 @@ def real_configs():
     full = RealPairConfig()
     quick = RealPairConfig(train_prompts=6, max_prompt_tokens=128, reply_tokens=12, regen_batch=6, eval_replies=2,
                            draft_vocab_size=512, drafter_layers=1, assistant_layers=1, assistant_intermediate=256,
-                           steps=3, seq_len=96, batch=2, eval_every=2, per_category=1, max_new_tokens=12)
+                           steps=3, seq_len=96, batch=2, eval_every=2, per_category=1, bench_prompts=2,
+                           max_new_tokens=12)
     return full, quick
 
 
 def real_fingerprint(cfg) -> str:
-    shaping = {k: v for k, v in asdict(cfg).items() if k not in ("per_category", "max_new_tokens", "temperature")}
+    shaping = {k: v for k, v in asdict(cfg).items()
+               if k not in ("per_category", "bench_prompts", "max_new_tokens", "temperature")}
     shaping["precision"] = training_precision()
     return "real-" + hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -334,7 +337,7 @@ def benchmark_real(cfg, records, target: Path, drafter: Path, assistant: Path, f
                     drafter=MambaDrafter.from_pretrained(str(drafter), device=device),
                     assistant=load_causal_lm(assistant, device=device), tokenizer=load_tokenizer(target))
     prompts = [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
-               for r in heldout_prompts(records, cfg.per_category)]
+               for r in heldout_prompts(records, cfg.per_category)][: cfg.bench_prompts]
     out = {}
     for name, specs, temperature in (("greedy", REAL_GREEDY, 0.0), ("sampled", REAL_SAMPLED, cfg.temperature)):
         methods = resolve_methods((*specs, *REAL_FULL[name]) if full_sweep else specs)

@@ -67,20 +67,21 @@ def _round_robin(groups: list[list[dict]]):
 class RealPairConfig:
     train_prompts: int | None = None      # even-id questions to regenerate (None: all that fit)
     max_prompt_tokens: int = 384
-    reply_tokens: int = 160               # max new tokens per regenerated reply
+    reply_tokens: int = 128               # max new tokens per regenerated reply
     regen_batch: int = 32
     eval_replies: int = 12                # regenerated replies kept out of training for the held-out metric
     draft_vocab_size: int = 8192
     drafter_layers: int = 2
     assistant_layers: int = 2
     assistant_intermediate: int = 768     # ~ the drafter's 4.2 M non-embedding parameters
-    steps: int = 160
+    steps: int = 50
     lr: float = 3e-3
     seq_len: int = 384
     batch: int = 8
-    eval_every: int = 20
+    eval_every: int = 10
     per_category: int = 1                 # benchmark prompts per Spec-Bench category
-    max_new_tokens: int = 96
+    bench_prompts: int | None = None      # cap on benchmark prompts (the CI smoke run)
+    max_new_tokens: int = 64
     temperature: float = 0.7              # the sampling table's temperature
 
 
@@ -101,8 +102,8 @@ def train_config(cfg: RealPairConfig, arch: str, target: Path, data: Path, heldo
                        data=DataConfig(kind="sft", path=str(data), seq_len=cfg.seq_len),
                        optim=OptimConfig(lr=cfg.lr, weight_decay=0.0, warmup_steps=max(1, cfg.steps // 10),
                                          lr_min_ratio=0.1),
-                       eval=EvalConfig(data=str(heldout), every=cfg.eval_every if mamba else 0, target=str(target),
-                                       max_sequences=cfg.eval_replies),
+                       eval=EvalConfig(data=str(heldout), every=cfg.eval_every, target=str(target),
+                                       max_sequences=cfg.eval_replies) if mamba else EvalConfig(),
                        deepspeed="configs/deepspeed/zero1.json", steps=cfg.steps, global_batch_size=cfg.batch,
                        micro_batch_size=cfg.batch, checkpoint_every=10**9, log_every=1, build_shm_comm=False,
                        precision=precision)

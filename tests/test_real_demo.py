@@ -52,6 +52,7 @@ def test_quick_real_demo_builds_the_pair_and_benchmarks_it(quick_run):
     for table, specs in (("greedy", demo.REAL_GREEDY), ("sampled", demo.REAL_SAMPLED)):
         methods = result[table]["methods"]
         assert len(methods) == len(specs)
+        assert len(result[table]["prompts"]) == quick.bench_prompts
         assert all(int(p["question_id"]) % 2 == 1 for p in result[table]["prompts"])
         for name, s in methods.items():
             assert all(v > 0 for v in s["tokens_per_s"]), (table, name)

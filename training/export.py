@@ -8,11 +8,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mamba_draft.checkpoint import DRAFT_VOCAB, atomic_directory, convert
 
 FORMATS = ("hf", "mamba_ssm")
+FROZEN_WEIGHTS = "frozen.safetensors"  # in a run's model/ dir: parameters training kept frozen
 
 
 def locate(checkpoint_dir: str | Path) -> tuple[Path, Path, str]:
@@ -38,8 +40,17 @@ def consolidated_model(run: Path, ckpt: Path, tag: str) -> torch.nn.Module:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+    if (run / "model" / FROZEN_WEIGHTS).is_file():  # parameters frozen in training (not in the optimizer)
+        state.update(load_file(str(run / "model" / FROZEN_WEIGHTS)))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run / "model"), dtype=torch.float32)
-    model.load_state_dict(state, strict=True)
+    tied = model.get_output_embeddings() is not None and \
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # a tied head is the embedding itself: its key may be absent when the embedding was frozen
+    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt / tag} does not match {run / 'model'}: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
     return model
 
 

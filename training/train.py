@@ -29,6 +29,7 @@ from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 from mamba_draft.checkpoint import DRAFT_VOCAB
+from training.export import FROZEN_WEIGHTS
 from mamba_draft.targets import load_causal_lm
 from safetensors.torch import save_file
 
@@ -135,6 +136,9 @@ def write_model_dir(model, tokenizer, out: Path) -> None:
     getattr(model, "hf_config", model.config).save_pretrained(tmp)
     if getattr(model, "draft_ids", None) is not None:
         save_file({"d2t": model.draft_ids.cpu()}, str(tmp / DRAFT_VOCAB))
+    frozen = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if not p.requires_grad}
+    if frozen:  # DeepSpeed's fp32 consolidation covers trained parameters only; frozen ones never change
+        save_file(frozen, str(tmp / FROZEN_WEIGHTS))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
