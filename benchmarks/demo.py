@@ -169,18 +169,25 @@ def prepare_corpus(cfg: DemoConfig, cache: Path) -> dict[str, Path]:
     return paths
 
 
-def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, force: bool = False,
-             rebench: bool = False, progress: bool = True) -> dict:
-    """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
-    cache = cache_dir / cfg.fingerprint()
+def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool) -> tuple[Path, dict | None]:
+    """Create (or, with force, empty) the cache; returns the results dir and the cached result unless re-measuring."""
     if force:
         shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir or cache / "results"
-    result_file = out_dir / "demo.json"
-    if result_file.is_file() and not (force or rebench):
+    if (out_dir / "demo.json").is_file() and not (force or rebench):
         print(f"[demo] results cached in {out_dir} (--rebench to measure again, --force to retrain)")
-        return json.loads(result_file.read_text())
+        return out_dir, json.loads((out_dir / "demo.json").read_text())
+    return out_dir, None
+
+
+def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, force: bool = False,
+             rebench: bool = False, progress: bool = True) -> dict:
+    """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
+    cache = cache_dir / cfg.fingerprint()
+    out_dir, cached = open_cache(cache, out_dir, force, rebench)
+    if cached is not None:
+        return cached
 
     started = time.perf_counter()
     corpus = prepare_corpus(cfg, cache)
@@ -275,14 +282,9 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
 
     records = read_spec_bench(prompts_path)  # checked before anything is built
     cache = cache_dir / real_fingerprint(cfg)
-    if force:
-        shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    out_dir = out_dir or cache / "results"
-    result_file = out_dir / "demo.json"
-    if result_file.is_file() and not (force or rebench):
-        print(f"[demo] results cached in {out_dir} (--rebench to measure again, --force to retrain)")
-        return json.loads(result_file.read_text())
+    out_dir, cached = open_cache(cache, out_dir, force, rebench)
+    if cached is not None:
+        return cached
 
     started = time.perf_counter()
     target = cache / "target"
@@ -307,7 +309,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
 
     write_outputs(result["greedy"], out_dir, prefix="demo")
     write_outputs(result["sampled"], out_dir, prefix="demo_sampled")
-    write_json(result_file, result)
+    write_json(out_dir / "demo.json", result)
     return result
 
 
