@@ -11,6 +11,8 @@ import torch
 from benchmarks.equality import compare_outputs
 from benchmarks.methods import Method, Models, make_tree_policy, parse_method, run_hf, run_ours
 from benchmarks.report import bar_plot, fmt_mean_std, markdown_table, mean_std, write_json, write_text
+from mamba_draft.devices import check_device
+from mamba_draft.dtypes import DTYPES, parse_dtype
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
@@ -268,7 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat-template", action="store_true", help="encode prompts as raw text")
     parser.add_argument("--system-prompt", help="system message placed before every prompt by the chat template")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", type=Path, required=True, help="output directory (JSON, markdown, PNG)")
 
@@ -309,14 +311,13 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     check_verifiers(methods, resolve_sampling(None, args.temperature, args.top_p, args.top_k))
     if args.system_prompt is not None and args.no_chat_template:
         raise ValueError("--system-prompt needs the chat template; drop --no-chat-template")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available")
+    check_device(args.device)
 
 
 def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
     from mamba_draft.targets import load_causal_lm, load_tokenizer
 
-    dtype = getattr(torch, args.dtype)
+    dtype = parse_dtype(args.dtype)
 
     def causal_lm(path):
         return load_causal_lm(path, dtype=dtype, device=args.device, attn_implementation="sdpa")

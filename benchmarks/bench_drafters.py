@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import line_plot, markdown_table, write_json, write_text
+from mamba_draft.devices import check_device
+from mamba_draft.dtypes import DTYPES, parse_dtype
 
 BASE_CONTEXT = 64  # ratios are reported against the step time at this context (the reference point)
 PREFILL_CHUNK = 1024  # the Transformer prefills in chunks, bounding attention temporaries at long contexts
@@ -167,7 +169,7 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     contexts = sorted(set(cfg.contexts) | {BASE_CONTEXT})
-    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
     mamba = build_mamba(cfg, device, dtype)
     llama = build_llama(cfg, n_params(mamba), device, dtype)
     models = {f"Mamba ({cfg.arch})": (mamba, prepare_mamba), "Transformer (Llama)": (llama, prepare_llama)}
@@ -258,7 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=d.steps, help="timed decoding steps per context")
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON, markdown and PNG plots")
 
@@ -269,8 +271,7 @@ def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
     for name in ("d_model", "n_layer", "vocab_size", "steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    check_device(args.device)
     return DrafterBenchConfig(contexts=tuple(args.contexts), arch=args.arch, d_model=args.d_model, n_layer=args.n_layer,
                               vocab_size=args.vocab_size, steps=args.steps, warmup=args.warmup, device=args.device,
                               dtype=args.dtype, seed=args.seed)

@@ -1,59 +1,20 @@
 """Writing benchmark results: atomic JSON / markdown files, markdown tables, matplotlib PNG plots."""
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
-
-def _umask_mode() -> int:
-    """The mode a plain open() would give a new file (mkstemp creates 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temporary file next to `path`, then rename, so readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def write_json(path: str | Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
+from mamba_draft.io import atomic_path, write_json, write_text  # noqa: F401  (bench and demo write through these)
 
 
 def save_figure(fig, path: str | Path) -> None:
     """Save a matplotlib figure as PNG atomically and close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
     finally:
         plt.close(fig)
 

@@ -15,12 +15,10 @@ and directories are written to a temporary sibling and renamed, so a failure nev
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import MambaConfig
+from .io import atomic_directory
 
 FORMATS = ("hf", "mamba_ssm")
 HF_WEIGHTS = "model.safetensors"
@@ -164,24 +163,6 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
                 if (copy_from / name).is_file():
                     shutil.copy2(copy_from / name, tmp / name)
     return Path(directory)
-
-
-@contextlib.contextmanager
-def atomic_directory(directory: str | os.PathLike, *, overwrite: bool = False):
-    """Yield a fresh temporary sibling of `directory`; it replaces `directory` only if the block succeeds."""
-    directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"{directory} exists and is not empty (pass overwrite=True to replace it)")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        yield tmp
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False) -> Path:

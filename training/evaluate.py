@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mamba_draft.devices import check_device
 from training.agreement import drafter_agreement
 
 DEFAULT_TASKS = "hellaswag,arc_easy,piqa"
@@ -213,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"mamba-draft eval: --max-sequences must be >= 1, got {args.max_sequences}")
     results = {}
     try:
+        check_device(args.device)
         gammas = parse_gammas(args.gammas)
         if args.tasks or not args.agreement:
             results.update(evaluate(args.model_dir, args.tasks or DEFAULT_TASKS, args.limit, args.max_len, args.device))

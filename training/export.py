@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from mamba_draft.checkpoint import DRAFT_VOCAB, atomic_directory, convert
+from mamba_draft.checkpoint import DRAFT_VOCAB, convert
+from mamba_draft.io import atomic_directory
 
 FORMATS = ("hf", "mamba_ssm")
 FROZEN_WEIGHTS = "frozen.safetensors"  # in a run's model/ dir: parameters training kept frozen

@@ -21,18 +21,20 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from mamba_draft.devices import check_device
+from mamba_draft.dtypes import parse_dtype
+from mamba_draft.io import write_json
 from mamba_draft.targets import load_causal_lm, load_tokenizer
 from training.data import FALLBACK_CHAT_TEMPLATE, ROLES, normalize_conversation
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, else float32
 TRUNCATED = ("mark", "drop")
 
 
@@ -151,8 +153,8 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
     """
     if truncated not in TRUNCATED:
         raise ValueError(f"truncated must be one of {TRUNCATED}, got {truncated!r}")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     if batch_size < 1 or max_new_tokens < 1 or temperature < 0:
         raise ValueError("batch_size and max_new_tokens must be >= 1 and temperature >= 0")
     output = Path(output)
@@ -172,7 +174,7 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
 
     tokenizer = target_tokenizer(model)
     auto = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    lm = load_causal_lm(model, dtype=DTYPES.get(dtype, auto), device=device)
+    lm = load_causal_lm(model, dtype=auto if dtype == "auto" else parse_dtype(dtype), device=device)
     eos_ids = eos_token_ids(tokenizer, lm)
     torch.manual_seed(seed)
     slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]
@@ -212,14 +214,7 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
     counts["written"] = len(out)
     if not out:
         raise ValueError(f"nothing to write: all {len(records)} records were skipped ({summary(counts, truncated)})")
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.resolve().parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(out, f, ensure_ascii=False, indent=1)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json(output, out, ensure_ascii=False, indent=1)
     return counts
 
 
@@ -245,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N input records")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bfloat16 on CUDA, else float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
@@ -257,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        check_device(args.device)
         counts = regenerate(args.model, args.input, args.output, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, batch_size=args.batch_size, truncated=args.truncated,
                             limit=args.limit, seed=args.seed, device=args.device, dtype=args.dtype)

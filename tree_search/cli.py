@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 import yaml
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from mamba_draft.devices import check_device
+from mamba_draft.dtypes import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +76,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = args.prompt
     check_target_path(args.target, "--target")
+    check_device(args.device)
     if args.drafter and (args.drafter.startswith((".", "/")) or Path(args.drafter).exists()) \
             and not Path(args.drafter).is_dir():
-        fail(f"--drafter {args.drafter} is not a directory")
+        fail(f"--drafter {args.drafter} " + ("is not a directory" if Path(args.drafter).exists() else "does not exist"))
     # everything checkable without the models is checked before loading them; sampling left unset is only known
     # from the target's generation_config, so the checks run again once it is loaded
     sampling = resolve_sampling(None, args.temperature, args.top_p, args.top_k)

@@ -1,25 +1,37 @@
 """Temperature / top-k / top-p processing shared by draft and target, and host-sync-free sampling helpers."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 
+MIN_TEMPERATURE = 1e-3  # below this, refused: see SamplingParams
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become a distribution. temperature 0 = greedy (argmax)."""
+    """How logits become a distribution. temperature 0 = greedy (argmax).
+
+    A positive temperature must be finite and at least MIN_TEMPERATURE (1e-3): colder sampling is greedy decoding
+    in all but exactness (logits / 1e-45 overflow float32 and every draw came out as token 0), so it is refused
+    with a pointer to temperature 0; from 1e-3 up, logits / T stay finite for any |logit| < 3e35.
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            hint = " (use 0 for greedy decoding)" if isinstance(t, (int, float)) and 0 < t < MIN_TEMPERATURE else ""
+            raise ValueError("temperature must be a number >= 0: 0 for greedy, else finite and "
+                             f">= {MIN_TEMPERATURE:g}; got {t!r}{hint}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property
@@ -30,6 +42,50 @@ class SamplingParams:
 # transformers' values for generation_config fields a model leaves unset (GenerationConfig._get_default_generation_params)
 HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
+# generation_config fields that make `target.generate` process logits (or search) in ways tree_search does not
+# reproduce: name -> (is it on?, the value that turns it off). Checked only when set (not None).
+_ALWAYS = {
+    "repetition_penalty": (lambda v: v != 1.0, "1.0"),
+    "no_repeat_ngram_size": (lambda v: v > 0, "0"),
+    "sequence_bias": (bool, "None"),
+    "bad_words_ids": (bool, "None"),
+    "suppress_tokens": (bool, "None"),
+    "begin_suppress_tokens": (bool, "None"),
+    "min_new_tokens": (lambda v: v > 0, "0"),
+    "min_length": (lambda v: v > 1, "0"),  # total length: a prompt has at least one token, so 1 is a no-op
+    "forced_bos_token_id": (lambda v: True, "None"),
+    "forced_eos_token_id": (lambda v: True, "None"),
+    "exponential_decay_length_penalty": (lambda v: True, "None"),
+    "guidance_scale": (lambda v: v != 1, "1.0"),
+    "num_beams": (lambda v: v > 1, "1"),
+    "constraints": (bool, "None"),
+    "force_words_ids": (bool, "None"),
+    "stop_strings": (bool, "None"),
+    "watermarking_config": (lambda v: True, "None"),
+}
+_GREEDY_ONLY = {"penalty_alpha": (lambda v: v > 0, "None")}  # contrastive search replaces greedy search
+_SAMPLING_ONLY = {  # warpers transformers applies only when sampling
+    "min_p": (lambda v: v > 0, "None"),
+    "typical_p": (lambda v: v < 1, "1.0"),
+    "epsilon_cutoff": (lambda v: 0 < v < 1, "0.0"),
+    "eta_cutoff": (lambda v: 0 < v < 1, "0.0"),
+    "top_h": (lambda v: True, "None"),
+}
+
+
+def check_generation_config(config, params: SamplingParams) -> None:
+    """Refuse a generation_config that sets a logits processor or search mode tree_search does not apply, so the
+    output never silently differs from `target.generate`'s (one line naming the setting and how to drop it)."""
+    if config is None:
+        return
+    checks = {**_ALWAYS, **(_GREEDY_ONLY if params.greedy else _SAMPLING_ONLY)}
+    for name, (active, off) in checks.items():
+        value = getattr(config, name, None)
+        if value is not None and active(value):
+            raise ValueError(f"the target's generation_config sets {name} = {value!r}, which tree_search does not "
+                             f"apply; set target.generation_config.{name} = {off} (or drop it from "
+                             "generation_config.json) to decode without it")
+
 
 def resolve_sampling(target=None, temperature: float | None = None, top_p: float | None = None,
                      top_k: int | None = None) -> SamplingParams:
@@ -38,8 +94,9 @@ def resolve_sampling(target=None, temperature: float | None = None, top_p: float
 
     temperature None -> greedy unless generation_config.do_sample, else its temperature; when sampling, top_k None ->
     generation_config.top_k (50 by default) and top_p None -> generation_config.top_p (1.0). top_k 0 is no top-k.
-    Explicit values are validated even where greedy decoding ignores them. Other generation_config processors
-    (repetition_penalty, min_p, ...) are not applied by tree_search.
+    Explicit values are validated even where greedy decoding ignores them. A generation_config that sets any other
+    processor `target.generate` would apply (repetition_penalty, no_repeat_ngram_size, suppress_tokens, min_p, beams,
+    ...) is refused with a ValueError naming it (`check_generation_config`): tree_search does not apply them.
     """
     explicit = SamplingParams(0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
                               1.0 if top_p is None else top_p)
@@ -52,9 +109,12 @@ def resolve_sampling(target=None, temperature: float | None = None, top_p: float
     if temperature is None:
         temperature = default("temperature") if default("do_sample") else 0.0
     if temperature == 0:  # greedy: top-k / top-p do not change the argmax
-        return SamplingParams(0.0, explicit.top_k, explicit.top_p)
-    return SamplingParams(float(temperature), int(default("top_k") if top_k is None else top_k),
-                          float(default("top_p") if top_p is None else top_p))
+        params = SamplingParams(0.0, explicit.top_k, explicit.top_p)
+    else:
+        params = SamplingParams(float(temperature), int(default("top_k") if top_k is None else top_k),
+                                float(default("top_p") if top_p is None else top_p))
+    check_generation_config(config, params)
+    return params
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Draft-tree topology: `TreeConfig` (N1, ..., Nγ) and the parent-pointer `Tree` everything else derives from."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
 MAX_TREE_NODES = 1024  # draft nodes (root excluded); beyond this a tree forward stops being one cheap target call
+_SPEC = re.compile(r" *[0-9]+ *(?:, *[0-9]+ *)*")  # "3,2,2,1,1", "3, 2": ASCII digits only, no empty fields
 
 
 @dataclass(frozen=True)
@@ -33,18 +35,24 @@ class TreeConfig:
 
     @classmethod
     def parse(cls, spec: str | TreeConfig | tuple[int, ...] | list[int]) -> TreeConfig:
-        """Build from `"3,2,2,1,1"`, a tuple/list of ints, or pass a TreeConfig through."""
+        """Build from `"3,2,2,1,1"` (comma-separated positive ints, spaces allowed around them), a tuple/list of
+        ints, or pass a TreeConfig through. Anything else (`"3,,2"`, `""`, `"(3,2)"`, `"3;2"`) is a ValueError."""
         if isinstance(spec, TreeConfig):
             return spec
         if isinstance(spec, str):
-            parts = [p.strip() for p in spec.replace("(", "").replace(")", "").split(",") if p.strip()]
-            try:
-                return cls(tuple(int(p) for p in parts))
-            except ValueError as err:
-                if "TreeConfig" in str(err):
-                    raise
-                raise ValueError(f"cannot parse tree spec {spec!r}: expected comma-separated positive ints") from err
-        return cls(tuple(spec))
+            if not _SPEC.fullmatch(spec):
+                what = f"tree spec {spec!r} is empty" if not spec.strip() else f"cannot parse tree spec {spec!r}"
+                raise ValueError(f"{what}: expected comma-separated positive integers, e.g. '3,2,2,1,1'")
+            branching = tuple(int(p) for p in spec.split(","))
+        elif isinstance(spec, (tuple, list)):
+            branching = tuple(spec)
+        else:
+            raise ValueError(f"cannot parse tree spec {spec!r}: expected a string such as '3,2,2,1,1', "
+                             "a tuple/list of positive ints or a TreeConfig")
+        try:
+            return cls(branching)
+        except ValueError as err:  # zero, too many nodes, ...: say which spec the user gave
+            raise ValueError(f"tree spec {spec!r}: {err}") from None
 
     @property
     def depth(self) -> int:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from mamba_draft.io import save_safetensors
 
 FORMAT = "mamba-draft-autojudge-v1"
 FEATURE = "target final hidden state at the draft-token position (DT)"
@@ -57,18 +58,9 @@ class JudgeHead:
         return torch.sigmoid(standardised @ self.weight + self.bias)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write safetensors atomically (temp file + rename); training details go to the metadata as JSON."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write safetensors atomically; training details go to the metadata as JSON."""
         tensors = {name: getattr(self, name).detach().float().cpu().contiguous() for name in ("mean", "scale", "weight", "bias")}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"format": FORMAT, "feature": FEATURE, "info": json.dumps(self.info)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        save_safetensors(path, tensors, {"format": FORMAT, "feature": FEATURE, "info": json.dumps(self.info)})
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> JudgeHead:

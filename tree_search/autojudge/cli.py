@@ -5,13 +5,13 @@ import argparse
 import json
 from pathlib import Path
 
-from tree_search.cli import DTYPES
+from mamba_draft.dtypes import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{mine,train}")
     mine = actions.add_parser("mine", help="label mismatches important/unimportant (AutoJudge Algorithm 1)")
-    mine.add_argument("--target", required=True, help="target causal LM (HF directory or hub id)")
+    mine.add_argument("--target", required=True, help="target causal LM (HF directory, hub id, .gguf file or smollm2)")
     mine.add_argument("--draft", required=True, help="Mamba drafter (HF-format directory or hub id)")
     mine.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (or Spec-Bench 'turns')")
     mine.add_argument("--task", default="gsm8k", help="answer extraction: gsm8k (final number) or exact (whole text)")
@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _mine(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from mamba_draft import MambaDrafter
+    from mamba_draft.devices import check_device
+    from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.autojudge.answers import get_task
     from tree_search.autojudge.mine import check_or_write_manifest, mine
     from tree_search.prompts import encode_prompt, load_prompts
@@ -49,12 +49,14 @@ def _mine(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit)
     manifest = {"target": str(args.target), "draft": str(args.draft), "task": args.task,
                 "prompts": str(Path(args.prompts).resolve()), "chat_template": not args.no_chat_template}
-    hidden_size = AutoConfig.from_pretrained(args.target).hidden_size  # refuse a mismatched --out before loading weights
-    check_or_write_manifest(Path(args.out), {**manifest, "hidden_size": hidden_size, "max_new_tokens": args.max_new_tokens})
+    check_device(args.device)
     dtype = DTYPES[args.dtype]
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    tokenizer = load_tokenizer(args.tokenizer or args.target)
+    target = load_causal_lm(args.target, dtype=dtype, device=args.device)
     drafter = MambaDrafter.from_pretrained(args.draft, device=args.device, dtype=dtype)
+    # --out is created only once both models loaded, so a bad path or corrupt weights leave nothing behind
+    check_or_write_manifest(Path(args.out), {**manifest, "hidden_size": target.config.hidden_size,
+                                             "max_new_tokens": args.max_new_tokens})
     encoded = [encode_prompt(tokenizer, p.text, use_chat_template=not args.no_chat_template) for p in prompts]
     counts = mine(
         target, drafter.forward, encoded, task, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from mamba_draft.io import save_safetensors, write_json
 from tree_search.autojudge.answers import AnswerTask
 
 DraftLogits = Callable[[torch.Tensor], torch.Tensor]  # (1, L) ids -> (1, L, V) next-token logits
@@ -108,17 +108,6 @@ def mine_prompt(
         t += 1
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def save_prompt_record(path: Path, mismatches: Sequence[Mismatch], hidden_size: int, info: dict) -> None:
     """One prompt's mismatches as safetensors (features, labels, positions, tokens); `info` goes to metadata."""
     features = torch.stack([m.feature for m in mismatches]) if mismatches else torch.zeros(0, hidden_size)
@@ -130,7 +119,7 @@ def save_prompt_record(path: Path, mismatches: Sequence[Mismatch], hidden_size: 
         "target_tokens": as_long([m.target_token for m in mismatches]),
         "draft_tokens": as_long([m.draft_token for m in mismatches]),
     }
-    _atomic_save(tensors, path, {"info": json.dumps(info)})
+    save_safetensors(path, tensors, {"info": json.dumps(info)})
 
 
 def prompt_record_path(out_dir: Path, index: int) -> Path:
@@ -149,10 +138,7 @@ def check_or_write_manifest(out_dir: Path, manifest: dict) -> None:
                 f"{out_dir} was mined with different settings ({', '.join(changed)}); use another --out directory"
             )
         return
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".manifest.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    write_json(path, manifest, sort_keys=True)
 
 
 def mine(

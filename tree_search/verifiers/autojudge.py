@@ -11,7 +11,7 @@ import torch
 
 from tree_search.autojudge.classifier import JudgeHead
 from tree_search.verifiers.base import VerifyInput, register_verifier
-from tree_search.verifiers.combine import LossyVerifier, Paths
+from tree_search.verifiers.lossy import LossyVerifier, Paths
 
 
 @register_verifier

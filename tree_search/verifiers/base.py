@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import abc
-import importlib
 import inspect
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
@@ -81,30 +79,13 @@ def register_verifier(cls: type[Verifier]) -> type[Verifier]:
     return cls
 
 
-_LOADED = False
-
-
-def _load_builtin_verifiers() -> None:
-    """Import every module of this package once, so their @register_verifier decorators run."""
-    global _LOADED
-    if _LOADED:
-        return
-    package = importlib.import_module("tree_search.verifiers")
-    for module in pkgutil.iter_modules(package.__path__):
-        if module.name != "base":
-            importlib.import_module(f"tree_search.verifiers.{module.name}")
-    _LOADED = True
-
-
 def available_verifiers() -> list[str]:
     """Names accepted by `get_verifier` (plus any 'a+b' combination of them)."""
-    _load_builtin_verifiers()
     return sorted(_REGISTRY)
 
 
 def verifier_class(name: str) -> type[Verifier]:
     """The class registered under `name`, without constructing it (constructors may need parameters)."""
-    _load_builtin_verifiers()
     if name not in _REGISTRY:
         raise ValueError(f"unknown verifier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
@@ -113,8 +94,8 @@ def verifier_class(name: str) -> type[Verifier]:
 def get_verifier(name: str | Verifier, **params) -> Verifier:
     """Build a verifier by registered name; `"a+b"` builds the any-of combinator `combine.AnyOf` over a and b.
 
-    Parameters may be given as `key` or `<name>.key`. Unknown names and parameters the verifier does not take raise
-    ValueError naming the known ones. A Verifier instance is passed through.
+    Parameters may be given as `key` or `<name>.key` (see `route_params`). Unknown names and parameters the
+    verifier does not take raise ValueError naming the known ones. A Verifier instance is passed through.
     """
     if isinstance(name, Verifier):
         if params:
@@ -122,23 +103,34 @@ def get_verifier(name: str | Verifier, **params) -> Verifier:
         return name
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"verifier name must be a non-empty string, got {name!r}")
-    if "+" in name:
-        from tree_search.verifiers.combine import AnyOf  # owned by the lossy-verifier engineer
-
-        return AnyOf([part.strip() for part in name.split("+")], **params)
+    if "+" in name:  # found through the registry, so this module never imports combine
+        name, params = "anyof", {**params, "verifiers": name}
     cls = verifier_class(name)
-    params = {key.removeprefix(f"{name}."): value for key, value in params.items()}
-    check_params(cls, params)
-    return cls(**params)
+    (routed,) = route_params([cls], params)
+    return cls(**routed)
 
 
-def check_params(cls: type[Verifier], params: dict) -> None:
-    """Refuse parameters `cls`'s constructor does not take, listing the ones it does."""
-    signature = inspect.signature(cls)
-    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-        return
-    accepted = list(signature.parameters)
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
+def route_params(classes: list[type[Verifier]], params: dict) -> list[dict]:
+    """Each class's constructor arguments out of `params`: `key` goes to every class whose constructor takes it,
+    `<name>.key` only to the class registered as `name`, and a class taking **kwargs gets them all.
+
+    A parameter no class takes raises ValueError listing what the verifiers do take.
+    """
+    routed: list[dict] = [{} for _ in classes]
+    used = set()
+    for cls, own in zip(classes, routed):
+        takes = inspect.signature(cls).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in takes.values())
+        for key, value in params.items():
+            local = key.removeprefix(f"{cls.name}.")
+            if takes_any or local in takes:
+                own[local] = value
+                used.add(key)
+    unused = sorted(set(params) - used)
+    if unused and len(classes) == 1:
+        accepted = list(inspect.signature(classes[0]).parameters)
         takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no parameters"
-        raise ValueError(f"verifier {cls.name!r} does not take {', '.join(map(repr, unknown))}; {takes}")
+        raise ValueError(f"verifier {classes[0].name!r} does not take {', '.join(map(repr, unused))}; {takes}")
+    if unused:
+        raise ValueError(f"parameters {unused} are not accepted by any of {[cls.name for cls in classes]}")
+    return routed

@@ -1,125 +1,20 @@
-"""Lossy verification as acceptance rules over root-to-leaf paths, OR-ed with exact matching; the any-of combinator.
+"""The any-of combinator: `"a+b"` accepts a path node if any of several lossy rules accepts it.
 
-Every lossy verifier here works the same way. The target's own choice at each node is its argmax (greedy) or
-one sample from its processed distribution (the lossless "naive sampling" rule), drawn once per node. A path
-node is *natively* accepted when its token equals the target's choice at its parent; a rule may additionally
-accept mismatching nodes (`lossy_mask`). Each root-to-leaf path is accepted up to its first node that neither
-matches nor is accepted by the rule; the longest accepted prefix wins (ties: fewest lossy accepts, then tree
-order), and the next token is the target's choice at the last accepted node. The target's logits below an
-accepted mismatch are exact for the new context: the tree forward already had the draft token in it.
-With a rule that never fires this is token-for-token the greedy (or naive-sampling) verifier.
+`get_verifier("a+b", **params)` builds `AnyOf("a+b", **params)`; this is the one place that splits such a name.
 """
 from __future__ import annotations
 
-import abc
-
-import inspect
-from dataclasses import dataclass
-from functools import lru_cache
-
 import torch
 
-from tree_search.sampling import logits_to_probs, sample
-from tree_search.tree import Tree
-from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, register_verifier, verifier_class
-
-
-@dataclass
-class Paths:
-    """Root-to-leaf paths of one verified tree, with the target's own choices."""
-
-    nodes: torch.Tensor  # (P, D) node at each depth of each path, -1 past the leaf
-    parents: torch.Tensor  # (P, D) parent of each path node (the root, 0, at depth 0); 0 past the leaf
-    valid: torch.Tensor  # (P, D) bool, False past the leaf
-    choice: torch.Tensor  # (T+1,) the target's own next token after each node
-    native: torch.Tensor  # (P, D) bool: the node's token equals the target's choice at its parent
-    node_parents: torch.Tensor  # (T+1,) parent of every node (the root's own entry is 0)
-
-    def on_paths(self, node_values: torch.Tensor) -> torch.Tensor:
-        """Gather per-node values (T+1, ...) onto the path grid (P, D, ...); padding reads node 0."""
-        return node_values[self.nodes.clamp(min=0)]
-
-
-@lru_cache(maxsize=64)
-def _path_grid(tree: Tree, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(nodes, parents) grids of a tree's leaf paths and its per-node parents, built once per tree and device."""
-    leaf_paths = tree.leaf_paths or ((),)  # a root-only tree has one empty path
-    depth = max(len(p) for p in leaf_paths)
-    nodes = torch.full((len(leaf_paths), depth), -1, dtype=torch.long)
-    for i, path in enumerate(leaf_paths):
-        nodes[i, : len(path)] = torch.tensor(path, dtype=torch.long)
-    parents = torch.cat([torch.zeros(len(leaf_paths), 1, dtype=torch.long), nodes[:, :-1].clamp(min=0)], dim=1)
-    parents = parents[:, :depth]
-    node_parents = torch.tensor(tree.parents, dtype=torch.long).clamp(min=0)
-    return nodes.to(device), parents.to(device), node_parents.to(device)
-
-
-def target_choices(inp: VerifyInput) -> torch.Tensor:
-    """(T+1,) the target's own next token after every node: argmax when greedy, else one sample per node."""
-    if inp.sampling.greedy:
-        return inp.target_logits.argmax(-1)
-    return sample(logits_to_probs(inp.target_logits, inp.sampling), inp.generator)
-
-
-def build_paths(inp: VerifyInput) -> Paths:
-    """Lay the tree out as root-to-leaf paths and mark the natively accepted (exactly matching) nodes."""
-    nodes, parents, node_parents = _path_grid(inp.tree, inp.tokens.device)
-    valid = nodes >= 0
-    choice = target_choices(inp)
-    native = (inp.tokens[nodes.clamp(min=0)] == choice[parents]) & valid
-    return Paths(nodes, parents, valid, choice, native, node_parents)
-
-
-def accept_longest(paths: Paths, lossy: dict[str, torch.Tensor]) -> VerifyResult:
-    """Longest path prefix whose nodes each match natively or are accepted by some rule in `lossy` (name -> (P, D)).
-
-    Counts lossy acceptances on the chosen prefix per rule (a node accepted by two rules counts for both).
-    """
-    extra = torch.zeros_like(paths.native)
-    for mask in lossy.values():
-        extra |= mask
-    accepted = (paths.native | extra) & paths.valid
-    prefix = accepted.long().cumprod(dim=1)
-    length = prefix.sum(dim=1)
-    lossy_count = (prefix.bool() & ~paths.native).sum(dim=1)
-    score = length * (paths.nodes.shape[1] + 1) - lossy_count  # longest, then fewest lossy accepts
-    best = score.argmax()  # first maximum = earliest path in tree order
-    on_path = prefix[best].bool() & ~paths.native[best]
-    deepest = paths.nodes[best].gather(0, (length[best] - 1).clamp(min=0).view(1))
-    last = torch.where(length[best] > 0, deepest, torch.zeros_like(deepest))  # the root when nothing was accepted
-    counts = [(mask[best] & on_path).sum() for mask in lossy.values()]
-    summary = torch.stack([length[best], lossy_count[best], paths.choice[last][0], *counts])
-    n, lossy_accepts, next_token, *by_rule = summary.tolist()  # the round's one host sync (plus the path row)
-    return VerifyResult(
-        path=paths.nodes[best, :n].tolist(),
-        next_token=next_token,
-        lossy_accepts=lossy_accepts,
-        info={"lossy_accepts_by": dict(zip(lossy, by_rule))},
-    )
-
-
-class LossyVerifier(Verifier):
-    """Base of the lossy verifiers: exact matching OR-ed with one acceptance rule (`lossy_mask`)."""
-
-    lossless = False
-    draft_mode = "topk"
-
-    @abc.abstractmethod
-    def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
-        """(P, D) bool: path nodes this rule accepts even if they differ from the target's choice."""
-
-    def verify(self, inp: VerifyInput) -> VerifyResult:
-        paths = build_paths(inp)
-        return accept_longest(paths, {self.name: self.lossy_mask(inp, paths) & paths.valid})
-
-
-def _route_params(verifier_cls: type[Verifier], params: dict) -> dict:
-    """The subset of `params` meant for `verifier_cls`: plain keys its constructor takes, and '<name>.<key>' keys."""
-    accepted = set(inspect.signature(verifier_cls.__init__).parameters) - {"self"}
-    routed = {k: v for k, v in params.items() if "." not in k and k in accepted}
-    prefix = f"{verifier_cls.name}."
-    routed.update({k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)})
-    return routed
+from tree_search.verifiers.base import (
+    Verifier,
+    VerifyInput,
+    VerifyResult,
+    register_verifier,
+    route_params,
+    verifier_class,
+)
+from tree_search.verifiers.lossy import LossyVerifier, Paths, accept_longest, build_paths
 
 
 @register_verifier
@@ -138,30 +33,21 @@ class AnyOf(LossyVerifier):
         verifiers = list(verifiers)
         if len(verifiers) < 2:
             raise ValueError(f"anyof needs at least two verifiers, got {verifiers!r}")
-        used: set[str] = set()
-        built = []
-        for v in verifiers:
-            if isinstance(v, str):
-                cls = verifier_class(v)
-                routed = _route_params(cls, params)
-                used |= {k for k in params if k in routed or k.startswith(f"{v}.")}
-                v = cls(**routed)
-            if not isinstance(v, LossyVerifier) or isinstance(v, AnyOf):
+        classes = [verifier_class(v) if isinstance(v, str) else type(v) for v in verifiers]
+        for v, cls in zip(verifiers, classes):  # checked before any constructor runs (autojudge reads a file)
+            if not issubclass(cls, LossyVerifier) or issubclass(cls, AnyOf):
                 raise ValueError(
                     f"anyof combines lossy rule verifiers (dropmatch, fly, topk, autojudge), got {v!r}; "
                     "a lossless verifier adds nothing to an any-of combination"
                 )
-            built.append(v)
-        unused = sorted(set(params) - used)
-        if unused:
-            raise ValueError(f"parameters {unused} are not accepted by any of {[v.name for v in built]}")
-        names = [v.name for v in built]
+        names = [cls.name for cls in classes]
         if len(set(names)) != len(names):
             raise ValueError(f"anyof got the same verifier twice: {names}")
-        self.verifiers = built
+        routed = iter(route_params([cls for v, cls in zip(verifiers, classes) if isinstance(v, str)], params))
+        self.verifiers = [cls(**next(routed)) if isinstance(v, str) else v for v, cls in zip(verifiers, classes)]
         self.name = "+".join(names)
-        self.needs_hidden = any(v.needs_hidden for v in built)
-        self.needs_draft_probs = any(v.needs_draft_probs for v in built)
+        self.needs_hidden = any(v.needs_hidden for v in self.verifiers)
+        self.needs_draft_probs = any(v.needs_draft_probs for v in self.verifiers)
 
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
         """Nodes any of the rules accepts."""
@@ -175,4 +61,3 @@ class AnyOf(LossyVerifier):
     def check_target(self, target: torch.nn.Module) -> None:
         for v in self.verifiers:
             v.check_target(target)
-

@@ -18,7 +18,7 @@ import torch
 
 from tree_search.sampling import SamplingParams, logits_to_probs, sample
 from tree_search.verifiers.base import VerifyInput, register_verifier
-from tree_search.verifiers.combine import LossyVerifier, Paths
+from tree_search.verifiers.lossy import LossyVerifier, Paths
 
 CRITERIA = ("naive", "js")
 

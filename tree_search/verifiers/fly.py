@@ -15,7 +15,7 @@ import torch
 
 from tree_search.sampling import logits_to_probs
 from tree_search.verifiers.base import VerifyInput, register_verifier
-from tree_search.verifiers.combine import LossyVerifier, Paths
+from tree_search.verifiers.lossy import LossyVerifier, Paths
 
 ENTROPIES = ("top3", "normalized")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tree_search.verifiers.base import VerifyInput, register_verifier
-from tree_search.verifiers.combine import LossyVerifier, Paths
+from tree_search.verifiers.lossy import LossyVerifier, Paths
 
 
 def in_top_k(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""Atomic writes: a reader (or a resumed run) sees the old file or the complete new one, never half of one.
+
+A file is written to a temporary sibling (same directory, so `os.replace` is a rename on one filesystem), fsynced,
+then renamed over the destination; on any failure the temporary is removed and the old file is left untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary file next to `path` for the block to fill; it replaces `path` if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # os.open with 0o666 gets the mode a plain open() would (the umask applies); mkstemp's would be 0600
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)  # the data is on disk before the rename makes it the file
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike, obj, *, indent: int | None = 2, **dumps_kwargs) -> None:
+    """`obj` as JSON (strict: NaN and infinity are refused) plus a final newline."""
+    write_text(path, json.dumps(obj, indent=indent, allow_nan=False, **dumps_kwargs) + "\n")
+
+
+def save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                     metadata: dict[str, str] | None = None) -> None:
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary sibling of `directory`; it replaces `directory` only if the block succeeds."""
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty (pass overwrite=True to replace it)")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        yield tmp
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
