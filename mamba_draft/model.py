@@ -7,6 +7,8 @@ host sync and no data-dependent branching, so it can be captured in a CUDA graph
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -220,12 +222,18 @@ class Mamba2Mixer(nn.Module):
             gn = cfg.ngroups * cfg.d_state
             x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
             P, N = cfg.headdim, cfg.d_state
+            dt_bias, softplus = self.dt_bias, True  # the kernel adds the bias and applies softplus (>= 0)
+            if cfg.dt_limit != (0.0, math.inf):
+                # The kernel has no dt_limit: bias, softplus and clamp here, and a zero bias for the kernel (it reads
+                # dt_bias's strides, so None would fail).
+                dt_bias, softplus = dt.new_zeros(cfg.nheads), False
+                dt = self._dt(dt)
             # Broadcast per-head scalars over headdim with zero strides: the kernel detects this (TIE_HDIM).
             y = selective_state_update(
                 ssm_state, x.reshape(-1, cfg.nheads, P), dt[..., None].expand(-1, -1, P),
                 A[:, None, None].expand(-1, P, N), B.reshape(-1, cfg.ngroups, N), C.reshape(-1, cfg.ngroups, N),
-                self.D[:, None].expand(-1, P), z=None, dt_bias=self.dt_bias[:, None].expand(-1, P),
-                dt_softplus=True)
+                self.D[:, None].expand(-1, P), z=None, dt_bias=dt_bias[:, None].expand(-1, P),
+                dt_softplus=softplus)
             return self._out(y.flatten(-2), z, h.dtype)
         xbc = _conv_step(xbc, conv_state, weight, self.conv1d.bias)
         x, B, C = self._split(xbc)  # x (B, H, P), B/C (B, H, N)

@@ -3,7 +3,8 @@
 Node i's drafter state lives in state row i (row 0 = root = state after the last committed token). A level
 forks its parents' rows into its own rows (`gather_`) and steps them together, so the drafter holds the
 state after every non-leaf node; leaves are never stepped (their state is only needed if one is accepted,
-and then `resync` steps it). On CUDA each (rows) step is a captured graph reused across rounds and calls.
+and then `resync` steps it). Every fork + step goes through a `graphs.StepRunner`: on CUDA each row range is a
+captured graph reused across rounds, calls and tree shapes.
 
 Chains at temperature 0 can instead be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven): it
 drafts on scratch rows 1-2 and leaves row 0 committed, so `resync_extend` continues row 0 in one call.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tree_search.graphs import StepRunner, drafter_key
 from tree_search.prompt_lookup import LookupDraft, advance, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
 from tree_search.tree import Tree, TreeConfig
@@ -70,16 +72,21 @@ class TreeDrafter:
         # What the drafter reads of it: the same buffer unless padding ids must be clamped.
         self.drafter_token = self.one_token if self.read_limit is None else torch.zeros_like(self.one_token)
         self.trees: dict[TreeConfig, DraftTree] = {}
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.use_graphs = self.device.type == "cuda"
+        self.runner = StepRunner(drafter, self.state)  # runner.use_graphs: the CUDA-graph switch
         self.calls = 0  # sequential drafter invocations (prefill, step, extend) since construction
 
     @classmethod
     def for_drafter(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
-        """The cached TreeDrafter of `drafter` (state, buffers and graphs survive across generate calls)."""
+        """The cached TreeDrafter of `drafter` (state, buffers and graphs survive across generate calls).
+
+        Rebuilt, graphs dropped, when the drafter moved, changed dtype or backend, reallocated its weights
+        (`drafter_key`), got a new vocabulary map, or when more rows or another output width are needed.
+        """
         cached = _CACHE.get(drafter)
         if (cached is None or cached.state.max_batch < max_rows or cached.out_vocab != out_vocab
-                or cached.draft_ids is not drafter.draft_ids):  # set_draft_vocab / .to() install a new map
+                or cached.draft_ids is not drafter.draft_ids or cached.runner.key != drafter_key(drafter)):
+            if cached is not None:
+                cached.runner.invalidate()  # its graphs read the old weights / state / kernels
             cached = cls(drafter, max_rows, out_vocab)
             _CACHE[drafter] = cached
         return cached
@@ -140,8 +147,7 @@ class TreeDrafter:
             kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
             buf.tokens[start:stop] = self._to_target(kids).reshape(-1)
             if level < config.depth:
-                self.state.gather_(start, buf.parent_rows[level - 1])
-                logits = self._step(buf.tokens[start:stop], start, stop)
+                logits = self._step(buf.tokens[start:stop], start, stop, buf.parent_rows[level - 1])
         return buf
 
     def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
@@ -160,19 +166,18 @@ class TreeDrafter:
         """Move the deepest accepted node's state to row 0 and step the next token; returns the next logits (V,).
 
         No re-encoding: non-leaf nodes already have their state; an accepted leaf is stepped from its parent's row.
+        The logits stay valid until the next `resync` (the next step over row 0).
         """
         node = path[-1] if path else 0
-        if node and not buf.tree.children[node] and buf.tree.depths[node] == buf.config.depth:
-            self.state.select_(self.row_index[buf.tree.parents[node]])
-            self.drafter_token.copy_(buf.tokens[node : node + 1])  # a drafted token: always readable
-            self._step(self.drafter_token, 0, 1)
-        else:
-            self.state.select_(self.row_index[node])
         token = int(next_token)
         self.one_token.fill_(token)
         if self.drafter_token is not self.one_token:
             self.drafter_token.fill_(min(token, self.read_limit))  # a padding id it cannot read (see __init__)
-        return self._step(self.drafter_token, 0, 1)[0]
+        if node and not buf.tree.children[node] and buf.tree.depths[node] == buf.config.depth:
+            parent = buf.tree.parents[node]  # a drafted token: always readable
+            self._step(buf.tokens[node : node + 1], 0, 1, self.row_index[parent : parent + 1])
+            return self._step(self.drafter_token, 0, 1)[0]
+        return self._step(self.drafter_token, 0, 1, self.row_index[node : node + 1])[0]
 
     @torch.no_grad()
     def draft_chain_lookup(
@@ -210,34 +215,12 @@ class TreeDrafter:
             tokens = tokens.clamp(max=self.read_limit)  # the committed next token may be a padding id (see __init__)
         return advance(self.drafter, tokens, self.state.rows(0, 1))
 
-    def _step(self, inputs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """drafter.step on rows [start:stop] with `inputs` (stop - start,), a view of a persistent buffer."""
-        self.calls += 1
-        if not self.use_graphs:
-            return self.drafter.step(inputs, self.state.rows(start, stop))
-        key = (inputs.data_ptr(), start, stop)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(inputs, start, stop)
-        graph, out = self.graphs[key]
-        graph.replay()
-        return out
+    def _step(self, tokens: torch.Tensor, start: int, stop: int, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start:stop] <- rows `parents` (if given), then one drafter step with `tokens` (stop - start,).
 
-    def _capture(self, inputs: torch.Tensor, start: int, stop: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture one step on fixed rows; the warm-up steps run on a backup of those rows, which is restored."""
-        rows = self.state.rows(start, stop)
-        backup = rows.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.drafter.step(inputs, rows)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.drafter.step(inputs, rows)
-        rows.conv.copy_(backup.conv)
-        rows.ssm.copy_(backup.ssm)
-        return graph, out
+        The logits stay valid until the next step over any of these rows (`StepRunner.run`)."""
+        self.calls += 1
+        return self.runner.run(start, stop, tokens, parents)
 
 
 _CACHE: "weakref.WeakKeyDictionary[object, TreeDrafter]" = weakref.WeakKeyDictionary()

@@ -1,0 +1,116 @@
+"""GPU checks, skipped without CUDA: run them all with `python -m pytest -q tests/test_gpu.py` on a CUDA machine.
+
+- the kernel step (mamba-ssm + causal-conv1d, skipped when they are not importable) against the torch step;
+- CUDA-graph replay of tree drafting against eager drafting (tree_search/graphs.py), shared pool and output lifetime;
+- graphs dropped and lossless output after the drafter's `.to(dtype)` / backend switch.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mamba_draft.kernels import kernels_available
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
+from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
+from tree_search.drafting import TreeDrafter
+from tree_search.generate import generate
+from tree_search.graphs import StepRunner
+from tree_search.tree import TreeConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="mamba-ssm / causal-conv1d not importable")
+BACKENDS = ["torch", pytest.param("kernels", marks=needs_kernels)]
+
+
+def steps(drafter, tokens=(5, 9, 33, 2, 60, 11, 40, 7)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill 3 tokens on 2 rows, then step the rest; all logits stacked, and the final SSM state."""
+    state = drafter.allocate_state(2)
+    prompt = torch.tensor([list(tokens[:3]), list(tokens[:3])[::-1]], device="cuda")
+    out = [drafter.prefill(prompt, state=state)[0]]
+    for t in tokens[3:]:
+        out.append(drafter.step(torch.tensor([t, (t * 5) % VOCAB], device="cuda"), state))
+    return torch.stack(out), state.ssm
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch, dt_limit", [("mamba1", None), ("mamba2", None), ("mamba2", (0.05, 0.2))])
+def test_kernel_step_matches_torch_step(arch, dt_limit):
+    drafter = tiny_drafter(arch, dt_limit or (0.0, math.inf)).to("cuda")
+    drafter.set_backend("torch")
+    want_logits, want_state = steps(drafter)
+    drafter.set_backend("kernels")
+    got_logits, got_state = steps(drafter)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_replay_equals_eager_tree_drafting(tmp_path, backend):
+    drafter = random_drafter(tmp_path, vocab=VOCAB).to("cuda")
+    drafter.set_backend(backend)
+    configs = [TreeConfig((3, 2, 1)), TreeConfig((3, 1, 1)), TreeConfig((1, 1, 1, 1))]
+    eager = TreeDrafter(drafter, 16, VOCAB)
+    eager.runner.use_graphs = False
+    graphed = TreeDrafter(drafter, 16, VOCAB)
+    assert graphed.runner.use_graphs  # on by default on CUDA
+    want, got = walk(eager, configs), walk(graphed, configs)
+    for a, b in zip(want, got):
+        if a.dtype == torch.long:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert len(graphed.runner.graphs) == 8 and graphed.runner.pool is not None  # one per (start, stop, fork)
+
+
+def test_graph_outputs_survive_replays_of_other_rows(tmp_path):
+    """All graphs share one pool; each copies its logits out to the runner's buffer, so another graph's replay
+    cannot overwrite them."""
+    drafter = random_drafter(tmp_path, vocab=VOCAB).to("cuda")
+    state = drafter.allocate_state(12)
+    drafter.prefill(torch.tensor([[5, 9, 2]], device="cuda"), state=state)
+    reference = state.clone()
+    runner = StepRunner(drafter, state)
+    cuda = dict(device="cuda")
+    level = runner.run(1, 4, torch.tensor([3, 4, 5], **cuda), torch.tensor([0, 0, 0], **cuda))
+    kept = level.clone()
+    for _ in range(2):  # capture, then replay
+        runner.run(4, 8, torch.tensor([1, 2, 3, 4], **cuda), torch.tensor([1, 1, 2, 3], **cuda))
+        runner.run(0, 1, torch.tensor([9], **cuda))
+    assert torch.equal(level, kept)
+    reference.gather_(1, torch.tensor([0, 0, 0], **cuda))
+    torch.testing.assert_close(kept, drafter.step(torch.tensor([3, 4, 5], **cuda), reference.rows(1, 4)),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_graphs_are_dropped_after_to_dtype_and_output_stays_lossless(tmp_path, dtype):
+    target = tiny_llama(vocab=VOCAB, seed=4).to("cuda")
+    drafter = aligned_drafter(tmp_path, target).to("cuda")  # aligned_drafter shrinks the target's layers first
+    prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
+    reference = hf_greedy(target, prompt, 24)
+    first = None
+    for step_dtype in (torch.float32, dtype):
+        drafter.to(step_dtype)
+        result = generate(target, drafter, prompt, max_new_tokens=24, tree="3,2,1", temperature=0.0,
+                          verifier="greedy")
+        assert torch.equal(result.tokens, reference)
+        drafts = TreeDrafter.for_drafter(drafter, 2, VOCAB)
+        assert drafts.runner.graphs and drafts.state.conv.dtype == step_dtype
+        if first is None:
+            first = drafts
+    assert drafts is not first and first.runner.graphs == {} and first.runner.pool is None
+
+
+@needs_kernels
+def test_backend_switch_drops_the_graphs(tmp_path):
+    drafter = random_drafter(tmp_path, vocab=VOCAB).to("cuda")
+    drafter.set_backend("torch")
+    first = TreeDrafter.for_drafter(drafter, 8, VOCAB)
+    first.draft(TreeConfig((2, 2)), torch.tensor(2), first.prefill(torch.tensor([[1, 2]], device="cuda")),
+                GREEDY, "topk", False, None)
+    assert first.runner.graphs
+    drafter.set_backend("kernels")
+    second = TreeDrafter.for_drafter(drafter, 8, VOCAB)
+    assert second is not first and first.runner.graphs == {}

@@ -1,0 +1,103 @@
+"""CUDA-graph runner for the drafter's one-token steps (the pattern of mamba_ssm's `DecodingCGCache`).
+
+A `StepRunner` is bound to one drafter and one `DrafterState`. `run(start, stop, tokens, parents)` steps rows
+[start:stop], first forking them from `parents` (`state.gather_`) when given. With `use_graphs` (default: on CUDA)
+each (start, stop, fork) is captured once and replayed: the runner owns the static inputs the graphs read (token
+ids, parent-row indices), so any caller and any tree shape that steps the same rows shares the same graph (a
+(3, 2) tree and a (3, 1, 1) tree share level 1's graph). All graphs allocate from one memory pool; their output is
+copied inside the graph into the runner's `logits` buffer, so nothing a caller reads lives in the pool:
+
+    the logits returned for rows [start:stop] stay valid until the next `run` over any of those rows.
+
+With graphs off (always on CPU) `run` is the same fork + step, eager, returning a fresh tensor.
+
+Graphs hold raw addresses of the weights and of the state, and bake in the step's kernels: `drafter_key` is what they
+depend on; a runner whose `key` differs from the drafter's must not be replayed (TreeDrafter rebuilds it).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+def drafter_key(drafter) -> tuple:
+    """What a drafter's state and captured graphs depend on: device, dtype, state dtype, backend, weight addresses.
+
+    The addresses catch what dtype and device alone miss: `.to(bfloat16).to(float32)` or `load_state_dict(assign=True)`
+    reallocate the weights and leave graphs reading freed memory."""
+    addresses = tuple(t.data_ptr() for t in itertools.chain(drafter.parameters(), drafter.buffers()))
+    return drafter.device, drafter.dtype, drafter.state_dtype, drafter.backend, addresses
+
+
+class StepRunner:
+    """Runs `drafter.step` on row ranges of `state`, replaying one captured CUDA graph per (start, stop, fork)."""
+
+    def __init__(self, drafter, state, use_graphs: bool | None = None) -> None:
+        self.drafter = drafter
+        self.state = state
+        self.key = drafter_key(drafter)
+        device = state.conv.device
+        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        rows = state.max_batch
+        # Static inputs and output of every graph: allocated outside any capture, never reassigned.
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.parents = torch.zeros(rows, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None  # (rows, V), allocated at the first capture
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.pool = None  # one memory pool for all graphs, created at the first capture
+
+    def run(self, start: int, stop: int, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start:stop] <- rows `parents` (if given), then step them with `tokens` (stop - start,).
+
+        Returns the logits (stop - start, V); with graphs, a view of `self.logits` (see the module docstring)."""
+        if not self.use_graphs:
+            if parents is not None:
+                self.state.gather_(start, parents)
+            return self.drafter.step(tokens, self.state.rows(start, stop))
+        self.tokens[start:stop].copy_(tokens)
+        if parents is not None:
+            self.parents[start:stop].copy_(parents)
+        key = (start, stop, parents is not None)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if self.logits is None:
+                self.logits = torch.zeros(self.state.max_batch, self.drafter.vocab_size, dtype=self.drafter.dtype,
+                                          device=self.tokens.device)
+            graph = self.graphs[key] = self._capture(self._body(*key), start, stop)
+        graph.replay()
+        return self.logits[start:stop]
+
+    def invalidate(self) -> None:
+        """Drop every graph and the pool (the next `run` per key captures again)."""
+        self.graphs.clear()
+        self.pool = None
+
+    def _body(self, start: int, stop: int, fork: bool):
+        """The captured work: fork (static parents), step (static tokens), copy the logits out."""
+        def body() -> None:
+            if fork:
+                self.state.gather_(start, self.parents[start:stop])
+            logits = self.drafter.step(self.tokens[start:stop], self.state.rows(start, stop))
+            self.logits[start:stop].copy_(logits)
+        return body
+
+    def _capture(self, body, start: int, stop: int) -> torch.cuda.CUDAGraph:
+        """Capture `body` into the shared pool; the warm-ups (Triton compiles, cuBLAS workspaces) run on a side stream
+        on the live rows, which are restored afterwards."""
+        rows = self.state.rows(start, stop)
+        backup = rows.clone()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.state.conv.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        rows.conv.copy_(backup.conv)
+        rows.ssm.copy_(backup.ssm)
+        return graph
