@@ -89,23 +89,25 @@ def test_cache_is_compacted_every_round(setups, monkeypatch, temperature, verifi
     """After every round the target cache equals the cache from re-encoding the committed sequence."""
     target, drafter, ps, _ = setups["llama"]
     original_commit = TargetState.commit
-    checks = []
+    snapshots = []  # (path length, cache length, keys and values of every layer) after each commit
 
-    def checked_commit(self, path, tree_size):
+    def recording_commit(self, path, tree_size):
         original_commit(self, path, tree_size)
-        with torch.no_grad():
-            reference = self.model(self.ids, use_cache=True).past_key_values
-        for ours, ref in zip(self.cache.layers, reference.layers):
-            torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
-        checks.append(len(path))
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in self.cache.layers]
+        snapshots.append((len(path), self.length, layers))
 
-    monkeypatch.setattr(TargetState, "commit", checked_commit)
+    monkeypatch.setattr(TargetState, "commit", recording_commit)
     result = generate(target, drafter, ps[1], max_new_tokens=40, tree="3,2,2,1,1", temperature=temperature,
                       verifier=verifier, seed=0)
-    assert len(checks) == result.stats.rounds - 1 and max(checks) >= 2
-    # the committed sequence is what generate returned (minus the last round's next token, not yet encoded)
+    assert len(snapshots) == result.stats.rounds - 1 and max(s[0] for s in snapshots) >= 2
     assert result.tokens.shape[1] == ps[1].shape[1] + 40
+    # the cache holds the committed sequence minus its root, i.e. a prefix of what generate returned
+    for _, length, layers in snapshots:
+        with torch.no_grad():
+            reference = target(result.tokens[:, :length], use_cache=True).past_key_values
+        for (keys, values), ref in zip(layers, reference.layers):
+            torch.testing.assert_close(keys, ref.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(values, ref.values, atol=1e-5, rtol=1e-4)
 
 
 def test_autoregressive_baseline_matches_target_generate(setups):

@@ -41,15 +41,16 @@ def test_commit_equals_reencoding_over_several_rounds(target):
     prompt = torch.randint(0, 64, (1, 5))
     state = TargetState(target)
     state.prefill(prompt[:, :-1])
+    committed = prompt[:, :-1]  # what the cache should hold: the prefix, then each round's root + accepted path
     root = prompt[0, -1]
     for path in ([], list(tree.leaf_paths[5]), list(tree.leaf_paths[2][:2]), [2]):
         tokens = torch.cat([root.view(1), torch.randint(0, 64, (len(tree) - 1,))])
         state.tree_forward(tokens, tree)
         state.commit(path, len(tree))
-        assert torch.equal(state.ids[0, -len(path) - 1 :], tokens[[0] + path])
+        committed = torch.cat([committed, tokens[[0] + path].view(1, -1)], dim=1)
         with torch.no_grad():
-            reference = target(state.ids, use_cache=True).past_key_values
-        assert state.cache.get_seq_length() == state.length == state.ids.shape[1]
+            reference = target(committed, use_cache=True).past_key_values
+        assert state.cache.get_seq_length() == state.length == committed.shape[1]
         for ours, ref in zip(state.cache.layers, reference.layers):
             torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
