@@ -1,15 +1,16 @@
-"""Speculative generation with a Mamba tree drafter: draft tree -> verify -> commit -> resync, plus the
-plain autoregressive loop on the same harness (for fair baselines)."""
+"""Speculative generation with a Mamba drafter: draft -> verify -> commit -> resync, plus the plain autoregressive
+loop on the same harness (for fair baselines). How a round is drafted lives in `strategies` (the tree, or prompt-lookup
+chains), the stats bookkeeping and phase timing in `recorder`."""
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from tree_search.bandit import FixedPolicy, UCBBandit
-from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
+from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY, Recorder
 from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, resolve_sampling, sample
+from tree_search.strategies import drafting_strategy
 from tree_search.target import TargetState, check_tree_support, max_positions, target_vocab_size, window_capacity
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
@@ -100,104 +101,151 @@ def generate(
     repeats itself, more when proposals keep failing (stats.drafter_calls_saved). Host-driven, not graph-captured.
     All inputs are validated before any model runs.
     """
+    if drafter is None:
+        raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
+    run = prepare(target, input_ids, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed, streamer,
+                  drafter=drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
+                  tokenizer=tokenizer, prompt_lookup=prompt_lookup)
+    ids, params, verifier, policy = run.ids, run.params, run.verifier, run.policy
+    mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
+    record_probs = not params.greedy or verifier.needs_draft_probs
+    policy.start_call()
+    target_state, _ = run.start(target, ids[:, :-1])  # the last prompt token is the first round's root
+    strategy = drafting_strategy(drafter, prompt_lookup, max(a.num_nodes for a in policy.arms) + 1,
+                                 target_vocab_size(target), params, mode, record_probs, run.generator,
+                                 max_tokens=ids.shape[1] + max_new_tokens)
+    root, logits = ids[0, -1], strategy.prefill(ids)
+    rec = run.recorder
+    while True:
+        arm = policy.select()
+        config = policy.arms[arm]
+        rec.mark(DRAFT)
+        buf = strategy.draft(config, root, logits)
+        rec.mark(VERIFY)
+        result = verify_tree(target_state, verifier, buf, params, run.generator, mode, record_probs)
+        rec.mark(VERIFIED)
+        proposed = round_tokens(buf, result)  # the round's one device -> host transfer
+        committed, finished = run.emit(proposed)
+        rec.count(verifier.name, result, len(committed), len(proposed))
+        if finished:
+            policy.update(arm, len(proposed), *rec.round_times(finished=True))
+            break
+        target_state.commit(result.path, len(buf.tree))
+        rec.mark(RESYNC)
+        logits = strategy.resync(buf, result, proposed)
+        root = strategy.root
+        rec.mark(DONE)
+        # The policy is charged the whole round: committing to the target cache and resyncing the drafter too.
+        policy.update(arm, len(proposed), *rec.round_times(finished=False))
+    return run.finish(target_state, drafter_calls=strategy.calls, drafter_calls_saved=strategy.calls_saved,
+                      arms=policy.summary())
+
+
+@torch.no_grad()
+def generate_autoregressive(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    seed: int | None = None,
+    streamer=None,
+) -> GenerateResult:
+    """One target forward per token on the same cache, sampling and stats code as `generate` (the baseline).
+    Sampling arguments left None take the target's generation_config, as in `generate`."""
+    run = prepare(target, input_ids, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed, streamer)
+    target_state, logits = run.start(target, run.ids)
+    params, rec = run.params, run.recorder
+    while True:
+        token = logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), run.generator)
+        if run.emit([int(token)])[1]:  # the round's one device -> host transfer
+            break
+        rec.mark(VERIFY)
+        logits = target_state.decode(token)
+        rec.mark(VERIFIED)
+        rec.decode_time()
+    return run.finish(target_state, rounds=len(run.out), accepted_lengths=[1] * len(run.out))
+
+
+@dataclass
+class Run:
+    """One call's validated inputs, committed tokens and stats: what `generate` and `generate_autoregressive` share."""
+
+    ids: torch.Tensor  # (1, L) prompt on the target's device
+    max_new_tokens: int
+    params: SamplingParams
+    eos: set[int]
+    stats: GenerateStats
+    generator: torch.Generator | None
+    streamer: object = None
+    verifier: Verifier | None = None  # speculative calls only
+    policy: UCBBandit | None = None
+    out: list[int] = field(default_factory=list)  # committed new tokens
+    recorder: Recorder | None = None  # set by `start`, which starts the clock
+
+    def start(self, target: torch.nn.Module, prefix: torch.Tensor) -> tuple[TargetState, torch.Tensor | None]:
+        """Start the clock, encode `prefix` (1, P) into a fresh target cache (-> its last logits), stream the prompt."""
+        self.recorder = Recorder(self.stats, self.ids.device)
+        target_state = TargetState(target)
+        logits = target_state.prefill(prefix)
+        if self.streamer is not None:
+            self.streamer.put(self.ids[0].cpu())
+        return target_state, logits
+
+    def emit(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """Commit a round's tokens up to the first EOS (kept) or the budget and stream them -> (committed, finished)."""
+        committed, finished = truncate(tokens, self.max_new_tokens - len(self.out), self.eos)
+        self.out.extend(committed)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(committed))
+        return committed, finished
+
+    def finish(self, target_state: TargetState, **stats) -> GenerateResult:
+        """Fill the final stats (the total waits for the device), end the stream, return the committed sequence."""
+        self.stats.total_time = self.recorder.total_time()
+        self.stats.new_tokens, self.stats.target_forwards = len(self.out), target_state.forwards
+        for name, value in stats.items():
+            setattr(self.stats, name, value)
+        if self.streamer is not None:
+            self.streamer.end()
+        tokens = torch.cat([self.ids, torch.tensor([self.out], device=self.ids.device)], dim=1)
+        return GenerateResult(tokens, self.stats)
+
+
+def prepare(target: torch.nn.Module, input_ids, max_new_tokens: int, temperature, top_p, top_k, eos_token_id, seed,
+            streamer, *, drafter=None, tree=None, verifier=None, verifier_params=None, tokenizer=None,
+            prompt_lookup: bool = False) -> Run:
+    """Validate a call's inputs, before any model runs -> its Run. drafter None: the autoregressive baseline."""
     params = resolve_sampling(target, temperature, top_p, top_k)
-    if verifier is None:
-        verifier = "greedy" if params.greedy else "sampling"
-    verifier = get_verifier(verifier, **(verifier_params or {}))
-    policy = make_policy(tree)
-    check_options(verifier, policy, params, prompt_lookup)
-    ids = check_prompt(
-        target, input_ids, max_new_tokens,
-        tree_depth=max(a.depth for a in policy.arms), tree_nodes=max(a.num_nodes for a in policy.arms),
-    )
+    policy = None
+    if drafter is not None:
+        if verifier is None:
+            verifier = "greedy" if params.greedy else "sampling"
+        verifier = get_verifier(verifier, **(verifier_params or {}))
+        policy = make_policy(tree)
+        check_options(verifier, policy, params, prompt_lookup)
+    arms = policy.arms if policy is not None else ()
+    ids = check_prompt(target, input_ids, max_new_tokens, tree_depth=max((a.depth for a in arms), default=0),
+                       tree_nodes=max((a.num_nodes for a in arms), default=0))
+    if drafter is not None:
+        check_drafter(target, drafter, tokenizer, verifier, policy)
+    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier=verifier.name if verifier else "autoregressive",
+                          lossless=verifier.lossless if verifier else True, sampling=asdict(params))
+    return Run(ids, max_new_tokens, params, eos_set(target, eos_token_id), stats, make_generator(seed, ids.device),
+               streamer, verifier, policy)
+
+
+def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: UCBBandit) -> None:
+    """Refuse a drafter / tree / verifier the target cannot be decoded with (vocabularies, tree width, attention)."""
     vocab = check_vocab(target, drafter, tokenizer)
     widest = max(max(a.branching) for a in policy.arms)
     if widest > vocab:
         raise ValueError(f"a tree level asks for {widest} distinct children but the vocabulary has {vocab} tokens")
     verifier.check_target(target)
     check_tree_support(target)
-    eos = eos_set(target, eos_token_id)
-
-    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier=verifier.name, lossless=verifier.lossless,
-                          sampling=asdict(params))
-    generator = make_generator(seed, ids.device)
-    mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
-    record_probs = not params.greedy or verifier.needs_draft_probs
-    policy.start_call()
-    started = time.perf_counter()
-
-    target_state = TargetState(target)
-    target_state.prefill(ids[:, :-1])  # the last prompt token is the first round's root
-    rows = max(a.num_nodes for a in policy.arms) + 1
-    rows = max(rows, LOOKUP_ROWS) if prompt_lookup else rows
-    drafts = TreeDrafter.for_drafter(drafter, rows, target_vocab_size(target))
-    calls_before = drafts.calls
-    root_logits = drafts.prefill(ids)
-    root = ids[0, -1]
-    out: list[int] = []
-    if streamer is not None:
-        streamer.put(ids[0].cpu())
-
-    while True:
-        arm = policy.select()
-        config = policy.arms[arm]
-        t0 = _now(ids.device)
-        if prompt_lookup:
-            context = torch.cat([ids[0], torch.tensor(out, dtype=torch.long, device=ids.device)])
-            buf, lookup = drafts.draft_chain_lookup(config, root, root_logits, context, record_probs)
-            stats.drafter_calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
-        else:
-            buf = drafts.draft(config, root, root_logits, params, mode, record_probs, generator)
-        t1 = _now(ids.device)
-        result = verify_tree(target_state, verifier, buf, params, generator, mode, record_probs)
-        t2 = _now(ids.device)
-        proposed = buf.tokens[result.path].tolist() + [int(result.next_token)]
-        committed, finished = truncate(proposed, max_new_tokens - len(out), eos)
-        out.extend(committed)
-        stats.cut_tokens = len(proposed) - len(committed)
-        stats.rounds += 1
-        stats.accepted_lengths.append(len(committed))
-        stats.lossy_accepts += result.lossy_accepts
-        count_lossy_by_rule(stats.lossy_accepts_by, verifier, result)
-        if result.info:
-            stats.round_info.append(result.info)
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
-        if streamer is not None:
-            streamer.put(torch.tensor(committed))
-        if finished:
-            policy.update(arm, len(proposed), draft_time=t1 - t0, verify_time=t2 - t1)
-            break
-        target_state.commit(result.path, len(buf.tree))
-        t3 = _now(ids.device)
-        if prompt_lookup:
-            root_logits = drafts.resync_extend(torch.tensor(proposed, device=ids.device))
-            stats.drafter_calls_saved += len(result.path) == config.depth  # `resync` steps an accepted leaf too
-        else:
-            root_logits = drafts.resync(buf, result.path, result.next_token)
-        root = drafts.one_token[0]
-        t4 = _now(ids.device)
-        stats.draft_time += t4 - t3
-        # The policy is charged the whole round: committing to the target cache and resyncing the drafter too.
-        policy.update(arm, len(proposed), draft_time=t1 - t0 + t4 - t3, verify_time=t3 - t1)
-
-    stats.total_time = _now(ids.device) - started
-    stats.new_tokens = len(out)
-    stats.target_forwards = target_state.forwards
-    stats.drafter_calls = drafts.calls - calls_before
-    stats.arms = policy.summary()
-    if streamer is not None:
-        streamer.end()
-    return GenerateResult(torch.cat([ids, torch.tensor([out], device=ids.device)], dim=1), stats)
-
-
-def count_lossy_by_rule(totals: dict[str, int], verifier: Verifier, result: VerifyResult) -> None:
-    """Add a round's lossy acceptances per rule: the verifier's own breakdown, else all under its name."""
-    by_rule = result.info.get("lossy_accepts_by")
-    if by_rule is None:
-        by_rule = {verifier.name: result.lossy_accepts} if result.lossy_accepts else {}
-    for name, count in by_rule.items():
-        totals[name] = totals.get(name, 0) + int(count)
 
 
 def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams, prompt_lookup: bool) -> None:
@@ -224,7 +272,7 @@ def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams,
 
 
 def verify_tree(target_state: TargetState, verifier: Verifier, buf, params: SamplingParams, generator,
-                mode: str, record_probs: bool):
+                mode: str, record_probs: bool) -> VerifyResult:
     """One target forward over the drafted tree, then the verifier's decision (a VerifyResult)."""
     logits, hidden = target_state.tree_forward(buf.tokens, buf.tree, want_hidden=verifier.needs_hidden)
     return verifier.verify(
@@ -242,50 +290,11 @@ def verify_tree(target_state: TargetState, verifier: Verifier, buf, params: Samp
     )
 
 
-@torch.no_grad()
-def generate_autoregressive(
-    target: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    seed: int | None = None,
-    streamer=None,
-) -> GenerateResult:
-    """One target forward per token on the same cache, sampling and stats code as `generate` (the baseline).
-    Sampling arguments left None take the target's generation_config, as in `generate`."""
-    params = resolve_sampling(target, temperature, top_p, top_k)
-    ids = check_prompt(target, input_ids, max_new_tokens)
-    eos = eos_set(target, eos_token_id)
-    stats = GenerateStats(prompt_tokens=ids.shape[1], verifier="autoregressive", sampling=asdict(params))
-    generator = make_generator(seed, ids.device)
-    started = time.perf_counter()
-    target_state = TargetState(target)
-    logits = target_state.prefill(ids)
-    out: list[int] = []
-    if streamer is not None:
-        streamer.put(ids[0].cpu())
-    while True:
-        token = logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), generator)
-        out.append(int(token))
-        stats.accepted_lengths.append(1)
-        if streamer is not None:
-            streamer.put(torch.tensor(out[-1:]))
-        if out[-1] in eos or len(out) >= max_new_tokens:
-            break
-        t0 = _now(ids.device)
-        logits = target_state.decode(token)
-        stats.verify_time += _now(ids.device) - t0
-    stats.rounds = len(out)
-    stats.total_time = _now(ids.device) - started
-    stats.new_tokens = len(out)
-    stats.target_forwards = target_state.forwards
-    if streamer is not None:
-        streamer.end()
-    return GenerateResult(torch.cat([ids, torch.tensor([out], device=ids.device)], dim=1), stats)
+def round_tokens(buf, result: VerifyResult) -> list[int]:
+    """The round's proposed tokens (accepted path + next token) in one device -> host copy: the whole tree's tokens
+    (a few dozen) come over at once, so no index tensor has to go the other way first."""
+    tokens = buf.tokens.tolist()
+    return [tokens[node] for node in result.path] + [int(result.next_token)]  # next_token: an int (VerifyResult)
 
 
 def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -405,10 +414,3 @@ def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
     if eos_token_id is None:
         return set()
     return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
-
-
-def _now(device: torch.device) -> float:
-    """Wall clock after the device finished queued work (so time splits are real on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
