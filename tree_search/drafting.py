@@ -6,6 +6,11 @@ state after every non-leaf node; leaves are never stepped (their state is only n
 and then `resync` steps it). Every fork + step goes through a `graphs.StepRunner`: on CUDA each row range is a
 captured graph reused across rounds, calls and tree shapes.
 
+B prompts draft together in a forest (`tree.Forest`: B copies of one tree, level-major, so each level of all B trees
+is one contiguous row range and still one step): `prefill_batch` (left-padded prompts, each row encoded without its
+padding) -> `draft_batch` -> `resync_batch` -> ...; `compact` drops finished rows. Per row, the same tokens and q as the
+single-prompt path on that prompt alone.
+
 Chains at temperature 0 can instead be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven): it
 drafts on scratch rows 1-2 and leaves row 0 committed, so `resync_extend` continues row 0 in one call.
 
@@ -16,7 +21,9 @@ outside the subset), which is all the lossless rejection sampling needs.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +31,7 @@ import torch
 from tree_search.graphs import StepRunner, drafter_key
 from tree_search.prompt_lookup import LookupDraft, advance, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
-from tree_search.tree import Tree, TreeConfig
+from tree_search.tree import Forest, Tree, TreeConfig
 
 _SOFTMAX = SamplingParams(temperature=1.0)
 LOOKUP_ROWS = 3  # row 0 committed, rows 1-2 the lookup drafter's live + snapshot scratch rows
@@ -39,6 +46,34 @@ class DraftTree:
     parent_rows: list[torch.Tensor]  # per level 1..γ: (B_i,) state row of each node's parent
     tokens: torch.Tensor  # (T+1,) token at each node; tokens[0] = root
     probs: torch.Tensor  # (T+1, V_target) draft distribution each node's children came from (when recorded)
+
+
+@dataclass
+class BatchDraftTree:
+    """Buffers of one tree shape for B prompts, refilled every round.
+
+    tokens / probs are per batch row in the single tree's node order (what the target verifies, row by row);
+    the drafter state follows the forest layout: node i of batch row b lives in state row rows[b, i].
+    """
+
+    config: TreeConfig
+    tree: Tree
+    forest: Forest
+    rows: torch.Tensor  # (B, T+1) state row of each node of each batch row (forest.rows on the device)
+    parent_rows: list[torch.Tensor]  # per level 1..γ: (B·B_l,) state row of each level row's parent
+    parents: torch.Tensor  # (T+1,) parent node of each node (the root's is 0, never used)
+    leaf: torch.Tensor  # (T+1,) bool: node on the last level (drafting never steps its state)
+    scratch: torch.Tensor  # (B,) rows where resync steps accepted leaves: the last level's first B rows (unused)
+    tokens: torch.Tensor  # (B, T+1) token at each node; tokens[:, 0] = the roots
+    probs: torch.Tensor  # (B, T+1, V_target) draft distribution each node's children came from (when recorded)
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    def row(self, b: int) -> DraftTree:
+        """Batch row b as a single-prompt DraftTree (views, no copy) for verification; not for `draft`/`resync`."""
+        return DraftTree(self.config, self.tree, [], self.tokens[b], self.probs[b])
 
 
 class TreeDrafter:
@@ -72,6 +107,11 @@ class TreeDrafter:
         # What the drafter reads of it: the same buffer unless padding ids must be clamped.
         self.drafter_token = self.one_token if self.read_limit is None else torch.zeros_like(self.one_token)
         self.trees: dict[TreeConfig, DraftTree] = {}
+        # Batched mode: row b's root token, and per-shape buffers. Token/probs storage is per shape, sized for the
+        # largest batch seen; smaller batches (after `compact`) view its first rows instead of allocating again.
+        self.roots = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.batch_trees: dict[tuple[TreeConfig, int], BatchDraftTree] = {}
+        self.batch_storage: dict[TreeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
         self.runner = StepRunner(drafter, self.state)  # runner.use_graphs: the CUDA-graph switch
         self.calls = 0  # sequential drafter invocations (prefill, step, extend) since construction
 
@@ -155,11 +195,11 @@ class TreeDrafter:
         return columns if self.draft_ids is None else self.draft_ids[columns]
 
     def _record(self, rows: torch.Tensor, q: torch.Tensor) -> None:
-        """Write draft distributions q (B, vocab) into probs rows (B, V_target); other columns stay zero."""
+        """Write draft distributions q (..., vocab) into probs rows (..., V_target); other columns stay zero."""
         if self.draft_ids is None:
-            rows[:, : self.vocab] = q
+            rows[..., : self.vocab] = q
         else:
-            rows.index_copy_(1, self.draft_ids, q)
+            rows.index_copy_(rows.dim() - 1, self.draft_ids, q)
 
     @torch.no_grad()
     def resync(self, buf: DraftTree, path: list[int], next_token: int) -> torch.Tensor:
@@ -178,6 +218,156 @@ class TreeDrafter:
             self._step(buf.tokens[node : node + 1], 0, 1, self.row_index[parent : parent + 1])
             return self._step(self.drafter_token, 0, 1)[0]
         return self._step(self.drafter_token, 0, 1, self.row_index[node : node + 1])[0]
+
+    # ---------------------------------------------------------------- B prompts at once (forest layout)
+
+    def batch_buffers(self, config: TreeConfig, batch: int) -> BatchDraftTree:
+        """The buffers and index tensors of `batch` trees of shape `config`, built once per (config, batch)."""
+        key = (config, batch)
+        if key not in self.batch_trees:
+            tree = config.build()
+            forest = Forest(tree, batch)
+            if len(forest) > self.state.max_batch:
+                raise ValueError(f"{batch} trees {config} need {len(forest)} state rows, only "
+                                 f"{self.state.max_batch} allocated")
+            tokens, probs = self.batch_storage.get(config, (None, None))
+            if tokens is None or tokens.shape[0] < batch:
+                tokens = torch.zeros(batch, len(tree), dtype=torch.long, device=self.device)
+                probs = torch.zeros(batch, len(tree), self.out_vocab, dtype=torch.float32, device=self.device)
+                self.batch_storage[config] = tokens, probs
+                self.batch_trees = {k: v for k, v in self.batch_trees.items() if k[0] != config}  # views of the old
+            device, scratch = self.device, forest.levels[-1][0]
+            self.batch_trees[key] = BatchDraftTree(
+                config=config,
+                tree=tree,
+                forest=forest,
+                rows=forest.rows.to(device),
+                parent_rows=[p.to(device) for p in forest.parent_rows],
+                parents=torch.tensor((0,) + tree.parents[1:], device=device),
+                leaf=torch.tensor(tree.depths, device=device) == config.depth,
+                scratch=torch.arange(scratch, scratch + batch, device=device),
+                tokens=tokens[:batch],
+                probs=probs[:batch],
+            )
+        return self.batch_trees[key]
+
+    @torch.no_grad()
+    def prefill_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode B left-padded prompts (B, L) into state rows 0..B-1; returns each row's next-token logits (B, V).
+
+        attention_mask (B, L): 1 on prompt tokens, 0 on the left padding (None: no padding). A Mamba state has no
+        mask, so a pad token would change every later state: each row is encoded from its unpadded tokens only, rows of
+        equal length together (one drafter call per run of equal lengths). `roots[:B]` <- the last prompt tokens.
+        """
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"prefill_batch takes integer token ids of shape (B, L), got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        batch, width = ids.shape
+        if batch > self.roots.shape[0]:
+            raise ValueError(f"a batch of {batch} prompts exceeds the {self.roots.shape[0]} state rows allocated")
+        lengths = [width] * batch if attention_mask is None else _left_padded_lengths(attention_mask, ids.shape)
+        ids = ids.to(device=self.device, dtype=torch.long)
+        readable = ids if self.read_limit is None else ids.clamp(max=self.read_limit)  # see __init__
+        logits, start = [], 0
+        for length, run in itertools.groupby(lengths):
+            stop = start + len(list(run))
+            part, _ = self.drafter.prefill(readable[start:stop, width - length:], state=self.state.rows(start, stop))
+            logits.append(part)
+            self.calls += 1
+            start = stop
+        self.roots[:batch] = ids[:, -1]
+        return torch.cat(logits)
+
+    @torch.no_grad()
+    def draft_batch(
+        self,
+        config: TreeConfig,
+        roots: torch.Tensor,
+        root_logits: torch.Tensor,
+        params: SamplingParams,
+        mode: str,
+        record_probs: bool,
+        generator: torch.Generator | Sequence[torch.Generator] | None,
+    ) -> BatchDraftTree:
+        """`draft` for B prompts whose root states are state rows 0..B-1 (`prefill_batch` / `resync_batch`).
+
+        roots (B,), root_logits (B, V). Each level is one drafter step over all B trees' nodes of that level. Per row,
+        the same tokens and q as `draft` on that prompt alone. generator: one for the whole batch, or B of them, row b
+        drawing from generator b exactly as `draft` would alone (so a batch can reproduce B single-prompt runs).
+        """
+        batch = roots.shape[0]
+        buf = self.batch_buffers(config, batch)
+        tree, vocab = buf.tree, self.vocab
+        sampled = mode == "sample" and not params.greedy
+        if sampled and isinstance(generator, Sequence) and len(generator) != batch:
+            raise ValueError(f"draft_batch got {len(generator)} generators for a batch of {batch} prompts")
+        buf.tokens[:, 0] = roots
+        logits = root_logits
+        for level, n in enumerate(config.branching, start=1):
+            (prev_start, prev_stop), (start, stop) = tree.levels[level - 1], tree.levels[level]
+            logits = logits[:, :vocab]
+            if sampled or record_probs:
+                q = logits_to_probs(logits, params if not params.greedy else _SOFTMAX)
+                self._record(buf.probs[:, prev_start:prev_stop], q.view(batch, prev_stop - prev_start, vocab))
+            kids = _draw(q, n, generator, batch) if sampled else torch.topk(logits, n, dim=-1).indices
+            # kids (B·B_{l-1}, n) row-major is batch row, parent, child: each batch row's level in tree order
+            buf.tokens[:, start:stop] = self._to_target(kids).view(batch, -1)
+            if level < config.depth:
+                logits = self._step(buf.tokens[:, start:stop], *buf.forest.levels[level], buf.parent_rows[level - 1])
+        return buf
+
+    @torch.no_grad()
+    def resync_batch(self, buf: BatchDraftTree, accepted, next_tokens) -> torch.Tensor:
+        """`resync` for every row at once; returns the next root logits (B, V), valid until the next step of rows 0..B-1.
+
+        accepted (B,): each row's deepest accepted node (single-tree numbering, 0 = none); next_tokens (B,): the token
+        after it (the new root, kept in `roots`). Either a device tensor or a host sequence of ints.
+        Row b's root row <- its accepted node's row, then all rows step their next token: one B-row step. An accepted
+        last-level node was never stepped: first all B rows step from their node's parent row with its token into
+        the last level's first B rows (free: drafting never uses them), and leaf rows fork from there. That step runs
+        when a host `accepted` has a leaf, and always for a device tensor (no sync to find out): one more B-row step.
+        """
+        batch = buf.batch
+        acc, nxt = self._as_rows(accepted, batch, len(buf.tree)), self._as_rows(next_tokens, batch, self.out_vocab)
+        self.roots[:batch] = nxt
+        source = buf.rows.gather(1, acc[:, None])[:, 0]
+        if isinstance(accepted, torch.Tensor) or any(buf.tree.depths[int(n)] == buf.config.depth for n in accepted):
+            parents = buf.rows.gather(1, buf.parents[acc][:, None])[:, 0]
+            scratch = buf.forest.levels[-1][0]
+            self._step(buf.tokens.gather(1, acc[:, None])[:, 0], scratch, scratch + batch, parents)
+            source = torch.where(buf.leaf[acc], buf.scratch, source)
+        if self.read_limit is not None:
+            nxt = nxt.clamp(max=self.read_limit)  # a padding id the drafter cannot read (see __init__)
+        return self._step(nxt, 0, batch, source)
+
+    @torch.no_grad()
+    def compact(self, rows) -> None:
+        """Keep only batch rows `rows` (indices, in their new order): their root states and roots move to rows
+        0..len(rows)-1, so later rounds step only those. Index the root logits the same way (`logits[rows]`)."""
+        index = self._as_rows(rows, len(rows), self.roots.shape[0])
+        self.state.gather_(0, index)
+        self.roots[: len(rows)] = self.roots[index]
+
+    def keep_rows(self, mask) -> list[int]:
+        """`compact` to the rows where `mask` (B bools, host or device) is true; returns their indices."""
+        rows = [i for i, keep in enumerate(torch.as_tensor(mask).tolist()) if keep]
+        self.compact(rows)
+        return rows
+
+    def _as_rows(self, values, batch: int, limit: int | None = None) -> torch.Tensor:
+        """(batch,) int64 on the device from a tensor (no check of the values: no sync) or a host sequence (checked
+        against [0, limit))."""
+        if isinstance(values, torch.Tensor):
+            if values.shape != (batch,):
+                raise ValueError(f"expected {batch} values, one per batch row, got shape {tuple(values.shape)}")
+            return values.to(device=self.device, dtype=torch.long)
+        values = [int(v) for v in values]
+        if len(values) != batch:
+            raise ValueError(f"expected {batch} values, one per batch row, got {len(values)}")
+        if limit is not None and any(not 0 <= v < limit for v in values):
+            raise ValueError(f"values must lie in [0, {limit}), got {values}")
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.no_grad()
     def draft_chain_lookup(
@@ -221,6 +411,30 @@ class TreeDrafter:
         The logits stay valid until the next step over any of these rows (`StepRunner.run`)."""
         self.calls += 1
         return self.runner.run(start, stop, tokens, parents)
+
+
+def _draw(q: torch.Tensor, n: int, generator, batch: int) -> torch.Tensor:
+    """`sample_without_replacement` of q (B·m, V); with B generators, batch row b's m rows draw their noise from
+    generator b, as `draft` draws it for that prompt alone."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return sample_without_replacement(q, n, generator)
+    noise = torch.empty_like(q)
+    for rows, gen in zip(noise.view(batch, -1, q.shape[-1]), generator):
+        rows.exponential_(generator=gen)
+    return torch.topk(q / noise, n, dim=-1).indices
+
+
+def _left_padded_lengths(mask, shape: torch.Size) -> list[int]:
+    """Each row's prompt length from a left-padding attention mask (0s then 1s, at least one 1), checked."""
+    mask = torch.as_tensor(mask)
+    if mask.shape != shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(shape)}")
+    mask = mask.cpu().long()
+    bad = ((mask != 0) & (mask != 1)).any(1) | (mask[:, 1:] < mask[:, :-1]).any(1) | (mask[:, -1] != 1)
+    if bad.any():
+        raise ValueError(f"attention_mask row {int(bad.nonzero()[0])} is not left padding: expected 0s (padding) "
+                         "then 1s (the prompt, at least one token)")
+    return mask.sum(1).tolist()
 
 
 _CACHE: "weakref.WeakKeyDictionary[object, TreeDrafter]" = weakref.WeakKeyDictionary()

@@ -48,14 +48,15 @@ class StepRunner:
         self.pool = None  # one memory pool for all graphs, created at the first capture
 
     def run(self, start: int, stop: int, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [start:stop] <- rows `parents` (if given), then step them with `tokens` (stop - start,).
+        """Rows [start:stop] <- rows `parents` (if given), then step them with `tokens` (stop - start ids, row-major
+        in any shape: a batched level's (B, n) token block is copied in without flattening it first).
 
         Returns the logits (stop - start, V); with graphs, a view of `self.logits` (see the module docstring)."""
         if not self.use_graphs:
             if parents is not None:
                 self.state.gather_(start, parents)
-            return self.drafter.step(tokens, self.state.rows(start, stop))
-        self.tokens[start:stop].copy_(tokens)
+            return self.drafter.step(tokens.reshape(-1), self.state.rows(start, stop))
+        self.tokens[start:stop].view(tokens.shape).copy_(tokens)
         if parents is not None:
             self.parents[start:stop].copy_(parents)
         key = (start, stop, parents is not None)

@@ -166,3 +166,43 @@ class Tree:
     def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
         """Every root-to-leaf path (root excluded), leaves in level order."""
         return tuple(tuple(self.path_to(i)) for i, kids in enumerate(self.children) if not kids and i > 0)
+
+
+@dataclass(frozen=True)
+class Forest:
+    """`batch` copies of one `Tree` in one row space, level-major, for drafting B prompts at once.
+
+    Rows 0..B-1 are the B roots; level l of all trees is the contiguous range [B*start_l, B*stop_l), ordered by batch
+    row, then as in the tree (so by parent). One drafter step per level then still covers the whole batch.
+    """
+
+    tree: Tree
+    batch: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"a Forest needs a positive integer batch, got {self.batch!r}")
+
+    def __len__(self) -> int:
+        return self.batch * len(self.tree)
+
+    @cached_property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) row range of each depth 0..γ, all B trees together."""
+        return tuple((self.batch * start, self.batch * stop) for start, stop in self.tree.levels)
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """(B, T+1) int64: rows[b, i] = the forest row of node i (single-tree numbering) of batch row b."""
+        rows = torch.empty(self.batch, len(self.tree), dtype=torch.long)
+        batch = torch.arange(self.batch)[:, None]
+        for start, stop in self.tree.levels:
+            rows[:, start:stop] = self.batch * start + batch * (stop - start) + torch.arange(stop - start)
+        return rows
+
+    @cached_property
+    def parent_rows(self) -> tuple[torch.Tensor, ...]:
+        """Per level 1..γ, (B·B_l,) int64: the forest row of each of the level's rows' parent, in row order."""
+        parents = torch.tensor(self.tree.parents)
+        return tuple(self.rows.gather(1, parents[start:stop].expand(self.batch, -1)).reshape(-1)
+                     for start, stop in self.tree.levels[1:])
