@@ -1,5 +1,6 @@
 """Target adapter for Hugging Face causal LMs: prefill, one tree forward (4D ancestor mask + depth
-positions) returning logits and final hidden states, and KV-cache compaction to the accepted path."""
+positions) returning logits and final hidden states, and KV-cache compaction to the accepted path; for one prompt
+(`TargetState`) or B left-padded prompts in one cache (`BatchTargetState`)."""
 from __future__ import annotations
 
 import weakref
@@ -119,14 +120,13 @@ def _probe_tree_mask(model: torch.nn.Module) -> bool:
     return bool(error <= tol) and bool(error < (tree - causal).abs().max())
 
 
-class TargetState:
-    """The target model plus its KV cache of the committed sequence minus the last (root) token."""
+class _TreeMasks:
+    """What single and batched target states share: the model, its 4D-mask convention and per-tree mask blocks."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = None  # DynamicCache, created by prefill
-        self.length = 0  # P: committed tokens held in the cache
         self.forwards = 0
         # The 4D mask each attention implementation takes (masking_utils): sdpa a boolean one (True = visible),
         # eager and the rest an additive float one in the model's dtype (0 visible, dtype-min hidden); eager adds
@@ -137,6 +137,22 @@ class TargetState:
             self._mask_dtype = getattr(model, "dtype", next(model.parameters()).dtype)
             self._visible, self._hidden = 0.0, torch.finfo(self._mask_dtype).min
         self._trees: dict[Tree, tuple[torch.Tensor, torch.Tensor]] = {}  # per tree: (mask block, depths) on device
+
+    def _tree_inputs(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree's own (T+1, T+1) mask block and depths, moved to the device once per tree, not per round."""
+        if tree not in self._trees:
+            block = torch.full((len(tree), len(tree)), self._hidden, dtype=self._mask_dtype)
+            block = block.masked_fill_(tree.ancestor_mask, self._visible).to(self.device)
+            self._trees[tree] = block, torch.tensor(tree.depths, device=self.device)
+        return self._trees[tree]
+
+
+class TargetState(_TreeMasks):
+    """The target model plus its KV cache of the committed sequence minus the last (root) token."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.length = 0  # P: committed tokens held in the cache
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -160,14 +176,6 @@ class TargetState:
         self.length += 1
         self.forwards += 1
         return out.logits[0, -1]
-
-    def _tree_inputs(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tree's own (T+1, T+1) mask block and depths, moved to the device once per tree, not per round."""
-        if tree not in self._trees:
-            block = torch.full((len(tree), len(tree)), self._hidden, dtype=self._mask_dtype)
-            block = block.masked_fill_(tree.ancestor_mask, self._visible).to(self.device)
-            self._trees[tree] = block, torch.tensor(tree.depths, device=self.device)
-        return self._trees[tree]
 
     @torch.no_grad()
     def tree_forward(
@@ -215,3 +223,221 @@ class TargetState:
         if drop:
             self.cache.crop(-drop)
         self.length = root + 1 + keep
+
+
+def _padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Check left-padded (B, L) ids + mask (no model needed) -> the mask as bool (B, L) on the ids' device."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"batched input_ids must be a (B, L) tensor, got {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[0] == 0:
+        raise ValueError("the batch is empty: input_ids has no rows")
+    if attention_mask is None:
+        return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a (B, L) tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} "
+                         f"but input_ids has shape {tuple(input_ids.shape)}")
+    if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+    mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+    late = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1).nonzero()  # a pad after a token: right (or inner) padding
+    if late.numel():
+        raise ValueError(f"prompt {int(late[0])} is not left-padded (a pad follows a token): pad prompts on the left")
+    return mask
+
+
+def check_batch_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Refuse what a batch prefill cannot take (no model needed): ids not (B, L), a mask of another shape, values
+    other than 0/1, right padding, empty prompts. Returns each prompt's length (its tokens, pads excluded)."""
+    lengths = _padding_mask(input_ids, attention_mask).sum(dim=1).tolist()
+    if 0 in lengths:
+        raise ValueError(f"prompt {lengths.index(0)} is empty (its attention_mask row is all zeros)")
+    return lengths
+
+
+class BatchTargetState(_TreeMasks):
+    """The target plus one KV cache for B prompts, each row holding its committed sequence minus its root token.
+
+    All rows share the cache's slots; `valid` (B, slots) says which slot holds a token of a row: left pads and the
+    holes a shorter accepted path leaves stay invalid (masked for every later query). RoPE positions are per row
+    (`positions`, pads and holes do not count), so each row's keys equal those of encoding that row alone.
+    Separate from `TargetState` because that one's contract (cache length = committed length, no validity mask,
+    unbatched shapes) is what single-prompt generation and the tree-mask probe rely on.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.slots = 0  # S: cache length, common to all rows (host int, so no sync is needed to size masks)
+        self.positions = None  # (B,) long on device: each row's committed tokens in the cache (its root's position)
+        self._slots = None  # (B, capacity) in mask form (visible / hidden); [:, :S] is the valid slots
+        self._pending = None  # the tree of the last tree forward, awaiting its commit
+        windows = [layer.sliding_window - 1 for layer in _cache_layers(model)
+                   if isinstance(layer, DynamicSlidingWindowLayer)]
+        self._window = min(windows) if windows else None
+
+    @property
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, slots) bool: slot j holds a committed token of row b."""
+        return self._slots[:, : self.slots] == self._visible
+
+    def _reserve(self, slots: int) -> None:
+        """Room for `slots` columns in the validity buffer; grows geometrically, so rounds rarely allocate."""
+        if slots > self._slots.shape[1]:
+            grown = torch.full((self._slots.shape[0], max(slots, 2 * self._slots.shape[1])), self._hidden,
+                               dtype=self._mask_dtype, device=self.device)
+            grown[:, : self.slots] = self._slots[:, : self.slots]
+            self._slots = grown
+        if self._window is not None and slots > self._window:
+            raise ValueError(f"the batch cache needs {slots} slots, beyond the {self._window} that "
+                             f"{type(self.model).__name__}'s sliding-window cache holds exactly")
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Encode left-padded prefixes (B, L) into a fresh cache -> the last column's logits (B, V) (None if L = 0).
+
+        A row may be all pads (the prefix of a one-token prompt): its cache starts empty and its logits here are
+        meaningless. Every query also sees itself, so pad rows attend to something and stay finite.
+        """
+        valid = _padding_mask(input_ids, attention_mask).to(self.device)
+        input_ids = input_ids.to(self.device)
+        batch, length = input_ids.shape
+        self.cache = DynamicCache(config=self.model.config)
+        self.positions = valid.sum(dim=1)
+        self.slots, self._pending = 0, None
+        self._slots = torch.full((batch, max(length, 1)), self._hidden, dtype=self._mask_dtype, device=self.device)
+        if length == 0:
+            return None
+        self._reserve(length)
+        causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_()
+        eye = torch.eye(length, dtype=torch.bool, device=self.device)
+        seen = (causal & valid[:, None, :]) | eye  # (B, L, L)
+        mask = torch.full(seen.shape, self._hidden, dtype=self._mask_dtype, device=self.device)
+        mask = mask.masked_fill_(seen, self._visible)[:, None]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count; theirs is never seen
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        self._slots[:, :length].masked_fill_(valid, self._visible)
+        self.slots = length
+        self.forwards += 1
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def tree_forward(
+        self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward of every row's tree: tokens (B, T+1), node order as in `tree`, tokens[:, 0] the roots.
+
+        Row b's node i sees row b's valid slots plus its own ancestors, at position positions[b] + depth(i).
+        Returns logits (B, T+1, V) and, if asked, final hidden states (B, T+1, H); then `commit`.
+        """
+        n, batch = len(tree), self.batch_size
+        if tokens.shape != (batch, n):
+            raise ValueError(f"tree_forward needs tokens of shape ({batch}, {n}), got {tuple(tokens.shape)}")
+        block, depths = self._tree_inputs(tree)
+        self._reserve(self.slots + n)
+        mask = torch.empty(batch, 1, n, self.slots + n, dtype=self._mask_dtype, device=self.device)
+        mask[:, 0, :, : self.slots] = self._slots[:, None, : self.slots]
+        mask[:, 0, :, self.slots :] = block
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=self.positions[:, None] + depths,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
+        self.cache = out.past_key_values
+        self._pending = tree
+        self.forwards += 1
+        return out.logits, out.hidden_states[-1] if want_hidden else None
+
+    def commit(self, paths: list[list[int]]) -> None:
+        """Keep each row's root + accepted `paths[b]` (node indices in depth order) of the last tree forward.
+
+        Row b's path nodes move to the slots right after its root; slots past them up to the longest path are
+        holes (invalid for that row), and the tail no row uses is cropped. Each row's valid slots then equal
+        encoding its committed sequence alone; its position advances by 1 + len(path).
+        """
+        tree, root = self._pending, self.slots
+        if tree is None:
+            raise ValueError("commit needs a tree_forward first")
+        if len(paths) != self.batch_size:
+            raise ValueError(f"commit needs one path per row ({self.batch_size}), got {len(paths)}")
+        for b, path in enumerate(paths):
+            if any(not 0 < node < len(tree) or tree.parents[node] != parent
+                   for parent, node in zip([0, *path], path)):
+                raise ValueError(f"path {list(path)} of row {b} is not a root-to-node path of the tree")
+        self._pending = None
+        longest = max(map(len, paths))
+        self._slots[:, root] = self._visible
+        if longest:
+            # One host -> device copy per round: each row's source slots (hole slots copy themselves), then its
+            # path length. Every source is at or after its destination and the gather reads before the write, so
+            # the in-place move is alias-safe.
+            index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + longest))
+                                  + [len(path)] for path in paths], device=self.device)
+            src, kept = index[:, None, :-1, None], index[:, -1]
+            for layer in self.cache.layers:
+                layer.keys[:, :, root + 1 : root + 1 + longest] = torch.take_along_dim(layer.keys, src, dim=2)
+                layer.values[:, :, root + 1 : root + 1 + longest] = torch.take_along_dim(layer.values, src, dim=2)
+            holes = torch.arange(longest, device=self.device) >= kept[:, None]
+            self._slots[:, root + 1 : root + 1 + longest] = self._visible
+            self._slots[:, root + 1 : root + 1 + longest].masked_fill_(holes, self._hidden)
+            self.positions += 1 + kept
+        else:  # a root-only round (decode): nothing to move, nothing to copy over
+            self.positions += 1
+        drop = len(tree) - 1 - longest
+        if drop:
+            self.cache.crop(-drop)
+        self.slots = root + 1 + longest
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (B,) and return the logits after it (B, V): the batched autoregressive step,
+        a root-only tree forward and its commit."""
+        logits, _ = self.tree_forward(tokens.view(-1, 1), _ROOT_ONLY)
+        self.commit([[]] * self.batch_size)
+        return logits[:, 0]
+
+    def drop_rows(self, keep) -> None:
+        """Keep only rows `keep` (increasing row indices) in the cache and every per-row buffer, so finished rows
+        cost no more target work. Slots no remaining row uses (pads of a dropped longer prompt, holes) go too:
+        the cache is copied here anyway."""
+        keep = torch.as_tensor(keep, dtype=torch.long).flatten()
+        if keep.numel() == 0:
+            raise ValueError("drop_rows needs at least one row to keep")
+        if (keep < 0).any() or (keep >= self.batch_size).any() or (keep[1:] <= keep[:-1]).any():
+            raise ValueError(f"drop_rows needs increasing row indices in [0, {self.batch_size}), got {keep.tolist()}")
+        if self._pending is not None:
+            raise ValueError("drop_rows after a tree_forward needs its commit first")
+        keep = keep.to(self.device)
+        self._slots, self.positions = self._slots[keep], self.positions[keep]
+        used = self.valid.any(dim=0)
+        cols = None if bool(used.all()) else used.nonzero().flatten()
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            if cols is not None:
+                layer.keys, layer.values = layer.keys[:, :, cols], layer.values[:, :, cols]
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    layer.cumulative_length = layer.keys.shape[-2]
+        if cols is not None:
+            self.slots = cols.numel()
+            self._slots[:, : self.slots] = self._slots[:, cols]
+
+
+_ROOT_ONLY = Tree((-1,))
