@@ -213,7 +213,7 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 # ------------------------------------------------------------------------------------------- the real pair
 
 # CPU arms for the real pair: short chains (a target forward of 5 tokens already costs ~1.5x one token on 2 cores).
-REAL_CPU_BANDIT = "bandit-time:1,1/1,1,1/1,1,1,1,1"
+REAL_CPU_BANDIT = "bandit-time:none/1,1/1,1,1/1,1,1,1,1"  # none: plain decoding when drafts do not pay
 # Both bandits run over the CPU arms: the paper's reward (acceptance and depth) and the measured-time reward.
 REAL_GREEDY = ("hf-ar", "hf-assisted", "ar", "chain:2", f"bandit-paper=bandit:{REAL_CPU_BANDIT.partition(':')[2]}",
                f"cpu-bandit={REAL_CPU_BANDIT}", f"cpu-bandit@fly={REAL_CPU_BANDIT}@fly")

@@ -71,10 +71,10 @@ def parse_method(spec: str) -> Method:
             raise ValueError(f"method {spec!r}: chain length must be a positive integer, got {arg!r}")
         tree = ",".join(["1"] * depth)
     elif kind == "tree" and arg:
-        tree = ",".join(map(str, TreeConfig.parse(arg).branching))
+        tree = TreeConfig.parse(arg).spec
     elif kind in ("bandit", "bandit-time"):
         arms = [a for a in arg.split("/") if a] if arg else []
-        tree = f"{kind}:" + "/".join(",".join(map(str, TreeConfig.parse(a).branching)) for a in arms) if arms else kind
+        tree = f"{kind}:" + "/".join(TreeConfig.parse(a).spec for a in arms) if arms else kind
     else:
         raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, ar, chain[:N], tree:3,2,2,1,1, "
                          "bandit[:A/B] or bandit-time[:A/B], with an optional @verifier, or verifier=NAME")

@@ -265,3 +265,22 @@ def test_ids_a_narrow_drafter_cannot_read_are_clamped_per_row_as_in_the_single_p
         assert torch.equal(buf.tokens[b], tokens)
         single.resync(single.drafts.trees[CONFIGS[1]], [0, 6][b], [60, 3][b])
         torch.testing.assert_close(logits[b], single.logits, **CLOSE)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_root_only_tree_resync_steps_each_root_once(drafter, as_tensor):
+    """A no-speculation round resyncs through the root-only tree: its root is not an unstepped leaf, so each row
+    steps its next token exactly once (host list or device tensor alike), as single `resync` with an empty path."""
+    config = TreeConfig(())
+    singles = [Single(drafter, p) for p in PROMPTS]
+    batched = TreeDrafter(drafter, ROWS, VOCAB)
+    batched.prefill_batch(*left_padded(PROMPTS))
+    for r in range(3):
+        buf = batched.batch_buffers(config, len(PROMPTS))
+        tokens = [(5 * r + 7 * b + 2) % VOCAB for b in range(len(PROMPTS))]
+        accepted = torch.zeros(len(PROMPTS), dtype=torch.long) if as_tensor else [0] * len(PROMPTS)
+        logits = batched.resync_batch(buf, accepted, tokens)
+        for b, single in enumerate(singles):
+            single.drafts.buffers(config)
+            single.resync(single.drafts.trees[config], 0, tokens[b])
+            torch.testing.assert_close(logits[b], single.logits, **CLOSE)

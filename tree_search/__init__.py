@@ -1,4 +1,5 @@
 """Tree-structured speculative decoding with a Mamba drafter: topology, drafting, verification, bandit, generate."""
+from tree_search.batch_generate import BatchGenerateResult, generate_autoregressive_batch, generate_batch
 from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
 from tree_search.generate import GenerateResult, GenerateStats, generate, generate_autoregressive
 from tree_search.sampling import SamplingParams
@@ -7,6 +8,7 @@ from tree_search.tree import Tree, TreeConfig
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, available_verifiers, get_verifier, register_verifier
 
 __all__ = [
+    "BatchGenerateResult",
     "DEFAULT_ARMS",
     "FixedPolicy",
     "GenerateResult",
@@ -22,6 +24,8 @@ __all__ = [
     "available_verifiers",
     "generate",
     "generate_autoregressive",
+    "generate_autoregressive_batch",
+    "generate_batch",
     "get_verifier",
     "register_verifier",
     "time_reward",

@@ -1,4 +1,8 @@
-"""Tree-shape policies: UCB over a set of `TreeConfig` arms (paper Eq. 1-2) and a fixed single shape."""
+"""Tree-shape policies: UCB over a set of `TreeConfig` arms (paper Eq. 1-2) and a fixed single shape.
+
+An arm may be `none` (`TreeConfig(())`, no speculation: a plain decoding step, γ = 0, so its Eq. 2 reward is -1 and
+its time reward the target's own throughput), the fallback when drafting costs more than it saves.
+"""
 from __future__ import annotations
 
 import math
@@ -125,7 +129,8 @@ class UCBBandit:
     def update(self, arm: int, n_accept: int, draft_time: float | None = None, verify_time: float | None = None) -> float:
         """Record one round of `arm` that committed `n_accept` tokens; returns the arm's updated value."""
         gamma = self.arms[arm].depth
-        if self.lambda_gamma == "auto" and draft_time is not None and verify_time and verify_time > 0:
+        # the cost ratio is drafter time per level: a "none" round (γ = 0) drafts nothing to measure it by
+        if self.lambda_gamma == "auto" and gamma and draft_time is not None and verify_time and verify_time > 0:
             self._cost_ratio_sum += (draft_time / gamma) / verify_time
             self._cost_ratio_n += 1
         stats = self.stats[arm]

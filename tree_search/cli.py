@@ -21,10 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--tree", help="fixed tree shape, e.g. 3,2,2,1,1 (a chain is 1,1,1,1)")
+    shape.add_argument("--tree", help="fixed tree shape, e.g. 3,2,2,1,1 (a chain is 1,1,1,1); 'none' drafts nothing "
+                       "(plain target decoding, on the same harness)")
     shape.add_argument("--bandit", action="store_true", help="UCB over tree shapes (the default)")
     shape.add_argument("--autoregressive", action="store_true", help="plain target decoding (baseline; no drafter)")
-    parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'")
+    parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'; an arm "
+                        "'none' is a round without speculation (one plain target step), e.g. 'none;1,1;1,1,1', the "
+                        "fallback when drafting does not pay (with --bandit-reward time)")
     parser.add_argument("--bandit-reward", choices=("paper", "time"), default="paper",
                         help="bandit reward: paper Eq. 2 (acceptance and depth) or measured tokens per second per round")
     parser.add_argument("--verifier", help="verifier name, or lossy ones joined by '+' to accept a token if any accepts "

@@ -244,7 +244,7 @@ class TreeDrafter:
                 rows=forest.rows.to(device),
                 parent_rows=[p.to(device) for p in forest.parent_rows],
                 parents=torch.tensor((0,) + tree.parents[1:], device=device),
-                leaf=torch.tensor(tree.depths, device=device) == config.depth,
+                leaf=(torch.tensor(tree.depths, device=device) == config.depth) & (config.depth > 0),  # a root is never one
                 scratch=torch.arange(scratch, scratch + batch, device=device),
                 tokens=tokens[:batch],
                 probs=probs[:batch],
@@ -332,7 +332,8 @@ class TreeDrafter:
         acc, nxt = self._as_rows(accepted, batch, len(buf.tree)), self._as_rows(next_tokens, batch, self.out_vocab)
         self.roots[:batch] = nxt
         source = buf.rows.gather(1, acc[:, None])[:, 0]
-        if isinstance(accepted, torch.Tensor) or any(buf.tree.depths[int(n)] == buf.config.depth for n in accepted):
+        last = buf.config.depth  # a root-only tree (no speculation) has no unstepped leaves
+        if last and (isinstance(accepted, torch.Tensor) or any(buf.tree.depths[int(n)] == last for n in accepted)):
             parents = buf.rows.gather(1, buf.parents[acc][:, None])[:, 0]
             scratch = buf.forest.levels[-1][0]
             self._step(buf.tokens.gather(1, acc[:, None])[:, 0], scratch, scratch + batch, parents)

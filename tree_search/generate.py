@@ -87,11 +87,17 @@ def generate(
     tokenizer=None,
     streamer=None,
     prompt_lookup: bool = False,
+    attention_mask: torch.Tensor | None = None,
 ) -> GenerateResult:
-    """Tree speculative decoding of one prompt (batch size 1).
+    """Tree speculative decoding of one prompt, or of a batch (then a `batch_generate.BatchGenerateResult`).
+
+    input_ids: (1, L) / (L,) for one prompt; a list of token lists, or left-padded (B, L) ids + `attention_mask`,
+    for a batch (`tree_search.batch_generate.generate_batch`: one tree per row, one target forward for all rows).
 
     tree: a TreeConfig / "3,2,2,1,1" / tuple (fixed shape), "bandit" (UCB over the default arms, reset per
-    call) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls).
+    call) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls). "none" (as a
+    shape or a bandit arm) is no speculation: that round is one plain target decoding step, what every verifier
+    would pick on a root-only tree (the argmax, or a sample of the target's processed distribution).
     temperature / top_p / top_k: None takes the target's generation_config, as `target.generate` does
     (tree_search.sampling.resolve_sampling): greedy unless it sets do_sample; then its top_k (50 unless set) applies.
     verifier: None is "greedy" when the resolved sampling is greedy, else "sampling" (both lossless).
@@ -103,6 +109,15 @@ def generate(
     """
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
+    if is_batch(input_ids, attention_mask):
+        if streamer is not None or prompt_lookup:
+            raise ValueError("a batch of prompts takes no streamer and no prompt_lookup; pass one prompt for those")
+        from tree_search.batch_generate import generate_batch  # builds on this module
+
+        return generate_batch(target, drafter, input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, top_k=top_k, tree=tree, verifier=verifier,
+                              verifier_params=verifier_params, eos_token_id=eos_token_id, seed=seed,
+                              tokenizer=tokenizer)
     run = prepare(target, input_ids, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed, streamer,
                   drafter=drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
                   tokenizer=tokenizer, prompt_lookup=prompt_lookup)
@@ -114,26 +129,38 @@ def generate(
     strategy = drafting_strategy(drafter, prompt_lookup, max(a.num_nodes for a in policy.arms) + 1,
                                  target_vocab_size(target), params, mode, record_probs, run.generator,
                                  max_tokens=ids.shape[1] + max_new_tokens)
-    root, logits = ids[0, -1], strategy.prefill(ids)
+    # tree="none" never drafts: the drafter need not even read the prompt
+    root, logits = ids[0, -1], strategy.prefill(ids) if any(a.depth for a in policy.arms) else None
     rec = run.recorder
     while True:
         arm = policy.select()
         config = policy.arms[arm]
         rec.mark(DRAFT)
-        buf = strategy.draft(config, root, logits)
-        rec.mark(VERIFY)
-        result = verify_tree(target_state, verifier, buf, params, run.generator, mode, record_probs)
-        rec.mark(VERIFIED)
-        proposed = round_tokens(buf, result)  # the round's one device -> host transfer
+        if config.depth:
+            buf = strategy.draft(config, root, logits)
+            rec.mark(VERIFY)
+            result = verify_tree(target_state, verifier, buf, params, run.generator, mode, record_probs)
+            rec.mark(VERIFIED)
+            proposed = round_tokens(buf, result)  # the round's one device -> host transfer
+        else:  # no speculation: the plain decode step (cheaper than a 1-node tree forward, and no drafter call)
+            rec.mark(VERIFY)
+            root = next_token(target_state.decode(root), params, run.generator)
+            rec.mark(VERIFIED)
+            result = VerifyResult(path=[], next_token=int(root))  # the round's one device -> host transfer
+            proposed = [result.next_token]
         committed, finished = run.emit(proposed)
         rec.count(verifier.name, result, len(committed), len(proposed))
         if finished:
             policy.update(arm, len(proposed), *rec.round_times(finished=True))
             break
-        target_state.commit(result.path, len(buf.tree))
-        rec.mark(RESYNC)
-        logits = strategy.resync(buf, result, proposed)
-        root = strategy.root
+        if config.depth:
+            target_state.commit(result.path, len(buf.tree))
+            rec.mark(RESYNC)
+            logits = strategy.resync(buf, result, proposed)
+            root = strategy.root
+        else:
+            rec.mark(RESYNC)
+            strategy.skip(proposed)  # the drafter catches up in one call when it next drafts
         rec.mark(DONE)
         # The policy is charged the whole round: committing to the target cache and resyncing the drafter too.
         policy.update(arm, len(proposed), *rec.round_times(finished=False))
@@ -153,14 +180,24 @@ def generate_autoregressive(
     eos_token_id: int | list[int] | None = None,
     seed: int | None = None,
     streamer=None,
+    attention_mask: torch.Tensor | None = None,
 ) -> GenerateResult:
     """One target forward per token on the same cache, sampling and stats code as `generate` (the baseline).
-    Sampling arguments left None take the target's generation_config, as in `generate`."""
+    Sampling arguments left None take the target's generation_config, as in `generate`. A batch (as in `generate`)
+    decodes all rows in one forward per token (`batch_generate.generate_autoregressive_batch`)."""
+    if is_batch(input_ids, attention_mask):
+        if streamer is not None:
+            raise ValueError("a batch of prompts takes no streamer; pass one prompt to stream")
+        from tree_search.batch_generate import generate_autoregressive_batch  # builds on this module
+
+        return generate_autoregressive_batch(target, input_ids, attention_mask=attention_mask,
+                                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                             top_k=top_k, eos_token_id=eos_token_id, seed=seed)
     run = prepare(target, input_ids, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed, streamer)
     target_state, logits = run.start(target, run.ids)
     params, rec = run.params, run.recorder
     while True:
-        token = logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), run.generator)
+        token = next_token(logits, params, run.generator)
         if run.emit([int(token)])[1]:  # the round's one device -> host transfer
             break
         rec.mark(VERIFY)
@@ -168,6 +205,11 @@ def generate_autoregressive(
         rec.mark(VERIFIED)
         rec.decode_time()
     return run.finish(target_state, rounds=len(run.out), accepted_lengths=[1] * len(run.out))
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's own next token (on the device): its argmax, or a sample of its processed distribution."""
+    return logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), generator)
 
 
 @dataclass
@@ -215,6 +257,15 @@ class Run:
         return GenerateResult(tokens, self.stats)
 
 
+def is_batch(input_ids, attention_mask) -> bool:
+    """A list of prompts, (B > 1, L) ids, or any ids with an attention mask (left-padded batches)."""
+    if attention_mask is not None:
+        return True
+    if isinstance(input_ids, (list, tuple)):
+        return bool(input_ids) and not isinstance(input_ids[0], int)
+    return isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 1
+
+
 def prepare(target: torch.nn.Module, input_ids, max_new_tokens: int, temperature, top_p, top_k, eos_token_id, seed,
             streamer, *, drafter=None, tree=None, verifier=None, verifier_params=None, tokenizer=None,
             prompt_lookup: bool = False) -> Run:
@@ -241,7 +292,7 @@ def prepare(target: torch.nn.Module, input_ids, max_new_tokens: int, temperature
 def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: UCBBandit) -> None:
     """Refuse a drafter / tree / verifier the target cannot be decoded with (vocabularies, tree width, attention)."""
     vocab = check_vocab(target, drafter, tokenizer)
-    widest = max(max(a.branching) for a in policy.arms)
+    widest = max((n for a in policy.arms for n in a.branching), default=0)  # "none" has no level
     if widest > vocab:
         raise ValueError(f"a tree level asks for {widest} distinct children but the vocabulary has {vocab} tokens")
     verifier.check_target(target)
@@ -263,7 +314,7 @@ def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams,
         raise ValueError(
             f"prompt_lookup drafts the drafter's greedy chain, so it needs temperature 0 (got {params.temperature})"
         )
-    trees = [str(arm) for arm in policy.arms if max(arm.branching) > 1]
+    trees = [str(arm) for arm in policy.arms if max(arm.branching, default=1) > 1]
     if trees:
         raise ValueError(
             f"prompt_lookup drafts chains only (every branching factor 1), but tree arm(s) {', '.join(trees)} branch; "
@@ -314,7 +365,8 @@ def make_policy(tree) -> UCBBandit:
         return UCBBandit()
     if isinstance(tree, (TreeConfig, str, tuple, list)):
         return FixedPolicy(TreeConfig.parse(tree))
-    raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'bandit' or a UCBBandit; got {type(tree).__name__}")
+    raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'none', 'bandit' or a UCBBandit; "
+                    f"got {type(tree).__name__}")
 
 
 def check_prompt(

@@ -3,8 +3,13 @@
 `TreeDrafting` drafts the tree level by level (`TreeDrafter.draft`); `LookupDrafting` drafts chains at temperature 0
 with prompt lookup (FLy's multi-level acceleration: the same greedy chain in fewer drafter calls when the text repeats).
 Both have `prefill(ids) -> root logits`, `draft(config, root, root_logits) -> DraftTree`,
-`resync(buf, result, proposed) -> next root logits`, `root` (the next round's root token, on the device),
-`calls` (drafter calls since construction) and `calls_saved` (vs drafting every chain step by step).
+`resync(buf, result, proposed) -> next root logits`, `skip(tokens)` (a no-speculation round committed `tokens`),
+`root` (the next round's root token, on the device), `calls` (drafter calls since construction) and `calls_saved`
+(vs drafting every chain step by step).
+
+No-speculation rounds (the `none` arm) leave the drafter alone: the tokens they commit wait in `behind` and the next
+drafted round feeds them in one `resync_extend` call (row 0 still holds the state after the last token the drafter
+read, since drafting forks rows 1.. and only `resync` / `resync_extend` move row 0), instead of one step per round.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ class TreeDrafting:
             drafts, params, mode, record_probs, generator)
         self.first_call = drafts.calls  # the TreeDrafter is shared across calls: count this call's only
         self.calls_saved = 0
+        self.behind: list[int] = []  # committed tokens the drafter has not read yet (no-speculation rounds)
 
     @property
     def calls(self) -> int:
@@ -43,10 +49,27 @@ class TreeDrafting:
         return self.drafts.prefill(ids)
 
     def draft(self, config: TreeConfig, root: torch.Tensor, root_logits: torch.Tensor) -> DraftTree:
+        root_logits = self.caught_up(root_logits)
         return self.drafts.draft(config, root, root_logits, self.params, self.mode, self.record_probs, self.generator)
 
     def resync(self, buf: DraftTree, result: VerifyResult, proposed: list[int]) -> torch.Tensor:
         return self.drafts.resync(buf, result.path, result.next_token)
+
+    def skip(self, tokens: list[int]) -> None:
+        """A round committed `tokens` without drafting; the drafter reads them when it next drafts."""
+        self.behind += tokens
+
+    def caught_up(self, root_logits: torch.Tensor | None) -> torch.Tensor:
+        """The drafter's logits after the root: `root_logits`, or, after no-speculation rounds, those of feeding it
+        the tokens they committed (ending with the root) in one call."""
+        if not self.behind:
+            return root_logits
+        tokens, self.behind = torch.tensor(self.behind, device=self.drafts.device), []
+        return self.extend(tokens)
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Row 0 (the state after the last token read) reads committed `tokens` (1-D) -> the logits after them."""
+        return self.drafts.resync_extend(tokens)
 
 
 class LookupDrafting(TreeDrafting):
@@ -68,17 +91,20 @@ class LookupDrafting(TreeDrafting):
         return super().prefill(ids)
 
     def draft(self, config: TreeConfig, root: torch.Tensor, root_logits: torch.Tensor) -> DraftTree:
+        root_logits = self.caught_up(root_logits)  # first, so the lookup searches the whole committed text
         buf, lookup = self.drafts.draft_chain_lookup(config, root, root_logits, self.context[: self.length],
                                                      self.record_probs)
         self.calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
         return buf
 
     def resync(self, buf: DraftTree, result: VerifyResult, proposed: list[int]) -> torch.Tensor:
-        tokens = torch.tensor(proposed, device=self.context.device)
-        self.context[self.length : self.length + len(proposed)] = tokens
-        self.length += len(proposed)
         self.calls_saved += len(result.path) == buf.config.depth  # `TreeDrafter.resync` steps an accepted leaf too
-        return self.drafts.resync_extend(tokens)
+        return self.extend(torch.tensor(proposed, device=self.context.device))
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.context[self.length : self.length + len(tokens)] = tokens
+        self.length += len(tokens)
+        return super().extend(tokens)
 
 
 def drafting_strategy(drafter, prompt_lookup: bool, rows: int, out_vocab: int, params: SamplingParams, mode: str,

@@ -15,15 +15,14 @@ _SPEC = re.compile(r" *[0-9]+ *(?:, *[0-9]+ *)*")  # "3,2,2,1,1", "3, 2": ASCII 
 class TreeConfig:
     """Static tree shape: every node at depth d has `branching[d]` children (depth 0 = root).
 
-    Level i holds B_i = N1·…·Ni nodes; a chain is `(1, ..., 1)`.
+    Level i holds B_i = N1·…·Ni nodes; a chain is `(1, ..., 1)`. No levels, `TreeConfig(())` (spec "none"), is
+    no speculation: the root alone, a plain decoding step (a bandit arm to fall back on when drafting does not pay).
     """
 
     branching: tuple[int, ...]
 
     def __post_init__(self) -> None:
         branching = tuple(self.branching)
-        if not branching:
-            raise ValueError("TreeConfig needs at least one level, got an empty branching tuple")
         for n in branching:
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"TreeConfig branching factors must be positive integers, got {branching!r}")
@@ -35,16 +34,22 @@ class TreeConfig:
 
     @classmethod
     def parse(cls, spec: str | TreeConfig | tuple[int, ...] | list[int]) -> TreeConfig:
-        """Build from `"3,2,2,1,1"` (comma-separated positive ints, spaces allowed around them), a tuple/list of
-        ints, or pass a TreeConfig through. Anything else (`"3,,2"`, `""`, `"(3,2)"`, `"3;2"`) is a ValueError."""
+        """Build from `"3,2,2,1,1"` (comma-separated positive ints, spaces allowed around them), `"none"` (no
+        speculation), a tuple/list of ints, or pass a TreeConfig through. Anything else (`"3,,2"`, `""`, `"(3,2)"`,
+        `"3;2"`, `()`) is a ValueError."""
         if isinstance(spec, TreeConfig):
             return spec
         if isinstance(spec, str):
+            if spec.strip().lower() == "none":
+                return cls(())
             if not _SPEC.fullmatch(spec):
                 what = f"tree spec {spec!r} is empty" if not spec.strip() else f"cannot parse tree spec {spec!r}"
-                raise ValueError(f"{what}: expected comma-separated positive integers, e.g. '3,2,2,1,1'")
+                raise ValueError(f"{what}: expected comma-separated positive integers, e.g. '3,2,2,1,1', "
+                                 "or 'none' (no speculation)")
             branching = tuple(int(p) for p in spec.split(","))
         elif isinstance(spec, (tuple, list)):
+            if not spec:  # like "": no speculation is asked for by name
+                raise ValueError(f"tree spec {spec!r} is empty: for no speculation pass 'none' or TreeConfig(())")
             branching = tuple(spec)
         else:
             raise ValueError(f"cannot parse tree spec {spec!r}: expected a string such as '3,2,2,1,1', "
@@ -74,7 +79,12 @@ class TreeConfig:
         return sum(self.level_sizes)
 
     def __str__(self) -> str:
-        return "(" + ",".join(map(str, self.branching)) + ")"
+        return f"({self.spec})" if self.branching else "none"
+
+    @property
+    def spec(self) -> str:
+        """The form `parse` reads back: "3,2,1", or "none" for no speculation."""
+        return ",".join(map(str, self.branching)) or "none"
 
     def build(self) -> Tree:
         """The level-ordered parent-pointer tree for this shape."""

@@ -42,7 +42,7 @@ class Paths:
 def _path_grid(tree: Tree, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(nodes, parents) grids of a tree's leaf paths and its per-node parents, built once per tree and device."""
     leaf_paths = tree.leaf_paths or ((),)  # a root-only tree has one empty path
-    depth = max(len(p) for p in leaf_paths)
+    depth = max(1, *(len(p) for p in leaf_paths))  # ... padded to one invalid column, so every gather has a column
     nodes = torch.full((len(leaf_paths), depth), -1, dtype=torch.long)
     for i, path in enumerate(leaf_paths):
         nodes[i, : len(path)] = torch.tensor(path, dtype=torch.long)

@@ -52,7 +52,7 @@ class SamplingVerifier(Verifier):
         if inp.sampling.greedy:
             path, next_token = greedy_walk(inp.tree, tokens, torch.argmax(inp.target_logits, -1).tolist())
             return VerifyResult(path=path, next_token=next_token)
-        if inp.draft_probs is None:
+        if inp.draft_probs is None and len(inp.tree) > 1:  # a root-only tree has no child to test against q
             raise ValueError("the sampling verifier needs draft_probs (the distribution each node's children came from)")
         # Host syncs per tried child: the accept/reject walk is inherently sequential Python on a few nodes.
         target_probs = logits_to_probs(inp.target_logits, inp.sampling)

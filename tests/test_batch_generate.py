@@ -1,0 +1,254 @@
+"""generate_batch / generate_autoregressive_batch: B prompts decoded together give, per row, exactly what the target's
+own `generate` (greedy) or `generate` with that row's seed (sampling) gives that prompt alone; rows stop on their own
+EOS / budget and leave the batch; the policy sees the batch; bad batches are refused before any model runs."""
+import math
+
+import pytest
+import torch
+
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
+from tree_search import UCBBandit
+from tree_search.batch_generate import generate_autoregressive_batch, generate_batch
+from tree_search.generate import generate, generate_autoregressive
+from tree_search.sampling import SamplingParams, logits_to_probs
+from tree_search.target import BatchTargetState
+from tree_search.verifiers.greedy import GreedyVerifier
+
+VOCAB = 64
+NEW = 40
+LENGTHS = (5, 1, 9, 3, 12)  # different lengths, one single-token prompt (its target prefix is all padding)
+
+
+@pytest.fixture(scope="module")
+def greedy_setup(tmp_path_factory):
+    target = tiny_llama()
+    drafter = aligned_drafter(tmp_path_factory.mktemp("aligned"), target)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    refs = [hf_greedy(target, torch.tensor([p]), NEW) for p in prompts]
+    return target, drafter, prompts, refs
+
+
+def left_padded(prompts, pad: int = 7):
+    """(B, L) ids whose pads hold a real token id (a pad that leaks changes the output) and their mask."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
+def none_and_chains():
+    return UCBBandit(arms=("none", "1,1", "3,2,1"), lambda_ucb=2.0)  # strong exploration: every arm is pulled
+
+
+@pytest.mark.parametrize("tree", ["1,1,1,1", "3,2,1", "4", "none", "bandit", "none+chains"])
+def test_greedy_rows_equal_the_targets_generate(greedy_setup, tree):
+    target, drafter, prompts, refs = greedy_setup
+    policy = none_and_chains() if tree == "none+chains" else tree
+    result = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree=policy)
+    for b, (row, ref) in enumerate(zip(result.rows, refs)):
+        assert torch.equal(row.tokens, ref), f"row {b} diverged"
+        assert row.stats.new_tokens == NEW == sum(row.stats.accepted_lengths)
+    stats = result.stats
+    assert stats.new_tokens == NEW * len(prompts) and sum(stats.accepted_lengths) == stats.new_tokens
+    assert stats.target_forwards == stats.rounds + 1  # the prefill, then one forward per round for the whole batch
+    arms = stats.arms
+    assert sum(arm["pulls"] for arm in arms.values()) == stats.rounds  # one arm per round for the whole batch
+    if tree == "none+chains":
+        assert all(arm["pulls"] > 0 for arm in arms.values())  # switched between none and drafted rounds
+    if tree in ("3,2,1", "bandit"):
+        assert min(result.mean_accepted) > 1.5  # the aligned drafter is accepted in every row
+
+
+def test_padded_tensor_input_and_time_reward(greedy_setup):
+    """Left-padded (B, L) ids + attention_mask give the same rows; the time reward sees the batch's throughput."""
+    target, drafter, prompts, refs = greedy_setup
+    ids, mask = left_padded(prompts)
+    policy = UCBBandit(arms=("none", "1,1,1", "3,2,1"), reward="time")
+    result = generate_batch(target, drafter, ids, attention_mask=mask, max_new_tokens=NEW, tree=policy)
+    assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
+    assert sum(s.pulls for s in policy.stats) == result.stats.rounds
+    # rewarded with every row's tokens (those a row's last round proposed past its budget included)
+    assert policy._tokens == result.stats.new_tokens + sum(row.stats.cut_tokens for row in result.rows)
+
+
+def test_eos_and_budget_land_mid_round_in_different_rows(greedy_setup, monkeypatch):
+    """Rows end on EOS or on max_new_tokens in different rounds, inside accepted paths; each finished row leaves the
+    target batch (every later forward is over the unfinished rows only)."""
+    target, drafter, prompts, refs = greedy_setup
+    new = [ref[0, len(p):].tolist() for p, ref in zip(prompts, refs)]
+    eos = new[0][11]  # row 0 ends on it mid-way; some rows never emit it
+    budget = 33
+    expected = [hf_greedy(target, torch.tensor([p]), budget, eos_token_id=eos)[0, len(p):].tolist() for p in prompts]
+    assert {len(e) for e in expected} != {budget} and budget in {len(e) for e in expected}
+    batches = []
+    forward = BatchTargetState.tree_forward
+
+    def spy(self, tokens, tree, want_hidden=False):
+        batches.append(tokens.shape[0])
+        return forward(self, tokens, tree, want_hidden)
+
+    monkeypatch.setattr(BatchTargetState, "tree_forward", spy)
+    result = generate_batch(target, drafter, prompts, max_new_tokens=budget, tree="3,2,1", eos_token_id=eos)
+    assert result.new_tokens == expected
+    rounds = [row.stats.rounds for row in result.rows]
+    assert len(set(rounds)) > 1  # rows finished in different rounds
+    assert any(row.stats.cut_tokens for row in result.rows)  # a round proposed tokens past a row's EOS / budget
+    assert batches == [sum(r > i for r in rounds) for i in range(len(batches))]  # finished rows cost nothing more
+
+
+def test_autoregressive_batch_is_the_targets_greedy(greedy_setup):
+    target, _, prompts, refs = greedy_setup
+    result = generate_autoregressive_batch(target, prompts, max_new_tokens=NEW)
+    assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
+    assert result.stats.rounds == NEW and result.stats.target_forwards == NEW  # prefill + NEW - 1 decodes
+    assert result.mean_accepted == [1.0] * len(prompts)
+    eos = refs[2][0, len(prompts[2]) + 5].item()
+    ended = generate_autoregressive_batch(target, prompts, max_new_tokens=NEW, eos_token_id=eos)
+    assert ended.new_tokens == [hf_greedy(target, torch.tensor([p]), NEW, eos_token_id=eos)[0, len(p):].tolist()
+                                for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def float64_setup(tmp_path_factory):
+    """Float64 models: batched and single forwards then agree far below any sampling decision's resolution."""
+    target = tiny_llama(seed=5).to(torch.float64)
+    drafter = aligned_drafter(tmp_path_factory.mktemp("f64"), target).to(torch.float64)
+    return target, drafter
+
+
+class RoundRobin(UCBBandit):
+    """Arms in turn, whatever the rewards: a batch and a single run then pull the same arm every round."""
+
+    def select(self) -> int:
+        return self.rounds % len(self.arms)
+
+
+@pytest.mark.parametrize("tree", ["3,2,1", "none", "round-robin", "ar"])
+def test_sampled_rows_reproduce_single_runs_with_their_seed(float64_setup, tree):
+    """Row b draws from its own generator (seed + b) exactly as the single-prompt call with that seed does, so it
+    samples the same drafts from the same q: "round-robin" alternates none and drafted rounds, which checks that the
+    drafter stays in sync through no-speculation rounds (a stale drafter state would draft other tokens)."""
+    target, drafter = float64_setup
+    prompts = [[4, 9, 1], [33], [8, 2, 60, 17, 5, 5]]
+    kwargs = dict(max_new_tokens=25, temperature=0.8, top_k=20)
+    if tree == "round-robin":
+        tree = RoundRobin(arms=("none", "none", "1,1", "3,2,1"))
+    if tree == "ar":
+        result = generate_autoregressive_batch(target, prompts, seed=7, **kwargs)
+        singles = [generate_autoregressive(target, torch.tensor([p]), seed=7 + b, **kwargs)
+                   for b, p in enumerate(prompts)]
+    else:
+        result = generate_batch(target, drafter, prompts, seed=7, tree=tree, **kwargs)
+        singles = [generate(target, drafter, torch.tensor([p]), seed=7 + b, tree=tree, **kwargs)
+                   for b, p in enumerate(prompts)]
+    for row, single in zip(result.rows, singles):
+        assert torch.equal(row.tokens, single.tokens)
+        assert row.stats.accepted_lengths == single.stats.accepted_lengths
+    assert len({tuple(row.new_tokens[0].tolist()) for row in result.rows}) == len(prompts)
+
+
+@pytest.mark.parametrize("verifier, params", [("topk", {"k": 3}), ("fly", {"theta": 0.0, "window": 1})])
+def test_lossy_verifiers_decide_each_row_as_alone(float64_setup, verifier, params):
+    """Lossy rules judge each row on its own tokens and logits: rows equal single runs, lossy accepts included."""
+    target, drafter = float64_setup
+    prompts = [[4, 9, 1], [33], [8, 2, 60, 17, 5, 5]]
+    kwargs = dict(max_new_tokens=30, tree="3,2,1", verifier=verifier, verifier_params=params)
+    result = generate_batch(target, drafter, prompts, **kwargs)
+    singles = [generate(target, drafter, torch.tensor([p]), **kwargs) for p in prompts]
+    for row, single in zip(result.rows, singles):
+        assert torch.equal(row.tokens, single.tokens)
+        assert row.stats.lossy_accepts == single.stats.lossy_accepts
+    assert result.stats.lossy_accepts == sum(s.stats.lossy_accepts for s in singles) > 0
+
+
+class HeadCheck(GreedyVerifier):
+    """Greedy, after checking that the row's hidden states are its own: the target's head maps them to its logits
+    (what DropMatch and AutoJudge rely on)."""
+
+    needs_hidden = True
+    checked = 0
+
+    def verify(self, inp):
+        torch.testing.assert_close(inp.lm_head(inp.hidden), inp.target_logits)
+        self.checked += 1
+        return super().verify(inp)
+
+
+def test_verifiers_needing_hidden_states_get_each_rows_own(greedy_setup):
+    target, drafter, prompts, refs = greedy_setup
+    verifier = HeadCheck()
+    result = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree="3,2,1", verifier=verifier)
+    assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
+    assert verifier.checked == sum(row.stats.rounds for row in result.rows)
+
+
+def test_first_token_law_of_every_row(tmp_path):
+    """Lossless sampling per row: each row's first token follows the target's processed distribution for its prompt.
+    2,000 rows per prompt in one batch (seeds 0..5,999); the TV bound is tests/test_generate_sampling.py's."""
+    target = tiny_llama(vocab=8, hidden=16, layers=1, seed=11, head_scale=3.0)
+    drafter = random_drafter(tmp_path, vocab=8, hidden=16, layers=1, seed=12, head_scale=3.0)
+    prompts, runs = ([3], [5, 1, 6], [2, 7, 0, 4, 4]), 2000
+    params = SamplingParams(0.9, top_k=6)
+    batch = [p for p in prompts for _ in range(runs)]  # grouped by prompt: the drafter prefills equal lengths at once
+    result = generate_batch(target, drafter, batch, max_new_tokens=1, tree="3,2", temperature=0.9, top_k=6, seed=0)
+    firsts = torch.tensor([tokens[0] for tokens in result.new_tokens]).view(len(prompts), runs)
+    accepted = sum(row.stats.cut_tokens > 0 for row in result.rows) / len(batch)
+    assert 0.05 < accepted < 0.95  # both branches of the rule ran: accepted drafts and rejections
+    delta_bound = math.sqrt(math.log(1e6) / (2 * runs))
+    for prompt, drawn in zip(prompts, firsts):
+        with torch.no_grad():
+            exact = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params).double()
+        empirical = torch.bincount(drawn, minlength=8).double() / runs
+        bound = 0.5 * torch.sqrt(exact * (1 - exact) / runs).sum().item() + delta_bound
+        tv = 0.5 * (empirical - exact).abs().sum().item()
+        assert tv < bound, f"prompt {prompt}: TV {tv:.4f} vs bound {bound:.4f}"
+
+
+def test_bad_batches_are_refused_before_any_model_runs(greedy_setup, monkeypatch):
+    target, drafter, prompts, _ = greedy_setup
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a model ran")
+
+    monkeypatch.setattr(target, "forward", boom)
+    for name in ("prefill", "step", "extend", "forward"):
+        monkeypatch.setattr(drafter, name, boom)
+    ids, mask = left_padded(prompts)
+    right = mask.flip(1)
+    huge = torch.zeros(2**20, 1, dtype=torch.long)  # 2^20 trees of 585 nodes: terabytes of drafter state
+    cases = [
+        (dict(prompts=ids, attention_mask=right), "prompt 0 is not left-padded"),
+        (dict(prompts=ids, attention_mask=mask[:, 1:]), "attention_mask has shape"),
+        (dict(prompts=ids, attention_mask=torch.cat([mask[:1] * 0, mask[1:]])), "prompt 0 is empty"),
+        (dict(prompts=[[1, 2], [], [3]]), "prompt 1 is empty"),
+        (dict(prompts=[]), "non-empty list"),
+        (dict(prompts=prompts, attention_mask=mask), "a list of prompts is padded here"),
+        (dict(prompts=[[1, 2], [VOCAB]]), r"must lie in \[0, 64\)"),
+        (dict(prompts=huge, tree="8,8,8"), "drafter state rows"),
+        (dict(prompts=prompts, max_new_tokens=0), "max_new_tokens must be a positive integer"),
+        (dict(prompts=prompts, seed=1.5), "seed must be an integer"),
+    ]
+    for kwargs, message in cases:
+        kwargs = {"max_new_tokens": 4, **kwargs}
+        with pytest.raises(ValueError, match=message) as err:
+            generate_batch(target, drafter, **kwargs)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="not left-padded"):
+        generate_autoregressive_batch(target, ids, attention_mask=right, max_new_tokens=4)
+
+
+def test_generate_and_generate_autoregressive_take_a_batch(greedy_setup):
+    """The public entry points dispatch a list of prompts, or left-padded ids + mask, to the batched loops."""
+    target, drafter, prompts, refs = greedy_setup
+    spec = generate(target, drafter, prompts, max_new_tokens=NEW, tree="1,1")
+    ids, mask = left_padded(prompts)
+    plain = generate_autoregressive(target, ids, attention_mask=mask, max_new_tokens=NEW)
+    for result in (spec, plain):
+        assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
+    with pytest.raises(ValueError, match="no streamer"):
+        generate(target, drafter, prompts, max_new_tokens=NEW, streamer=object())
+    one = generate(target, drafter, torch.tensor([prompts[0]]), max_new_tokens=NEW, tree="1,1")
+    assert torch.equal(one.tokens, refs[0])  # (1, L) without a mask stays the single-prompt path
