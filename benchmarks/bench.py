@@ -5,18 +5,20 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from benchmarks.equality import compare_outputs
 from benchmarks.methods import Method, Models, make_tree_policy, parse_method, run_hf, run_ours
-from benchmarks.report import bar_plot, fmt_mean_std, markdown_table, mean_std, write_json, write_text
+from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
 from mamba_draft.devices import check_device
 from mamba_draft.dtypes import DTYPES, parse_dtype
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
 DEFAULT_METHODS = ("hf-ar", "ar", "chain", "tree:3,2,2,1,1", "bandit")
+BATCH_WARMUP_TOKENS = 8  # a batch sweep's warm-up pays one-time costs (first calls, allocations), not a full batch
 
 
 @dataclass
@@ -34,6 +36,8 @@ class BenchConfig:
     seed: int = 0
     chat_template: bool = True
     system_prompt: str | None = None
+    # (1,): the per-prompt Spec-Bench table; anything else: the batch sweep (run_batch_benchmark)
+    batch_sizes: tuple[int, ...] = (1,)
 
 
 def resolve_methods(specs) -> list[Method]:
@@ -88,23 +92,44 @@ def check_verifiers(methods: list[Method], params: SamplingParams) -> None:
                              f"use {m.name.partition('@')[0]}@sampling at temperature {params.temperature}")
 
 
-def run_pass(method: Method, models: Models, prompt_ids: list[torch.Tensor], cfg: BenchConfig, eos: list[int],
+class Batch(NamedTuple):
+    start: int                        # index of its first prompt (row b is prompt start + b, seeded seed + start + b)
+    ids: torch.Tensor                 # (1, L) one prompt, or (B, L) left-padded prompts
+    mask: torch.Tensor | None         # None for one prompt (the single-prompt path), else the (B, L) attention mask
+
+
+def make_batches(prompt_ids: list[torch.Tensor], size: int) -> list[Batch]:
+    """Consecutive groups of `size` prompts (the last may be smaller), left-padded; size 1: the prompts as they are."""
+    from tree_search.batch_generate import batch_prompts
+
+    if size == 1:
+        return [Batch(i, ids, None) for i, ids in enumerate(prompt_ids)]
+    out = []
+    for start in range(0, len(prompt_ids), size):
+        ids, mask, _ = batch_prompts([p[0] for p in prompt_ids[start:start + size]], None)  # pads are masked
+        device = prompt_ids[start].device
+        out.append(Batch(start, ids.to(device), mask.to(device)))
+    return out
+
+
+def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
              seed: int, bar=None) -> tuple[list[list[int]], list[dict], dict]:
-    """One method over every prompt; returns outputs, per-prompt records and the tree shapes' pulls."""
+    """One method over every batch; returns per-prompt outputs, per-batch records and the tree shapes' pulls."""
     policy = make_tree_policy(method.tree) if method.kind == "spec" else None
     pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
     outputs, records = [], []
-    for i, ids in enumerate(prompt_ids):
+    for start, ids, mask in batches:
         if method.kind in ("hf-ar", "hf-assisted"):
             if cfg.temperature > 0:
-                torch.manual_seed(seed + i)
-            tokens, record = run_hf(method, models, ids, cfg.max_new_tokens, sampling_of(cfg), eos, pad)
+                torch.manual_seed(seed + start)
+            tokens, record = run_hf(method, models, ids, cfg.max_new_tokens, sampling_of(cfg), eos, pad, mask)
         else:
-            tokens, record = run_ours(method, models, ids, cfg.max_new_tokens, sampling_of(cfg), eos, policy, seed + i)
-        outputs.append(tokens)
+            tokens, record = run_ours(method, models, ids, cfg.max_new_tokens, sampling_of(cfg), eos, policy,
+                                      seed + start, mask)
+        outputs.extend([tokens] if mask is None else tokens)
         records.append(record)
         if bar is not None:
-            bar.update()
+            bar.update(ids.shape[0])
     arms: dict[str, dict[str, int]] = {}  # pulls per tree shape, summed over the pass's prompts
     for record in records:
         for shape, pulls in record.get("arm_pulls", {}).items():
@@ -114,8 +139,24 @@ def run_pass(method: Method, models: Models, prompt_ids: list[torch.Tensor], cfg
 
 def reference_outputs(models: Models, prompt_ids, cfg: BenchConfig, eos: list[int]) -> list[list[int]]:
     """The target's own greedy `generate` output for every prompt (what lossless methods must reproduce)."""
-    greedy = BenchConfig(**{**asdict(cfg), "temperature": 0.0})
-    return run_pass(parse_method("hf-ar"), models, prompt_ids, greedy, eos, cfg.seed)[0]
+    greedy = replace(cfg, temperature=0.0)
+    return run_pass(parse_method("hf-ar"), models, make_batches(prompt_ids, 1), greedy, eos, cfg.seed)[0]
+
+
+def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int], bar,
+            warmup: BenchConfig) -> dict[str, list[dict]]:
+    """Untimed warm-up passes over the first batch (with `warmup`'s settings), then `repeats` passes of every
+    method over every batch, the methods interleaved -> {method: [per repeat: outputs, records, arms]}."""
+    for method in methods:
+        for _ in range(cfg.warmup):
+            run_pass(method, models, batches[:1], warmup, eos, cfg.seed)
+    runs = {m.name: [] for m in methods}
+    for repeat in range(cfg.repeats):
+        for method in methods:
+            bar.set_postfix_str(f"repeat {repeat + 1}: {method.name}")
+            outputs, records, arms = run_pass(method, models, batches, cfg, eos, cfg.seed + 1000 * repeat, bar)
+            runs[method.name].append({"outputs": outputs, "records": records, "arms": arms})
+    return runs
 
 
 def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], cfg: BenchConfig,
@@ -128,16 +169,8 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     prompt_ids = encode_prompts(models.tokenizer, prompts, cfg, device)
     eos = eos_ids(models)
     greedy = cfg.temperature == 0
-    for method in methods:
-        for _ in range(cfg.warmup):
-            run_pass(method, models, prompt_ids[:1], cfg, eos, cfg.seed)
-    runs = {m.name: [] for m in methods}
     bar = tqdm(total=cfg.repeats * len(methods) * len(prompts), desc="bench", disable=not progress)
-    for repeat in range(cfg.repeats):
-        for method in methods:
-            bar.set_postfix_str(f"repeat {repeat + 1}: {method.name}")
-            outputs, records, arms = run_pass(method, models, prompt_ids, cfg, eos, cfg.seed + 1000 * repeat, bar)
-            runs[method.name].append({"outputs": outputs, "records": records, "arms": arms})
+    runs = measure(methods, models, make_batches(prompt_ids, 1), cfg, eos, bar, cfg)
     bar.close()
     references = None
     if greedy:  # hf-ar's greedy outputs are the target's own greedy generate: no extra pass when it ran
@@ -187,10 +220,15 @@ def summarize(method: Method, runs: dict, prompts: list[Prompt], references) -> 
         out["time_split"] = {"draft": sum(r["draft_time"] for r in drafted) / total,
                              "verify": sum(r["verify_time"] for r in drafted) / total}
     if references is not None:
-        checks = [compare_outputs(references, run["outputs"]) for run in mine]
-        worst = min(checks, key=lambda e: (e.n_identical, e.prefix_agreement))
-        out["equality"] = asdict(worst) | {"summary": worst.summary(), "all_repeats_identical": all(e.identical for e in checks)}
+        out["equality"] = equality(references, mine)
     return out
+
+
+def equality(references: list[list[int]], repeats: list[dict]) -> dict:
+    """The worst repeat's comparison with the references, and whether every repeat was identical."""
+    checks = [compare_outputs(references, run["outputs"]) for run in repeats]
+    worst = min(checks, key=lambda e: (e.n_identical, e.prefix_agreement))
+    return asdict(worst) | {"summary": worst.summary(), "all_repeats_identical": all(e.identical for e in checks)}
 
 
 def equality_cell(summary: dict) -> str:
@@ -208,9 +246,7 @@ def markdown_report(result: dict) -> str:
     rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
              fmt_mean_std(s["tau"]), fmt_mean_std(s["speedup"]) + "×", s["baseline"], equality_cell(s)]
             for name, s in result["methods"].items()]
-    sampling = f"temperature {cfg['temperature']}" + (
-        f" (top-k {cfg['top_k'] or 'off'}, top-p {cfg['top_p']})" if cfg["temperature"] else " (greedy)")
-    text = (f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, {sampling}, "
+    text = (f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, "
             f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}.\n\n" + markdown_table(header, rows))
     categories = list(next(iter(result["methods"].values()))["categories"])
     if len(categories) > 1:
@@ -218,11 +254,19 @@ def markdown_report(result: dict) -> str:
         rows = [[name] + [f"{mean_std(s['categories'][c]['speedup'])[0]:.2f}× (τ {mean_std(s['categories'][c]['tau'])[0]:.2f})"
                           for c in categories] for name, s in result["methods"].items()]
         text += "\nSpeedup (τ) per category:\n\n" + markdown_table(header, rows)
-    arms = {name: s["arms"] for name, s in result["methods"].items() if len(s["arms"]) > 1}
-    for name, summary in arms.items():
-        text += f"\nArm pulls of `{name}` (last repeat): " + ", ".join(
-            f"({a}) {int(v['pulls'])}" for a, v in summary.items()) + "\n"
-    return text
+    return text + arm_pulls(result["methods"], "last repeat")
+
+
+def sampling_text(cfg: dict) -> str:
+    return f"temperature {cfg['temperature']}" + (
+        f" (top-k {cfg['top_k'] or 'off'}, top-p {cfg['top_p']})" if cfg["temperature"] else " (greedy)")
+
+
+def arm_pulls(methods: dict, what: str) -> str:
+    """One line per bandit method: its pulls per tree shape."""
+    return "".join(f"\nArm pulls of `{name}` ({what}): " + ", ".join(
+        f"({a}) {int(v['pulls'])}" for a, v in s["arms"].items()) + "\n"
+        for name, s in methods.items() if len(s["arms"]) > 1)
 
 
 def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> dict[str, Path]:
@@ -242,6 +286,110 @@ def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> d
              "Mean accepted tokens per target forward (τ)", "τ", baseline=1.0, lossy=lossy)
     bar_plot(paths["speedup_png"], names, [methods[n]["speedup"] for n in names],
              "Speedup vs same-harness autoregressive", "× tokens/s", baseline=1.0, lossy=lossy)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ batch sweep
+
+def run_batch_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], cfg: BenchConfig,
+                        progress: bool = True) -> dict:
+    """For each of cfg.batch_sizes: every method over the same left-padded batches of that many prompts (the last
+    may be smaller), warm-up then `repeats` passes -> the JSON-able result, one summary per batch size.
+
+    Lossless outputs are checked against the target's own per-prompt greedy `generate`, not batched `hf-ar`:
+    transformers' left-padded batched decoding may round differently from a prompt alone (its rows get the same
+    check, so the table shows whether it does)."""
+    from tqdm import tqdm
+
+    cfg = resolve_config(cfg, models.target, methods)
+    device = next(models.target.parameters()).device
+    prompt_ids = encode_prompts(models.tokenizer, prompts, cfg, device)
+    eos = eos_ids(models)
+    warmup = replace(cfg, max_new_tokens=min(cfg.max_new_tokens, BATCH_WARMUP_TOKENS))
+    total = cfg.repeats * len(methods) * len(prompts) * len(cfg.batch_sizes)
+    bar = tqdm(total=total, desc="bench", disable=not progress)
+    runs = {}
+    for size in cfg.batch_sizes:
+        bar.set_description(f"bench batch {size}")
+        runs[size] = measure(methods, models, make_batches(prompt_ids, size), cfg, eos, bar, warmup)
+    bar.close()
+    references = None
+    if cfg.temperature == 0:  # hf-ar at batch size 1 is that per-prompt greedy generate: no extra pass when it ran
+        lone = runs.get(1, {}).get("hf-ar")
+        references = lone[0]["outputs"] if lone else reference_outputs(models, prompt_ids, cfg, eos)
+    batches = {str(size): {"methods": {m.name: summarize_batch(m, r, references) for m in methods}, "runs": r}
+               for size, r in runs.items()}
+    return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
+            "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "references": references,
+            "batches": batches}
+
+
+def throughput(records: list[dict]) -> float:
+    """All new tokens / the wall time of all batches (a batch's tokens share one wall time)."""
+    return sum(r["new_tokens"] for r in records) / sum(r["wall_time"] for r in records)
+
+
+def summarize_batch(method: Method, runs: dict, references) -> dict:
+    mine = runs[method.name]
+    out = {"kind": method.kind, "tree": method.tree, "verifier": method.verifier, "lossless": method.lossless,
+           "tokens_per_s": [throughput(r["records"]) for r in mine], "tau": [tau(r["records"]) for r in mine],
+           "arms": mine[-1]["arms"]}
+    for base in ("ar", "hf-ar"):  # the same batches decoded by each autoregressive baseline
+        if base in runs:
+            out["speedup_vs_" + base] = [throughput(r["records"]) / throughput(b["records"])
+                                         for r, b in zip(mine, runs[base])]
+    if references is not None:
+        out["equality"] = equality(references, mine)
+    return out
+
+
+def batch_report(result: dict) -> str:
+    """A table per batch size (tokens/s, τ, speedup vs batched ar and hf-ar, equality), then tokens/s by size."""
+    cfg, batches = result["config"], result["batches"]
+
+    def speedup(s, base):
+        return fmt_mean_std(s["speedup_vs_" + base]) + "×" if "speedup_vs_" + base in s else "–"
+
+    text = (f"{len(result['prompts'])} prompts in left-padded batches of {', '.join(batches)} (the last batch of a "
+            f"size may be smaller), {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, {cfg['repeats']} "
+            f"repeats (mean ± std), device: {result['device']}. tokens/s = all new tokens / wall time of all batches; "
+            "speedups against `ar` and `hf-ar` on the same batches; outputs compared with the target's per-prompt "
+            "greedy `generate`.\n")
+    header = ["method", "verifier", "tokens/s", "τ", "vs ar", "vs hf-ar", "output vs target greedy"]
+    for size, entry in batches.items():
+        rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
+                 fmt_mean_std(s["tau"]), speedup(s, "ar"), speedup(s, "hf-ar"), equality_cell(s)]
+                for name, s in entry["methods"].items()]
+        text += f"\n### Batch size {size}\n\n" + markdown_table(header, rows)
+        text += arm_pulls(entry["methods"], "batched rounds, last repeat")
+    names = list(next(iter(batches.values()))["methods"])
+    rows = [[name] + [f"{mean_std(entry['methods'][name]['tokens_per_s'])[0]:.1f}" for entry in batches.values()]
+            for name in names]
+    return text + "\nTokens/s by batch size:\n\n" + markdown_table(["method"] + list(batches), rows)
+
+
+def write_batch_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> dict[str, Path]:
+    """JSON (everything), the markdown tables, and line plots over batch size: speedup vs batched `ar` (`hf-ar`
+    when `ar` did not run) and tokens/s, one line per method."""
+    out_dir = Path(out_dir)
+    paths = {"json": out_dir / f"{prefix}.json", "markdown": out_dir / f"{prefix}.md",
+             "speedup_png": out_dir / f"{prefix}_batch_speedup.png",
+             "tokens_png": out_dir / f"{prefix}_batch_tokens_per_s.png"}
+    batches = result["batches"]
+    sizes = [int(size) for size in batches]
+    names = list(next(iter(batches.values()))["methods"])
+    base = "ar" if "ar" in names else "hf-ar"
+
+    def series(key):
+        return {n: [mean_std(batches[str(b)]["methods"][n][key])[0] for b in sizes] for n in names}
+
+    write_json(paths["json"], result)
+    write_text(paths["markdown"], batch_report(result))
+    line_plot(paths["speedup_png"], sizes, series("speedup_vs_" + base),
+              f"Speedup vs batched {base} ({result['device']})", "batch size",
+              f"× tokens/s of {base} on the same batches", baseline=1.0)
+    line_plot(paths["tokens_png"], sizes, series("tokens_per_s"), f"Throughput ({result['device']})", "batch size",
+              "tokens / s (all batches)")
     return paths
 
 
@@ -272,7 +420,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--batch-size", type=parse_batch_sizes, default=d.batch_sizes, metavar="B[,B2,...]",
+                        help="1 (default): the per-prompt table; else, for each size, every method decodes the "
+                        "prompts in left-padded batches of B (hf-assisted is batch 1 only) and the tables report "
+                        "throughput over all batches")
     parser.add_argument("--out", type=Path, required=True, help="output directory (JSON, markdown, PNG)")
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """'8,1,4' -> (1, 4, 8): distinct positive integers, ascending for the tables and the plot's x axis (a bad
+    value is argparse's one-line usage error)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    sizes = tuple(sorted(int(part) for part in parts))
+    if len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(f"a batch size is given twice in {text!r}")
+    return sizes
 
 
 def check_model_dir(path: str | None, flag: str) -> None:
@@ -297,6 +461,9 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     if any(m.kind == "spec" for m in methods) and not args.drafter:
         raise ValueError("drafting methods need --drafter PATH")
     if any(m.kind == "hf-assisted" for m in methods):
+        if max(args.batch_size) > 1:
+            raise ValueError("hf-assisted decodes one prompt at a time (transformers' assisted generation is batch 1 "
+                             "only): drop it or use --batch-size 1")
         if not args.assistant:
             raise ValueError("hf-assisted needs --assistant PATH (a small Transformer sharing the target's tokenizer)")
         if model_type(args.assistant).startswith(("mamba", "falcon_mamba")):
@@ -336,18 +503,23 @@ def config_from_args(args: argparse.Namespace, methods: list[Method]) -> BenchCo
     return BenchConfig(methods=tuple(m.name for m in methods), repeats=args.repeats, warmup=args.warmup,
                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       chat_template=not args.no_chat_template, system_prompt=args.system_prompt)
+                       chat_template=not args.no_chat_template, system_prompt=args.system_prompt,
+                       batch_sizes=args.batch_size)
 
 
 def run(args: argparse.Namespace) -> int:
     methods = resolve_methods(args.methods)
     validate(args, methods)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
+    if max(args.batch_size) > len(prompts):  # a table for batch size B needs a batch of B prompts
+        raise ValueError(f"--batch-size {max(args.batch_size)} needs at least that many prompts; "
+                         f"{args.prompts} gives {len(prompts)}")
     cfg = config_from_args(args, methods)
     models = load_models(args, methods)
-    result = run_benchmark(models, prompts, methods, cfg)
+    sweep = cfg.batch_sizes != (1,)
+    result = (run_batch_benchmark if sweep else run_benchmark)(models, prompts, methods, cfg)
     result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant}
-    paths = write_outputs(result, args.out)
-    print(markdown_report(result))
+    paths = (write_batch_outputs if sweep else write_outputs)(result, args.out)
+    print((batch_report if sweep else markdown_report)(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -118,13 +118,14 @@ class ForwardCounter:
 
 @torch.no_grad()
 def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
-           eos: list[int], pad: int | None) -> tuple[list[int], dict]:
-    """transformers `generate`, alone or assisted; rounds = target forward calls.
+           eos: list[int], pad: int | None, mask: torch.Tensor | None = None) -> tuple[list, dict]:
+    """transformers `generate`, alone or assisted; rounds = target forward calls. `ids` (1, L) -> (new tokens,
+    record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record).
 
     `sampling` holds resolved values (bench.resolve_config), passed explicitly so that the generation_config cannot
     add a top-k or top-p our methods do not apply (top_k 0 is off in transformers too)."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
-                  attention_mask=torch.ones_like(ids))
+                  attention_mask=torch.ones_like(ids) if mask is None else mask)
     if sampling["temperature"] > 0:
         kwargs.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
                       top_k=sampling["top_k"])
@@ -141,31 +142,46 @@ def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: in
         wall = time.perf_counter() - start
     finally:
         counter.close()
-    new = out[0, ids.shape[1]:].tolist()
-    return new, {"new_tokens": len(new), "wall_time": wall, "rounds": counter.count, "accepted": len(new)}
+    rows = [until_eos(row, eos) for row in out[:, ids.shape[1]:].tolist()]  # a batch pads rows that ended early
+    new = sum(map(len, rows))
+    # τ counts per row-round: a batch decodes one token per row and forward (τ 1), a lone prompt's rounds are
+    # the target's forward calls (assisted generation: fewer than its tokens)
+    record = {"new_tokens": new, "wall_time": wall, "rounds": counter.count if mask is None else new, "accepted": new,
+              "target_forwards": counter.count}
+    return (rows[0] if mask is None else rows), record
+
+
+def until_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    """Tokens up to and including the first EOS (what a row generated before it stopped)."""
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
 
 
 def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
-             eos: list[int], policy, seed: int) -> tuple[list[int], dict]:
-    """Our harness: `generate_autoregressive` for `ar`, tree speculative `generate` for the rest."""
+             eos: list[int], policy, seed: int, mask: torch.Tensor | None = None) -> tuple[list, dict]:
+    """Our harness: `generate_autoregressive` for `ar`, tree speculative `generate` for the rest. `ids` (1, L) ->
+    (new tokens, record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record), row b seeded
+    seed + b. rounds counts row-rounds (a batch's τ = accepted / rounds); batch_rounds the batched rounds."""
     from tree_search.generate import generate, generate_autoregressive
 
+    batch = {} if mask is None else {"attention_mask": mask}
     sync(ids.device)
     start = time.perf_counter()
     if method.kind == "ar":
         result = generate_autoregressive(models.target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                         seed=seed, **sampling)
+                                         seed=seed, **sampling, **batch)
     else:
         result = generate(models.target, models.drafter, ids, max_new_tokens=max_new_tokens, tree=policy,
                           verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
-                          **sampling)
+                          **sampling, **batch)
     sync(ids.device)
     wall = time.perf_counter() - start
     s = result.stats
     record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
               "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,
               "lossy_accepts": s.lossy_accepts, "arm_pulls": {a: v["pulls"] for a, v in s.arms.items()}}
-    return result.new_tokens[0].tolist(), record
+    if mask is None:
+        return result.new_tokens[0].tolist(), record
+    return result.new_tokens, record | {"batch_rounds": s.rounds}
 
 
 def sync(device: torch.device) -> None:

@@ -70,8 +70,9 @@ def bar_plot(path: str | Path, labels: list[str], values: list[list[float]], tit
 
 
 def line_plot(path: str | Path, x: list[float], series: dict[str, list[float]], title: str, xlabel: str,
-              ylabel: str, logx: bool = True) -> None:
-    """Several named series over the same x values (e.g. drafter latency vs context length)."""
+              ylabel: str, logx: bool = True, baseline: float | None = None) -> None:
+    """Several named series over the same x values (e.g. drafter latency vs context length, speedup vs batch
+    size), with an optional dashed horizontal reference line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +81,8 @@ def line_plot(path: str | Path, x: list[float], series: dict[str, list[float]], 
     fig, ax = plt.subplots(figsize=(5.0, 3.6))
     for name, ys in series.items():
         ax.plot(x, ys, marker="o", label=name)
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linestyle="--", linewidth=1)
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xticks(x, [str(int(v)) for v in x])
