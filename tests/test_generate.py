@@ -172,7 +172,8 @@ def counted(setups, monkeypatch):
         (dict(top_p=0.0), ValueError, "top_p"),
         (dict(top_k=-1), ValueError, "top_k"),
         (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "empty"),
-        (dict(input_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "batch size 1"),
+        (dict(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])),
+         ValueError, "left-padded"),  # a batch goes to generate_batch, which refuses right padding first
         (dict(input_ids=torch.zeros(1, 600, dtype=torch.long)), ValueError, "max positions"),
         (dict(input_ids=torch.zeros(1, 500, dtype=torch.long)), ValueError, "max positions"),
         (dict(input_ids=torch.tensor([[1, 64]])), ValueError, r"\[0, 64\)"),

@@ -2,22 +2,26 @@
 
 - the kernel step (mamba-ssm + causal-conv1d, skipped when they are not importable) against the torch step;
 - CUDA-graph replay of tree drafting against eager drafting (tree_search/graphs.py), shared pool and output lifetime;
-- graphs dropped and lossless output after the drafter's `.to(dtype)` / backend switch.
+- graphs dropped and lossless output after the drafter's `.to(dtype)` / backend switch;
+- the target's static verify path (tree_search/target.py): captured graphs and torch.compile(mode="reduce-overhead")
+  against the eager static path, and lossless generate through the graphs.
 """
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 
 from mamba_draft.kernels import kernels_available
-from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_causal_lm, tiny_llama
 from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
 from tree_search.drafting import TreeDrafter
-from tree_search.generate import generate
+from tree_search.generate import generate, generate_autoregressive
 from tree_search.graphs import StepRunner
-from tree_search.tree import TreeConfig
+from tree_search.target import TargetState
+from tree_search.tree import Tree, TreeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="mamba-ssm / causal-conv1d not importable")
@@ -114,3 +118,63 @@ def test_backend_switch_drops_the_graphs(tmp_path):
     drafter.set_backend("kernels")
     second = TreeDrafter.for_drafter(drafter, 8, VOCAB)
     assert second is not first and first.runner.graphs == {}
+
+
+def _static_rounds(state, prompt: torch.Tensor, rounds) -> list[torch.Tensor]:
+    """Prefill, then (tokens, tree, path) rounds: tree forward (with hidden states every other round) + commit;
+    returns every output (cloned: graph outputs are rewritten by the next replay) and the committed K slots."""
+    outs = [state.prefill(prompt).clone()]
+    for i, (tokens, tree, path) in enumerate(rounds):
+        logits, hidden = state.tree_forward(tokens, tree, want_hidden=bool(i % 2))
+        outs += [logits.clone()] + ([hidden.clone()] if hidden is not None else [])
+        state.commit(path, len(tree))
+    outs += [layer.keys[:, :, : state.length].clone() for layer in state.cache.layers]
+    return outs
+
+
+def _random_rounds(count: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    trees = [TreeConfig((3, 2, 1)).build(), TreeConfig((2, 2)).build(), Tree((-1,))]
+    rounds = []
+    for i in range(count):
+        tree = trees[i % 3]
+        path = list(tree.leaf_paths[i % len(tree.leaf_paths)][: 1 + i % 2]) if len(tree) > 1 else []
+        rounds.append((torch.randint(0, VOCAB, (len(tree),), generator=g).to("cuda"), tree, path))
+    return rounds
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox", "qwen2"])
+def test_static_verify_graphs_equal_eager_and_stay_lossless(tmp_path, monkeypatch, kind):
+    """TargetState(static=True, graphs=True): one captured forward per (tree size, want_hidden) and one commit per
+    tree size, replayed with the same outputs and cache as the eager static path; generate through it stays
+    token-identical to the target's own greedy generate."""
+    target = tiny_causal_lm(kind, vocab=VOCAB).to("cuda")
+    drafter = aligned_drafter(tmp_path, target).to("cuda")
+    prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
+    rounds = _random_rounds(9)
+    eager = _static_rounds(TargetState(target, static=True, max_len=64), prompt, rounds)
+    graphed_state = TargetState(target, static=True, max_len=64, graphs=True)
+    graphed = _static_rounds(graphed_state, prompt, rounds)
+    for want, got in zip(eager, graphed, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(graphed_state._sizes) == {16, 7, 1} and graphed_state._sizes[16].graphs.keys() == {False, True, "commit"}
+    generate_module = importlib.import_module("tree_search.generate")
+    monkeypatch.setattr(generate_module, "TargetState",
+                        lambda model: TargetState.for_model(model, max_len=5 + 24 + 16, static=True, graphs=True))
+    reference = hf_greedy(target, prompt, 24)
+    for tree in ("3,2,1", "2,2,1", "none"):
+        assert torch.equal(generate(target, drafter, prompt, max_new_tokens=24, tree=tree).tokens, reference)
+    assert torch.equal(generate_autoregressive(target, prompt, max_new_tokens=24).tokens, reference)
+
+
+def test_static_verify_compiled_with_reduce_overhead_equals_eager():
+    """The static forward has one shape per tree size, so torch.compile(mode="reduce-overhead") captures it
+    (CUDA graphs via cudagraph trees) and gives the eager static path's outputs."""
+    target = tiny_causal_lm("llama", vocab=VOCAB).to("cuda")
+    prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
+    rounds = _random_rounds(9, seed=1)
+    eager = _static_rounds(TargetState(target, static=True, max_len=64), prompt, rounds)
+    compiled = TargetState(target, static=True, max_len=64)
+    compiled.forward = torch.compile(target, mode="reduce-overhead", fullgraph=True)
+    for want, got in zip(eager, _static_rounds(compiled, prompt, rounds), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

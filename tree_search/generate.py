@@ -231,7 +231,9 @@ class Run:
     def start(self, target: torch.nn.Module, prefix: torch.Tensor) -> tuple[TargetState, torch.Tensor | None]:
         """Start the clock, encode `prefix` (1, P) into a fresh target cache (-> its last logits), stream the prompt."""
         self.recorder = Recorder(self.stats, self.ids.device)
-        target_state = TargetState(target)
+        widest = max(a.num_nodes for a in self.policy.arms) if self.policy is not None else 0
+        # auto: a preallocated static cache on CUDA (capturable verify), the dynamic cache on CPU (faster there)
+        target_state = TargetState.for_model(target, max_len=self.ids.shape[1] + self.max_new_tokens + widest + 1)
         logits = target_state.prefill(prefix)
         if self.streamer is not None:
             self.streamer.put(self.ids[0].cpu())

@@ -3,11 +3,12 @@ positions) returning logits and final hidden states, and KV-cache compaction to 
 (`TargetState`) or B left-padded prompts in one cache (`BatchTargetState`)."""
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from tree_search.tree import Tree
 
@@ -147,29 +148,181 @@ class _TreeMasks:
         return self._trees[tree]
 
 
-class TargetState(_TreeMasks):
-    """The target model plus its KV cache of the committed sequence minus the last (root) token."""
+def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:
+    """Why a preallocated KV cache of `max_len` slots per layer cannot serve `model` (None: it can).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    Sliding-window layers are served by plain full-length layers as long as the window never fills (nothing is
+    dropped before then, so both hold the same keys); past that HF keeps a rolling buffer our slots cannot describe.
+    """
+    name = type(model).__name__
+    for layer in _cache_layers(model):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            return f"{name} has {type(layer).__name__} cache layers; a static KV cache holds attention layers only"
+    window = window_capacity(model)
+    if window is not None and max_len > window:
+        return (f"{name}'s sliding-window layers keep only the last {window} tokens, fewer than the {max_len} slots "
+                "asked of its static KV cache; use static=False")
+    return None
+
+
+def _use_static(model: torch.nn.Module, device: torch.device, static: bool | None, max_len: int | None) -> bool:
+    """Resolve TargetState's `static` argument; refuse a bad `max_len` or a static cache the model cannot use."""
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int (KV slots to preallocate), got {max_len!r}")
+    if static is None:  # auto: static on CUDA (capturable); on CPU, where nothing is captured, the dynamic cache
+        # is as fast or faster (measured: static attends over all max_len slots, dynamic over P + n)
+        return device.type == "cuda" and max_len is not None and static_cache_refusal(model, max_len) is None
+    if static:
+        if max_len is None:
+            raise ValueError("static=True needs max_len: prompt + max_new_tokens + the widest tree's node count + 1")
+        reason = static_cache_refusal(model, max_len)
+        if reason is not None:
+            raise UnsupportedTargetError(reason)
+    return bool(static)
+
+
+def _weights_key(model: torch.nn.Module) -> tuple:
+    """What a static state's cache, buffers and graphs depend on: attention, dtype, device and weight addresses."""
+    addresses = tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
+    return _probe_key(model), addresses
+
+
+class _SlotLayer(StaticLayer):
+    """A preallocated KV layer (HF's StaticLayer storage, (1, heads, max_len, head_dim)) written at the slots its
+    TargetState chose. HF's StaticLayer appends at a per-layer running count; here all layers read one shared index
+    buffer the state fills once per forward, so a commit needs no per-layer bookkeeping and a captured graph reads
+    the slots from a fixed address. Its `cumulative_length` stays 0: HF reads it only to build the causal mask of a
+    forward given no mask, which here is only the prefill, written from slot 0."""
+
+    def __init__(self, max_cache_len: int, slots: torch.Tensor) -> None:
+        super().__init__(max_cache_len)
+        self.slots = slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        index = self.slots[: key_states.shape[-2]]
+        self.keys.index_copy_(2, index, key_states)
+        self.values.index_copy_(2, index, value_states)
+        return self.keys, self.values
+
+
+class _TreeSize:
+    """The static path's fixed-shape buffers for trees of n tokens (root included): every input of their forward
+    and commit, so one captured graph per n reads them all from fixed addresses."""
+
+    def __init__(self, n: int, max_len: int, mask_dtype: torch.dtype, hidden, device: torch.device) -> None:
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.mask = torch.full((1, 1, n, max_len), hidden, dtype=mask_dtype, device=device)
+        self.visible = 0  # mask columns [0, visible) are already visible (the committed prefix)
+        self.src = torch.zeros(n - 1, dtype=torch.long, device=device)  # commit: slot P+1+j takes slot src[j]
+        self.dst = torch.zeros(n - 1, dtype=torch.long, device=device)  # commit: P+1 ... P+n-1
+        self.scratch: dict[tuple, torch.Tensor] = {}  # commit: rows gathered per cache-layer shape
+        self.outputs: dict[bool, tuple] = {}  # graphs: (logits, hidden) copied out, per want_hidden
+        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}  # want_hidden -> forward graph, "commit" -> commit graph
+
+
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, TargetState]" = weakref.WeakKeyDictionary()
+
+
+class TargetState(_TreeMasks):
+    """The target model plus its KV cache of the committed sequence minus the last (root) token.
+
+    Two caches, same greedy output (the target's own `generate`, token for token):
+
+    - dynamic (HF DynamicCache, `static=False`): each forward concatenates its keys, commit compacts the accepted
+      rows and crops the tail. Shapes change every round, so nothing can be captured.
+    - static (`static=True`, `max_len` slots preallocated per layer): a tree of n tokens is written at slots
+      [P, P+n) and attends through a (1, 1, n, max_len) mask (the P committed slots + its ancestor block; every
+      later slot, stale or empty, hidden); commit moves the accepted rows down in place (gather, then scatter) and
+      crops nothing. All inputs live in per-tree-size buffers (`_TreeSize`): one fixed shape per tree size, no
+      allocation per round, no host sync besides the accepted path the caller hands to `commit`. `graphs=True`
+      (CUDA) captures one CUDA graph per (tree size, want_hidden) for the forward and one per tree size for the
+      commit, and replays them; their logits / hidden outputs are copied into per-size buffers, valid until the
+      next forward of the same tree size. Alternatively `state.forward = torch.compile(model.forward,
+      mode="reduce-overhead")` (graphs=False) compiles one graph per tree size (outputs valid until the next call).
+
+    `static=None` (auto) is static on CUDA when `max_len` is given and the model allows it (`static_cache_refusal`),
+    else dynamic: on CPU the dynamic cache is as fast or faster (it attends over P + n keys, not max_len).
+    `max_len` must cover every forward: prompt + max_new_tokens + the widest tree (root included); a forward beyond
+    it is refused before it runs.
+    """
+
+    def __init__(self, model: torch.nn.Module, static: bool | None = None, max_len: int | None = None,
+                 graphs: bool = False) -> None:
         super().__init__(model)
         self.length = 0  # P: committed tokens held in the cache
+        self.static = _use_static(model, self.device, static, max_len)
+        if graphs and not (self.static and self.device.type == "cuda"):
+            raise ValueError("graphs=True needs the static KV cache (static=True, max_len) on a CUDA device")
+        self.use_graphs = graphs
+        self.max_len = max_len if self.static else None
+        self.forward = model  # the static tree forward's model call (replaceable by a torch.compile'd forward)
+        if self.static:
+            self._arange = torch.arange(max_len, device=self.device)
+            self._slots = torch.zeros(max_len, dtype=torch.long, device=self.device)  # where the next forward writes
+            self.cache = Cache(layers=[_SlotLayer(max_len, self._slots) for _ in _cache_layers(model)])
+            self._sizes: dict[int, _TreeSize] = {}
+            # commit's sources, written on the host without allocating, then one copy to the device
+            self._src_host = torch.zeros(max_len, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            self._src_numpy = self._src_host.numpy()
+            self._copied = None  # CUDA event: the last copy out of _src_host is done
+            self._pool = None  # one memory pool for all graphs
+            self.key = _weights_key(model)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, max_len: int, static: bool | None = None,
+                  graphs: bool = False) -> TargetState:
+        """A TargetState for one generate call. A static one (cache, buffers, graphs) is cached per model and reused
+        while it has room (its max_len >= max_len) and the model's attention, dtype, device and weight addresses
+        are unchanged; a dynamic one is fresh (it holds nothing worth keeping). `graphs` applies only when the
+        state is static, so `graphs=True` with static=None is safe on any device and model."""
+        if not _use_static(model, next(model.parameters()).device, static, max_len):
+            return cls(model, static=False)
+        cached = _STATES.get(model)
+        if (cached is None or cached.max_len < max_len or cached.use_graphs != graphs
+                or cached.key != _weights_key(model)):
+            cached = _STATES[model] = cls(model, static=True, max_len=max_len, graphs=graphs)
+        return cached
+
+    def _check_room(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(f"the static KV cache holds {self.max_len} tokens but this forward needs {needed}: "
+                             "pass max_len >= prompt + max_new_tokens + the widest tree's node count + 1")
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Encode `input_ids` (1, L) into a fresh cache; returns the last position's logits (V,) (None if L = 0)."""
-        self.cache = DynamicCache(config=self.model.config)
         self.length = 0
-        if input_ids.shape[1] == 0:
+        length = input_ids.shape[1]
+        if self.static:
+            self._check_room(length)
+            for size in self._sizes.values():  # a new sequence: no slot is committed yet
+                size.mask.fill_(self._hidden)
+                size.visible = 0
+        else:
+            self.cache = DynamicCache(config=self.model.config)
+        if length == 0:
             return None
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
-        self.length = input_ids.shape[1]
+        if self.static:
+            self._slots[:length].copy_(self._arange[:length])
+            out = self.model(input_ids=input_ids, position_ids=self._arange[:length].view(1, length),
+                             past_key_values=self.cache, use_cache=True)
+        else:
+            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
+            self.cache = out.past_key_values
+        self.length = length
         self.forwards += 1
         return out.logits[0, -1]
 
     @torch.no_grad()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Append one token (shape ()) and return the logits after it (V,). Autoregressive baseline step."""
+        if self.static:  # a root-only tree: its graph is the baseline's one captured step
+            logits, _ = self.tree_forward(token.view(1), _ROOT_ONLY)
+            self.commit([], 1)
+            return logits[0]
         pos = torch.tensor([[self.length]], device=self.device)
         out = self.model(input_ids=token.view(1, 1), position_ids=pos, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
@@ -187,6 +340,8 @@ class TargetState(_TreeMasks):
         Returns logits (T+1, V) and, if asked, the final hidden states (T+1, H). The cache then holds
         P + T + 1 entries until `commit` compacts it.
         """
+        if self.static:
+            return self._static_tree_forward(tokens, tree, want_hidden)
         n = len(tree)
         block, depths = self._tree_inputs(tree)
         mask = torch.empty(1, 1, n, self.length + n, dtype=self._mask_dtype, device=self.device)
@@ -205,12 +360,16 @@ class TargetState(_TreeMasks):
         hidden = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0], hidden
 
+    @torch.no_grad()
     def commit(self, path: list[int], tree_size: int) -> None:
         """Keep the root and the accepted `path` nodes of the last tree forward, drop the other nodes.
 
         Accepted rows move down to the slots right after the root (dst < src, so in place is alias-safe),
-        then the tail is cropped: the cache equals one built by encoding prefix + root + path.
+        then the tail is cropped (dynamic) or left behind the mask (static): the cache's committed slots equal
+        one built by encoding prefix + root + path.
         """
+        if self.static:
+            return self._static_commit(path, tree_size)
         root = self.length
         keep = len(path)
         if path:
@@ -223,6 +382,101 @@ class TargetState(_TreeMasks):
         if drop:
             self.cache.crop(-drop)
         self.length = root + 1 + keep
+
+    def _size(self, n: int) -> _TreeSize:
+        if n not in self._sizes:
+            self._sizes[n] = _TreeSize(n, self.max_len, self._mask_dtype, self._hidden, self.device)
+        return self._sizes[n]
+
+    def _static_tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool):
+        """Fill tree size n's buffers (ids, positions P + depth, write slots [P, P+n), mask), then run its forward
+        (eager, or its graph). Only the mask columns that changed since this size's last forward are written."""
+        n, start = len(tree), self.length
+        self._check_room(start + n)
+        size = self._size(n)
+        block, depths = self._tree_inputs(tree)
+        size.ids.view(-1).copy_(tokens.view(-1))
+        torch.add(depths, start, out=size.positions[0])
+        torch.add(self._arange[:n], start, out=self._slots[:n])
+        mask = size.mask[0, 0]
+        if size.visible < start:
+            mask[:, size.visible : start] = self._visible
+            size.visible = start
+        mask[:, start : start + n] = block  # earlier blocks of this size end before P + n: P only grows
+        self.forwards += 1
+        if not self.use_graphs:
+            return self._forward(size, want_hidden)
+        if want_hidden not in size.graphs:
+            size.graphs[want_hidden] = self._capture(lambda: self._forward_into(size, want_hidden))
+        size.graphs[want_hidden].replay()
+        return size.outputs[want_hidden]
+
+    def _forward(self, size: _TreeSize, want_hidden: bool):
+        out = self.forward(input_ids=size.ids, attention_mask=size.mask, position_ids=size.positions,
+                           past_key_values=self.cache, use_cache=True, output_hidden_states=want_hidden)
+        return out.logits[0], out.hidden_states[-1][0] if want_hidden else None
+
+    def _forward_into(self, size: _TreeSize, want_hidden: bool) -> None:
+        """The captured forward: outputs copied into buffers of their own (allocated at the first, eager warm-up),
+        so another graph's replay in the shared pool cannot overwrite them."""
+        logits, hidden = self._forward(size, want_hidden)
+        if want_hidden not in size.outputs:
+            size.outputs[want_hidden] = torch.empty_like(logits), None if hidden is None else torch.empty_like(hidden)
+        logits_out, hidden_out = size.outputs[want_hidden]
+        logits_out.copy_(logits)
+        if hidden_out is not None:
+            hidden_out.copy_(hidden)
+
+    def _static_commit(self, path: list[int], tree_size: int) -> None:
+        """Slots P+1 ... P+n-1 take slots src: the path's rows first, then each unaccepted slot itself (fixed shape
+        per tree size; the self-copies land beyond the committed prefix, where the mask hides them)."""
+        root, keep = self.length, len(path)
+        if keep:
+            size = self._sizes[tree_size]
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous round's copy has read _src_host (long done by now)
+            self._src_numpy[: tree_size - 1] = [root + i for i in path] + list(range(root + 1 + keep, root + tree_size))
+            size.src.copy_(self._src_host[: tree_size - 1], non_blocking=True)
+            if self.device.type == "cuda":
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+            torch.add(self._arange[1:tree_size], root, out=size.dst)
+            if not self.use_graphs:
+                self._move(size)
+            else:
+                if "commit" not in size.graphs:
+                    sources = size.src.clone()
+                    size.src.copy_(size.dst)  # the warm-up runs must not move anything: identity moves
+                    size.graphs["commit"] = self._capture(lambda: self._move(size))
+                    size.src.copy_(sources)
+                size.graphs["commit"].replay()
+        self.length = root + 1 + keep
+
+    def _move(self, size: _TreeSize) -> None:
+        """In every layer, slots dst <- slots src: gather all sources into scratch first, then scatter (alias-safe)."""
+        for layer in self.cache.layers:
+            for kv in (layer.keys, layer.values):
+                key = (kv.shape[1], kv.shape[3], kv.dtype)
+                if key not in size.scratch:
+                    size.scratch[key] = kv.new_empty(kv.shape[0], kv.shape[1], size.src.numel(), kv.shape[3])
+                torch.index_select(kv, 2, size.src, out=size.scratch[key])
+                kv.index_copy_(2, size.dst, size.scratch[key])
+
+    def _capture(self, body) -> torch.cuda.CUDAGraph:
+        """Capture `body` into the shared pool after two warm-up runs on a side stream (cuBLAS workspaces, buffer
+        allocation); the caller makes those runs harmless (a forward rewrites the slots the replay writes)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            body()
+        return graph
 
 
 def _padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
