@@ -90,15 +90,22 @@ class StepRunner:
         backup = rows.clone()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.state.conv.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            body()
+        graph = capture_graph(body, self.pool, self.state.conv.device)
         rows.conv.copy_(backup.conv)
         rows.ssm.copy_(backup.ssm)
         return graph
+
+
+def capture_graph(body, pool, device) -> torch.cuda.CUDAGraph:
+    """Capture `body` into `pool` after two warm-up runs on a side stream (Triton compiles, cuBLAS workspaces,
+    buffer allocation); the caller makes those runs harmless."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from tree_search.graphs import capture_graph
 from tree_search.tree import Tree
 
 # Probe verdicts that passed, per model, keyed on what the probe's outcome depends on: attention implementation,
@@ -467,16 +468,7 @@ class TargetState(_TreeMasks):
         allocation); the caller makes those runs harmless (a forward rewrites the slots the replay writes)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            body()
-        return graph
+        return capture_graph(body, self._pool, self.device)
 
 
 def _padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
