@@ -8,7 +8,8 @@ import torch
 
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
-from tree_search.batch_generate import generate_autoregressive_batch, generate_batch
+from tree_search.batch_generate import BatchRun, generate_autoregressive_batch, generate_batch
+from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import SamplingParams, logits_to_probs
 from tree_search.target import BatchTargetState
@@ -97,6 +98,48 @@ def test_eos_and_budget_land_mid_round_in_different_rows(greedy_setup, monkeypat
     assert len(set(rounds)) > 1  # rows finished in different rounds
     assert any(row.stats.cut_tokens for row in result.rows)  # a round proposed tokens past a row's EOS / budget
     assert batches == [sum(r > i for r in rounds) for i in range(len(batches))]  # finished rows cost nothing more
+
+
+def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkeypatch):
+    """Scripted runs of none rounds of several lengths, rows ending on EOS among them: the drafter reads nothing during
+    none rounds, then one (B, k) call per drafted round after them, whose logits are a from-scratch drafter encoding of
+    each active row's committed text (so it stays in sync across compaction); the rows stay the target's greedy."""
+    from tests.test_no_speculation import ARMS, Scripted
+
+    target, drafter, prompts, refs = greedy_setup
+    eos = refs[0][0, len(prompts[0]) + 9].item()
+    runs, calls = [], []
+    start, extend = BatchRun.start, TreeDrafter.extend_batch
+
+    def spy_start(self):
+        runs.append(self)
+        return start(self)
+
+    def spy_extend(self, tokens):
+        logits = extend(self, tokens)
+        run = runs[-1]
+        for row, prompt in enumerate(run.active):
+            text = prompts[prompt] + run.out[prompt]
+            assert tokens[row].tolist() == run.out[prompt][-tokens.shape[1]:]  # the none rounds' tokens, in order
+            fresh, _ = drafter.prefill(torch.tensor([text]))
+            torch.testing.assert_close(logits[row], fresh[0], rtol=1e-4, atol=1e-4)
+        calls.append(tokens.shape[1])
+        return logits
+
+    monkeypatch.setattr(BatchRun, "start", spy_start)
+    monkeypatch.setattr(TreeDrafter, "extend_batch", spy_extend)
+    policy = Scripted()
+    result = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree=policy, eos_token_id=eos)
+    assert result.new_tokens == [hf_greedy(target, torch.tensor([p]), NEW, eos_token_id=eos)[0, len(p):].tolist()
+                                 for p in prompts]
+    assert len({row.stats.rounds for row in result.rows}) > 1  # rows left the batch while tokens were pending
+    arms = [ARMS[a] for a in policy.pulled]
+    expected, behind = [], 0
+    for arm in arms:
+        if arm != "none" and behind:
+            expected.append(behind)
+        behind = behind + 1 if arm == "none" else 0
+    assert calls == expected and max(calls) > 1
 
 
 def test_autoregressive_batch_is_the_targets_greedy(greedy_setup):

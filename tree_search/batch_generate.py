@@ -8,6 +8,8 @@ drafter state, so finished rows cost no more work (measured against keeping B fi
 Llama on CPU, EOS finishing rows at scattered rounds: B=16 0.39 s vs 0.51 s, B=64 0.97 s vs 1.65 s; on CUDA each new
 batch size captures its own drafter graphs, once per size). The policy picks one tree shape per round for the whole batch and
 is rewarded with the batch's tokens per second (time reward) or the paper reward on the rows' mean accepted length.
+A no-speculation round (the `none` arm) is one batched target decoding step and leaves the drafter alone: the next
+drafted round feeds the (B, k) tokens of the k none rounds before it in one drafter call (`extend_batch`).
 
 Per row the output is what `generate` gives that prompt alone: token-identical to the target's greedy decoding at
 temperature 0, and at temperature > 0 row b draws all its randomness (drafting and verification) from its own
@@ -96,12 +98,15 @@ def generate_batch(
     first_call = drafts.calls
     drafts.roots[: run.batch] = run.ids[:, -1]
     logits = drafts.prefill_batch(run.ids, run.mask) if speculates else None
+    behind: list[torch.Tensor] = []  # each none round's (B,) tokens, not yet read by the drafter
     while True:
         arm = policy.select()
         config = policy.arms[arm]
         batch, gens = len(run.active), run.generators
         rec.mark(DRAFT)
         if config.depth:
+            if behind:  # after no-speculation rounds the drafter reads what they committed, in one call
+                logits, behind = drafts.extend_batch(torch.stack(behind, dim=1)), []
             buf = drafts.draft_batch(config, drafts.roots[:batch], logits, params, mode, record_probs, gens)
             rec.mark(VERIFY)
             scores, hidden = target_state.tree_forward(buf.tokens, buf.tree, want_hidden=verifier.needs_hidden)
@@ -136,16 +141,16 @@ def generate_batch(
         if len(keep) < batch:
             target_state.drop_rows(keep)
         rec.mark(RESYNC)
-        if speculates:
-            accepted = [r.path[-1] if r.path else 0 for r in results]
-            buf = buf if config.depth else drafts.batch_buffers(config, batch)  # root-only: steps each row's next token
-            logits = drafts.resync_batch(buf, accepted, [p[-1] for p in proposed])
+        if config.depth:
+            logits = drafts.resync_batch(buf, [r.path[-1] if r.path else 0 for r in results], [p[-1] for p in proposed])
         else:
-            drafts.roots[:batch] = following  # every round is a no-speculation round
+            drafts.roots[:batch] = following
+            behind += [following] if speculates else []  # tree="none" never drafts: nothing to catch up on
         if len(keep) < batch:
             run.keep(keep)
             drafts.compact(keep)
             logits = logits[keep] if logits is not None else None
+            behind = [tokens[keep] for tokens in behind]
         rec.mark(DONE)
         # The policy is charged the whole round: committing to the target cache and resyncing the drafter too.
         policy.update(arm, reward_tokens, *rec.round_times(finished=False))

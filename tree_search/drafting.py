@@ -343,6 +343,20 @@ class TreeDrafter:
         return self._step(nxt, 0, batch, source)
 
     @torch.no_grad()
+    def extend_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows 0..B-1, each the state after its row's last read token, read their next (B, k) committed tokens in one
+        drafter call (the catch-up after k no-speculation rounds); returns the logits after them (B, V), valid until
+        the next step of these rows. `roots[:B]` <- the last column (each row's next root)."""
+        batch = tokens.shape[0]
+        self.roots[:batch] = tokens[:, -1]
+        if self.read_limit is not None:
+            tokens = tokens.clamp(max=self.read_limit)  # a committed padding id the drafter cannot read (see __init__)
+        if tokens.shape[1] == 1:
+            return self._step(tokens[:, 0], 0, batch)  # a step (graph-captured on CUDA) is cheaper than a 1-token scan
+        self.calls += 1
+        return self.drafter.extend(tokens, self.state.rows(0, batch), last_only=True)
+
+    @torch.no_grad()
     def compact(self, rows) -> None:
         """Keep only batch rows `rows` (indices, in their new order): their root states and roots move to rows
         0..len(rows)-1, so later rounds step only those. Index the root logits the same way (`logits[rows]`)."""
