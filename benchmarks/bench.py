@@ -38,6 +38,7 @@ class BenchConfig:
     system_prompt: str | None = None
     # (1,): the per-prompt Spec-Bench table; anything else: the batch sweep (run_batch_benchmark)
     batch_sizes: tuple[int, ...] = (1,)
+    bandit_memory: str = "call"      # bandits restart on every generate call, or learn over a whole "pass"
 
 
 def resolve_methods(specs) -> list[Method]:
@@ -115,7 +116,7 @@ def make_batches(prompt_ids: list[torch.Tensor], size: int) -> list[Batch]:
 def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
              seed: int, bar=None) -> tuple[list[list[int]], list[dict], dict]:
     """One method over every batch; returns per-prompt outputs, per-batch records and the tree shapes' pulls."""
-    policy = make_tree_policy(method.tree) if method.kind == "spec" else None
+    policy = make_tree_policy(method.tree, cfg.bandit_memory == "pass") if method.kind == "spec" else None
     pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
     outputs, records = [], []
     for start, ids, mask in batches:
@@ -247,7 +248,8 @@ def markdown_report(result: dict) -> str:
              fmt_mean_std(s["tau"]), fmt_mean_std(s["speedup"]) + "×", s["baseline"], equality_cell(s)]
             for name, s in result["methods"].items()]
     text = (f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, "
-            f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}.\n\n" + markdown_table(header, rows))
+            f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}.{bandit_memory_text(cfg)}\n\n"
+            + markdown_table(header, rows))
     categories = list(next(iter(result["methods"].values()))["categories"])
     if len(categories) > 1:
         header = ["method"] + categories
@@ -260,6 +262,13 @@ def markdown_report(result: dict) -> str:
 def sampling_text(cfg: dict) -> str:
     return f"temperature {cfg['temperature']}" + (
         f" (top-k {cfg['top_k'] or 'off'}, top-p {cfg['top_p']})" if cfg["temperature"] else " (greedy)")
+
+
+def bandit_memory_text(cfg: dict) -> str:
+    """How the bandit methods kept their statistics (configs written before the option read as per call)."""
+    if cfg.get("bandit_memory", "call") == "pass":
+        return " Bandit methods learn over the whole pass (`--bandit-memory pass`), not afresh per call."
+    return ""
 
 
 def arm_pulls(methods: dict, what: str) -> str:
@@ -354,7 +363,7 @@ def batch_report(result: dict) -> str:
             f"size may be smaller), {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, {cfg['repeats']} "
             f"repeats (mean ± std), device: {result['device']}. tokens/s = all new tokens / wall time of all batches; "
             "speedups against `ar` and `hf-ar` on the same batches; outputs compared with the target's per-prompt "
-            "greedy `generate`.\n")
+            "greedy `generate`." + bandit_memory_text(cfg) + "\n")
     header = ["method", "verifier", "tokens/s", "τ", "vs ar", "vs hf-ar", "output vs target greedy"]
     for size, entry in batches.items():
         rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
@@ -424,6 +433,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="1 (default): the per-prompt table; else, for each size, every method decodes the "
                         "prompts in left-padded batches of B (hf-assisted is batch 1 only) and the tables report "
                         "throughput over all batches")
+    parser.add_argument("--bandit-memory", choices=("call", "pass"), default=d.bandit_memory,
+                        help="call (default): a bandit method starts afresh on every generate call (prompt or "
+                        "batch), as generate's own bandit does; pass: one bandit learns over the whole pass, as a "
+                        "server keeping its policy would")
     parser.add_argument("--out", type=Path, required=True, help="output directory (JSON, markdown, PNG)")
 
 
@@ -504,7 +517,7 @@ def config_from_args(args: argparse.Namespace, methods: list[Method]) -> BenchCo
                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                        chat_template=not args.no_chat_template, system_prompt=args.system_prompt,
-                       batch_sizes=args.batch_size)
+                       batch_sizes=args.batch_size, bandit_memory=args.bandit_memory)
 
 
 def run(args: argparse.Namespace) -> int:

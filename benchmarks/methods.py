@@ -81,16 +81,17 @@ def parse_method(spec: str) -> Method:
     return Method(name, "spec", tree, verifier)
 
 
-def make_tree_policy(tree: str):
+def make_tree_policy(tree: str, persistent: bool = False):
     """A policy for one benchmark pass: a fixed shape, or a UCB bandit that (like `generate`'s default) starts
-    afresh on every prompt: prompts of different kinds favour different shapes, and a bandit carried across them
-    keeps exploiting what suited earlier ones."""
+    afresh on every `generate` call (prompts of different kinds favour different shapes, and a bandit carried across
+    them keeps exploiting what suited earlier ones) or, `persistent`, learns over the whole pass, as a server keeping
+    one policy would (the cost of verification is a property of the machine and the batch size)."""
     from tree_search import UCBBandit
 
     if tree.startswith("bandit"):
         kind, _, arms = tree.partition(":")
         kwargs = {"arms": tuple(arms.split("/"))} if arms else {}
-        return UCBBandit(reward="time" if kind == "bandit-time" else "paper", **kwargs)
+        return UCBBandit(reward="time" if kind == "bandit-time" else "paper", persistent=persistent, **kwargs)
     return tree
 
 
@@ -161,9 +162,13 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     """Our harness: `generate_autoregressive` for `ar`, tree speculative `generate` for the rest. `ids` (1, L) ->
     (new tokens, record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record), row b seeded
     seed + b. rounds counts row-rounds (a batch's τ = accepted / rounds); batch_rounds the batched rounds."""
+    from tree_search import UCBBandit
     from tree_search.generate import generate, generate_autoregressive
 
     batch = {} if mask is None else {"attention_mask": mask}
+    # a persistent bandit's summary counts every call's pulls (others restart at the call): record this call's
+    kept = isinstance(policy, UCBBandit) and policy.persistent
+    before = {str(a): s.pulls for a, s in zip(policy.arms, policy.stats)} if kept else {}
     sync(ids.device)
     start = time.perf_counter()
     if method.kind == "ar":
@@ -178,7 +183,7 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     s = result.stats
     record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
               "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,
-              "lossy_accepts": s.lossy_accepts, "arm_pulls": {a: v["pulls"] for a, v in s.arms.items()}}
+              "lossy_accepts": s.lossy_accepts, "arm_pulls": {a: v["pulls"] - before.get(a, 0) for a, v in s.arms.items()}}
     if mask is None:
         return result.new_tokens[0].tolist(), record
     return result.new_tokens, record | {"batch_rounds": s.rounds}

@@ -228,23 +228,28 @@ def test_verifiers_needing_hidden_states_get_each_rows_own(greedy_setup):
     assert verifier.checked == sum(row.stats.rounds for row in result.rows)
 
 
-def test_first_token_law_of_every_row(tmp_path):
-    """Lossless sampling per row: each row's first token follows the target's processed distribution for its prompt.
-    2,000 rows per prompt in one batch (seeds 0..5,999); the TV bound is tests/test_generate_sampling.py's."""
-    target = tiny_llama(vocab=8, hidden=16, layers=1, seed=11, head_scale=3.0)
-    drafter = random_drafter(tmp_path, vocab=8, hidden=16, layers=1, seed=12, head_scale=3.0)
+def test_first_two_tokens_law_of_every_row(tmp_path):
+    """Lossless sampling per row: each row's first two tokens jointly follow the target's processed distribution for
+    its prompt (the second token comes from an accepted level-2 draft, a correction or the bonus). 2,000 rows per
+    prompt in one batch (seeds 0..5,999); the TV bound is tests/test_generate_sampling.py's, over the 64 pairs."""
+    vocab = 8
+    target = tiny_llama(vocab=vocab, hidden=16, layers=1, seed=11, head_scale=3.0)
+    drafter = random_drafter(tmp_path, vocab=vocab, hidden=16, layers=1, seed=12, head_scale=3.0)
     prompts, runs = ([3], [5, 1, 6], [2, 7, 0, 4, 4]), 2000
     params = SamplingParams(0.9, top_k=6)
     batch = [p for p in prompts for _ in range(runs)]  # grouped by prompt: the drafter prefills equal lengths at once
-    result = generate_batch(target, drafter, batch, max_new_tokens=1, tree="3,2", temperature=0.9, top_k=6, seed=0)
-    firsts = torch.tensor([tokens[0] for tokens in result.new_tokens]).view(len(prompts), runs)
+    result = generate_batch(target, drafter, batch, max_new_tokens=2, tree="3,2", temperature=0.9, top_k=6, seed=0)
+    pairs = torch.tensor([tokens[0] * vocab + tokens[1] for tokens in result.new_tokens]).view(len(prompts), runs)
     accepted = sum(row.stats.cut_tokens > 0 for row in result.rows) / len(batch)
     assert 0.05 < accepted < 0.95  # both branches of the rule ran: accepted drafts and rejections
     delta_bound = math.sqrt(math.log(1e6) / (2 * runs))
-    for prompt, drawn in zip(prompts, firsts):
+    for prompt, drawn in zip(prompts, pairs):
         with torch.no_grad():
-            exact = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params).double()
-        empirical = torch.bincount(drawn, minlength=8).double() / runs
+            first = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params).double()
+            second = torch.stack([logits_to_probs(target(torch.tensor([prompt + [t]])).logits[0, -1], params)
+                                  for t in range(vocab)]).double()
+        exact = (first[:, None] * second).flatten()
+        empirical = torch.bincount(drawn, minlength=vocab * vocab).double() / runs
         bound = 0.5 * torch.sqrt(exact * (1 - exact) / runs).sum().item() + delta_bound
         tv = 0.5 * (empirical - exact).abs().sum().item()
         assert tv < bound, f"prompt {prompt}: TV {tv:.4f} vs bound {bound:.4f}"

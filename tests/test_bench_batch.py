@@ -87,3 +87,30 @@ def test_until_eos_cuts_a_batched_rows_padding():
     assert until_eos([5, 2, 2, 2], [2]) == [5, 2]  # transformers pads a finished row with pad = eos
     assert until_eos([5, 6, 0], [2, 6]) == [5, 6]
     assert until_eos([5, 6], [2]) == [5, 6] and until_eos([5], []) == [5]
+
+
+@pytest.mark.parametrize("memory", ["call", "pass"])
+def test_bandit_memory_call_or_pass(tiny_pair, tmp_path, monkeypatch, memory):  # noqa: F811
+    """--bandit-memory pass: one bandit learns over a whole pass (reset once per pass, not per prompt); either way
+    each record counts its own call's pulls (a persistent bandit's summary counts every call's)."""
+    from tree_search import UCBBandit
+
+    resets = []
+    reset = UCBBandit.reset
+    monkeypatch.setattr(UCBBandit, "reset", lambda self: (resets.append(self.persistent), reset(self))[1])
+    root, prompts = tiny_pair
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
+                     "--prompts", str(prompts), "--batch-size", "1,2", "--repeats", "1", "--max-new-tokens", "6",
+                     "--methods", "ar", "cpu=bandit-time:none/1,1", "--bandit-memory", memory, "--out", str(out)])
+    assert code == 0
+    passes = 2 * 2  # per batch size: the warm-up pass and one repeat
+    calls = (1 + 3) + (1 + 2)  # per batch size: the warm-up's first batch, then every batch (3 prompts, batches of 2)
+    assert len(resets) == (passes if memory == "pass" else passes + calls)
+    assert all(resets) == (memory == "pass")
+    result = json.loads((out / "bench.json").read_text())
+    assert result["config"]["bandit_memory"] == memory
+    for entry in result["batches"].values():
+        for record in entry["runs"]["cpu"][0]["records"]:
+            assert sum(record["arm_pulls"].values()) == record["batch_rounds" if "batch_rounds" in record else "rounds"]
+    assert ("learn over the whole pass" in (out / "bench.md").read_text()) == (memory == "pass")

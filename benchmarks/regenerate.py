@@ -1,0 +1,118 @@
+"""Regenerate assistant replies with the target (self-distillation data), drafted by a Mamba drafter.
+
+    mamba-draft regenerate --model TARGET --input conversations.json --output regenerated.json [--drafter DIR]
+
+Without --drafter this is `python -m training.regenerate` (same arguments, same output). With --drafter every
+left-padded batch of replies is produced by batched tree speculative decoding (`tree_search.generate` on the batch)
+instead of transformers' `generate`, so the distillation data for the next drafter is produced with the current one.
+Verification is lossless by default: at --temperature 0 the replies are token-identical to the plain path's; above 0
+they follow the same law (temperature with the target's generation_config top-k / top-p, as `model.generate`
+samples), reproducibly for a given --seed (reply n of the run draws from its own generator seeded --seed + n).
+--tree picks the draft tree: 'bandit' (UCB over tree shapes, its statistics kept across batches; --arms sets them),
+a fixed shape such as 3,2,2,1,1, or 'none' (no drafting, plain decoding on the same harness).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import training.regenerate as plain
+from mamba_draft.devices import check_device
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    plain.add_arguments(parser)
+    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format) or hub id; without it, "
+                        "plain batched target decoding")
+    parser.add_argument("--tree", help="with --drafter: 'bandit' (default: UCB over tree shapes), a fixed shape such "
+                        "as 3,2,2,1,1 (a chain is 1,1,1,1) or 'none' (no speculation)")
+    parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'")
+    parser.add_argument("--verifier", help="with --drafter: verifier name (default: greedy at temperature 0, else "
+                        "sampling; both lossless)")
+
+
+class DraftedGenerate:
+    """`training.regenerate.Generate` by batched tree speculative decoding; sums the batches' stats."""
+
+    def __init__(self, drafter, tree, verifier: str | None = None) -> None:
+        self.drafter, self.tree, self.verifier = drafter, tree, verifier
+        self.batches = self.new_tokens = self.drafter_calls = self.rounds = 0
+        self.accepted = self.row_rounds = 0
+        self.seconds = 0.0
+
+    def __call__(self, model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 eos_token_ids: list[int], seed: int | None = None) -> list[list[int]]:
+        from tree_search import generate
+
+        # top_p / top_k None: the target's generation_config, as model.generate(do_sample=True, temperature=T)
+        result = generate(model, self.drafter, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=None, top_k=None, eos_token_id=list(eos_token_ids),
+                          seed=seed, tree=self.tree, verifier=self.verifier, tokenizer=tokenizer)
+        stats = result.stats
+        self.batches += 1
+        self.new_tokens += stats.new_tokens
+        self.drafter_calls += stats.drafter_calls
+        self.rounds += stats.rounds
+        self.accepted += sum(stats.accepted_lengths)
+        self.row_rounds += len(stats.accepted_lengths)
+        self.seconds += stats.total_time
+        return result.new_tokens
+
+    @property
+    def mean_accepted(self) -> float:
+        """τ over every row-round of every batch: tokens committed per row per verification round."""
+        return self.accepted / self.row_rounds if self.row_rounds else 0.0
+
+    def summary(self) -> str:
+        rate = self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+        return (f"drafted: {self.new_tokens} new tokens in {self.batches} batches, {self.rounds} rounds, "
+                f"tau {self.mean_accepted:.2f}, {rate:.1f} tok/s, drafter calls {self.drafter_calls}")
+
+
+def make_tree(args: argparse.Namespace):
+    """--tree / --arms -> a policy for every batch: the bandit keeps its statistics across batches."""
+    from tree_search.bandit import DEFAULT_ARMS, UCBBandit
+    from tree_search.generate import make_policy
+
+    tree = args.tree or "bandit"
+    is_bandit = tree.strip().lower() == "bandit"
+    if args.arms and not is_bandit:
+        raise ValueError("--arms only applies to --tree bandit")
+    if is_bandit:
+        return UCBBandit(arms=tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS, persistent=True)
+    return make_policy(tree)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tree_search.generate import check_options
+    from tree_search.sampling import resolve_sampling
+    from tree_search.verifiers import get_verifier
+
+    plain.check_arguments(args)
+    generate = None
+    if not args.drafter:
+        given = [flag for flag in ("tree", "arms", "verifier") if getattr(args, flag) is not None]
+        if given:
+            raise ValueError(" and ".join(f"--{flag}" for flag in given) + " need --drafter")
+    else:
+        check_device(args.device)
+        path = Path(args.drafter).expanduser()
+        if (args.drafter.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
+            raise ValueError(f"--drafter {args.drafter} " + ("is not a directory" if path.exists() else "does not exist"))
+        # what can be checked without the models, before any is loaded (the vocabularies are checked against the
+        # target before the first batch runs; nothing is written before the last one)
+        tree = make_tree(args)
+        sampling = resolve_sampling(None, args.temperature)
+        verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"))
+        check_options(verifier, tree, sampling, False)
+
+        from mamba_draft import MambaDrafter
+
+        drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device,
+                                               dtype=plain.model_dtype(args.dtype, args.device))
+        generate = DraftedGenerate(drafter, tree, args.verifier)
+    counts = plain.run(args, generate=generate)
+    if generate is not None:
+        print(generate.summary())
+    print(f"regenerate: {plain.summary(counts, args.truncated)}")
+    return 0
