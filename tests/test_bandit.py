@@ -151,3 +151,20 @@ def test_time_reward_ranks_arms_by_throughput_not_mean_per_round_cost(seed):
     chain, tree = bandit.values()
     assert chain > tree
     assert bandit.summary()["(3,2,1)"]["mean_reward"] == pytest.approx(tree)
+
+
+def test_time_reward_exploration_shrinks_with_an_arms_spread():
+    """A batch's round averages many rows, so a losing draft arm's rewards barely vary: it is dropped after a few
+    pulls (UCB1's 1/sqrt(n) bonus kept pulling it: 11 of 200 rounds here), while an arm whose rewards do vary keeps
+    its exploration and, being better on average, takes the rounds (UCB1: 167 of 200)."""
+    steady = UCBBandit(arms=("none", "1,1"), reward="time")
+    for _ in range(200):
+        arm = steady.select()
+        steady.update(arm, 8, draft_time=0.001, verify_time=1.0 if arm == 0 else 1.6)  # 8 rows, 1 token each
+    assert steady.stats[1].pulls <= 6
+    rng = random.Random(0)
+    noisy = UCBBandit(arms=("none", "1,1"), reward="time")
+    for _ in range(200):
+        arm = noisy.select()
+        noisy.update(arm, 1 if arm == 0 else rng.choice([1, 3]), draft_time=0.001, verify_time=1.0 if arm == 0 else 1.6)
+    assert noisy.stats[1].pulls >= 180  # 2 tokens per 1.6 s on average beats 1 per 1 s

@@ -43,6 +43,7 @@ def time_reward(n_accept: int, round_time: float, throughput_scale: float) -> fl
 class ArmStats:
     pulls: int = 0
     reward_sum: float = 0.0  # Eq. 2 rewards, or (time reward) per-round tokens per second
+    square_sum: float = 0.0  # of the same rewards (the time reward's exploration scales with their spread)
 
     @property
     def mean_reward(self) -> float:
@@ -119,8 +120,21 @@ class UCBBandit:
             if s.pulls == 0:
                 return k
         t = self.rounds + 1
-        scores = [v + self.lambda_ucb * math.sqrt(2.0 * math.log(t) / s.pulls) for v, s in zip(self.values(), self.stats)]
+        scores = [v + self.lambda_ucb * math.sqrt(2.0 * math.log(t)) * self.spread(k)
+                  for k, v in enumerate(self.values())]
         return max(range(len(scores)), key=scores.__getitem__)
+
+    def spread(self, arm: int) -> float:
+        """The exploration bonus's per-arm factor: 1/sqrt(n) (UCB1) for the paper reward. For the time reward,
+        sqrt(1 + M2) / n, M2 the sum of squared deviations of the arm's rewards (in units of the overall throughput):
+        UCB1's bonus after one pull, then shrinking with the spread the arm has shown (≈ σ/sqrt(n)). A batch's round
+        averages many rows, so an arm whose drafts keep losing is dropped after a few pulls instead of ~3 ln t."""
+        s = self.stats[arm]
+        if self.reward == "paper":
+            return 1.0 / math.sqrt(s.pulls)
+        scale = self._tokens / self._seconds
+        m2 = max(s.square_sum - s.reward_sum ** 2 / s.pulls, 0.0) / scale ** 2
+        return math.sqrt(1.0 + m2) / s.pulls
 
     def values(self) -> list[float]:
         """Each arm's estimated reward (NaN before its first pull)."""
@@ -140,7 +154,9 @@ class UCBBandit:
         if self.reward == "time":
             if draft_time is None or verify_time is None:
                 raise ValueError("reward='time' needs the round's draft_time and verify_time")
-            stats.reward_sum += time_reward(n_accept, draft_time + verify_time, 1.0)
+            reward = time_reward(n_accept, draft_time + verify_time, 1.0)
+            stats.reward_sum += reward
+            stats.square_sum += reward * reward
             self._seconds += draft_time + verify_time
             self._tokens += n_accept
         else:
