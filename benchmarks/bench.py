@@ -274,7 +274,7 @@ def bandit_memory_text(cfg: dict) -> str:
 def arm_pulls(methods: dict, what: str) -> str:
     """One line per bandit method: its pulls per tree shape."""
     return "".join(f"\nArm pulls of `{name}` ({what}): " + ", ".join(
-        f"({a}) {int(v['pulls'])}" for a, v in s["arms"].items()) + "\n"
+        f"{a} {int(v['pulls'])}" for a, v in s["arms"].items()) + "\n"
         for name, s in methods.items() if len(s["arms"]) > 1)
 
 

@@ -111,3 +111,26 @@ def test_bf16_targets_diverge_only_at_rounding_ties(tmp_path, kind):
         )
     # divergences are rare rounding ties, not the rule
     assert identical >= 0.7 * len(cases), f"only {identical}/{len(cases)} prompts identical"
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox", "qwen2"])
+def test_prefills_run_the_head_on_the_last_position_only(kind):
+    """A prefill needs one row of logits: the head (49k x 576 on the real pair, a fifth of its prefill) must not run
+    over the whole prompt; the logits are the full forward's last ones."""
+    from tree_search.target import BatchTargetState
+
+    model = tiny_causal_lm(kind)
+    head_rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[1]))
+    ids = torch.tensor([[3, 9, 4, 1, 7, 2]])
+    with torch.no_grad():
+        full = model(ids).logits[0, -1]
+        head_rows.clear()
+        single = TargetState(model).prefill(ids)
+        batch = BatchTargetState(model).prefill(torch.cat([ids, torch.tensor([[0, 0, 5, 6, 8, 2]])]),
+                                                torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]]))
+    hook.remove()
+    assert head_rows == [1, 1]
+    torch.testing.assert_close(single, full)
+    torch.testing.assert_close(batch[0], full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(batch[1], model(torch.tensor([[5, 6, 8, 2]])).logits[0, -1], rtol=1e-4, atol=1e-5)

@@ -3,6 +3,7 @@ positions) returning logits and final hidden states, and KV-cache compaction to 
 (`TargetState`) or B left-padded prompts in one cache (`BatchTargetState`)."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import weakref
 
@@ -309,9 +310,10 @@ class TargetState(_TreeMasks):
         if self.static:
             self._slots[:length].copy_(self._arange[:length])
             out = self.model(input_ids=input_ids, position_ids=self._arange[:length].view(1, length),
-                             past_key_values=self.cache, use_cache=True)
+                             past_key_values=self.cache, use_cache=True, **last_logits_only(self.model))
         else:
-            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+                             **last_logits_only(self.model))
             self.cache = out.past_key_values
         self.length = length
         self.forwards += 1
@@ -573,6 +575,7 @@ class BatchTargetState(_TreeMasks):
             position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count; theirs is never seen
             past_key_values=self.cache,
             use_cache=True,
+            **last_logits_only(self.model),
         )
         self.cache = out.past_key_values
         self._slots[:, :length].masked_fill_(valid, self._visible)
@@ -687,3 +690,17 @@ class BatchTargetState(_TreeMasks):
 
 
 _ROOT_ONLY = Tree((-1,))
+_TAKES_LOGITS_TO_KEEP: dict[type, bool] = {}
+
+
+def last_logits_only(model: torch.nn.Module) -> dict:
+    """`logits_to_keep=1` where the model's forward takes it (transformers' causal LMs, as their own `generate`
+    prefills): a prefill needs the last position's logits only, and the head over every prompt token is a fifth of a
+    135M model's prefill (49k x 576 head) and B x L x V floats of memory."""
+    kind = type(model)
+    if kind not in _TAKES_LOGITS_TO_KEEP:
+        try:
+            _TAKES_LOGITS_TO_KEEP[kind] = "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):  # a forward without an inspectable signature: keep every position
+            _TAKES_LOGITS_TO_KEEP[kind] = False
+    return {"logits_to_keep": 1} if _TAKES_LOGITS_TO_KEEP[kind] else {}
