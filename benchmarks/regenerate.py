@@ -1,15 +1,13 @@
-"""Regenerate assistant replies with the target (self-distillation data), drafted by a Mamba drafter.
+"""Regenerate assistant replies with the target (self-distillation data), optionally drafted by a Mamba drafter.
 
-    mamba-draft regenerate --model TARGET --input conversations.json --output regenerated.json [--drafter DIR]
-
-Without --drafter this is `python -m training.regenerate` (same arguments, same output). With --drafter every
+Without --drafter this is `python -m training.regenerate`: the same arguments, the same output. With --drafter every
 left-padded batch of replies is produced by batched tree speculative decoding (`tree_search.generate` on the batch)
 instead of transformers' `generate`, so the distillation data for the next drafter is produced with the current one.
-Verification is lossless by default: at --temperature 0 the replies are token-identical to the plain path's; above 0
-they follow the same law (temperature with the target's generation_config top-k / top-p, as `model.generate`
-samples), reproducibly for a given --seed (reply n of the run draws from its own generator seeded --seed + n).
+Verification is lossless by default: at --temperature 0 the replies are token-identical to the plain ones; above 0
+they follow the same law (the temperature with the target's generation_config top-k / top-p, as `model.generate`
+samples), reproducibly for a given --seed (reply n of the run draws from its own generator, seeded --seed + n).
 --tree picks the draft tree: 'bandit' (UCB over tree shapes, its statistics kept across batches; --arms sets them),
-a fixed shape such as 3,2,2,1,1, or 'none' (no drafting, plain decoding on the same harness).
+a fixed shape such as 3,2,2,1,1, or 'none' (no drafting: plain decoding on the same harness).
 """
 from __future__ import annotations
 
@@ -93,12 +91,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.drafter:
         given = [flag for flag in ("tree", "arms", "verifier") if getattr(args, flag) is not None]
         if given:
-            raise ValueError(" and ".join(f"--{flag}" for flag in given) + " need --drafter")
+            raise ValueError(" and ".join(f"--{flag}" for flag in given) + (" need" if len(given) > 1 else " needs")
+                             + " --drafter")
     else:
         check_device(args.device)
         path = Path(args.drafter).expanduser()
         if (args.drafter.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
-            raise ValueError(f"--drafter {args.drafter} " + ("is not a directory" if path.exists() else "does not exist"))
+            problem = "is not a directory" if path.exists() else "does not exist"
+            raise ValueError(f"--drafter {args.drafter} {problem}")
         # what can be checked without the models, before any is loaded (the vocabularies are checked against the
         # target before the first batch runs; nothing is written before the last one)
         tree = make_tree(args)

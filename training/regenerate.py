@@ -14,6 +14,9 @@ end-of-sequence token is truncated: --truncated mark keeps its record with `"tru
 
 Output: ShareGPT JSON, `[{id, category (if given), conversations: [{from, value}], truncated (if marked)}]`, written
 atomically; when every record is skipped, nothing is written and the command fails.
+
+`mamba-draft regenerate` takes the same arguments plus --drafter: the same replies, produced by batched tree
+speculative decoding (benchmarks/regenerate.py passes `regenerate(..., generate=...)` its own batch generator).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -126,30 +130,63 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# A batch generator: (model, tokenizer, prompts, *, max_new_tokens, temperature, eos_token_ids, seed) -> each
+# prompt's new tokens, ending at its first EOS (tokens after it are ignored) or cut at max_new_tokens. temperature 0
+# is greedy; above 0 it samples with the target's generation_config top-k / top-p, as `model.generate` does. seed:
+# this batch's seed, derived from --seed (a generator that draws from torch's global RNG, seeded once, may ignore it).
+Generate = Callable[..., list[list[int]]]
+
+
 @torch.no_grad()
-def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                     eos_ids: list[int]) -> list[tuple[str, bool]]:
-    """One left-padded batch -> (reply text, truncated) per prompt."""
+def hf_generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                eos_token_ids: list[int], seed: int | None = None) -> list[list[int]]:
+    """The default `Generate`: transformers' `model.generate` on the left-padded batch (torch's global RNG, which
+    `regenerate` seeds once, so `seed` is not used)."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids,
                          pad_token_id=tokenizer.pad_token_id, **sampling)
+    return out[:, batch["input_ids"].size(1):].tolist()
+
+
+def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     eos_ids: list[int], generate: Generate | None = None,
+                     seed: int | None = None) -> list[tuple[str, bool]]:
+    """One left-padded batch -> (reply text, truncated) per prompt; generate None: `hf_generate`."""
+    rows = (generate or hf_generate)(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, eos_token_ids=eos_ids, seed=seed)
+    if len(rows) != len(prompts):
+        raise RuntimeError(f"the batch generator returned {len(rows)} replies for {len(prompts)} prompts")
     replies = []
-    for row in out[:, batch["input_ids"].size(1):].tolist():
+    for row in rows:
+        row = row[:max_new_tokens]
         end = next((j for j, t in enumerate(row) if t in eos_ids), None)  # None: no EOS, the reply was cut off
         replies.append((tokenizer.decode(row[:end], skip_special_tokens=True).strip(), end is None))
     return replies
 
 
+def model_dtype(dtype: str, device: str) -> torch.dtype:
+    """--dtype: auto is bfloat16 on CUDA, else float32."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return parse_dtype(dtype)
+
+
 def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, output: str | os.PathLike, *,
                max_new_tokens: int = 512, temperature: float = 0.0, batch_size: int = 8, truncated: str = "mark",
                limit: int | None = None, seed: int = 0, device: str = "cpu", dtype: str = "auto",
-               progress: bool = True) -> Counter:
+               progress: bool = True, generate: Generate | None = None) -> Counter:
     """Write the regenerated conversations of `source` (a file or a list of records) to `output` (ShareGPT JSON).
 
     Returns counts {"written": n, "truncated": t, <skip reason>: m, ...}: every record is written or skipped for
     exactly one reason; in mark mode the truncated records are among the written ones, in drop mode a skip reason.
     Raises ValueError or FileNotFoundError, writing nothing, on bad input or when every record is skipped.
+
+    generate: how a batch of replies is produced (see `Generate`); None is `hf_generate`. torch's global RNG is
+    seeded with `seed` once; a batch whose first reply is the n-th generated in the run gets seed `seed + n`, so
+    reply n has seed + n whatever the batch size (a generator seeding row b of a batch with seed + b).
     """
     if truncated not in TRUNCATED:
         raise ValueError(f"truncated must be one of {TRUNCATED}, got {truncated!r}")
@@ -173,32 +210,34 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
         raise ValueError(f"nothing to write: all {len(records)} input records were skipped ({summary(counts)})")
 
     tokenizer = target_tokenizer(model)
-    auto = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    lm = load_causal_lm(model, dtype=auto if dtype == "auto" else parse_dtype(dtype), device=device)
+    lm = load_causal_lm(model, dtype=model_dtype(dtype, device), device=device)
     eos_ids = eos_token_ids(tokenizer, lm)
     torch.manual_seed(seed)
     slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]
     fate = [""] * len(convs)  # skip reason once a record is dropped; its later replies are not generated
     cut = [False] * len(convs)
-    bar = tqdm(total=sum(map(len, slots)), desc="regenerate", unit="reply", disable=not progress)
-    for k in range(max(map(len, slots))):
-        todo = [i for i in range(len(convs)) if not fate[i] and k < len(slots[i])]
-        ids = {i: prompt_ids(tokenizer, convs[i]["messages"][:slots[i][k]]) for i in todo}
-        todo.sort(key=lambda i: -len(ids[i]))  # similar lengths share a batch; the longest batch runs first
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
-            for i, (text, was_cut) in zip(batch, generate_replies(lm, tokenizer, [ids[i] for i in batch],
-                                                                  max_new_tokens, temperature, eos_ids)):
-                convs[i]["messages"][slots[i][k]] = {"role": "assistant", "content": text}
-                cut[i] |= was_cut
-                if not text:
-                    fate[i] = "empty_reply"  # SFT would reject an empty turn; the original is not silently kept
-                elif was_cut and truncated == "drop":
-                    fate[i] = "truncated"
-                if fate[i]:
-                    bar.total -= len(slots[i]) - k - 1
-            bar.update(len(batch))
-    bar.close()
+    generated = 0  # replies generated so far: the next batch's seed offset
+    # closed on an error too, so the one-line error starts on a line of its own
+    with tqdm(total=sum(map(len, slots)), desc="regenerate", unit="reply", disable=not progress) as bar:
+        for k in range(max(map(len, slots))):
+            todo = [i for i in range(len(convs)) if not fate[i] and k < len(slots[i])]
+            ids = {i: prompt_ids(tokenizer, convs[i]["messages"][:slots[i][k]]) for i in todo}
+            todo.sort(key=lambda i: -len(ids[i]))  # similar lengths share a batch; the longest batch runs first
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start:start + batch_size]
+                replies = generate_replies(lm, tokenizer, [ids[i] for i in batch], max_new_tokens, temperature,
+                                           eos_ids, generate, seed + generated)
+                generated += len(batch)
+                for i, (text, was_cut) in zip(batch, replies):
+                    convs[i]["messages"][slots[i][k]] = {"role": "assistant", "content": text}
+                    cut[i] |= was_cut
+                    if not text:
+                        fate[i] = "empty_reply"  # SFT would reject an empty turn; the original is not silently kept
+                    elif was_cut and truncated == "drop":
+                        fate[i] = "truncated"
+                    if fate[i]:
+                        bar.total -= len(slots[i]) - k - 1
+                bar.update(len(batch))
 
     out = []
     for conv, reason, was_cut in zip(convs, fate, cut):
@@ -226,9 +265,8 @@ def summary(counts: Counter, truncated: str | None = None) -> str:
     return ", ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.regenerate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments (without --threads), shared with `mamba-draft regenerate`."""
     parser.add_argument("--model", required=True, help="target: HF dir, hub id, .gguf file or 'smollm2'")
     parser.add_argument("--input", required=True, help="ShareGPT JSON array, or JSONL of conversations or prompts")
     parser.add_argument("--output", required=True, help="where to write the regenerated ShareGPT JSON")
@@ -242,20 +280,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bfloat16 on CUDA, else float32")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError on out-of-range arguments (before anything is read or loaded)."""
+    for name in ("max_new_tokens", "batch_size", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+
+
+def run(args: argparse.Namespace, generate: Generate | None = None) -> Counter:
+    """Regenerate with parsed `add_arguments` arguments; raises ValueError / OSError / ImportError on bad input
+    (nothing written). generate: as in `regenerate`."""
+    check_arguments(args)
+    check_device(args.device)
+    return regenerate(args.model, args.input, args.output, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, batch_size=args.batch_size, truncated=args.truncated,
+                      limit=args.limit, seed=args.seed, device=args.device, dtype=args.dtype, generate=generate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.regenerate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "batch_size", "limit", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
+    try:
+        check_arguments(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        check_device(args.device)
-        counts = regenerate(args.model, args.input, args.output, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, batch_size=args.batch_size, truncated=args.truncated,
-                            limit=args.limit, seed=args.seed, device=args.device, dtype=args.dtype)
+        counts = run(args)
     except (ValueError, OSError, ImportError) as e:
         print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
