@@ -102,14 +102,15 @@ def test_eos_and_budget_land_mid_round_in_different_rows(greedy_setup, monkeypat
 
 def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkeypatch):
     """Scripted runs of none rounds of several lengths, rows ending on EOS among them: the drafter reads nothing during
-    none rounds, then one (B, k) call per drafted round after them, whose logits are a from-scratch drafter encoding of
-    each active row's committed text (so it stays in sync across compaction); the rows stay the target's greedy."""
+    none rounds (not even the prompts, until the first drafted round), then one (B, k) call per drafted round after
+    them, whose logits are a from-scratch drafter encoding of each active row's committed text (so it stays in sync
+    across compaction); the rows stay the target's greedy."""
     from tests.test_no_speculation import ARMS, Scripted
 
     target, drafter, prompts, refs = greedy_setup
     eos = refs[0][0, len(prompts[0]) + 9].item()
-    runs, calls = [], []
-    start, extend = BatchRun.start, TreeDrafter.extend_batch
+    runs, calls, prefills = [], [], []
+    start, extend, prefill = BatchRun.start, TreeDrafter.extend_batch, TreeDrafter.prefill_batch
 
     def spy_start(self):
         runs.append(self)
@@ -126,6 +127,12 @@ def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkey
         calls.append(tokens.shape[1])
         return logits
 
+    def spy_prefill(self, ids, mask):
+        run = runs[-1]
+        prefills.append((run.stats.rounds, [mask[row].sum().item() for row in range(len(run.active))]))
+        return prefill(self, ids, mask)
+
+    monkeypatch.setattr(TreeDrafter, "prefill_batch", spy_prefill)
     monkeypatch.setattr(BatchRun, "start", spy_start)
     monkeypatch.setattr(TreeDrafter, "extend_batch", spy_extend)
     policy = Scripted()
@@ -140,6 +147,7 @@ def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkey
             expected.append(behind)
         behind = behind + 1 if arm == "none" else 0
     assert calls == expected and max(calls) > 1
+    assert prefills == [(arms.index("1,1"), [len(p) for p in prompts])]  # once, at the first drafted round
 
 
 def test_autoregressive_batch_is_the_targets_greedy(greedy_setup):

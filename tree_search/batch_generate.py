@@ -97,12 +97,14 @@ def generate_batch(
                                      target_vocab_size(target))
     first_call = drafts.calls
     drafts.roots[: run.batch] = run.ids[:, -1]
-    logits = drafts.prefill_batch(run.ids, run.mask) if speculates else None
+    logits = None  # the drafter reads the prompts at the first drafted round (never, if every round is none)
     behind: list[torch.Tensor] = []  # each none round's (B,) tokens, not yet read by the drafter
     while True:
         arm = policy.select()
         config = policy.arms[arm]
         batch, gens = len(run.active), run.generators
+        if config.depth and logits is None:  # once per call: not charged to this round's arm
+            logits = drafts.prefill_batch(run.ids[run.active], run.mask[run.active])
         rec.mark(DRAFT)
         if config.depth:
             if behind:  # after no-speculation rounds the drafter reads what they committed, in one call

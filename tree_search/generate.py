@@ -129,12 +129,13 @@ def generate(
     strategy = drafting_strategy(drafter, prompt_lookup, max(a.num_nodes for a in policy.arms) + 1,
                                  target_vocab_size(target), params, mode, record_probs, run.generator,
                                  max_tokens=ids.shape[1] + max_new_tokens)
-    # tree="none" never drafts: the drafter need not even read the prompt
-    root, logits = ids[0, -1], strategy.prefill(ids) if any(a.depth for a in policy.arms) else None
+    root, logits = ids[0, -1], None  # the drafter reads the prompt when it first drafts (never, if only none runs)
     rec = run.recorder
     while True:
         arm = policy.select()
         config = policy.arms[arm]
+        if config.depth and logits is None:
+            logits = strategy.prefill(ids)  # once per call: not charged to this round's arm
         rec.mark(DRAFT)
         if config.depth:
             buf = strategy.draft(config, root, logits)
