@@ -166,9 +166,7 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
 
 
 def model_dtype(dtype: str, device: str) -> torch.dtype:
-    """--dtype: auto is bfloat16 on CUDA, else float32."""
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    """--dtype (one of DTYPE_CHOICES, checked by `regenerate` / argparse): auto is bfloat16 on CUDA, else float32."""
     if dtype == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     return parse_dtype(dtype)
