@@ -14,6 +14,7 @@ from benchmarks.methods import Method, Models, make_tree_policy, parse_method, r
 from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
 from mamba_draft.devices import check_device
 from mamba_draft.dtypes import DTYPES, parse_dtype
+from mamba_draft.heldout import SPEC_BENCH
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
@@ -409,7 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="causal LM to accelerate: HF directory, hub id or .gguf "
                         "file; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format); needed by drafting methods")
-    parser.add_argument("--prompts", required=True, type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt'")
+    parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
+                        "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
                         help="hf-ar hf-assisted ar chain[:N] tree:3,2,2,1,1 bandit[:A/B] METHOD@VERIFIER verifier=NAME")
     parser.add_argument("--assistant", help="Transformer assistant for hf-assisted (Mamba assistants crash in transformers)")
@@ -523,7 +525,8 @@ def config_from_args(args: argparse.Namespace, methods: list[Method]) -> BenchCo
 def run(args: argparse.Namespace) -> int:
     methods = resolve_methods(args.methods)
     validate(args, methods)
-    prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
+    prompts = load_prompts(args.prompts or SPEC_BENCH, limit=args.limit, per_category=args.per_category,
+                           split="all" if args.prompts else "heldout")
     if max(args.batch_size) > len(prompts):  # a table for batch size B needs a batch of B prompts
         raise ValueError(f"--batch-size {max(args.batch_size)} needs at least that many prompts; "
                          f"{args.prompts} gives {len(prompts)}")

@@ -277,7 +277,8 @@ def prepare_real_data(cfg, target: Path, records: list[dict], cache: Path) -> di
 def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None = None, force: bool = False,
                   rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True) -> dict:
     """GGUF -> HF target -> regenerated data -> drafter + assistant -> greedy and sampled tables, all cached."""
-    from benchmarks.real_pair import read_spec_bench, train_config
+    from benchmarks.real_pair import train_config
+    from mamba_draft.heldout import read_spec_bench
     from mamba_draft.targets import SHIPPED_TARGET, convert_gguf
 
     records = read_spec_bench(prompts_path)  # checked before anything is built
@@ -413,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", action="store_true", help="real pair: also trees and every lossy verifier")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="Spec-Bench question.jsonl for the real pair (even ids: training data; odd ids: "
-                        "held-out benchmark prompts; default: ../shared/data/spec_bench_question.jsonl)")
+                        "held-out benchmark prompts; default: the copy shipped in mamba_draft/data)")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                         help="where data, models and results are cached (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="discard the cache and rebuild everything")
@@ -435,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
         if args.full or args.prompts:
             raise ValueError("--full and --prompts apply to the real pair, not --toy")
         return run_toy(args)
-    from benchmarks.real_pair import SPEC_BENCH
+    from mamba_draft.heldout import SPEC_BENCH
 
     full, quick = real_configs()
     cfg = quick if args.quick else full

@@ -18,30 +18,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
-
-
-def is_heldout(record: dict) -> bool:
-    """Spec-Bench's evaluation half: odd question ids (they never go into training, distillation or tuning data)."""
-    return int(record["question_id"]) % 2 == 1
-
-
-def read_spec_bench(path: Path) -> list[dict]:
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"Spec-Bench questions not found at {path}; pass --prompts PATH "
-                                "(spec_bench_question.jsonl: question_id, category, turns)")
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    bad = [r for r in records if "question_id" not in r or "turns" not in r]
-    if bad:
-        raise ValueError(f"{path}: {len(bad)} records lack question_id/turns (not a Spec-Bench question file)")
-    return records
+from mamba_draft.heldout import is_heldout, is_heldout_text
 
 
 def training_prompts(records: list[dict], tokenizer, max_prompt_tokens: int, limit: int | None) -> list[dict]:
-    """Even-id questions whose first turn fits `max_prompt_tokens`, spread over categories (round robin)."""
+    """Even-id questions whose first turn fits `max_prompt_tokens`, spread over categories (round robin). A record
+    that is an odd-id question under another id (a renumbered copy) is refused too."""
     by_category: dict[str, list[dict]] = {}
     for r in records:
-        if not is_heldout(r) and len(tokenizer(r["turns"][0])["input_ids"]) <= max_prompt_tokens:
+        if is_heldout(r) or any(is_heldout_text(t) for t in r["turns"]):
+            continue
+        if len(tokenizer(r["turns"][0])["input_ids"]) <= max_prompt_tokens:
             by_category.setdefault(r["category"], []).append(r)
     spread = [r for group in _round_robin(list(by_category.values())) for r in group]
     return spread[:limit] if limit else spread

@@ -67,6 +67,9 @@ def test_missing_model_directories(tmp_path):
     (["--tree", "3,,2"], "cannot parse tree spec '3,,2'"),
     (["--tree", "(3,2)"], "cannot parse tree spec '(3,2)'"),
     (["--bandit", "--arms", "3,2;;1"], "tree spec '' is empty"),
+    (["--tree", ""], "tree spec '' is empty"),  # not the default bandit
+    (["--tree", "  "], "is empty: expected comma-separated positive integers"),
+    (["--bandit", "--arms", ""], "tree spec '' is empty"),
     (["--temperature", "inf"], "temperature must be a number >= 0: 0 for greedy, else finite and >= 0.001; got inf"),
     (["--temperature", "nan"], "got nan"),
     (["--temperature", "-0.5"], "got -0.5"),

@@ -150,8 +150,12 @@ def test_topk_accepts_within_target_top_k():
 def test_dropout_heads_p_zero_reproduce_lm_head_and_are_seeded():
     head = torch.nn.Linear(6, V, bias=False)
     hidden = torch.randn(4, 6)
-    exact = dropout_head_logits(hidden, head, 0.0, 3)
+    generator = torch.Generator().manual_seed(0)
+    exact = dropout_head_logits(hidden, head, 0.0, 3, generator)
+    # the contract at p = 0 is exactness (no dropout = the target's head): the same call on the same shape, so it
+    # holds on every kernel path; and no mask is drawn
     assert torch.equal(exact, head(hidden).expand(3, -1, -1))
+    assert torch.equal(generator.get_state(), torch.Generator().manual_seed(0).get_state())
     draw = lambda seed: dropout_head_logits(hidden, head, 0.5, 5, torch.Generator().manual_seed(seed))  # noqa: E731
     assert torch.equal(draw(1), draw(1)) and not torch.equal(draw(1), draw(2))
     heads = draw(3)

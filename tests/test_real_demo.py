@@ -7,7 +7,8 @@ import json
 import pytest
 
 from benchmarks import demo
-from benchmarks.real_pair import SPEC_BENCH, heldout_prompts, is_heldout, read_spec_bench, training_prompts
+from benchmarks.real_pair import heldout_prompts, training_prompts
+from mamba_draft.heldout import SPEC_BENCH, is_heldout, read_spec_bench
 from mamba_draft import cli
 
 

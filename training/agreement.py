@@ -135,7 +135,7 @@ def load_heldout(path: str, tokenizer, max_len: int, max_sequences: int | None =
         records = records.select(range(min(max_sequences, len(records))))
     columns = records.column_names
     if "conversations" in columns or "messages" in columns:
-        examples, skipped = data_lib.prepare_sft(records, tokenizer, max_len)
+        examples, skipped = data_lib.prepare_sft(records, tokenizer, max_len, evaluation=True)
         rows = [(ids, [label != data_lib.IGNORE_INDEX for label in labels])
                 for ids, labels in zip(examples["input_ids"], examples["labels"])]
     elif "text" in columns:

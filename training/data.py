@@ -18,6 +18,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
+from mamba_draft.heldout import is_heldout_text
 from training.config import DataConfig
 
 IGNORE_INDEX = -100
@@ -127,8 +128,11 @@ class PackedSequences:
 
 # ------------------------------------------------------------------------------------------------- SFT
 
-def normalize_conversation(record: dict) -> tuple[list[dict] | None, str]:
-    """ShareGPT `conversations[{from, value}]` or `messages[{role, content}]` -> chat messages, or (None, reason)."""
+def normalize_conversation(record: dict, evaluation: bool = False) -> tuple[list[dict] | None, str]:
+    """ShareGPT `conversations[{from, value}]` or `messages[{role, content}]` -> chat messages, or (None, reason).
+
+    A user turn that is an odd-id Spec-Bench question skips the record ("heldout_question") unless `evaluation`:
+    training, distillation and tuning data never hold evaluation prompts."""
     if record.get("conversations") is not None:
         turns, role_key, text_key = record["conversations"], "from", "value"
     elif record.get("messages") is not None:
@@ -144,6 +148,8 @@ def normalize_conversation(record: dict) -> tuple[list[dict] | None, str]:
             return None, "unknown_role"
         if not str(turn[text_key]).strip():
             return None, "empty_turn"
+        if role == "user" and not evaluation and is_heldout_text(turn[text_key]):
+            return None, "heldout_question"
         messages.append({"role": role, "content": turn[text_key]})
     body = messages[1:] if messages and messages[0]["role"] == "system" else messages
     if not body:
@@ -180,14 +186,16 @@ def render_sft(messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_len
     return enc["input_ids"], labels, ""
 
 
-def prepare_sft(records: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_len: int) -> tuple[datasets.Dataset, Counter]:
-    """Render every conversation; return the usable ones and a count of skipped records by reason."""
+def prepare_sft(records: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_len: int,
+                evaluation: bool = False) -> tuple[datasets.Dataset, Counter]:
+    """Render every conversation; return the usable ones and a count of skipped records by reason (held-out
+    questions among them unless `evaluation`, see normalize_conversation)."""
     if isinstance(records, datasets.IterableDataset):
         raise ValueError("SFT data must be a finite dataset: set data.streaming=false")
     require_columns(records, ["conversations", "messages"], "SFT")
 
     def process(record):
-        messages, reason = normalize_conversation(record)
+        messages, reason = normalize_conversation(record, evaluation)
         ids, labels = [], []
         if messages is not None:
             ids, labels, reason = render_sft(messages, tokenizer, max_len)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.autoregressive and not args.drafter:
         fail("--drafter is required (or pass --autoregressive for the baseline)")
-    if args.arms and (args.tree or args.autoregressive):
+    if args.arms is not None and (args.tree is not None or args.autoregressive):
         fail("--arms only applies to the bandit")
     if args.autoregressive and (args.verifier or args.verifier_param or args.prompt_lookup):
         fail("--autoregressive uses no drafter, so no --verifier, --verifier-param or --prompt-lookup")
@@ -86,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
     # everything checkable without the models is checked before loading them; sampling left unset is only known
     # from the target's generation_config, so the checks run again once it is loaded
     sampling = resolve_sampling(None, args.temperature, args.top_p, args.top_k)
-    arms = tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS
-    tree = make_policy(args.tree or UCBBandit(arms=arms, reward=args.bandit_reward))
+    arms = tuple(args.arms.split(";")) if args.arms is not None else DEFAULT_ARMS
+    # `is not None`: an empty --tree / --arms is a malformed spec (refused by the parser), not an absent one
+    tree = make_policy(args.tree if args.tree is not None else UCBBandit(arms=arms, reward=args.bandit_reward))
     verifier_params = parse_verifier_params(args.verifier_param)
 
     def default_verifier(params):  # lossless either way

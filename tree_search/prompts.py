@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mamba_draft.heldout import is_heldout_text
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -43,12 +45,20 @@ def parse_prompt_line(line: str, where: str) -> Prompt:
     return Prompt(text=text, category=category, question_id=str(record.get("question_id", record.get("id", ""))))
 
 
-def load_prompts(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
+SPLITS = ("all", "heldout", "train")
+
+
+def load_prompts(path: str | Path, limit: int | None = None, per_category: int | None = None,
+                 split: str = "all") -> list[Prompt]:
     """Read every line of a prompt file (validating all of them) and return the selected prompts.
 
-    `per_category` keeps the first N prompts of each category (Spec-Bench subsets), `limit` then caps the total.
+    `split`: "heldout" keeps only odd-id Spec-Bench questions (evaluation), "train" drops them (any path that tunes
+    or trains on the prompts), "all" keeps every line. `per_category` then keeps the first N prompts of each
+    category (Spec-Bench subsets), `limit` caps the total.
     Blank lines are skipped; any malformed line raises ValueError naming the file and line number.
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
@@ -59,6 +69,10 @@ def load_prompts(path: str | Path, limit: int | None = None, per_category: int |
                 prompts.append(parse_prompt_line(line, f"{path}:{number}"))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
+    if split != "all":
+        prompts = [p for p in prompts if is_heldout_text(p.text) == (split == "heldout")]
+        if not prompts:
+            raise ValueError(f"{path}: no {split} prompts (held-out = odd-id Spec-Bench questions)")
     if per_category is not None:
         seen: dict[str, int] = {}
         kept = []

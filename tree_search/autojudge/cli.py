@@ -46,7 +46,7 @@ def _mine(args: argparse.Namespace) -> int:
     task = get_task(args.task)  # validate everything cheap before loading models
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    prompts = load_prompts(args.prompts, limit=args.limit)
+    prompts = load_prompts(args.prompts, limit=args.limit, split="train")  # a classifier's training data: no held-out
     manifest = {"target": str(args.target), "draft": str(args.draft), "task": args.task,
                 "prompts": str(Path(args.prompts).resolve()), "chat_template": not args.no_chat_template}
     check_device(args.device)

@@ -30,7 +30,13 @@ def dropout_head_logits(
     num_heads: int,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """(N, H) hidden states -> (K, N, V) logits of K independent inverted-dropout passes through `lm_head`."""
+    """(N, H) hidden states -> (K, N, V) logits of K independent inverted-dropout passes through `lm_head`.
+
+    p = 0 is no dropout: every head is exactly `lm_head(hidden)`, computed once (a (K, N, H) batch of identical rows
+    may take another kernel and differ in the last bit), and no mask is drawn, so DropMatch at p = 0 accepts exactly
+    what the target's own head picks."""
+    if p == 0.0:
+        return lm_head(hidden).expand(num_heads, *hidden.shape[:-1], -1)
     keep = torch.empty((num_heads, *hidden.shape), device=hidden.device, dtype=hidden.dtype)
     keep.bernoulli_(1.0 - p, generator=generator)
     return lm_head(hidden * keep / (1.0 - p))

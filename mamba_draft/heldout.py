@@ -1,0 +1,74 @@
+"""Spec-Bench, shipped with the package, and the held-out rule that guards it.
+
+Odd `question_id`s are evaluation prompts: no training, distillation, prompt-synthesis or tuning path may read them.
+Every such path asks this module (`is_heldout_text`, `overlaps_heldout`), so the rule holds for any file a user
+passes, not only for the shipped one: a record is held out when any of its texts is an odd-id question's turn
+(whitespace and case folded). Lives in mamba_draft because training and tree_search both need it and may import
+only mamba_draft.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+SPEC_BENCH = Path(__file__).resolve().parent / "data" / "spec_bench_question.jsonl"
+OVERLAP_WORDS = 8  # a generated prompt sharing this many consecutive words with a held-out question is dropped
+
+
+def is_heldout(record: dict) -> bool:
+    """Spec-Bench's evaluation half: odd question ids."""
+    return int(record["question_id"]) % 2 == 1
+
+
+def read_spec_bench(path: str | Path = SPEC_BENCH) -> list[dict]:
+    """Spec-Bench question records (`question_id`, `category`, `turns`); one-line errors for a missing/bad file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Spec-Bench questions not found at {path}; pass --prompts PATH "
+                                "(spec_bench_question.jsonl: question_id, category, turns)")
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    bad = [r for r in records if not isinstance(r, dict) or "question_id" not in r or "turns" not in r]
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} records lack question_id/turns (not a Spec-Bench question file)")
+    return records
+
+
+def normalize(text: str) -> str:
+    return " ".join(str(text).split()).casefold()
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.casefold())
+
+
+@functools.cache
+def heldout_texts() -> frozenset[str]:
+    """Every turn of every odd-id question of the shipped Spec-Bench, normalized."""
+    return frozenset(normalize(t) for r in read_spec_bench() if is_heldout(r) for t in r["turns"])
+
+
+@functools.cache
+def _heldout_ngrams(n: int) -> frozenset[tuple[str, ...]]:
+    grams = set()
+    for r in read_spec_bench():
+        if is_heldout(r):
+            for turn in r["turns"]:
+                words = _words(turn)
+                grams.update(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    return frozenset(grams)
+
+
+def is_heldout_text(text: str) -> bool:
+    """True when `text` is (up to whitespace and case) a turn of an odd-id Spec-Bench question."""
+    return normalize(text) in heldout_texts()
+
+
+def overlaps_heldout(text: str, n: int = OVERLAP_WORDS) -> bool:
+    """True when `text` shares `n` consecutive words with an odd-id question (or is one): the filter for prompts
+    a model writes, which may paraphrase or quote an evaluation question."""
+    if is_heldout_text(text):
+        return True
+    words, grams = _words(text), _heldout_ngrams(n)
+    return any(tuple(words[i:i + n]) in grams for i in range(len(words) - n + 1))

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The suite under every CPU kernel path we can force on one machine: the defaults, MKL held to AVX2, and ATen's
+# vector kernels narrowed to AVX2 and to the scalar default. A test that only passes on one kernel path compares
+# results exactness does not promise; this is how to find it without owning every CPU.
+#
+#   bash scripts/kernel_sweep.sh [pytest args...]     e.g. bash scripts/kernel_sweep.sh tests/test_lossy_rules.py
+#
+# Prints the CPU, what it supports, and one summary line per setting; logs go to ${SWEEP_LOGS:-/tmp/kernel-sweep}.
+# Runs one setting at a time (two suites on the same cores would only measure contention). Exit 1 if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-.venv/bin/python}
+logs=${SWEEP_LOGS:-/tmp/kernel-sweep}
+mkdir -p "$logs"
+
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) ($(nproc) cores)"
+echo "supports: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | xargs)"
+settings=("defaults" "MKL_ENABLE_INSTRUCTIONS=AVX2" "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default")
+status=0
+for setting in "${settings[@]}"; do
+    env_args=()
+    [[ $setting == defaults ]] || env_args=("$setting")
+    capability=$(env "${env_args[@]}" "$python" -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
+    log="$logs/${setting//[^A-Za-z0-9_]/_}.log"
+    start=$SECONDS
+    env "${env_args[@]}" "$python" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1
+    code=$?
+    echo "$setting (ATen capability $capability): $(tail -n 1 "$log") [exit $code, $((SECONDS - start)) s, $log]"
+    [[ $code == 0 ]] || status=1
+done
+exit $status
