@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "autojudge": ("tree_search.autojudge.cli", "mine labelled mismatches and train an AutoJudge classifier"),
     "export": ("training.export", "export a DeepSpeed training checkpoint to an HF (or mamba_ssm) directory"),
     "eval": ("training.evaluate", "zero-shot multiple-choice accuracy and held-out perplexity of a model"),
+    "make-data": ("training.make_data", "the data engine: the target writes prompts (Magpie) and answers them"),
     "regenerate": ("benchmarks.regenerate",
                    "regenerate chat replies with the target for distillation (optionally drafted)"),
     "demo": ("benchmarks.demo", "train a demo target + drafter on this machine and compare decoding methods"),

@@ -22,3 +22,19 @@ def check_device(name: str, flag: str = "--device") -> None:
             torch.empty(0, device=device)
         except Exception as err:  # mps / xpu / ... not built or not present
             raise ValueError(f"{flag} {name}: not usable on this machine ({' '.join(str(err).split())})") from None
+
+
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """bf16 matrix products run in hardware here: a CUDA GPU that supports bf16, or a CPU with AVX512-BF16 or AMX
+    (Intel Xeons since Cooper Lake, AMD EPYCs since Zen 4). Elsewhere bf16 is emulated and slower than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,231 @@
+"""`mamba-draft make-data`: Magpie prompts filtered and counted, user prompt files, greedy + sampled replies that
+training reads, append-only shards that survive SIGKILL (at most the batch in flight is lost)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mamba_draft import cli
+from mamba_draft.heldout import is_heldout, read_spec_bench
+from tests.helpers.training_fixtures import REPO, make_tokenizer, train_env
+from training import make_data as md
+from training.config import DataConfig, ModelConfig
+from training.data import load_records, prepare_sft
+from training.model import load_tokenizer, model_config
+
+CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+          "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+ODD_QUESTION = next(r for r in read_spec_bench() if is_heldout(r) and r["category"] == "writing")["turns"][0]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Llama with a ChatML-style template (replies depend on the prompt)."""
+    out = tmp_path_factory.mktemp("target")
+    make_tokenizer(out)
+    tokenizer = load_tokenizer(str(out))
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = model_config(ModelConfig(arch="llama", hidden_size=32, num_hidden_layers=1, num_heads=2,
+                                  tie_word_embeddings=False), tokenizer)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out, tokenizer
+
+
+def args_for(target, out, *extra) -> object:
+    return cli.build_parser("make-data").parse_args(["--target", str(target), "--out", str(out), *map(str, extra)])
+
+
+def scripted_magpie(samples: list[str | None]):
+    """A Generate that writes `samples` as Magpie prompts (None: a sample cut before its end-of-turn) and answers
+    replies with real greedy/sampled tokens of the model."""
+    queue = list(samples)
+
+    def generate(model, tokenizer, prompts, *, max_new_tokens, temperature, top_p, eos_token_ids):
+        if top_p == md.MAGPIE_TOP_P:  # a Magpie batch: every row is the template prefix
+            rows = []
+            for _ in prompts:
+                text = queue.pop(0)
+                ids = tokenizer("x " * (max_new_tokens + 1), add_special_tokens=False)["input_ids"] if text is None \
+                    else tokenizer(text, add_special_tokens=False)["input_ids"] + [eos_token_ids[0]]
+                rows.append(ids)
+            return rows
+        return md.hf_sample(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, eos_token_ids=eos_token_ids)
+    return generate
+
+
+def test_request_filter():
+    assert md.request_verdict("How do I sort a list in Python?") == ""
+    assert md.request_verdict("Write a haiku about rain.") == ""
+    assert md.request_verdict("I need help planning a trip to Rome.") == ""
+    assert md.request_verdict("The weather was nice yesterday.") == "not_a_request"
+    assert md.request_verdict("Hi there") == "too_short"
+    assert md.request_verdict("I'm SmolLM, a helpful assistant. How can I help?") == "assistant_voice"
+
+
+def test_magpie_prompts_are_filtered_counted_and_answered(target, tmp_path):
+    path, tokenizer = target
+    samples = ["How do I sort a list in Python?", "how do  I sort a list in python?",  # a duplicate
+               "The weather was nice yesterday.", None,  # not a request; cut before its end-of-turn
+               f"Please help: {' '.join(ODD_QUESTION.split()[:10])}?",  # quotes a held-out question
+               "Write a short story about a robot learning to paint."]
+    user_file = tmp_path / "mine.jsonl"
+    user_file.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Explain recursion with an example."}, {"prompt": ODD_QUESTION},  # the second is held out
+        {"question_id": 2, "category": "writing", "turns": ["Explain recursion with an example."]}]))  # duplicate
+    out = tmp_path / "data"
+    args = args_for(path, out, "--magpie", 6, "--batch-size", 3, "--prompts", user_file, "--temperatures", "0,0.7",
+                    "--max-new-tokens", 12, "--dtype", "float32")
+    manifest = md.make_data(args, generate=scripted_magpie(samples), progress=False)
+
+    prompts = md.read_shard(out / "prompts.jsonl")
+    assert [p["prompt"] for p in prompts] == ["Explain recursion with an example.", "How do I sort a list in Python?",
+                                              "Write a short story about a robot learning to paint."]
+    assert manifest["magpie"] == {"samples": 6, "kept": 2, "dropped": {
+        "duplicate": 1, "not_a_request": 1, "cut": 1, "heldout_overlap": 1}}
+    assert manifest["prompts"]["dropped_from_files"] == {"heldout_question": 1, "duplicate": 1}
+    for t in ("0", "0.7"):
+        rows = md.read_shard(out / f"replies-T{t}.jsonl")
+        assert sorted(r["id"] for r in rows) == sorted(p["id"] for p in prompts)
+        assert manifest["replies"][t]["replies"] == 3
+        assert manifest["replies"][t]["tokens"] == sum(len(r["reply_ids"]) for r in rows) > 0
+    greedy = {r["id"]: r for r in md.read_shard(out / "replies-T0.jsonl")}
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompts[0]["prompt"]}], tokenize=False,
+                                        add_generation_prompt=True)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    x = torch.tensor([tokenizer(ids, add_special_tokens=False)["input_ids"]])
+    ref = ref_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)[0, x.size(1):].tolist()
+    eos = md.eos_token_ids(tokenizer, ref_model)
+    reply, cut = md.cut_at_eos(ref, eos, 12)
+    record = greedy[prompts[0]["id"]]
+    assert record["reply_ids"] == reply  # greedy = the target's own
+
+    # the cached top-K is the target's distribution at every reply position (and the end-of-turn one)
+    ids, logp = md.read_topk(out, 0.0, record)
+    assert ids.shape == logp.shape == (len(reply) + (not cut), md.TOPK)
+    assert ids[:, 0].tolist() == reply + ([] if cut else [ref[len(reply)]])  # greedy: the top-1 is the token
+    full = torch.cat([x[0], torch.tensor(ref[:ids.size(0) - 1], dtype=torch.long)])
+    with torch.no_grad():
+        want = torch.log_softmax(ref_model(full[None]).logits[0, x.size(1) - 1:].float(), -1)
+    torch.testing.assert_close(logp, want.gather(-1, ids), atol=2e-3, rtol=1e-3)  # float16 storage
+    for r in md.read_shard(out / "replies-T0.7.jsonl"):  # sampled replies: their temperature-1 distribution
+        ids, logp = md.read_topk(out, 0.7, r)
+        assert ids.size(0) == len(r["reply_ids"]) + (not r["truncated"])
+        assert (logp[:, :-1] >= logp[:, 1:]).all() and (logp <= 0).all()
+
+    # the replies are SFT / distillation data as training reads it
+    records = load_records(DataConfig(path=str(out / "replies-*.jsonl")))
+    kept, skipped = prepare_sft(records, tokenizer, 512)
+    assert len(kept) + sum(skipped.values()) == 6 and len(kept) >= 1
+
+    # a larger --magpie extends the finished run; nothing already answered is generated again
+    again = md.make_data(args_for(path, out, "--magpie", 9, "--batch-size", 3, "--prompts", user_file,
+                                  "--temperatures", "0,0.7", "--max-new-tokens", 12, "--dtype", "float32"),
+                         generate=scripted_magpie(["What is a prime number?", "Hello", "Why is the sky blue?"]),
+                         progress=False)
+    assert again["magpie"]["samples"] == 9 and again["prompts"]["total"] == 5
+    assert again["replies"]["0"]["replies"] == 5
+    rows = md.read_shard(out / "replies-T0.jsonl")
+    assert len({r["id"] for r in rows}) == len(rows) == 5
+
+
+def test_bad_input_is_one_line_and_writes_nothing(target, tmp_path, capsys, monkeypatch):
+    path, _ = target
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    for extra, message in ((["--temperatures", "0,x"], "--temperatures must be comma-separated numbers"),
+                           (["--magpie", "0"], "nothing to answer"),
+                           (["--prompts", str(tmp_path / "none.jsonl")], "prompt file not found"),
+                           (["--batch-size", "0"], "--batch-size must be >= 1")):
+        assert cli.main(["make-data", "--target", str(path), "--out", str(tmp_path / "o"), *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mamba-draft make-data: error: ") and message in err, err
+    assert cli.main(["make-data", "--target", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"),
+                     "--magpie", "4"]) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_refuses_other_settings(target, tmp_path):
+    path, _ = target
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Explain recursion."}) + "\n")
+    md.make_data(args_for(path, tmp_path / "d", "--prompts", prompts, "--max-new-tokens", 4), progress=False)
+    with pytest.raises(ValueError, match="other settings \\(max_new_tokens differ\\)"):
+        md.make_data(args_for(path, tmp_path / "d", "--prompts", prompts, "--max-new-tokens", 8), progress=False)
+
+
+def test_torn_tail_is_cut_and_other_damage_refused(tmp_path):
+    shard = tmp_path / "s.jsonl"
+    md.append_shard(shard, [{"id": "a"}, {"id": "b"}])
+    with open(shard, "ab") as f:
+        f.write(b'{"id": "c", "conv')  # a kill in the middle of a write
+    assert md.read_shard(shard) == [{"id": "a"}, {"id": "b"}]
+    assert shard.read_bytes().endswith(b'"b"}\n')
+    shard.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match="s.jsonl:2: not valid JSON"):
+        md.read_shard(shard)
+
+
+SLOW_RUN = """
+import sys, time
+from mamba_draft import cli
+from training import make_data as md
+
+def slow(*args, **kwargs):  # one batch takes >= 0.3 s, so the test can kill the run between and within batches
+    time.sleep(0.3)
+    return md.hf_sample(*args, **kwargs)
+
+md.make_data(cli.build_parser("make-data").parse_args(sys.argv[1:]), generate=slow, progress=False)
+"""
+
+
+def test_sigkill_loses_at_most_the_batch_in_flight(target, tmp_path):
+    path, _ = target
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Question number {i}: what is {i} plus {i}?"})
+                                 for i in range(24)))
+    out = tmp_path / "data"
+    argv = ["--target", str(path), "--out", str(out), "--prompts", str(prompts), "--temperatures", "0,0.7",
+            "--batch-size", "2", "--max-new-tokens", "8", "--dtype", "float32"]
+    replies = out / "replies-T0.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_RUN, *argv], env=train_env(), cwd=REPO)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not replies.exists() or replies.read_text().count("\n") < 6):
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = replies.read_bytes()
+    done = before.count(b"\n")
+    assert 6 <= done < 24, "the run must be killed part-way"
+    with open(replies, "ab") as f:  # and as if the kill had hit a write
+        f.write(b'{"id": "p:9", "source"')
+    with open(out / "topk-T0.bin", "ab") as f:  # or had come between the top-K append and the reply lines
+        f.write(b"\0" * md.topk_bytes() * 5)
+
+    subprocess.run([sys.executable, "-c", SLOW_RUN, *argv], env=train_env(), cwd=REPO, check=True, timeout=300)
+    after = replies.read_bytes()
+    assert after.startswith(before)  # every reply written before the kill is kept as it was
+    for t in ("0", "0.7"):
+        rows = md.read_shard(out / f"replies-T{t}.jsonl")
+        assert len(rows) == len({r["id"] for r in rows}) == 24
+        assert (out / f"topk-T{t}.bin").stat().st_size == sum(r["topk"][1] for r in rows) * md.topk_bytes()
+        spans = sorted(r["topk"] for r in rows)
+        assert all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, nothing orphaned
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["replies"]["0"]["replies"] == manifest["replies"]["0.7"]["replies"] == 24
+    assert manifest["prompts"]["total"] == 24

@@ -1,0 +1,447 @@
+"""The data engine: a chat target writes its own prompts (Magpie) and answers them, greedy and sampled.
+
+    mamba-draft make-data --target smollm2 --out DIR --magpie 4096 [--prompts FILE ...] [--temperatures 0,0.7]
+
+Prompts come from the target itself (Magpie, Xu et al. 2024: sample what follows the chat template's user-turn
+header) and from user prompt files (ShareGPT / JSONL / Spec-Bench, as `regenerate` reads them). A generated prompt
+is kept when it ended its turn, is new (whitespace/case-folded), reads as a request, and shares no 8-word run with
+an odd-id Spec-Bench question; every drop is counted by reason. Held-out questions in a prompt file are skipped.
+Every prompt is then answered at each temperature (0 = greedy; > 0 samples with the target's generation_config
+top-k / top-p, as `target.generate` and the benchmark do), in left-padded batches sorted by length.
+
+DIR is append-only and resumable: rerun the same command after an interruption (even SIGKILL) and it continues
+where it stopped, losing at most the batch in flight; a larger --magpie extends a finished run.
+    manifest.json         settings and counts (rewritten atomically after every batch)
+    prompts.jsonl         {id, source, prompt, batch}: every accepted prompt
+    magpie.jsonl          {batch, samples, kept, dropped{reason: n}}: one line per finished Magpie batch
+    replies-T{t}.jsonl    {id, source, temperature, truncated, reply_ids, topk, conversations}: ShareGPT records
+                          that `training.train` reads as SFT / distillation data (data.path: DIR/replies-*.jsonl)
+    topk-T{t}.bin         the target's top-K next-token log-probabilities at every reply position (the end-of-turn
+                          position too), recorded from the generating forward itself (temperature 1, whatever the
+                          sampling temperature): per position K int32 ids then K float16 log-probs; a record's
+                          `topk` is [first position, count]. Dense distillation targets at no extra forward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mamba_draft.devices import check_device, native_bf16
+from mamba_draft.dtypes import parse_dtype
+from mamba_draft.heldout import normalize, overlaps_heldout
+from mamba_draft.io import write_json
+from mamba_draft.targets import load_causal_lm
+from training.regenerate import conversation, eos_token_ids, prompt_ids, read_records, target_tokenizer
+
+MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
+TOPK = 20  # cached target log-probs per reply position
+ROUND_BATCHES = 8  # Magpie batches between two reply passes
+_SENTINEL = "\u2063MAGPIE\u2063"  # an invisible separator: marks where the user's text would start
+_REQUEST_START = re.compile(
+    r"^(what|how|why|when|where|which|who|whom|whose|is|are|can|could|would|will|should|do|does|did|write|create|"
+    r"explain|describe|give|list|tell|help|make|generate|compose|draft|summari[sz]e|translate|find|calculate|solve|"
+    r"compare|suggest|provide|design|develop|analy[sz]e|imagine|i\s+(need|want|would|am|have|'m)|please|let's|"
+    r"show|implement|convert|rewrite|edit|plan|recommend|name|define|discuss|outline|prepare|identify|evaluate)\b",
+    re.IGNORECASE)
+_ASSISTANT_VOICE = re.compile(r"^(i'm smollm|i am smollm|as an ai|hello! i|hi! i|sure[,!]|certainly[,!])", re.IGNORECASE)
+
+# (model, tokenizer, prompts, *, max_new_tokens, temperature, top_p, eos_token_ids) -> each prompt's new tokens.
+# temperature 0 is greedy; top_p None keeps the target's generation_config. Seeded by the caller (torch's RNG).
+Generate = Callable[..., list[list[int]]]
+
+
+# ------------------------------------------------------------------------------------------ shards
+
+def read_shard(path: Path) -> list[dict]:
+    """The records of an append-only JSONL file, after cutting a torn last line (a write killed mid-line).
+
+    Only the tail can be torn by an interrupted append; a bad line elsewhere means the file was edited or is not
+    ours, and is an error rather than something to silently drop."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):  # torn tail: keep every complete line
+        with open(path, "r+b") as f:
+            f.truncate(end)
+        data = data[:end]
+    records = []
+    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{number}: not valid JSON (not an interrupted append: the file was "
+                             "changed by hand or is not make-data's)") from None
+    return records
+
+
+def append_shard(path: Path, records: list[dict]) -> None:
+    """One write of whole lines, flushed to disk before returning: a kill loses at most this batch."""
+    if records:
+        append_bytes(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+
+
+def append_bytes(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def reply_path(out: Path, temperature: float) -> Path:
+    return out / f"replies-T{temperature:g}.jsonl"
+
+
+def topk_path(out: Path, temperature: float) -> Path:
+    return out / f"topk-T{temperature:g}.bin"
+
+
+def topk_bytes(k: int = TOPK) -> int:
+    return k * (4 + 2)
+
+
+def repair_topk(out: Path, temperature: float, records: list[dict]) -> int:
+    """Cut the top-K file back to what the reply records point at (a kill between the two appends leaves positions
+    no record owns); returns the next free position."""
+    path = topk_path(out, temperature)
+    end = max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
+    size = path.stat().st_size if path.exists() else 0
+    if size < end * topk_bytes():
+        raise ValueError(f"{path} holds {size // topk_bytes()} positions but the replies point at {end}: the file "
+                         "was changed by hand")
+    if size > end * topk_bytes():
+        with open(path, "r+b") as f:
+            f.truncate(end * topk_bytes())
+    return end
+
+
+def read_topk(out: Path, temperature: float, record: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reply's cached (positions, K) int64 ids and float32 log-probs."""
+    start, count = record["topk"]
+    with open(topk_path(out, temperature), "rb") as f:
+        f.seek(start * topk_bytes())
+        raw = torch.frombuffer(bytearray(f.read(count * topk_bytes())), dtype=torch.uint8).view(count, -1)
+    return raw[:, :TOPK * 4].view(torch.int32).long(), raw[:, TOPK * 4:].view(torch.float16).float()
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+def magpie_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's message starts (system turn included, if the template
+    adds one): what the target continues to write a user request."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--magpie needs a target with a chat template (the prompt is sampled after its user-turn "
+                         "header); pass --magpie 0 and --prompts FILE instead")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False)
+    if _SENTINEL not in text:
+        raise ValueError("the chat template does not render the user's message verbatim; cannot find the user turn")
+    return tokenizer(text[:text.index(_SENTINEL)], add_special_tokens=False)["input_ids"]
+
+
+def request_verdict(text: str) -> str:
+    """'' when a generated text reads as a user request, else the reason it is dropped."""
+    words = text.split()
+    if len(words) < 3:
+        return "too_short"
+    if len(words) > 300:
+        return "too_long"
+    if not re.search(r"[A-Za-z]", text):
+        return "no_words"
+    if _ASSISTANT_VOICE.match(text):
+        return "assistant_voice"
+    if not (text.rstrip().endswith("?") or _REQUEST_START.match(text.lstrip(" \"'*#-"))):
+        return "not_a_request"
+    return ""
+
+
+def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]:
+    """User prompt files -> new prompt records (one user turn each) and drop counts; `seen` gains their keys."""
+    kept, dropped = [], Counter()
+    for path in paths:
+        stem = Path(path).stem
+        for i, record in enumerate(read_records(path)):
+            conv, reason = conversation(record, i)  # held-out questions come back as "heldout_question"
+            if conv is None:
+                dropped[reason] += 1
+                continue
+            text = next(m["content"] for m in conv["messages"] if m["role"] == "user")
+            key = normalize(text)
+            if key in seen:
+                dropped["duplicate"] += 1
+                continue
+            seen.add(key)
+            kept.append({"id": f"{stem}:{conv['id']}", "source": stem, "prompt": text, "batch": -1})
+    return kept, dropped
+
+
+# ------------------------------------------------------------------------------------------ generation
+
+@torch.no_grad()
+def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+              top_p: float | None, eos_token_ids: list[int]) -> list[list[int]]:
+    """The default `Generate`: transformers' `generate` on the left-padded batch."""
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
+    sampling = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, **({"top_p": top_p} if top_p else {})}
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids,
+                         pad_token_id=tokenizer.pad_token_id, **sampling)
+    return out[:, batch["input_ids"].size(1):].tolist()
+
+
+def cut_at_eos(row: list[int], eos_ids: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """(tokens before the first EOS, True when no EOS came within max_new_tokens)."""
+    row = row[:max_new_tokens]
+    end = next((j for j, t in enumerate(row) if t in eos_ids), None)
+    return (row, True) if end is None else (row[:end], False)
+
+
+class Engine:
+    """The target, its tokenizer and a batch generator, with a tokens/s meter for the progress bar."""
+
+    def __init__(self, model, tokenizer, generate: Generate):
+        self.model, self.tokenizer, self.generate = model, tokenizer, generate
+        self.eos_ids = eos_token_ids(tokenizer, model)
+        self.tokens, self.seconds = 0, 0.0
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float | None,
+            seed: int, record_topk: bool = False) -> tuple[list[tuple[list[int], bool]], list[torch.Tensor] | None]:
+        """Each prompt's (reply tokens before EOS, cut) and, with `record_topk`, its top-K file rows: (positions,
+        topk_bytes()) uint8, K int32 ids then K float16 log-probs per position (None when the generator ran no
+        forward of this model, e.g. a scripted one)."""
+        torch.manual_seed(seed)
+        steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def record(module, inputs, output):  # each decoding step's head output: (B, 1, V) (prefill: last position)
+            values, ids = torch.log_softmax(output[:, -1].float(), dim=-1).topk(TOPK, dim=-1)
+            steps.append((ids.to(torch.int32), values.to(torch.float16)))
+
+        hook = self.model.get_output_embeddings().register_forward_hook(record) if record_topk else None
+        start = time.perf_counter()
+        try:
+            rows = self.generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, eos_token_ids=self.eos_ids)
+        finally:
+            if hook is not None:
+                hook.remove()
+        self.seconds += time.perf_counter() - start
+        if len(rows) != len(prompts):
+            raise RuntimeError(f"the batch generator returned {len(rows)} rows for {len(prompts)} prompts")
+        out = [cut_at_eos(list(row), self.eos_ids, max_new_tokens) for row in rows]
+        self.tokens += sum(len(ids) + (not cut) for ids, cut in out)  # the EOS is a generated token too
+        needed = max(len(ids) + (not cut) for ids, cut in out)
+        if not record_topk or len(steps) < needed:
+            return out, None
+        ids = torch.stack([i for i, _ in steps[:needed]], dim=1)  # (B, positions, K)
+        values = torch.stack([v for _, v in steps[:needed]], dim=1)
+        packed = [torch.cat([ids[b, :n].view(torch.uint8).reshape(n, -1), values[b, :n].view(torch.uint8)
+                             .reshape(n, -1)], dim=1) for b, n in enumerate(len(r) + (not c) for r, c in out)]
+        return out, packed
+
+    def rate(self) -> str:
+        return f"{self.tokens / self.seconds:.0f} tok/s" if self.seconds else "-"
+
+
+def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed: int, seen: set[str],
+                   prompts_path: Path, progress: bool) -> None:
+    """Sample Magpie batches until `count` samples have been drawn in all; each finished batch appends its kept
+    prompts, then its summary line (a batch without a summary line is redone; `seen` drops the re-drawn copies)."""
+    log_path = out / "magpie.jsonl"
+    done = {r["batch"] for r in read_shard(log_path)}
+    batches = -(-count // batch_size)
+    todo = [b for b in range(batches) if b not in done]
+    if not todo:
+        return
+    prefix = magpie_prefix(engine.tokenizer)
+    bar = tqdm(total=len(todo) * batch_size, desc="magpie prompts", unit="sample", disable=not progress)
+    for b in todo:
+        n = min(batch_size, count - b * batch_size)
+        rows, _ = engine.run([prefix] * n, MAGPIE_TOKENS, MAGPIE_TEMPERATURE, MAGPIE_TOP_P, seed + b)
+        kept, dropped = [], Counter()
+        for row, (ids, cut) in enumerate(rows):
+            text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            reason = "cut" if cut else request_verdict(text)
+            if not reason and normalize(text) in seen:
+                reason = "duplicate"
+            if not reason and overlaps_heldout(text):
+                reason = "heldout_overlap"
+            if reason:
+                dropped[reason] += 1
+                continue
+            seen.add(normalize(text))
+            kept.append({"id": f"magpie:{b}:{row}", "source": "magpie", "prompt": text, "batch": b})
+        append_shard(prompts_path, kept)
+        append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)}])
+        bar.update(n)
+        bar.set_postfix(kept=len(kept), speed=engine.rate())
+    bar.close()
+
+
+def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
+                  batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None]) -> None:
+    """Answer every prompt at every temperature it lacks a reply for, longest prompts first."""
+    encoded = {p["id"]: prompt_ids(engine.tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in prompts}
+    jobs, next_position = [], {}
+    for t in temperatures:
+        records = read_shard(reply_path(out, t))
+        next_position[t] = repair_topk(out, t, records)
+        have = {r["id"] for r in records}
+        todo = sorted((p for p in prompts if p["id"] not in have), key=lambda p: -len(encoded[p["id"]]))
+        jobs += [(t, todo[i:i + batch_size]) for i in range(0, len(todo), batch_size)]
+    bar = tqdm(total=sum(len(batch) for _, batch in jobs), desc="replies", unit="reply", disable=not progress)
+    for t, batch in jobs:
+        # the seed depends on the batch's content, not its position: a resumed run draws the same way per batch
+        batch_seed = seed + sum(map(ord, batch[0]["id"])) * 1009 + int(t * 1000)
+        rows, topk = engine.run([encoded[p["id"]] for p in batch], max_new_tokens, t, None, batch_seed,
+                                record_topk=True)
+        records = []
+        for b, (p, (ids, cut)) in enumerate(zip(batch, rows)):
+            text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            span = None
+            if topk is not None:
+                span = [next_position[t], topk[b].size(0)]
+                next_position[t] += span[1]
+            records.append({"id": p["id"], "source": p["source"], "temperature": t, "truncated": cut,
+                            "reply_ids": ids, "topk": span, "conversations": [
+                                {"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": text}]})
+        if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
+            append_bytes(topk_path(out, t), b"".join(row.numpy().tobytes() for row in topk))
+        append_shard(reply_path(out, t), records)
+        on_batch()
+        bar.update(len(batch))
+        bar.set_postfix(speed=engine.rate())
+    bar.close()
+
+
+# ------------------------------------------------------------------------------------------ command
+
+def settings_of(args: argparse.Namespace) -> dict:
+    """What the data depends on: a resumed run must match these (--magpie may grow, --prompts may be added)."""
+    return {"target": str(args.target), "max_new_tokens": args.max_new_tokens,
+            "magpie": {"temperature": MAGPIE_TEMPERATURE, "top_p": MAGPIE_TOP_P, "max_tokens": MAGPIE_TOKENS,
+                       "batch_size": args.batch_size, "seed": args.seed}}
+
+
+def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: list[float],
+                   dropped_files: Counter, engine: Engine | None) -> dict:
+    """Counts recomputed from the shards themselves (so they are right after any interruption)."""
+    prompts = read_shard(out / "prompts.jsonl")
+    magpie = read_shard(out / "magpie.jsonl")
+    magpie_dropped = Counter()
+    for line in magpie:
+        magpie_dropped.update(line["dropped"])
+    replies = {}
+    for t in sorted({*temperatures, *(float(p.stem.split("-T", 1)[1]) for p in out.glob("replies-T*.jsonl"))}):
+        rows = read_shard(reply_path(out, t))
+        replies[f"{t:g}"] = {"replies": len(rows), "tokens": sum(len(r["reply_ids"]) for r in rows),
+                             "truncated": sum(r["truncated"] for r in rows),
+                             "empty": sum(not r["conversations"][1]["value"] for r in rows)}
+    manifest = {"settings": settings, "dtype": str(dtype).removeprefix("torch."),
+                "prompts": {"total": len(prompts), "by_source": dict(Counter(p["source"] for p in prompts)),
+                            "dropped_from_files": dict(dropped_files)},
+                "magpie": {"samples": sum(line["samples"] for line in magpie),
+                           "kept": sum(line["kept"] for line in magpie), "dropped": dict(magpie_dropped)},
+                "replies": replies,
+                "last_run": {"tokens_per_s": round(engine.tokens / engine.seconds, 1) if engine and engine.seconds
+                             else None}}
+    write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+def make_data(args: argparse.Namespace, generate: Generate | None = None, progress: bool = True) -> dict:
+    temperatures = parse_temperatures(args.temperatures)
+    out = Path(args.out)
+    settings = settings_of(args)
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists():
+        previous = json.loads(manifest_path.read_text())["settings"]
+        changed = sorted(k for k in settings if previous.get(k) != settings[k])
+        if changed:
+            raise ValueError(f"{out} was made with other settings ({', '.join(changed)} differ); resume with the "
+                             "same ones or choose a new --out")
+    for path in args.prompts:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"prompt file not found: {path}")
+    if args.magpie == 0 and not args.prompts and not (out / "prompts.jsonl").exists():
+        raise ValueError("nothing to answer: give --magpie N and/or --prompts FILE")
+
+    tokenizer = target_tokenizer(args.target)
+    if args.magpie:
+        magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
+    dtype = resolve_dtype(args.dtype, args.device)
+    model = load_causal_lm(args.target, dtype=dtype, device=args.device)
+    engine = Engine(model, tokenizer, generate or hf_sample)
+    out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: a bad target leaves nothing behind
+
+    prompts_path = out / "prompts.jsonl"
+    existing = read_shard(prompts_path)
+    seen = {normalize(p["prompt"]) for p in existing}
+    new, dropped_files = file_prompts(args.prompts, seen)
+    append_shard(prompts_path, new)
+    write_manifest(out, settings, dtype, temperatures, dropped_files, None)
+    # Magpie in rounds, each answered before the next: an interrupted run holds replies of every source
+    step = ROUND_BATCHES * args.batch_size
+    for count in [*range(step, args.magpie, step), args.magpie]:
+        magpie_batches(engine, out, count, args.batch_size, args.seed, seen, prompts_path, progress)
+        reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
+                      args.seed, progress, lambda: write_manifest(out, settings, dtype, temperatures, dropped_files,
+                                                                  engine))
+    return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """auto: bfloat16 where bf16 products are native (CUDA, CPUs with AVX512-BF16 / AMX), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return parse_dtype(name)
+
+
+def parse_temperatures(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--temperatures must be comma-separated numbers, e.g. 0,0.7; got {text!r}") from None
+    if not values or any(not (0 <= v < 10) for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"--temperatures must be distinct numbers in [0, 10), e.g. 0,0.7; got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="chat target: HF dir, hub id, .gguf file or 'smollm2'")
+    parser.add_argument("--out", required=True, help="output directory (append-only; rerun to resume or extend)")
+    parser.add_argument("--magpie", type=int, default=0, help="prompts the target writes itself (samples drawn)")
+    parser.add_argument("--prompts", nargs="*", default=[],
+                        help="prompt files: ShareGPT JSON/JSONL, {'prompt'} / {'messages'} JSONL, Spec-Bench "
+                        "(odd ids are held out and skipped)")
+    parser.add_argument("--temperatures", default="0,0.7", help="reply temperatures (0 = greedy), default 0,0.7")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="reply length cap")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.magpie < 0:
+        raise ValueError("--magpie must be >= 0")
+    parse_temperatures(args.temperatures)
+    check_device(args.device)
+    manifest = make_data(args)
+    replies = ", ".join(f"T={t}: {r['replies']} replies, {r['tokens']} tokens" for t, r in manifest["replies"].items())
+    print(f"make-data: {manifest['prompts']['total']} prompts ({manifest['magpie']['kept']} of "
+          f"{manifest['magpie']['samples']} Magpie samples kept); {replies}; {args.out}/manifest.json")
+    return 0
