@@ -15,6 +15,7 @@ from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table,
 from mamba_draft.devices import check_device
 from mamba_draft.dtypes import DTYPES, parse_dtype
 from mamba_draft.heldout import SPEC_BENCH
+from tree_search.invariance import row_floor
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
@@ -139,10 +140,18 @@ def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchCon
     return outputs, records, arms
 
 
-def reference_outputs(models: Models, prompt_ids, cfg: BenchConfig, eos: list[int]) -> list[list[int]]:
-    """The target's own greedy `generate` output for every prompt (what lossless methods must reproduce)."""
+def reference_method(models: Models) -> str:
+    """What lossless methods must reproduce: `hf-ar`, the target's own greedy `generate`, except where the target's
+    row floor is above 1 (bf16/fp16 on CPU, tree_search.invariance): there transformers decodes one row per
+    forward, which rounds differently from any multi-row forward, and `ar`, plain decoding with the floor, is the
+    same-precision plain decoding that speculation reproduces token for token."""
+    return "ar" if row_floor(models.target) > 1 else "hf-ar"
+
+
+def reference_outputs(models: Models, prompt_ids, cfg: BenchConfig, eos: list[int], name: str) -> list[list[int]]:
+    """Method `name`'s greedy output for every prompt, one prompt at a time."""
     greedy = replace(cfg, temperature=0.0)
-    return run_pass(parse_method("hf-ar"), models, make_batches(prompt_ids, 1), greedy, eos, cfg.seed)[0]
+    return run_pass(parse_method(name), models, make_batches(prompt_ids, 1), greedy, eos, cfg.seed)[0]
 
 
 def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int], bar,
@@ -174,13 +183,14 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     bar = tqdm(total=cfg.repeats * len(methods) * len(prompts), desc="bench", disable=not progress)
     runs = measure(methods, models, make_batches(prompt_ids, 1), cfg, eos, bar, cfg)
     bar.close()
-    references = None
-    if greedy:  # hf-ar's greedy outputs are the target's own greedy generate: no extra pass when it ran
-        references = runs["hf-ar"][0]["outputs"] if "hf-ar" in runs else reference_outputs(models, prompt_ids, cfg, eos)
+    references, reference = None, reference_method(models)
+    if greedy:  # the reference method's greedy outputs: no extra pass when it ran
+        references = (runs[reference][0]["outputs"] if reference in runs
+                      else reference_outputs(models, prompt_ids, cfg, eos, reference))
     summaries = {m.name: summarize(m, runs, prompts, references) for m in methods}
     return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
-            "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "references": references,
-            "methods": summaries, "runs": runs}
+            "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "reference": reference,
+            "references": references, "methods": summaries, "runs": runs}
 
 
 def describe(device: torch.device) -> str:
@@ -242,9 +252,14 @@ def equality_cell(summary: dict) -> str:
     return f"lossy: {eq['n_identical']}/{eq['n_prompts']} identical, prefix agreement {eq['prefix_agreement']:.2f}"
 
 
+def reference_text(result: dict) -> str:
+    return {"ar": "plain decoding (ar)"}.get(result.get("reference"), "target greedy")
+
+
 def markdown_report(result: dict) -> str:
     cfg = result["config"]
-    header = ["method", "verifier", "tokens/s", "τ", "speedup", "vs", "output vs target greedy"]
+    reference = reference_text(result)
+    header = ["method", "verifier", "tokens/s", "τ", "speedup", "vs", f"output vs {reference}"]
     rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
              fmt_mean_std(s["tau"]), fmt_mean_std(s["speedup"]) + "×", s["baseline"], equality_cell(s)]
             for name, s in result["methods"].items()]
@@ -306,7 +321,7 @@ def run_batch_benchmark(models: Models, prompts: list[Prompt], methods: list[Met
     """For each of cfg.batch_sizes: every method over the same left-padded batches of that many prompts (the last
     may be smaller), warm-up then `repeats` passes -> the JSON-able result, one summary per batch size.
 
-    Lossless outputs are checked against the target's own per-prompt greedy `generate`, not batched `hf-ar`:
+    Lossless outputs are checked against per-prompt greedy decoding (`reference_method`), not batched `hf-ar`:
     transformers' left-padded batched decoding may round differently from a prompt alone (its rows get the same
     check, so the table shows whether it does)."""
     from tqdm import tqdm
@@ -323,15 +338,15 @@ def run_batch_benchmark(models: Models, prompts: list[Prompt], methods: list[Met
         bar.set_description(f"bench batch {size}")
         runs[size] = measure(methods, models, make_batches(prompt_ids, size), cfg, eos, bar, warmup)
     bar.close()
-    references = None
-    if cfg.temperature == 0:  # hf-ar at batch size 1 is that per-prompt greedy generate: no extra pass when it ran
-        lone = runs.get(1, {}).get("hf-ar")
-        references = lone[0]["outputs"] if lone else reference_outputs(models, prompt_ids, cfg, eos)
+    references, reference = None, reference_method(models)
+    if cfg.temperature == 0:  # the reference at batch size 1 is per-prompt greedy decoding: no extra pass if it ran
+        lone = runs.get(1, {}).get(reference)
+        references = lone[0]["outputs"] if lone else reference_outputs(models, prompt_ids, cfg, eos, reference)
     batches = {str(size): {"methods": {m.name: summarize_batch(m, r, references) for m in methods}, "runs": r}
                for size, r in runs.items()}
     return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
-            "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "references": references,
-            "batches": batches}
+            "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "reference": reference,
+            "references": references, "batches": batches}
 
 
 def throughput(records: list[dict]) -> float:
@@ -363,9 +378,9 @@ def batch_report(result: dict) -> str:
     text = (f"{len(result['prompts'])} prompts in left-padded batches of {', '.join(batches)} (the last batch of a "
             f"size may be smaller), {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, {cfg['repeats']} "
             f"repeats (mean ± std), device: {result['device']}. tokens/s = all new tokens / wall time of all batches; "
-            "speedups against `ar` and `hf-ar` on the same batches; outputs compared with the target's per-prompt "
-            "greedy `generate`." + bandit_memory_text(cfg) + "\n")
-    header = ["method", "verifier", "tokens/s", "τ", "vs ar", "vs hf-ar", "output vs target greedy"]
+            "speedups against `ar` and `hf-ar` on the same batches; outputs compared with per-prompt greedy "
+            f"{reference_text(result)}." + bandit_memory_text(cfg) + "\n")
+    header = ["method", "verifier", "tokens/s", "τ", "vs ar", "vs hf-ar", f"output vs {reference_text(result)}"]
     for size, entry in batches.items():
         rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
                  fmt_mean_std(s["tau"]), speedup(s, "ar"), speedup(s, "hf-ar"), equality_cell(s)]
@@ -502,7 +517,7 @@ def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
     dtype = parse_dtype(args.dtype)
 
     def causal_lm(path):
-        return load_causal_lm(path, dtype=dtype, device=args.device, attn_implementation="sdpa")
+        return load_causal_lm(path, dtype=dtype, device=args.device)
 
     models = Models(target=causal_lm(args.target), tokenizer=load_tokenizer(args.tokenizer or args.target))
     if any(m.kind == "spec" for m in methods):

@@ -85,9 +85,18 @@ def load_tokenizer(path: str | os.PathLike):
         return AutoTokenizer.from_pretrained(str(gguf[0]), gguf_file=gguf[1])
 
 
+def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
+    """sdpa, except eager for bf16/fp16 on CPU: there sdpa rounds a query's output differently with the number of
+    keys it is handed (masked ones included), eager does not, and speculative output must equal plain decoding's
+    (tree_search.invariance)."""
+    low = dtype in (torch.bfloat16, torch.float16)
+    return "eager" if low and torch.device(device).type == "cpu" else "sdpa"
+
+
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                   attn_implementation: str | None = "sdpa") -> torch.nn.Module:
+                   attn_implementation: str | None = "auto") -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`).
+    attn_implementation: "auto" is `default_attention`; None leaves transformers' default.
 
     A GGUF-loaded model is returned as a plain model (no `quantization_config`): its weights are already dense,
     and transformers refuses to save a model that still says it is GGUF-quantized.
@@ -95,6 +104,8 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}
+    if attn_implementation == "auto":
+        attn_implementation = default_attention(dtype, device)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     gguf = resolve_gguf(path)

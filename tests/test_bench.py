@@ -152,7 +152,7 @@ def test_bench_loads_targets_through_mamba_draft_targets(tiny_pair, tmp_path, mo
     gguf.write_bytes(b"GGUF")  # only its name is checked: the loader is replaced
     assert cli.main(["bench", "--target", str(gguf), "--prompts", str(prompts), "--methods", "ar", "--repeats", "1",
                      "--max-new-tokens", "3", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
-    kw = {"dtype": torch.float32, "device": "cpu", "attn_implementation": "sdpa"}
+    kw = {"dtype": torch.float32, "device": "cpu"}  # attention: load_causal_lm's default (default_attention)
     assert calls == [(str(gguf), kw), str(gguf)]
 
 
@@ -174,3 +174,18 @@ def test_bench_rejects_bad_target_and_sampling_arguments_before_loading(tiny_pai
     with pytest.raises(ValueError, match="greedy-only"):
         cli.main(base + target + ["--drafter", str(root / "drafter"), "--methods", "chain", "--temperature", "0.5"])
     assert not (tmp_path / "o").exists()
+
+
+def test_lossless_reference_is_plain_decoding_where_the_target_has_a_row_floor(monkeypatch):
+    """bf16/fp16 on CPU (row floor > 1): transformers decodes one row per forward and rounds differently from any
+    multi-row forward, so lossless methods are checked against `ar`, plain decoding with the floor."""
+    from benchmarks import bench
+    from benchmarks.methods import Models
+
+    models = Models(target=object(), tokenizer=None)
+    monkeypatch.setattr(bench, "row_floor", lambda model: 2)
+    assert bench.reference_method(models) == "ar"
+    assert bench.reference_text({"reference": "ar"}) == "plain decoding (ar)"
+    monkeypatch.setattr(bench, "row_floor", lambda model: 1)
+    assert bench.reference_method(models) == "hf-ar"
+    assert bench.reference_text({"reference": "hf-ar"}) == "target greedy"

@@ -37,7 +37,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "pretrain"                # pretrain | sft
+    kind: str = "pretrain"                # pretrain | sft | engine (a make-data directory: cached target top-K)
     path: str = ""                        # local file/glob (json, jsonl, parquet) or hub dataset id
     hub_config: str | None = None         # e.g. "sample-10BT" for HuggingFaceFW/fineweb-edu
     split: str = "train"

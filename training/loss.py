@@ -27,3 +27,23 @@ def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.
     log_p = F.log_softmax(target_logits[mask] / temperature, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     return kl.mean() * temperature ** 2  # T^2 keeps gradient scale independent of T (Hinton et al.)
+
+
+def cached_kl(logits: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Tensor, labels: torch.Tensor,
+              to_draft: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over labelled positions of KL(p || q), p the target's cached top-K distribution renormalised over the
+    ids the drafter can emit (its draft vocabulary, when `to_draft` maps target ids to draft columns, -100 outside).
+
+    soft_ids / soft_logp (B, L, K): row t is the distribution token t was predicted from (aligned with labels)."""
+    logits, labels = shift(logits, labels)
+    ids, logp = soft_ids[:, 1:], soft_logp[:, 1:].float()
+    mask = labels != IGNORE_INDEX
+    ids, logp = ids[mask], logp[mask]
+    if to_draft is not None:
+        ids = to_draft[ids]
+        logp = logp.masked_fill(ids < 0, float("-inf"))
+        ids = ids.clamp(min=0)
+    log_p = F.log_softmax(logp, dim=-1)
+    p = log_p.exp()
+    log_q = F.log_softmax(logits[mask], dim=-1).gather(-1, ids)
+    return (p * (log_p - log_q)).nan_to_num(0.0).sum(-1).mean()  # 0 * (-inf) outside the vocabulary: no term

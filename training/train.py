@@ -37,7 +37,7 @@ from training import data as data_lib
 from training.agreement import HeldoutEval, check_eval_config, plot_agreement
 from training.config import TrainConfig, load_config, save_config
 from training.distributed import deepspeed_config, init_distributed, use_bf16
-from training.loss import cross_entropy, forward_kl
+from training.loss import cached_kl, cross_entropy, forward_kl
 from training.model import (build_model, check_vocab, frequency_ranked_vocab, load_tokenizer, read_draft_vocab,
                             weight_decay_groups)
 
@@ -54,6 +54,14 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
     """The rank's data iterator, the number of records (None when streaming) and the draft vocabulary (or None)."""
+    if cfg.data.kind == "engine":
+        from training.engine_data import PackedEngine, label_lists, load_engine
+
+        examples = load_engine(cfg.data.path, tokenizer)
+        if rank == 0:
+            print(f"engine: {len(examples)} replies, {sum(e.input_ids.numel() for e in examples)} tokens")
+        return (PackedEngine(examples, cfg.data.seq_len, cfg.data.seed, rank, world), len(examples),
+                draft_vocab(cfg, tokenizer, label_lists(examples)))
     records = data_lib.load_records(cfg.data)
     if cfg.data.kind == "pretrain":
         n = None if isinstance(records, datasets.IterableDataset) else len(records)
@@ -69,7 +77,7 @@ def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
         draft_ids = draft_vocab(cfg, tokenizer, (e["labels"] for e in examples))  # what the drafter must predict
         return (data_lib.SFTExamples(examples, tokenizer.pad_token_id, cfg.data.seed, rank, world), len(examples),
                 draft_ids)
-    raise ValueError(f"data.kind must be pretrain or sft, got {cfg.data.kind!r}")
+    raise ValueError(f"data.kind must be pretrain, sft or engine, got {cfg.data.kind!r}")
 
 
 def draft_vocab(cfg: TrainConfig, tokenizer, token_lists) -> torch.Tensor | None:
@@ -109,13 +117,16 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
     if draft_ids is not None:
         labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], labels)
         vocab = draft_ids.numel()
+    d = cfg.distill
+    if "soft_ids" in batch:  # the data engine's cached target distribution: no target forward
+        loss = d.kl_weight * cached_kl(logits, batch["soft_ids"], batch["soft_logp"], labels, to_draft)
+        return loss + d.ce_weight * cross_entropy(logits, labels) if d.ce_weight else loss
     if target is None:
         return cross_entropy(logits, labels)
     with torch.no_grad():
         target_logits = target(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
         if draft_ids is not None:
             target_logits = target_logits.index_select(-1, draft_ids)
-    d = cfg.distill
     loss = d.kl_weight * forward_kl(logits, target_logits, labels, vocab, d.temperature)
     return loss + d.ce_weight * cross_entropy(logits, labels) if d.ce_weight else loss
 
@@ -185,8 +196,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("output_dir is empty")
     if cfg.micro_batch_size < 1 or cfg.global_batch_size < 1:
         raise ValueError("micro_batch_size and global_batch_size must be >= 1")
-    if cfg.data.kind not in ("pretrain", "sft"):
-        raise ValueError(f"data.kind must be pretrain or sft, got {cfg.data.kind!r}")
+    if cfg.data.kind not in ("pretrain", "sft", "engine"):
+        raise ValueError(f"data.kind must be pretrain, sft or engine, got {cfg.data.kind!r}")
     if cfg.data.path and data_lib.is_local(cfg.data.path) and not glob.glob(str(Path(cfg.data.path).expanduser())):
         raise FileNotFoundError(f"data.path {cfg.data.path!r} matches no file")
     if cfg.model.init_from and data_lib.is_local(cfg.model.init_from) and not Path(cfg.model.init_from).exists():

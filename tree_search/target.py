@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from tree_search.graphs import capture_graph
+from tree_search.invariance import padded, row_floor
 from tree_search.tree import Tree
 
 # Probe verdicts that passed, per model, keyed on what the probe's outcome depends on: attention implementation,
@@ -103,21 +104,26 @@ def check_tree_support(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def _probe_tree_mask(model: torch.nn.Module) -> bool:
-    """Prefix a, root b, siblings c and d: d's logits must equal a plain forward of [a, b, d].
+    """Prefix a, root b, siblings c and d: d's logits must equal those of the chain b, d (a plain sequence).
 
-    Low-precision targets round the tree forward and the plain one differently, so the tolerance scales with the
-    dtype's epsilon (bf16: 2^-7, a few rounding steps through the layers) and the logit magnitude; d's logits must
-    also be closer to [a, b, d] than to the causal [a, b, c, d] a mask-ignoring model computes.
+    Both run through TargetState (a prefill of a, then one forward), so they differ only by the mask and by the
+    row count of their forward; low-precision targets may round those differently (off the row-floor path), so the
+    tolerance scales with the dtype's epsilon (bf16: 2^-7, a few rounding steps through the layers) and the logit
+    magnitude. d's logits must also be closer to the chain's than to the causal chain b, c, d that a
+    mask-ignoring model computes.
     """
     device = next(model.parameters()).device
     vocab = min(target_vocab_size(model), int(model.config.vocab_size))
     a, b, c, d = (torch.tensor(t % vocab, device=device) for t in (1, 2, 3, 4))
-    state = TargetState(model)
-    state.prefill(a.view(1, 1))
-    logits, _ = state.tree_forward(torch.stack([b, c, d]), Tree((-1, 0, 0)))
-    tree = logits[2].float()
-    plain = model(input_ids=torch.stack([a, b, d]).view(1, 3), use_cache=False).logits[0, -1].float()
-    causal = model(input_ids=torch.stack([a, b, c, d]).view(1, 4), use_cache=False).logits[0, -1].float()
+
+    def last_logits(tokens, tree):
+        state = TargetState(model)
+        state.prefill(a.view(1, 1))
+        return state.tree_forward(torch.stack(tokens), tree)[0][-1].float()
+
+    tree = last_logits([b, c, d], Tree((-1, 0, 0)))
+    plain = last_logits([b, d], Tree((-1, 0)))
+    causal = last_logits([b, c, d], Tree((-1, 0, 1)))
     tol = max(1e-3, 4 * torch.finfo(_probe_key(model)[1]).eps) * (1 + plain.abs().max())
     error = (tree - plain).abs().max()
     return bool(error <= tol) and bool(error < (tree - causal).abs().max())
@@ -126,11 +132,14 @@ def _probe_tree_mask(model: torch.nn.Module) -> bool:
 class _TreeMasks:
     """What single and batched target states share: the model, its 4D-mask convention and per-tree mask blocks."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, min_rows: int | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = None  # DynamicCache, created by prefill
         self.forwards = 0
+        # every forward after the prefill multiplies at least this many rows (tree_search.invariance): a forward of
+        # fewer tokens carries dummy leaves, so a position's logits do not depend on how many tokens it shared with
+        self.min_rows = row_floor(model) if min_rows is None else min_rows
         # The 4D mask each attention implementation takes (masking_utils): sdpa a boolean one (True = visible),
         # eager and the rest an additive float one in the model's dtype (0 visible, dtype-min hidden); eager adds
         # the mask to the scores, so a boolean one there would hide nothing.
@@ -252,9 +261,10 @@ class TargetState(_TreeMasks):
     """
 
     def __init__(self, model: torch.nn.Module, static: bool | None = None, max_len: int | None = None,
-                 graphs: bool = False) -> None:
-        super().__init__(model)
+                 graphs: bool = False, min_rows: int | None = None) -> None:
+        super().__init__(model, min_rows)
         self.length = 0  # P: committed tokens held in the cache
+        self._extra = 0  # dummy rows of the last tree forward (min_rows), dropped by its commit
         self.static = _use_static(model, self.device, static, max_len)
         if graphs and not (self.static and self.device.type == "cuda"):
             raise ValueError("graphs=True needs the static KV cache (static=True, max_len) on a CUDA device")
@@ -322,7 +332,7 @@ class TargetState(_TreeMasks):
     @torch.no_grad()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Append one token (shape ()) and return the logits after it (V,). Autoregressive baseline step."""
-        if self.static:  # a root-only tree: its graph is the baseline's one captured step
+        if self.static or self.min_rows > 1:  # a root-only tree (static: its graph is the baseline's captured step)
             logits, _ = self.tree_forward(token.view(1), _ROOT_ONLY)
             self.commit([], 1)
             return logits[0]
@@ -343,10 +353,16 @@ class TargetState(_TreeMasks):
         Returns logits (T+1, V) and, if asked, the final hidden states (T+1, H). The cache then holds
         P + T + 1 entries until `commit` compacts it.
         """
-        if self.static:
-            return self._static_tree_forward(tokens, tree, want_hidden)
         n = len(tree)
+        tree = padded(tree, self.min_rows)
+        self._extra = len(tree) - n
+        if self._extra:
+            tokens = torch.cat([tokens.view(n), tokens.view(n)[:1].expand(self._extra)])
+        if self.static:
+            logits, hidden = self._static_tree_forward(tokens, tree, want_hidden)
+            return logits[:n], None if hidden is None else hidden[:n]
         block, depths = self._tree_inputs(tree)
+        n = len(tree)
         mask = torch.empty(1, 1, n, self.length + n, dtype=self._mask_dtype, device=self.device)
         mask[0, 0, :, : self.length] = self._visible
         mask[0, 0, :, self.length :] = block
@@ -360,8 +376,9 @@ class TargetState(_TreeMasks):
         )
         self.cache = out.past_key_values
         self.forwards += 1
-        hidden = out.hidden_states[-1][0] if want_hidden else None
-        return out.logits[0], hidden
+        real = n - self._extra
+        hidden = out.hidden_states[-1][0, :real] if want_hidden else None
+        return out.logits[0, :real], hidden
 
     @torch.no_grad()
     def commit(self, path: list[int], tree_size: int) -> None:
@@ -371,6 +388,7 @@ class TargetState(_TreeMasks):
         then the tail is cropped (dynamic) or left behind the mask (static): the cache's committed slots equal
         one built by encoding prefix + root + path.
         """
+        tree_size, self._extra = tree_size + self._extra, 0
         if self.static:
             return self._static_commit(path, tree_size)
         root = self.length
@@ -517,8 +535,8 @@ class BatchTargetState(_TreeMasks):
     unbatched shapes) is what single-prompt generation and the tree-mask probe rely on.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, min_rows: int | None = None) -> None:
+        super().__init__(model, min_rows)
         self.slots = 0  # S: cache length, common to all rows (host int, so no sync is needed to size masks)
         self.positions = None  # (B,) long on device: each row's committed tokens in the cache (its root's position)
         self._slots = None  # (B, capacity) in mask form (visible / hidden); [:, :S] is the valid slots
@@ -595,6 +613,10 @@ class BatchTargetState(_TreeMasks):
         n, batch = len(tree), self.batch_size
         if tokens.shape != (batch, n):
             raise ValueError(f"tree_forward needs tokens of shape ({batch}, {n}), got {tuple(tokens.shape)}")
+        tree = padded(tree, -(-self.min_rows // batch))  # all rows of the batch count towards the floor
+        if len(tree) > n:
+            tokens = torch.cat([tokens, tokens[:, :1].expand(batch, len(tree) - n)], dim=1)
+        real, n = n, len(tree)
         block, depths = self._tree_inputs(tree)
         self._reserve(self.slots + n)
         mask = torch.empty(batch, 1, n, self.slots + n, dtype=self._mask_dtype, device=self.device)
@@ -611,7 +633,7 @@ class BatchTargetState(_TreeMasks):
         self.cache = out.past_key_values
         self._pending = tree
         self.forwards += 1
-        return out.logits, out.hidden_states[-1] if want_hidden else None
+        return out.logits[:, :real], out.hidden_states[-1][:, :real] if want_hidden else None
 
     def commit(self, paths: list[list[int]]) -> None:
         """Keep each row's root + accepted `paths[b]` (node indices in depth order) of the last tree forward.

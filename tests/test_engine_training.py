@@ -1,0 +1,101 @@
+"""Distillation from the data engine's cached top-K: the loss is the forward KL it stands for, windows carry the
+right distribution at every scored position, the iterator resumes exactly, and a drafter trains on it in-process."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from tests.helpers.training_fixtures import REPO, make_tokenizer
+from training import make_data as md
+from training.config import ModelConfig, load_config
+from training.data import IGNORE_INDEX
+from training.engine_data import PackedEngine, load_engine
+from training.loss import cached_kl, forward_kl
+from training.model import load_tokenizer, model_config
+from training.train import train
+
+
+def test_cached_kl_is_forward_kl_when_the_cache_holds_the_whole_distribution():
+    torch.manual_seed(0)
+    B, L, V = 2, 7, 9
+    logits, target = torch.randn(B, L, V), 3 * torch.randn(B, L, V)
+    labels = torch.randint(0, V, (B, L))
+    labels[:, :3] = IGNORE_INDEX
+    logp, ids = torch.log_softmax(target, -1).sort(dim=-1, descending=True)
+    # row t of the cache is the distribution token t was predicted from: the target's logits at t - 1
+    soft_ids = torch.cat([ids[:, :1], ids[:, :-1]], dim=1)
+    soft_logp = torch.cat([logp[:, :1], logp[:, :-1]], dim=1)
+    torch.testing.assert_close(cached_kl(logits, soft_ids, soft_logp, labels), forward_kl(logits, target, labels, V))
+
+    # a draft vocabulary: the cached distribution renormalised over the ids the drafter emits, as forward_kl on the
+    # target's logits restricted to them (what distillation with a live target computes)
+    draft_ids = torch.tensor([0, 2, 3, 7])
+    to_draft = torch.full((V,), IGNORE_INDEX)
+    to_draft[draft_ids] = torch.arange(4)
+    small = logits[..., :4]
+    want = forward_kl(small, target.index_select(-1, draft_ids), labels.clamp(max=3), 4)
+    torch.testing.assert_close(cached_kl(small, soft_ids, soft_logp, labels.clamp(max=3), to_draft), want)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    """A make-data directory from a tiny random chat target: 10 prompts, greedy and sampled replies."""
+    root = tmp_path_factory.mktemp("engine")
+    target = root / "target"
+    make_tokenizer(target)
+    tokenizer = load_tokenizer(str(target))
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    tokenizer.save_pretrained(target)
+    torch.manual_seed(0)
+    cfg = model_config(ModelConfig(arch="llama", hidden_size=32, num_hidden_layers=1, num_heads=2,
+                                  tie_word_embeddings=False), tokenizer)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    model.save_pretrained(target)
+    prompts = root / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about topic number {i} and why it matters."})
+                                 for i in range(10)))
+    out = root / "data"
+    from mamba_draft import cli
+    args = cli.build_parser("make-data").parse_args(["--target", str(target), "--out", str(out), "--prompts",
+                                                     str(prompts), "--max-new-tokens", "16", "--dtype", "float32"])
+    md.make_data(args, progress=False)
+    return out, target, tokenizer
+
+
+def test_windows_carry_each_scored_tokens_distribution_and_resume_exactly(engine_dir):
+    out, _, tokenizer = engine_dir
+    greedy = load_engine(out, tokenizer, temperatures=[0.0])
+    assert len(greedy) == 10 and len(load_engine(out, tokenizer)) == 20
+    for e in greedy:  # greedy replies: the cached top-1 at every scored position is the token itself
+        scored = e.labels != IGNORE_INDEX
+        assert scored.any() and torch.equal(e.soft_ids[scored, 0].long(), e.labels[scored])
+    data = PackedEngine(greedy, seq_len=24, seed=1, rank=0, world=1)
+    total = sum(e.input_ids.numel() for e in greedy)
+    batches = [data.next_batch(3) for _ in range(total // 72 + 2)]  # past an epoch boundary
+    for b in batches:
+        assert b["input_ids"].shape == b["labels"].shape == (3, 24) and b["soft_ids"].shape == (3, 24, md.TOPK)
+        scored = b["labels"] != IGNORE_INDEX
+        assert torch.equal(b["soft_ids"][scored][:, 0], b["labels"][scored])
+    assert data.epoch >= 1
+    state = data.state_dict()
+    expected = data.next_batch(2)
+    again = PackedEngine(greedy, seq_len=24, seed=1, rank=0, world=1)
+    again.load_state_dict(state)
+    assert all(torch.equal(expected[k], v) for k, v in again.next_batch(2).items())
+
+
+def test_a_drafter_distils_from_the_cache_in_process(engine_dir, tmp_path):
+    out, target, _ = engine_dir
+    cfg = load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml", [
+        f"model.tokenizer={target}", f"output_dir={tmp_path / 'run'}", "data.kind=engine", f"data.path={out}",
+        "data.seq_len=32", "steps=12", "deepspeed=configs/deepspeed/zero1.json", "optim.lr=1e-2"])
+    run = train(cfg)
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.2, losses

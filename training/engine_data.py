@@ -1,0 +1,120 @@
+"""Distillation data from the data engine (`mamba-draft make-data`): packed token windows with the target's cached
+top-K next-token distribution at every reply position, so distillation needs no target forward.
+
+    data: {kind: engine, path: DIR, seq_len: 512}        # DIR: a make-data output directory
+
+Each reply becomes the target's chat-template prompt ids + its reply ids (+ the end-of-turn id unless cut), scored
+on the reply; replies are shuffled per epoch (seeded), concatenated and cut into `seq_len` windows, like packed
+pretraining (no padding: every position of a window is real). The iterator is infinite and resumable
+(`state_dict`). Held-out questions never get here: make-data refuses them, and this loader skips any prompt that is
+one (a directory assembled by hand).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mamba_draft.heldout import is_heldout_text
+from training.data import IGNORE_INDEX, rank_order
+from training.make_data import TOPK, read_shard, read_topk
+from training.regenerate import prompt_ids
+
+
+@dataclass
+class EngineExample:
+    input_ids: torch.Tensor   # (L,) long
+    labels: torch.Tensor      # (L,) long, IGNORE_INDEX outside the reply
+    soft_ids: torch.Tensor    # (L, K) int32: the target's top-K ids for predicting token t (rows outside: 0)
+    soft_logp: torch.Tensor   # (L, K) float16: their log-probabilities (rows outside: 0, never read)
+
+
+def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | None = None) -> list[EngineExample]:
+    """Every reply of a make-data directory (the given temperatures, else all) as an EngineExample."""
+    directory = Path(directory)
+    prompts = {p["id"]: p["prompt"] for p in read_shard(directory / "prompts.jsonl")}
+    files = sorted(directory.glob("replies-T*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no replies-T*.jsonl (not a make-data directory?)")
+    eos = tokenizer.eos_token_id
+    examples = []
+    for path in files:
+        temperature = float(path.stem.split("-T", 1)[1])
+        if temperatures is not None and temperature not in temperatures:
+            continue
+        for record in read_shard(path):
+            text = prompts.get(record["id"])
+            if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
+                continue
+            prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
+            reply = record["reply_ids"] + ([] if record["truncated"] else [eos])
+            ids, logp = read_topk(directory, temperature, record)
+            n = len(prompt) + len(reply)
+            soft_ids = torch.zeros(n, TOPK, dtype=torch.int32)
+            soft_logp = torch.zeros(n, TOPK, dtype=torch.float16)
+            soft_ids[len(prompt):] = ids.to(torch.int32)  # row t: the distribution that token t was drawn from
+            soft_logp[len(prompt):] = logp.to(torch.float16)
+            labels = torch.tensor([IGNORE_INDEX] * len(prompt) + reply)
+            examples.append(EngineExample(torch.tensor(prompt + reply), labels, soft_ids, soft_logp))
+    if not examples:
+        raise ValueError(f"{directory}: no usable replies (with cached top-K) at temperatures {temperatures}")
+    return examples
+
+
+@dataclass
+class PackedEngine:
+    """Per-rank, epoch-shuffled replies packed into `seq_len` windows; infinite and resumable."""
+    examples: list[EngineExample]
+    seq_len: int
+    seed: int
+    rank: int
+    world: int
+    epoch: int = 0
+    pos: int = 0       # next example of this epoch's order
+    offset: int = 0    # tokens of that example already handed out
+    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos, self.offset = state["epoch"], state["pos"], state["offset"]
+
+    def _current(self) -> EngineExample:
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, rank_order(len(self.examples), self.seed, self.epoch, self.rank, self.world))
+            if not self._order[1]:
+                raise ValueError(f"rank {self.rank} received no examples: fewer replies than ranks")
+        return self.examples[self._order[1][self.pos]]
+
+    def _window(self) -> list[tuple[EngineExample, int, int]]:
+        """Pieces (example, start, stop) filling one window, advancing the position."""
+        pieces, need = [], self.seq_len
+        while need:
+            example = self._current()
+            take = min(need, example.input_ids.numel() - self.offset)
+            pieces.append((example, self.offset, self.offset + take))
+            need -= take
+            self.offset += take
+            if self.offset == example.input_ids.numel():
+                self.pos, self.offset = self.pos + 1, 0
+                if self.pos == len(self._order[1]):
+                    self.epoch, self.pos = self.epoch + 1, 0
+        return pieces
+
+    def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+        windows = [self._window() for _ in range(batch_size)]
+
+        def stack(name: str) -> torch.Tensor:
+            return torch.stack([torch.cat([getattr(e, name)[a:b] for e, a, b in w]) for w in windows])
+
+        labels = stack("labels")
+        # a window that starts inside a reply: its first position has no prediction of its own (shift drops it)
+        return {"input_ids": stack("input_ids"), "labels": labels, "soft_ids": stack("soft_ids").long(),
+                "soft_logp": stack("soft_logp").float()}
+
+
+def label_lists(examples: list[EngineExample]):
+    """The scored token ids of every example (for a frequency-ranked draft vocabulary)."""
+    return (e.labels[e.labels != IGNORE_INDEX].tolist() for e in examples)
