@@ -99,3 +99,37 @@ def test_a_drafter_distils_from_the_cache_in_process(engine_dir, tmp_path):
     run = train(cfg)
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.2, losses
+
+
+def test_ngram_table_backs_off_to_shorter_contexts():
+    from training.ngram import NGramTable
+
+    rows = [([1, 2, 3, 4], [False, True, True, True]), ([9, 2, 3, 5], [False, True, True, True]),
+            ([7, 2, 3, 5], [False, False, True, True])]
+    table = NGramTable(3).fit(rows)
+    # after (2, 3): 4 once, 5 twice; after (1, 2): 3; unseen context (8,): backs off to the most frequent token
+    assert table.predict([2, 3]).tolist()[-1] == 5
+    assert table.predict([1, 2]).tolist()[-1] == 3
+    assert table.predict([8]).tolist() == [3]  # 3 and 2 were scored 3 times each, 3 first
+    assert NGramTable(1).fit(rows).predict([1, 2, 3]).tolist() == [3, 3, 3]
+
+
+def test_engine_training_logs_agreement_against_the_cache_and_the_ngram_line(engine_dir, tmp_path, monkeypatch):
+    from training import engine_data
+
+    monkeypatch.setattr(engine_data, "HELDOUT", 3)  # 10 prompts: hold a few out
+    out, target, tokenizer = engine_dir
+    heldout = load_engine(out, tokenizer, split="heldout")
+    train_ids = {e.input_ids[:8].tolist().__repr__() for e in load_engine(out, tokenizer, split="train")}
+    assert heldout and len(heldout) + len(load_engine(out, tokenizer, split="train")) == 20
+    cfg = load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml", [
+        f"model.tokenizer={target}", f"output_dir={tmp_path / 'run'}", "data.kind=engine", f"data.path={out}",
+        "data.seq_len=32", "steps=4", "deepspeed=configs/deepspeed/zero1.json", f"eval.data={out}", "eval.every=2"])
+    run = train(cfg)
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "heldout_agreement" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        assert 0 <= r["heldout_agreement"] <= 1 and 0 <= r["ngram3_agreement"] <= 1 and "ngram4_tau3" in r
+        assert r["heldout_greedy_path"] < 1  # sampled replies are held out too: their tokens are not all greedy
+    assert (run / "agreement.png").read_bytes()[:4] == b"\x89PNG"
+    assert train_ids  # the split is by prompt: no held-out reply's prompt trains

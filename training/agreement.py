@@ -32,6 +32,7 @@ from training import data as data_lib
 from training.config import DataConfig, TrainConfig
 
 Row = tuple[list[int], list[bool]]  # token ids, and which tokens are scored
+ENGINE_EVAL_LEN = 2048  # held-out make-data replies are scored up to this many tokens (prompt included)
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, attention_mask) -> (B, L, V) logits
 
 
@@ -105,6 +106,14 @@ def measure(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Tensor
             raise ValueError(f"draft_ids maps {tuple(draft_ids.shape)} columns but the drafter's logits have "
                              f"{draft_logits.size(-1)}")
         draft = draft_ids.cpu()[draft]
+    return measure_ids(tokens, scored, target_ids, draft, gammas)
+
+
+def measure_ids(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Tensor, draft: torch.Tensor,
+                gammas: Sequence[int] = (1, 3, 5)) -> Agreement:
+    """`measure` from the drafter's (or any predictor's) chosen ids (B, L) instead of its logits."""
+    gammas = check_gammas(gammas)
+    draft = draft.cpu()
     live = scored[:, 1:].cpu().bool()            # the prediction made at t scores token t+1
     guess = target_ids[:, :-1].cpu()
     agree = (draft[:, :-1] == guess) & live
@@ -223,27 +232,44 @@ def check_eval_config(cfg: TrainConfig) -> None:
         raise ValueError("eval.data is set but eval.every is 0: set eval.every to the steps between evaluations")
     if not e.every:
         return
-    if not Path(e.data).expanduser().is_file():
+    engine = Path(e.data).expanduser().is_dir()
+    if not (engine or Path(e.data).expanduser().is_file()):
         raise FileNotFoundError(f"eval.data {e.data!r} does not exist")
     if e.max_sequences < 1:
         raise ValueError(f"eval.max_sequences must be >= 1, got {e.max_sequences}")
     check_gammas(e.gammas)
-    if not (e.target or cfg.distill.target):
+    if not (engine or e.target or cfg.distill.target):
         raise ValueError("held-out agreement needs a target: set eval.target (or distill.target)")
 
 
 class HeldoutEval:
     """Held-out agreement during training, run by every rank on its share (record i % world) of the first
-    `eval.max_sequences` records and summed; the target's argmax ids are computed once here and cached."""
+    `eval.max_sequences` records and summed; the target's argmax ids are computed once here and cached.
+
+    `eval.data` may be a make-data directory: then the rows are its held-out replies (`engine_data.HELDOUT`), the
+    target's choices come from its cached top-K (no target forward), and 3- and 4-gram tables fitted on its
+    training replies are scored on the same rows once, logged beside the drafter (`ngram3_agreement`, ...)."""
 
     def __init__(self, cfg: TrainConfig, tokenizer, rank: int, world: int, device, dtype: torch.dtype,
                  target=None):
         e = cfg.eval
+        self.gammas, self.batch_size, self.device = tuple(e.gammas), cfg.micro_batch_size, device
+        self.pad_id, self.vocab = tokenizer.pad_token_id, len(tokenizer)
+        self.baselines: dict = {}
+        if Path(e.data).expanduser().is_dir():
+            from training.engine_data import engine_rows, load_engine
+
+            # whole replies (packed training windows may be short; a reply's prompt alone can fill one)
+            rows, target_ids = engine_rows(load_engine(e.data, tokenizer, split="heldout")[:e.max_sequences],
+                                           ENGINE_EVAL_LEN)
+            train_rows, _ = engine_rows(load_engine(e.data, tokenizer, split="train"), ENGINE_EVAL_LEN)
+            self.baselines = ngram_baselines(train_rows, rows, target_ids, self.gammas)
+            self.rows, self.target_ids = rows[rank::world], target_ids[rank::world]
+            self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)
+            return
         rows, _ = load_heldout(e.data, tokenizer, cfg.data.seq_len, e.max_sequences)
         self.rows = rows[rank::world]
-        self.gammas, self.batch_size, self.device = tuple(e.gammas), cfg.micro_batch_size, device
         self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)  # the same on every rank
-        self.pad_id, self.vocab = tokenizer.pad_token_id, len(tokenizer)
         name = e.target or cfg.distill.target
         if target is None or name != cfg.distill.target:
             from mamba_draft.targets import load_causal_lm
@@ -268,7 +294,23 @@ class HeldoutEval:
         counts = torch.tensor(stats.counts(), dtype=torch.long, device=self.device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts)
-        return Agreement.from_counts(self.gammas, counts.tolist()).as_dict("heldout_")
+        return Agreement.from_counts(self.gammas, counts.tolist()).as_dict("heldout_") | self.baselines
+
+
+def ngram_baselines(train_rows: Sequence[Row], rows: Sequence[Row], target_ids: Sequence[torch.Tensor],
+                    gammas: Sequence[int], orders: Sequence[int] = (3, 4)) -> dict:
+    """{'ngram3_agreement': a, 'ngram3_tau3': t, ...}: n-gram tables fitted on `train_rows`, scored like a drafter."""
+    from training.ngram import NGramTable
+
+    out = {}
+    for n in orders:
+        table = NGramTable(n).fit(train_rows)
+        total = Agreement(tuple(gammas))
+        for (ids, scored), target in zip(rows, target_ids):
+            total = total + measure_ids(torch.tensor([ids]), torch.tensor([scored]), target[None],
+                                        table.predict(ids)[None], gammas)
+        out.update({f"ngram{n}_{k}": v for k, v in total.as_dict().items() if k != "positions"})
+    return out
 
 
 def plot_agreement(metrics_path: Path, out: Path) -> bool:
@@ -280,7 +322,13 @@ def plot_agreement(metrics_path: Path, out: Path) -> bool:
         return False
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    ax.plot([r["train_tokens"] for r in records], [r["heldout_agreement"] for r in records], marker="o")
+    ax.plot([r["train_tokens"] for r in records], [r["heldout_agreement"] for r in records], marker="o",
+            label="drafter")
+    for key in sorted(k for k in records[-1] if k.startswith("ngram") and k.endswith("_agreement")):
+        ax.axhline(records[-1][key], linestyle="--", color="gray" if "3" in key else "black",
+                   label=f"{key.split('_')[0]} table, same data")
+    if len(ax.get_lines()) > 1:
+        ax.legend(loc="lower right")
     ax.set(xlabel="training tokens", ylabel="held-out top-1 agreement", ylim=(0, 1),
            title=f"agreement with the target: {records[-1]['heldout_agreement']:.3f} at step {records[-1]['step']}")
     ax.grid(alpha=0.3)

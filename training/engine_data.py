@@ -11,6 +11,7 @@ one (a directory assembled by hand).
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +31,20 @@ class EngineExample:
     soft_logp: torch.Tensor   # (L, K) float16: their log-probabilities (rows outside: 0, never read)
 
 
-def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | None = None) -> list[EngineExample]:
-    """Every reply of a make-data directory (the given temperatures, else all) as an EngineExample."""
+HELDOUT = 64  # one prompt in HELDOUT (by a stable hash of its id) is held out of training for agreement curves
+SPLITS = ("train", "heldout", "all")
+
+
+def engine_split(prompt_id: str) -> str:
+    return "heldout" if zlib.crc32(prompt_id.encode()) % HELDOUT == 0 else "train"
+
+
+def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | None = None,
+                split: str = "all") -> list[EngineExample]:
+    """The replies of a make-data directory (the given temperatures, else all; of its `split`) as EngineExamples;
+    every reply to a prompt is on the same side of the split."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     directory = Path(directory)
     prompts = {p["id"]: p["prompt"] for p in read_shard(directory / "prompts.jsonl")}
     files = sorted(directory.glob("replies-T*.jsonl"))
@@ -46,6 +59,8 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
         for record in read_shard(path):
             text = prompts.get(record["id"])
             if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
+                continue
+            if split != "all" and engine_split(record["id"]) != split:
                 continue
             prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
             reply = record["reply_ids"] + ([] if record["truncated"] else [eos])
@@ -113,6 +128,22 @@ class PackedEngine:
         # a window that starts inside a reply: its first position has no prediction of its own (shift drops it)
         return {"input_ids": stack("input_ids"), "labels": labels, "soft_ids": stack("soft_ids").long(),
                 "soft_logp": stack("soft_logp").float()}
+
+
+def engine_rows(examples: list[EngineExample], max_len: int) -> tuple[list[tuple[list[int], list[bool]]],
+                                                                       list[torch.Tensor]]:
+    """(ids, scored) rows and the target's greedy choice at every position (position t predicts token t+1: the
+    cached top-1 of row t+1; -1 where nothing is cached), truncated to `max_len`: agreement.measure's inputs."""
+    rows, target_ids = [], []
+    for e in examples:
+        n = min(max_len, e.input_ids.numel())
+        scored = (e.labels[:n] != IGNORE_INDEX).tolist()
+        choice = torch.full((n,), -1, dtype=torch.long)
+        choice[:n - 1] = e.soft_ids[1:n, 0].long()
+        choice[:n - 1][~torch.tensor(scored[1:], dtype=torch.bool)] = -1
+        rows.append((e.input_ids[:n].tolist(), scored))
+        target_ids.append(choice)
+    return rows, target_ids
 
 
 def label_lists(examples: list[EngineExample]):

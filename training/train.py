@@ -57,7 +57,7 @@ def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
     if cfg.data.kind == "engine":
         from training.engine_data import PackedEngine, label_lists, load_engine
 
-        examples = load_engine(cfg.data.path, tokenizer)
+        examples = load_engine(cfg.data.path, tokenizer, split="train")  # 1 prompt in engine_data.HELDOUT: eval
         if rank == 0:
             print(f"engine: {len(examples)} replies, {sum(e.input_ids.numel() for e in examples)} tokens")
         return (PackedEngine(examples, cfg.data.seq_len, cfg.data.seed, rank, world), len(examples),
