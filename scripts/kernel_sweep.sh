@@ -18,8 +18,10 @@ echo "supports: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|amx_bf16|amx_tile'
 settings=("defaults" "MKL_ENABLE_INSTRUCTIONS=AVX2" "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default")
 status=0
 for setting in "${settings[@]}"; do
-    env_args=()
-    [[ $setting == defaults ]] || env_args=("$setting")
+    # each setting compiles into its own inductor cache: PyTorch's is not keyed on ATEN_CPU_CAPABILITY, and a kernel
+    # compiled under another setting segfaults when loaded
+    env_args=("TORCHINDUCTOR_CACHE_DIR=$logs/inductor-${setting//[^A-Za-z0-9_]/_}")
+    [[ $setting == defaults ]] || env_args+=("$setting")
     capability=$(env "${env_args[@]}" "$python" -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
     log="$logs/${setting//[^A-Za-z0-9_]/_}.log"
     start=$SECONDS

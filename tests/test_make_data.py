@@ -229,3 +229,19 @@ def test_sigkill_loses_at_most_the_batch_in_flight(target, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["replies"]["0"]["replies"] == manifest["replies"]["0.7"]["replies"] == 24
     assert manifest["prompts"]["total"] == 24
+
+
+def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_native_bf16(monkeypatch, tmp_path):
+    from mamba_draft import devices
+
+    for flags, native in (("fpu avx2 avx512f avx512_bf16", True), ("fpu avx2 amx_bf16 amx_tile", True),
+                          ("fpu avx2 avx512f avx512_vnni", False)):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        real_open = open
+        monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo"
+                                                                             else path, *a, **k))
+        assert devices.native_bf16("cpu") is native
+        assert md.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+        monkeypatch.undo()
+    assert md.resolve_dtype("float32", "cpu") == torch.float32

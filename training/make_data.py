@@ -253,7 +253,7 @@ class Engine:
 
 
 def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed: int, seen: set[str],
-                   prompts_path: Path, progress: bool) -> None:
+                   prompts_path: Path, progress: bool, on_batch: Callable[[], None]) -> None:
     """Sample Magpie batches until `count` samples have been drawn in all; each finished batch appends its kept
     prompts, then its summary line (a batch without a summary line is redone; `seen` drops the re-drawn copies)."""
     log_path = out / "magpie.jsonl"
@@ -282,6 +282,7 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
             kept.append({"id": f"magpie:{b}:{row}", "source": "magpie", "prompt": text, "batch": b})
         append_shard(prompts_path, kept)
         append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)}])
+        on_batch()
         bar.update(n)
         bar.set_postfix(kept=len(kept), speed=engine.rate())
     bar.close()
@@ -379,7 +380,9 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     if args.magpie:
         magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
     dtype = resolve_dtype(args.dtype, args.device)
-    model = load_causal_lm(args.target, dtype=dtype, device=args.device)
+    # sdpa: data needs no batch invariance (tree_search.invariance), and batched generate runs 25 % faster than with
+    # the eager attention low-precision CPU targets get by default (bf16, batch 48, AMD EPYC: 10.8 vs 14.4 s)
+    model = load_causal_lm(args.target, dtype=dtype, device=args.device, attn_implementation="sdpa")
     engine = Engine(model, tokenizer, generate or hf_sample)
     out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: a bad target leaves nothing behind
 
@@ -390,13 +393,15 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     append_shard(prompts_path, new)
     write_manifest(out, settings, dtype, temperatures, dropped_files, None)
     # Magpie in rounds, each answered before the next: an interrupted run holds replies of every source
+    def manifest():
+        return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
+
     step = ROUND_BATCHES * args.batch_size
     for count in [*range(step, args.magpie, step), args.magpie]:
-        magpie_batches(engine, out, count, args.batch_size, args.seed, seen, prompts_path, progress)
+        magpie_batches(engine, out, count, args.batch_size, args.seed, seen, prompts_path, progress, manifest)
         reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
-                      args.seed, progress, lambda: write_manifest(out, settings, dtype, temperatures, dropped_files,
-                                                                  engine))
-    return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
+                      args.seed, progress, manifest)
+    return manifest()
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
