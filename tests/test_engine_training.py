@@ -6,15 +6,13 @@ import json
 
 import pytest
 import torch
-import transformers
 
-from tests.helpers.training_fixtures import REPO, make_tokenizer
+from tests.helpers.training_fixtures import CHATML, REPO, tiny_chat_target
 from training import make_data as md
-from training.config import ModelConfig, load_config
+from training.config import load_config
 from training.data import IGNORE_INDEX
 from training.engine_data import PackedEngine, load_engine
 from training.loss import cached_kl, forward_kl
-from training.model import load_tokenizer, model_config
 from training.train import train
 
 
@@ -45,19 +43,7 @@ def engine_dir(tmp_path_factory):
     """A make-data directory from a tiny random chat target: 10 prompts, greedy and sampled replies."""
     root = tmp_path_factory.mktemp("engine")
     target = root / "target"
-    make_tokenizer(target)
-    tokenizer = load_tokenizer(str(target))
-    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    tokenizer.save_pretrained(target)
-    torch.manual_seed(0)
-    cfg = model_config(ModelConfig(arch="llama", hidden_size=32, num_hidden_layers=1, num_heads=2,
-                                  tie_word_embeddings=False), tokenizer)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-    model.save_pretrained(target)
+    tokenizer, _ = tiny_chat_target(target, CHATML)
     prompts = root / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about topic number {i} and why it matters."})
                                  for i in range(10)))

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +15,11 @@ import transformers
 
 from mamba_draft import cli
 from mamba_draft.heldout import is_heldout, read_spec_bench
-from tests.helpers.training_fixtures import REPO, make_tokenizer, train_env
+from tests.helpers.training_fixtures import CHATML, REPO, tiny_chat_target, train_env
 from training import make_data as md
-from training.config import DataConfig, ModelConfig
+from training.config import DataConfig
 from training.data import load_records, prepare_sft
-from training.model import load_tokenizer, model_config
 
-CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-          "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 ODD_QUESTION = next(r for r in read_spec_bench() if is_heldout(r) and r["category"] == "writing")["turns"][0]
 
 
@@ -31,18 +27,7 @@ ODD_QUESTION = next(r for r in read_spec_bench() if is_heldout(r) and r["categor
 def target(tmp_path_factory):
     """A tiny random Llama with a ChatML-style template (replies depend on the prompt)."""
     out = tmp_path_factory.mktemp("target")
-    make_tokenizer(out)
-    tokenizer = load_tokenizer(str(out))
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = model_config(ModelConfig(arch="llama", hidden_size=32, num_hidden_layers=1, num_heads=2,
-                                  tie_word_embeddings=False), tokenizer)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-    model.save_pretrained(out)
+    tokenizer, _ = tiny_chat_target(out, CHATML)
     return out, tokenizer
 
 
@@ -185,6 +170,7 @@ SLOW_RUN = """
 import sys, time
 from mamba_draft import cli
 from training import make_data as md
+from training.config import DataConfig
 
 def slow(*args, **kwargs):  # one batch takes >= 0.3 s, so the test can kill the run between and within batches
     time.sleep(0.3)

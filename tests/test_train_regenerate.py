@@ -9,10 +9,9 @@ import torch
 import transformers
 
 import training.regenerate as regen
-from tests.helpers.training_fixtures import FIXTURES, make_tokenizer
-from training.config import DataConfig, ModelConfig
+from tests.helpers.training_fixtures import FIXTURES, tiny_chat_target
+from training.config import DataConfig
 from training.data import FALLBACK_CHAT_TEMPLATE, load_records, prepare_sft
-from training.model import load_tokenizer, model_config
 from training.regenerate import main, regenerate
 
 ROLE = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -25,16 +24,8 @@ PROG = "python -m training.regenerate: error: "
 def target(tmp_path_factory):
     """A tiny random Llama (weights perturbed so replies depend on the prompt) with the fixture tokenizer."""
     out = tmp_path_factory.mktemp("target")
-    tokenizer = load_tokenizer(str(make_tokenizer(out)))
-    torch.manual_seed(0)
-    cfg = model_config(ModelConfig(arch="llama", hidden_size=32, num_hidden_layers=1, num_heads=2,
-                                  tie_word_embeddings=False), tokenizer)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-    model.save_pretrained(out)
-    return out, tokenizer, model.eval()
+    tokenizer, model = tiny_chat_target(out)
+    return out, tokenizer, model
 
 
 def prompt_ids(tokenizer, history: list[dict]) -> list[int]:

@@ -60,3 +60,32 @@ def free_port() -> int:
 
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+          "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def tiny_chat_target(out_dir: Path, chat_template: str | None = None):
+    """A tiny random Llama (weights perturbed so replies depend on the prompt) with the fixture tokenizer (and a
+    chat template, if given), saved to `out_dir` -> (tokenizer, model)."""
+    import torch
+    import transformers
+
+    from training.config import ModelConfig
+    from training.model import load_tokenizer, model_config
+
+    make_tokenizer(out_dir)
+    tokenizer = load_tokenizer(str(out_dir))
+    if chat_template:
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(out_dir)
+    torch.manual_seed(0)
+    cfg = model_config(ModelConfig(arch="llama", hidden_size=32, num_hidden_layers=1, num_heads=2,
+                                   tie_word_embeddings=False), tokenizer)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return tokenizer, model.eval()
