@@ -313,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 data.seq_len=512")
     args = parser.parse_args(argv)
     train(load_config(args.config, args.overrides), resume_run=args.resume)
+    if torch.distributed.is_initialized():
+        # a clean teardown: a process that exits with the gloo group alive can die in std::terminate on its way out
+        # ("terminate called without an active exception", exit -6 under the launcher) after a finished run
+        torch.distributed.destroy_process_group()
     return 0
 
 
