@@ -291,14 +291,19 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
                   batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None]) -> None:
     """Answer every prompt at every temperature it lacks a reply for, longest prompts first."""
-    encoded = {p["id"]: prompt_ids(engine.tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in prompts}
-    jobs, next_position = [], {}
+    todo, next_position, encoded = {}, {}, {}
     for t in temperatures:
         records = read_shard(reply_path(out, t))
         next_position[t] = repair_topk(out, t, records)
         have = {r["id"] for r in records}
-        todo = sorted((p for p in prompts if p["id"] not in have), key=lambda p: -len(encoded[p["id"]]))
-        jobs += [(t, todo[i:i + batch_size]) for i in range(0, len(todo), batch_size)]
+        todo[t] = [p for p in prompts if p["id"] not in have]
+        for p in todo[t]:  # only what is still to answer: a late round re-reads every prompt but encodes few
+            if p["id"] not in encoded:
+                encoded[p["id"]] = prompt_ids(engine.tokenizer, [{"role": "user", "content": p["prompt"]}])
+    jobs = []
+    for t, pending in todo.items():
+        pending = sorted(pending, key=lambda p: -len(encoded[p["id"]]))
+        jobs += [(t, pending[i:i + batch_size]) for i in range(0, len(pending), batch_size)]
     bar = tqdm(total=sum(len(batch) for _, batch in jobs), desc="replies", unit="reply", disable=not progress)
     for t, batch in jobs:
         # the seed depends on the batch's content, not its position: a resumed run draws the same way per batch
