@@ -424,7 +424,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     parser.add_argument("--target", required=True, help="causal LM to accelerate: HF directory, hub id or .gguf "
                         "file; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format); needed by drafting methods")
+    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format) or 'smollm2' (the shipped "
+                        "one); needed by drafting methods")
     parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
                         "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
@@ -523,7 +524,8 @@ def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
     if any(m.kind == "spec" for m in methods):
         from mamba_draft import MambaDrafter
 
-        models.drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
+        models.drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype,
+                                                      embedding=models.target.get_input_embeddings().weight)
     if any(m.kind == "hf-assisted" for m in methods):
         models.assistant = causal_lm(args.assistant)
     return models

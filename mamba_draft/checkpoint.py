@@ -10,11 +10,17 @@ A drafter with a draft vocabulary (a subset of the target's ids it proposes from
 `draft_vocab.safetensors` (tensor `d2t`: draft id -> target id) next to the weights in either format, so the model
 part still loads in plain transformers. In memory the map travels among the tensors under `DRAFT_IDS`.
 
+A drafter whose embedding is its target's (frozen in training, tied to the head) may be stored without it: then
+`target_embedding.json` names the target and the SHA-256 of that embedding (rounded to bf16, so an fp32 and a bf16
+copy of the target agree), and loading takes the embedding from the target — passed in, or loaded by name — after
+checking the digest. `SHIPPED_DRAFTER` (`smollm2`) names the drafter shipped in the package for the shipped target.
+
 Everything in memory uses HF names. Weights are read with safetensors or `torch.load(weights_only=True)` only,
 and directories are written to a temporary sibling and renamed, so a failure never leaves half a checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,6 +40,10 @@ HF_INDEX = "model.safetensors.index.json"
 SSM_WEIGHTS = "pytorch_model.bin"
 DRAFT_VOCAB = "draft_vocab.safetensors"
 DRAFT_IDS = "draft_vocab.d2t"  # in-memory key of the id map (mamba_draft.model imports it from here)
+TARGET_EMBEDDING = "target_embedding.json"
+EMBEDDING = "backbone.embeddings.weight"
+SHIPPED_DRAFTER = "smollm2"  # accepted wherever a drafter path is: the drafter trained for the shipped target
+SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 # Files copied alongside the weights on save/convert so the directory stays usable with its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "generation_config.json", "chat_template.jinja")
@@ -41,7 +51,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_directory(path: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local directory as is; otherwise a hub id (`org/name`) downloaded through huggingface_hub's cache."""
+    """The shipped drafter's directory for `SHIPPED_DRAFTER`; a local directory as is; otherwise a hub id
+    (`org/name`) downloaded through huggingface_hub's cache."""
+    if str(path) == SHIPPED_DRAFTER:
+        shipped = SHIPPED_DRAFTERS / SHIPPED_DRAFTER
+        if not (shipped / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped drafter is missing from this installation ({shipped})")
+        return shipped
     local = Path(path)
     if local.exists():
         if not local.is_dir():
@@ -80,8 +96,36 @@ def read_config(directory: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
 
 
-def load_checkpoint(path: str | os.PathLike, revision: str | None = None) -> tuple[MambaConfig, dict]:
-    """Read a checkpoint of either format; returns its MambaConfig and tensors under HF names."""
+def embedding_digest(weight: torch.Tensor) -> str:
+    """SHA-256 of an embedding rounded to bf16 (the dtype a target is loaded in does not change it)."""
+    rounded = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    return hashlib.sha256(rounded.view(torch.int16).numpy().tobytes()).hexdigest()
+
+
+def target_embedding(directory: Path, embedding: torch.Tensor | None) -> torch.Tensor:
+    """The embedding a `target_embedding.json` directory takes from its target, checked against its digest."""
+    try:
+        spec = json.loads((directory / TARGET_EMBEDDING).read_text())
+        target, digest, shape = spec["target"], spec["sha256_bf16"], tuple(spec["shape"])
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{directory / TARGET_EMBEDDING} is malformed: {err}") from err
+    if embedding is None:
+        from .targets import load_causal_lm
+
+        embedding = load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
+    if tuple(embedding.shape) != shape or embedding_digest(embedding) != digest:
+        raise ValueError(f"{directory} was trained on the embedding of {target!r} (shape {shape}, sha256 "
+                         f"{digest[:12]}...); the target given has another ({tuple(embedding.shape)}, "
+                         f"{embedding_digest(embedding)[:12]}...)")
+    return embedding.detach().to(device="cpu", dtype=torch.float32)
+
+
+def load_checkpoint(path: str | os.PathLike, revision: str | None = None,
+                    embedding: torch.Tensor | None = None) -> tuple[MambaConfig, dict]:
+    """Read a checkpoint of either format; returns its MambaConfig and tensors under HF names.
+
+    `embedding`: the target's input embedding, for a directory stored without its own (`target_embedding.json`);
+    when not given, the target it names is loaded for it. A directory with its own embedding ignores it."""
     directory = resolve_directory(path, revision)
     raw = read_config(directory)
     fmt = detect_format(raw)
@@ -96,6 +140,8 @@ def load_checkpoint(path: str | os.PathLike, revision: str | None = None) -> tup
         if "d2t" not in draft:
             raise ValueError(f"{directory / DRAFT_VOCAB} has no 'd2t' tensor")
         tensors[DRAFT_IDS] = draft["d2t"]
+    if (directory / TARGET_EMBEDDING).is_file() and EMBEDDING not in tensors:
+        tensors[EMBEDDING] = target_embedding(directory, embedding)
     return config, tensors
 
 
@@ -139,13 +185,27 @@ def _hf_to_ssm_name(name: str) -> str:
 
 
 def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.PathLike, *, format: str = "hf",
-                    overwrite: bool = False, copy_from: Path | None = None) -> Path:
-    """Write `tensors` (HF names) in `format`; the directory appears complete or not at all."""
+                    overwrite: bool = False, copy_from: Path | None = None, dtype: torch.dtype | None = None,
+                    embedding_from: str | None = None, tokenizer=None) -> Path:
+    """Write `tensors` (HF names) in `format`; the directory appears complete or not at all.
+
+    `dtype`: cast floating-point tensors (e.g. bf16 to ship). `embedding_from`: the target whose input embedding
+    this drafter uses (tied and frozen): the embedding is left out and `target_embedding.json` records the target
+    and the embedding's digest (HF format, tied embeddings only). `tokenizer`: saved beside the weights."""
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; choose one of {FORMATS}")
+    if embedding_from is not None and (format != "hf" or not config.tie_embeddings):
+        raise ValueError("embedding_from needs the hf format and a tied embedding")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     draft_ids = tensors.pop(DRAFT_IDS, None)
+    embedding = tensors.pop(EMBEDDING) if embedding_from is not None else None
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     with atomic_directory(directory, overwrite=overwrite) as tmp:
+        if embedding is not None:
+            (tmp / TARGET_EMBEDDING).write_text(json.dumps(
+                {"target": embedding_from, "shape": list(embedding.shape),
+                 "sha256_bf16": embedding_digest(embedding)}, indent=2) + "\n")
         if draft_ids is not None:
             save_file({"d2t": draft_ids.to(torch.int64)}, str(tmp / DRAFT_VOCAB), metadata={"format": "pt"})
         if format == "hf":
@@ -162,15 +222,26 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
             for name in TOKENIZER_FILES:
                 if (copy_from / name).is_file():
                     shutil.copy2(copy_from / name, tmp / name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     return Path(directory)
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False) -> Path:
-    """Convert a checkpoint directory to `to` ('hf' or 'mamba_ssm'), bit-identically; the source format is detected."""
+    """Convert a checkpoint directory to `to` ('hf' or 'mamba_ssm'), bit-identically; the source format is detected.
+
+    A drafter stored without its embedding (the shipped one: `smollm2`) comes out whole: the target's embedding
+    and tokenizer are written in, all weights in fp32 — a directory plain `transformers` loads."""
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {FORMATS}")
     directory = resolve_directory(src)
     config, tensors = load_checkpoint(directory)
+    tokenizer, dtype = None, None
+    if (directory / TARGET_EMBEDDING).is_file():
+        from .targets import load_tokenizer
+
+        tokenizer = load_tokenizer(json.loads((directory / TARGET_EMBEDDING).read_text())["target"])
+        dtype = torch.float32
     # Validate the tensors against the config before writing anything.
     from .model import MambaDrafter
 
@@ -186,5 +257,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrit
     problems += [k for k in expected if k in tensors and tuple(tensors[k].shape) != expected[k]]
     if problems:
         raise ValueError(f"{directory}: weights do not match config.json ({problems[:8]})")
-    return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory)
+    return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory, dtype=dtype,
+                           tokenizer=tokenizer)
 

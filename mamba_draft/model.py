@@ -295,11 +295,13 @@ class MambaDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         backend: str = "auto", state_dtype: torch.dtype | None = None,
-                        revision: str | None = None) -> "MambaDrafter":
-        """Load an HF-format (`MambaForCausalLM`/`Mamba2ForCausalLM`) or mamba_ssm-format directory, or a hub id."""
+                        revision: str | None = None, embedding: torch.Tensor | None = None) -> "MambaDrafter":
+        """Load an HF-format (`MambaForCausalLM`/`Mamba2ForCausalLM`) or mamba_ssm-format directory, a hub id, or
+        `smollm2` (the shipped drafter). `embedding`: the target's input embedding, for a drafter stored without
+        its own (checked by digest; not given, the target is loaded for it); ignored by a drafter with its own."""
         from .checkpoint import load_checkpoint
 
-        config, tensors = load_checkpoint(path, revision=revision)
+        config, tensors = load_checkpoint(path, revision=revision, embedding=embedding)
         return cls.from_state_dict(config, tensors, device=device, dtype=dtype, backend=backend,
                                    state_dtype=state_dtype)
 

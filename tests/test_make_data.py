@@ -231,3 +231,10 @@ def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_native_bf16(monkeypatch, t
         assert md.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
         monkeypatch.undo()
     assert md.resolve_dtype("float32", "cpu") == torch.float32
+
+
+def test_long_prompts_are_answered_in_smaller_batches():
+    assert md.length_batches([1000, 600, 300, 300, 300, 300, 200], batch_size=4, row_tokens=500) == [
+        (0, 2), (2, 6), (6, 7)]
+    assert md.length_batches([5000, 10], batch_size=4, row_tokens=500) == [(0, 1), (1, 2)]  # a row alone may exceed
+    assert md.length_batches([], batch_size=4) == []

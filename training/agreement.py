@@ -351,12 +351,12 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     tokenizer = load_tokenizer(target_path)
     rows, skipped = load_heldout(heldout_path, tokenizer, max_len, max_sequences)
-    drafter = MambaDrafter.from_pretrained(drafter_path, device=device)
+    target = load_causal_lm(target_path, device=device, attn_implementation=None)
+    drafter = MambaDrafter.from_pretrained(drafter_path, device=device, embedding=target.get_input_embeddings().weight)
     if len(tokenizer) > drafter.input_vocab_size:
         raise ValueError(f"the target's tokenizer has {len(tokenizer)} tokens but the drafter reads only "
                          f"{drafter.input_vocab_size}: drafter and target must share a tokenizer")
     pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    target = load_causal_lm(target_path, device=device, attn_implementation=None)
     vocab = len(tokenizer)  # as training scores them: ids past the tokenizer are padding rows, never real tokens
     target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
     del target

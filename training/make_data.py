@@ -45,6 +45,9 @@ from training.regenerate import conversation, eos_token_ids, prompt_ids, read_re
 MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
 TOPK = 20  # cached target log-probs per reply position
 ROUND_BATCHES = 8  # Magpie batches between two reply passes
+# tokens (prompt + reply cap) per row of a full reply batch: longer prompts get fewer rows (Spec-Bench's RAG and
+# summarisation prompts run to 1,700 tokens: 64 of them would hold ~8x the KV cache of a batch of short prompts)
+REPLY_ROW_TOKENS = 512
 _SENTINEL = "\u2063MAGPIE\u2063"  # an invisible separator: marks where the user's text would start
 _REQUEST_START = re.compile(
     r"^(what|how|why|when|where|which|who|whom|whose|is|are|can|could|would|will|should|do|does|did|write|create|"
@@ -288,6 +291,18 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
     bar.close()
 
 
+def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_ROW_TOKENS) -> list[tuple[int, int]]:
+    """[start, stop) spans of `sizes` (tokens per row, longest first) holding at most `batch_size` rows and
+    `batch_size * row_tokens` tokens (a single row may exceed it): long prompts go in smaller batches, so a batch's
+    KV cache stays within what a batch of ordinary prompts takes."""
+    spans, start, budget = [], 0, batch_size * row_tokens
+    while start < len(sizes):
+        rows = max(1, min(batch_size, budget // max(1, sizes[start])))
+        spans.append((start, min(len(sizes), start + rows)))
+        start = spans[-1][1]
+    return spans
+
+
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
                   batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None]) -> None:
     """Answer every prompt at every temperature it lacks a reply for, longest prompts first."""
@@ -303,7 +318,8 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
     jobs = []
     for t, pending in todo.items():
         pending = sorted(pending, key=lambda p: -len(encoded[p["id"]]))
-        jobs += [(t, pending[i:i + batch_size]) for i in range(0, len(pending), batch_size)]
+        sizes = [len(encoded[p["id"]]) + max_new_tokens for p in pending]
+        jobs += [(t, pending[i:j]) for i, j in length_batches(sizes, batch_size)]
     bar = tqdm(total=sum(len(batch) for _, batch in jobs), desc="replies", unit="reply", disable=not progress)
     for t, batch in jobs:
         # the seed depends on the batch's content, not its position: a resumed run draws the same way per batch

@@ -16,7 +16,8 @@ from mamba_draft.dtypes import DTYPES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="HF causal LM directory, hub id or .gguf file with its "
                         "tokenizer; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format) or hub id")
+    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format), hub id, or 'smollm2' (the drafter shipped for the "
+                        "shipped target)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
@@ -113,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     if args.autoregressive:
         result = generate_autoregressive(target, input_ids, **kwargs)
     else:
-        drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
+        drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype,
+                                               embedding=target.get_input_embeddings().weight)
         result = generate(target, drafter, input_ids, tree=tree, verifier=verifier, tokenizer=tokenizer,
                           prompt_lookup=args.prompt_lookup, **kwargs)
     stats = result.stats

@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{mine,train}")
     mine = actions.add_parser("mine", help="label mismatches important/unimportant (AutoJudge Algorithm 1)")
     mine.add_argument("--target", required=True, help="target causal LM (HF directory, hub id, .gguf file or smollm2)")
-    mine.add_argument("--draft", required=True, help="Mamba drafter (HF-format directory or hub id)")
+    mine.add_argument("--draft", required=True, help="Mamba drafter (HF-format directory, hub id or 'smollm2')")
     mine.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (or Spec-Bench 'turns')")
     mine.add_argument("--task", default="gsm8k", help="answer extraction: gsm8k (final number) or exact (whole text)")
     mine.add_argument("--out", required=True, help="output directory (one file per prompt; reruns resume)")
@@ -53,7 +53,7 @@ def _mine(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     target = load_causal_lm(args.target, dtype=dtype, device=args.device)
-    drafter = MambaDrafter.from_pretrained(args.draft, device=args.device, dtype=dtype)
+    drafter = MambaDrafter.from_pretrained(args.draft, device=args.device, dtype=dtype, embedding=target.get_input_embeddings().weight)
     # --out is created only once both models loaded, so a bad path or corrupt weights leave nothing behind
     check_or_write_manifest(Path(args.out), {**manifest, "hidden_size": target.config.hidden_size,
                                              "max_new_tokens": args.max_new_tokens})
