@@ -77,14 +77,36 @@ def test_windows_carry_each_scored_tokens_distribution_and_resume_exactly(engine
     assert all(torch.equal(expected[k], v) for k, v in again.next_batch(2).items())
 
 
-def test_a_drafter_distils_from_the_cache_in_process(engine_dir, tmp_path):
+def test_a_drafter_distils_from_the_cache_in_process_and_ships_lean(engine_dir, tmp_path):
+    """The shipped recipe's shape (configs/distill/smollm2-engine.yaml): Mamba-2, the target's embedding tied and
+    frozen, a draft vocabulary; exported lean (trained parameters in bf16) it loads with the target's embedding."""
+    from mamba_draft import MambaDrafter
+    from mamba_draft.checkpoint import TARGET_EMBEDDING
+    from training.export import export
+
     out, target, _ = engine_dir
     cfg = load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml", [
         f"model.tokenizer={target}", f"output_dir={tmp_path / 'run'}", "data.kind=engine", f"data.path={out}",
-        "data.seq_len=32", "steps=12", "deepspeed=configs/deepspeed/zero1.json", "optim.lr=1e-2"])
+        "data.seq_len=32", "steps=12", "deepspeed=configs/deepspeed/zero1.json", "optim.lr=1e-2",
+        "model.arch=mamba2", "model.head_dim=16", f"model.init_embeddings_from={target}",
+        "model.freeze_embeddings=true", "model.tie_word_embeddings=true", "model.draft_vocab_size=64"])
     run = train(cfg)
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.2, losses
+
+    whole = MambaDrafter.from_pretrained(str(export(run, tmp_path / "whole")))
+    lean = export(run, tmp_path / "lean", lean_target=str(target))
+    assert (lean / TARGET_EMBEDDING).is_file()
+    shipped = MambaDrafter.from_pretrained(str(lean))  # the embedding comes from the target named in the digest file
+    assert torch.equal(shipped.draft_ids, whole.draft_ids)
+    ids = torch.tensor([[5, 9, 2, 7, 3, 3, 8]])
+    torch.testing.assert_close(shipped(ids), whole(ids), rtol=0.05, atol=0.05)  # bf16-rounded mixers
+    with pytest.raises(ValueError, match="embedding is not"):  # the embedding trained: nothing to share
+        export(train(load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml", [
+            f"model.tokenizer={target}", f"output_dir={tmp_path / 'run2'}", "data.kind=engine", f"data.path={out}",
+            "data.seq_len=32", "steps=1", "deepspeed=configs/deepspeed/zero1.json", "model.tie_word_embeddings=true",
+            f"model.init_embeddings_from={target}"])), tmp_path / "lean2", lean_target=str(target))
+    assert not (tmp_path / "lean2").exists()
 
 
 def test_ngram_table_backs_off_to_shorter_contexts():

@@ -55,8 +55,12 @@ def consolidated_model(run: Path, ckpt: Path, tag: str) -> torch.nn.Module:
     return model
 
 
-def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", overwrite: bool = False) -> Path:
-    """Write `out_dir` (safetensors + config + tokenizer files, or mamba_ssm config + pytorch_model.bin)."""
+def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", overwrite: bool = False,
+           lean_target: str | None = None) -> Path:
+    """Write `out_dir` (safetensors + config + tokenizer files, or mamba_ssm config + pytorch_model.bin).
+
+    `lean_target`: a Mamba drafter whose tied embedding is that target's, frozen: write its trained parameters only,
+    in bf16, with the embedding's digest (`mamba_draft.checkpoint.TARGET_EMBEDDING`; how a drafter ships)."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {FORMATS}")
     out = Path(out_dir)
@@ -66,10 +70,14 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", 
     model_type = AutoConfig.from_pretrained(run / "model").model_type
     if format == "mamba_ssm" and model_type not in ("mamba", "mamba2"):
         raise ValueError(f"--format mamba_ssm needs a Mamba model, this checkpoint is {model_type!r}")
+    if lean_target is not None and (format != "hf" or model_type not in ("mamba", "mamba2")):
+        raise ValueError("--lean-from-target needs a Mamba drafter exported in the hf format")
 
     model = consolidated_model(run, ckpt, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if format == "mamba_ssm":  # stage the HF export, then convert it (conversion is itself atomic)
+    if lean_target is not None:
+        _write_lean(model, run, out, lean_target)
+    elif format == "mamba_ssm":  # stage the HF export, then convert it (conversion is itself atomic)
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
             _write_hf(model, run, Path(staging))
             convert(staging, out, to="mamba_ssm", overwrite=True)
@@ -86,15 +94,35 @@ def _write_hf(model: torch.nn.Module, run: Path, directory: Path) -> None:
         shutil.copy2(run / "model" / DRAFT_VOCAB, directory / DRAFT_VOCAB)
 
 
+def _write_lean(model: torch.nn.Module, run: Path, out: Path, target: str) -> None:
+    from mamba_draft.checkpoint import EMBEDDING, embedding_digest, load_checkpoint, save_checkpoint
+    from mamba_draft.targets import load_causal_lm
+
+    if not getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("--lean-from-target needs a drafter whose head is tied to its embedding")
+    wanted = load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
+        _write_hf(model, run, Path(staging))
+        config, tensors = load_checkpoint(staging)
+    if embedding_digest(tensors[EMBEDDING]) != embedding_digest(wanted):
+        raise ValueError(f"the drafter's embedding is not {target!r}'s (was it trained with "
+                         "model.init_embeddings_from and model.freeze_embeddings?)")
+    save_checkpoint(config, tensors, out, overwrite=True, dtype=torch.bfloat16, embedding_from=target)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", help="training output_dir (or its checkpoints/ dir with a 'latest' file)")
     parser.add_argument("out_dir", help="directory to write the model to")
     parser.add_argument("--format", choices=FORMATS, default="hf", help="hf (default) or mamba_ssm")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    parser.add_argument("--lean-from-target", metavar="TARGET",
+                        help="a drafter whose tied embedding is TARGET's, frozen: write only its trained parameters "
+                        "(bf16) and the embedding's digest; it loads with TARGET's embedding (how a drafter ships)")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("deepspeed").setLevel(logging.WARNING)
-    out = export(args.checkpoint_dir, args.out_dir, format=args.format, overwrite=args.overwrite)
+    out = export(args.checkpoint_dir, args.out_dir, format=args.format, overwrite=args.overwrite,
+                 lean_target=args.lean_from_target)
     print(f"exported {args.checkpoint_dir} -> {out} ({args.format})")
     return 0

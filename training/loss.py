@@ -39,8 +39,8 @@ def cached_kl(logits: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Ten
     ids, logp = soft_ids[:, 1:], soft_logp[:, 1:].float()
     mask = labels != IGNORE_INDEX
     ids, logp = ids[mask], logp[mask]
-    if to_draft is not None:
-        ids = to_draft[ids]
+    if to_draft is not None:  # ids past the map (a target's padded vocabulary rows) are outside it too
+        ids = torch.where(ids < to_draft.numel(), to_draft[ids.clamp(max=to_draft.numel() - 1)], -1)
         logp = logp.masked_fill(ids < 0, float("-inf"))
         ids = ids.clamp(min=0)
     log_p = F.log_softmax(logp, dim=-1)

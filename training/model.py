@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.modeling_outputs import CausalLMOutput
 
 from mamba_draft import MambaConfig, MambaDrafter
@@ -41,7 +41,9 @@ class TrainableDrafter(MambaDrafter):
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     if not name_or_path:
         raise ValueError("model.tokenizer is empty: name the target's tokenizer (hub id or local path)")
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    from mamba_draft.targets import load_tokenizer as target_tokenizer
+
+    tokenizer = target_tokenizer(name_or_path)  # an HF directory or hub id, a .gguf file, or 'smollm2'
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {name_or_path!r} has no eos token; packing and chat rendering need one")
     if tokenizer.pad_token_id is None:
