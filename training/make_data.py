@@ -197,8 +197,9 @@ def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int
     sampling = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, **({"top_p": top_p} if top_p else {})}
+    # a static cache: the default one grows by concatenation, copying the whole batch's KV cache every step
     out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids,
-                         pad_token_id=tokenizer.pad_token_id, **sampling)
+                         pad_token_id=tokenizer.pad_token_id, cache_implementation="static", **sampling)
     return out[:, batch["input_ids"].size(1):].tolist()
 
 
