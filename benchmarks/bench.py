@@ -438,6 +438,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     parser.add_argument("--limit", type=int, help="use at most this many prompts")
     parser.add_argument("--per-category", type=int, help="use the first N prompts of each category")
+    parser.add_argument("--split", choices=("heldout", "train", "all"),
+                        help="Spec-Bench questions to use: heldout = odd ids (evaluation), train = the others (tuning: "
+                        "choosing arms or shapes), all (default: heldout without --prompts, else all)")
     parser.add_argument("--temperature", type=float,
                         help="0 = greedy (default: the target's generation_config, as target.generate)")
     parser.add_argument("--top-p", type=float, help="nucleus mass when sampling (default: generation_config, 1.0)")
@@ -539,11 +542,16 @@ def config_from_args(args: argparse.Namespace, methods: list[Method]) -> BenchCo
                        batch_sizes=args.batch_size, bandit_memory=args.bandit_memory)
 
 
+def bench_prompts(args: argparse.Namespace) -> list:
+    """--prompts (default: the shipped Spec-Bench) narrowed by --split, --per-category and --limit."""
+    return load_prompts(args.prompts or SPEC_BENCH, limit=args.limit, per_category=args.per_category,
+                        split=args.split or ("all" if args.prompts else "heldout"))
+
+
 def run(args: argparse.Namespace) -> int:
     methods = resolve_methods(args.methods)
     validate(args, methods)
-    prompts = load_prompts(args.prompts or SPEC_BENCH, limit=args.limit, per_category=args.per_category,
-                           split="all" if args.prompts else "heldout")
+    prompts = bench_prompts(args)
     if max(args.batch_size) > len(prompts):  # a table for batch size B needs a batch of B prompts
         raise ValueError(f"--batch-size {max(args.batch_size)} needs at least that many prompts; "
                          f"{args.prompts} gives {len(prompts)}")

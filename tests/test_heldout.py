@@ -133,3 +133,14 @@ def test_the_outside_path_check_sees_what_it_must():
     for line in ("/".join(parts) for parts in outside):  # joined here, so this file itself holds no such path
         assert OUTSIDE.search(f"SPEC = Path('{line}')"), line
     assert not OUTSIDE.search("benchmarks/data/spec_bench_question.jsonl and a shared prefix cache")
+
+
+def test_bench_evaluates_on_odd_ids_and_tunes_on_even_ones():
+    from benchmarks.bench import bench_prompts
+    from mamba_draft.cli import build_parser
+
+    def ids(*extra):
+        args = build_parser("bench").parse_args(["--target", "smollm2", "--out", "unused", *extra])
+        return {int(p.question_id) % 2 for p in bench_prompts(args)}
+
+    assert ids() == {1} and ids("--split", "train") == {0} and ids("--split", "all") == {0, 1}
