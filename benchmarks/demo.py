@@ -400,21 +400,34 @@ def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: P
     return result
 
 
-def measure_sizing(target, drafter, input_ids, steps: int = 64) -> dict[str, float]:
-    """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
-    (medians, timed in turns; the issue asks for a target forward well over 10x a drafter step)."""
+def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[int, ...] = (2, 4, 8)) -> dict:
+    """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step,
+    and the cost of verifying a chain of n tokens in one target forward relative to one token (the cost structure
+    speculation lives on), all through the benchmark's own TargetState (row floor included); medians, timed in
+    turns."""
     from benchmarks.bench_drafters import time_round_robin
     from tree_search.target import TargetState
+    from tree_search.tree import Tree
 
     token = input_ids[0, -1]
     target_state = TargetState(target)
     target_state.prefill(input_ids)
     _, drafter_state = drafter.prefill(input_ids)
-    seconds = time_round_robin({"target": lambda: target_state.decode(token),
-                                "drafter": lambda: drafter.step(token.view(1), drafter_state)},
-                               input_ids.device, warmup=3, n_steps=steps)
+
+    def verify(n):
+        tree, tokens = Tree(tuple(range(-1, n - 1))), token.expand(n)
+
+        def run():
+            target_state.tree_forward(tokens, tree)
+            target_state.commit([], n)
+        return run
+
+    fns = {"target": lambda: target_state.decode(token), "drafter": lambda: drafter.step(token.view(1), drafter_state),
+           **{f"verify{n}": verify(n) for n in chains}}
+    seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=steps)
     return {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
-            "ratio": seconds["target"] / seconds["drafter"]}
+            "ratio": seconds["target"] / seconds["drafter"],
+            "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}
 
 
 def describe_models(*paths: Path) -> dict[str, int]:
@@ -489,7 +502,9 @@ def print_real(result: dict) -> None:
         print(f"Drafter held-out agreement {last['heldout_agreement']:.3f} after {last['train_tokens']} training tokens")
     sizing = result["sizing"]
     print(f"Sizing (bare, batch 1): target token {sizing['target_token_ms']:.2f} ms, drafter step "
-          f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x); demo took {result['demo_seconds']:.0f} s")
+          f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x); verifying n tokens costs "
+          + ", ".join(f"{n}: {c:.2f}x" for n, c in sizing["verify_cost"].items())
+          + f" one token; demo took {result['demo_seconds']:.0f} s")
 
 
 def run_toy(args: argparse.Namespace) -> int:

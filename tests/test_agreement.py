@@ -374,3 +374,20 @@ def test_two_rank_zero3_distill_hook_matches_the_cli_on_the_export(tok_dir, targ
     assert result["positions"] == final["heldout_positions"]
     for key in ("agreement", "tau1", "tau3", "tau5", "greedy_path"):
         assert result[key] == pytest.approx(final[f"heldout_{key}"]), key
+
+
+def test_recipe_curves_share_one_plot(tmp_path, capsys):
+    from training.agreement import main as agreement_main
+
+    for name, values in (("kl", (0.2, 0.3)), ("ce", (0.1, 0.2))):
+        run = tmp_path / name
+        run.mkdir()
+        run.joinpath("metrics.jsonl").write_text("".join(json.dumps(
+            {"step": i + 1, "train_tokens": 100 * (i + 1), "heldout_agreement": v, "ngram4_agreement": 0.25}) + "\n"
+            for i, v in enumerate(values)))
+    out = tmp_path / "recipes.png"
+    assert agreement_main(["--plot", str(out), f"KL={tmp_path / 'kl'}", f"CE={tmp_path / 'ce'}"]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        agreement_main(["--plot", str(tmp_path / "x.png"), f"none={tmp_path}"])
+    assert not (tmp_path / "x.png").exists()

@@ -45,6 +45,7 @@ def test_quick_demo_trains_exports_and_benchmarks(quick_run):
     sizing = result["sizing"]  # bare target token vs drafter step, the sizing criterion
     assert sizing["target_token_ms"] > 0 and sizing["drafter_step_ms"] > 0
     assert sizing["ratio"] == pytest.approx(sizing["target_token_ms"] / sizing["drafter_step_ms"])
+    assert set(sizing["verify_cost"]) == {"2", "4", "8"} and all(c > 0 for c in sizing["verify_cost"].values())
     assert "| bandit |" in (run_dir / "results" / "demo.md").read_text()
     assert (run_dir / "results" / "demo_speedup.png").read_bytes()[:4] == b"\x89PNG"
     # the held-out prompts never come from files the models were trained on

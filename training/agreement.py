@@ -313,24 +313,34 @@ def ngram_baselines(train_rows: Sequence[Row], rows: Sequence[Row], target_ids: 
     return out
 
 
-def plot_agreement(metrics_path: Path, out: Path) -> bool:
-    """Held-out agreement vs training tokens from metrics.jsonl as a PNG; False (nothing written) without records."""
+def plot_agreement(metrics: Path | dict[str, Path], out: Path) -> bool:
+    """Held-out agreement vs training tokens as a PNG: one metrics.jsonl, or {recipe label: metrics.jsonl} (one line
+    each; the n-gram lines are the first run's, so compare runs on the same data). False (nothing written) without
+    records."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
-    records = [r for r in map(json.loads, Path(metrics_path).read_text().splitlines()) if "heldout_agreement" in r]
-    if not records:
+    runs = {"drafter": metrics} if isinstance(metrics, (str, Path)) else dict(metrics)
+    curves = {label: [r for r in map(json.loads, Path(path).read_text().splitlines()) if "heldout_agreement" in r]
+              for label, path in runs.items()}
+    curves = {label: records for label, records in curves.items() if records}
+    if not curves:
         return False
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    ax.plot([r["train_tokens"] for r in records], [r["heldout_agreement"] for r in records], marker="o",
-            label="drafter")
-    for key in sorted(k for k in records[-1] if k.startswith("ngram") and k.endswith("_agreement")):
-        ax.axhline(records[-1][key], linestyle="--", color="gray" if "3" in key else "black",
+    for label, records in curves.items():
+        ax.plot([r["train_tokens"] for r in records], [r["heldout_agreement"] for r in records], marker="o",
+                markersize=3, label=label)
+    first = next(iter(curves.values()))[-1]
+    for key in sorted(k for k in first if k.startswith("ngram") and k.endswith("_agreement")):
+        ax.axhline(first[key], linestyle="--", color="gray" if "3" in key else "black",
                    label=f"{key.split('_')[0]} table, same data")
     if len(ax.get_lines()) > 1:
-        ax.legend(loc="lower right")
+        ax.legend(loc="lower right", fontsize=8)
+    last = max(curves.items(), key=lambda item: item[1][-1]["heldout_agreement"])
     ax.set(xlabel="training tokens", ylabel="held-out top-1 agreement", ylim=(0, 1),
-           title=f"agreement with the target: {records[-1]['heldout_agreement']:.3f} at step {records[-1]['step']}")
+           title=f"agreement with the target: best {last[1][-1]['heldout_agreement']:.3f} ({last[0]})"
+           if len(curves) > 1 else
+           f"agreement with the target: {last[1][-1]['heldout_agreement']:.3f} at step {last[1][-1]['step']}")
     ax.grid(alpha=0.3)
     fig.savefig(out, dpi=120, bbox_inches="tight")
     return True
@@ -363,3 +373,28 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
     stats = score(lambda ids, _: drafter(ids), rows, target_ids, gammas=gammas, batch_size=batch_size, pad_id=pad_id,
                   device=device, draft_ids=drafter.draft_ids, vocab=vocab)
     return {**stats.as_dict(), "sequences": len(rows), "skipped": sum(skipped.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m training.agreement --plot OUT.png LABEL=RUN_DIR ...: the recipes' curves on one plot."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m training.agreement", description=main.__doc__)
+    parser.add_argument("--plot", type=Path, required=True, help="PNG to write")
+    parser.add_argument("runs", nargs="+", help="LABEL=DIR: a training output_dir (or export) holding metrics.jsonl")
+    args = parser.parse_args(argv)
+    runs = {}
+    for item in args.runs:
+        label, sep, path = item.partition("=")
+        metrics = Path(path) / "metrics.jsonl"
+        if not sep or not metrics.is_file():
+            parser.error(f"{item!r}: expected LABEL=DIR with DIR/metrics.jsonl")
+        runs[label] = metrics
+    if not plot_agreement(runs, args.plot):
+        parser.error("no held-out agreement records in these runs")
+    print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
