@@ -86,11 +86,15 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
-    """sdpa, except eager for bf16/fp16 on CPU: there sdpa rounds a query's output differently with the number of
-    keys it is handed (masked ones included), eager does not, and speculative output must equal plain decoding's
-    (tree_search.invariance)."""
+    """sdpa, except row-stable attention (`mamba_draft.stable_attention`) for bf16/fp16 on CPU: there sdpa rounds a
+    query's output with the number of keys it is handed, eager with where its visible keys sit (a tree node behind
+    masked siblings), and speculative output must equal plain decoding's (tree_search.invariance)."""
     low = dtype in (torch.bfloat16, torch.float16)
-    return "eager" if low and torch.device(device).type == "cpu" else "sdpa"
+    if low and torch.device(device).type == "cpu":
+        from .stable_attention import register
+
+        return register()
+    return "sdpa"
 
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -106,6 +110,10 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     kwargs = {"dtype": dtype}
     if attn_implementation == "auto":
         attn_implementation = default_attention(dtype, device)
+    elif attn_implementation == "row_stable":
+        from .stable_attention import register
+
+        register()
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     gguf = resolve_gguf(path)

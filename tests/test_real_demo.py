@@ -87,6 +87,13 @@ def test_real_demo_rerun_uses_the_cache(quick_train, monkeypatch, capsys):
     monkeypatch.setattr(training.make_data, "make_data", never)
     assert cli.main(["demo", "--train", "--quick", "--cache-dir", str(cache)]) == 0
     assert "results cached" in capsys.readouterr().out
+    # an installation without a shipped drafter: the default demo is the rebuild (here: its cached results)
+    from mamba_draft import checkpoint
+
+    monkeypatch.setattr(checkpoint, "SHIPPED_DRAFTERS", cache / "no-drafters-here")
+    assert cli.main(["demo", "--quick", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "no drafter is shipped" in out and "results cached" in out
 
 
 def test_real_demo_rejects_bad_arguments(tmp_path):

@@ -1,6 +1,7 @@
 """Drafters stored without their embedding (the target's, tied and frozen): saved as trained parameters plus a digest,
 loaded with the target's embedding (passed in or loaded by name), refused with another target's, converted whole."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -93,6 +94,14 @@ def test_embedding_from_needs_a_tied_hf_checkpoint(pair, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_shipped_drafter_alias_resolves_into_the_package():
-    assert resolve_directory(SHIPPED_DRAFTER).name == SHIPPED_DRAFTER
-    assert (resolve_directory(SHIPPED_DRAFTER) / TARGET_EMBEDDING).is_file()
+def test_shipped_drafter_alias_resolves_into_the_package(pair, tmp_path, monkeypatch):
+    from mamba_draft import checkpoint
+
+    monkeypatch.setattr(checkpoint, "SHIPPED_DRAFTERS", tmp_path / "drafters")
+    with pytest.raises(FileNotFoundError, match="shipped drafter is missing"):
+        MambaDrafter.from_pretrained(SHIPPED_DRAFTER)
+    _, target, drafter, lean = pair
+    shutil.copytree(lean, tmp_path / "drafters" / SHIPPED_DRAFTER)
+    assert resolve_directory(SHIPPED_DRAFTER) == tmp_path / "drafters" / SHIPPED_DRAFTER
+    loaded = MambaDrafter.from_pretrained(SHIPPED_DRAFTER, embedding=target.get_input_embeddings().weight)
+    assert torch.equal(loaded.draft_ids, drafter.draft_ids)

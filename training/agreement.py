@@ -335,7 +335,7 @@ def plot_agreement(metrics: Path | dict[str, Path], out: Path) -> bool:
         ax.axhline(first[key], linestyle="--", color="gray" if "3" in key else "black",
                    label=f"{key.split('_')[0]} table, same data")
     if len(ax.get_lines()) > 1:
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper left", fontsize=8)
     last = max(curves.items(), key=lambda item: item[1][-1]["heldout_agreement"])
     ax.set(xlabel="training tokens", ylabel="held-out top-1 agreement", ylim=(0, 1),
            title=f"agreement with the target: best {last[1][-1]['heldout_agreement']:.3f} ({last[0]})"

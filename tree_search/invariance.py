@@ -3,9 +3,10 @@ speculative decoding in low precision drifts from plain decoding of the same mod
 
 Measured on CPUs (bf16, oneDNN; AVX512-BF16, and with ATen/MKL held to AVX2): a one-row matrix product runs another
 kernel (a matrix-vector product) than two or more rows, and rounds ~1e-4 of its outputs one bf16 ulp differently;
-products of 2, 4, ... 64 rows agree with each other bit for bit, whatever a row's place or its neighbours. Eager
-attention is invariant to how many masked keys a query's row has; the sdpa CPU kernel is not. So low-precision CPU
-targets use eager attention (`mamba_draft.targets.default_attention`) and no target forward multiplies fewer rows
+products of 2, 4, ... 64 rows agree with each other bit for bit, whatever a row's place or its neighbours. The sdpa
+CPU kernel rounds with how many masked keys a query's row has, eager attention with where its visible keys sit (a
+tree node behind masked siblings). So low-precision CPU targets use row-stable attention
+(`mamba_draft.stable_attention`, each row's visible keys gathered to the front) and no target forward multiplies fewer rows
 than the *row floor*: a forward of fewer tokens (a plain decoding step) carries dummy leaf rows, which the cache
 drops at commit. The floor is probed once per model, dtype and device on the model's own widest linear layer, so a
 CPU whose kernels switch at another row count gets its own floor.

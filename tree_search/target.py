@@ -80,7 +80,7 @@ def check_tree_support(model: torch.nn.Module) -> None:
     if "flash" in attn or attn == "flex_attention":
         raise UnsupportedTargetError(
             f"{name} uses attn_implementation={attn!r}, which ignores arbitrary 4D tree masks; "
-            "load it with attn_implementation='sdpa' or 'eager'"
+            "load it with attn_implementation='sdpa', 'eager' or 'row_stable'"
         )
     for layer in _cache_layers(model):
         if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
