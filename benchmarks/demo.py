@@ -222,8 +222,9 @@ REAL_ARMS = {"bfloat16": "none/1,1/1,1,1/2,1", "float32": "none/1,1/1,1,1/2,1"}
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
-    """The greedy and sampled tables: both bandits over the kind's arms (the paper's reward and the measured-time
-    one); hf-assisted when there is an assistant; --full adds fixed shapes and the lossy verifiers."""
+    """The greedy and sampled tables: plain decoding (ours and transformers') and the measured-time bandit over the
+    kind's arms; hf-assisted when there is an assistant; --full adds the paper-reward bandit, fixed shapes and the
+    lossy verifiers."""
     arms = REAL_ARMS[dtype_name]
     greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "ar", f"cpu-bandit=bandit-time:{arms}")
     sampled = ("ar", f"cpu-bandit@sampling=bandit-time:{arms}@sampling")
@@ -257,7 +258,8 @@ def real_configs():
 
 
 def real_fingerprint(cfg, drafter: str | None) -> str:
-    """Cache key: the rebuild's shaping settings (--train), or the drafter's weights and the target dtype."""
+    """Cache key: the rebuild's shaping settings (--train), or the drafter's files; with the training precision,
+    which follows the CPU kind as the target dtype does."""
     from mamba_draft.checkpoint import resolve_directory
 
     shaping = {"precision": training_precision()}
@@ -265,7 +267,7 @@ def real_fingerprint(cfg, drafter: str | None) -> str:
         shaping.update({k: v for k, v in asdict(cfg).items()
                         if k not in ("per_category", "bench_prompts", "max_new_tokens", "temperature")})
         return "real-train-" + hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(json.dumps(shaping).encode())
     directory = resolve_directory(drafter)
     for name in sorted(p.name for p in directory.iterdir() if p.suffix in (".json", ".safetensors")):
         digest.update(name.encode() + (directory / name).read_bytes())
