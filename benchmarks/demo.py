@@ -493,7 +493,9 @@ def run(args: argparse.Namespace) -> int:
         return run_toy(args)
     if args.train and args.drafter:
         raise ValueError("--train builds its own drafter; drop --drafter")
-    if args.drafter and not Path(args.drafter).expanduser().is_dir():
+    from mamba_draft.checkpoint import SHIPPED_DRAFTER
+
+    if args.drafter and args.drafter != SHIPPED_DRAFTER and not Path(args.drafter).expanduser().is_dir():
         raise FileNotFoundError(f"--drafter {args.drafter}: not a directory")
     from mamba_draft.heldout import SPEC_BENCH
 

@@ -102,13 +102,18 @@ def embedding_digest(weight: torch.Tensor) -> str:
     return hashlib.sha256(rounded.view(torch.int16).numpy().tobytes()).hexdigest()
 
 
-def target_embedding(directory: Path, embedding: torch.Tensor | None) -> torch.Tensor:
-    """The embedding a `target_embedding.json` directory takes from its target, checked against its digest."""
+def embedding_spec(directory: Path) -> tuple[str, str, tuple[int, ...]]:
+    """(target, sha256 of its bf16-rounded embedding, shape) from a directory's `target_embedding.json`."""
     try:
         spec = json.loads((directory / TARGET_EMBEDDING).read_text())
-        target, digest, shape = spec["target"], spec["sha256_bf16"], tuple(spec["shape"])
+        return spec["target"], spec["sha256_bf16"], tuple(spec["shape"])
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{directory / TARGET_EMBEDDING} is malformed: {err}") from err
+
+
+def target_embedding(directory: Path, embedding: torch.Tensor | None) -> torch.Tensor:
+    """The embedding a `target_embedding.json` directory takes from its target, checked against its digest."""
+    target, digest, shape = embedding_spec(directory)
     if embedding is None:
         from .targets import load_causal_lm
 
@@ -240,7 +245,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrit
     if (directory / TARGET_EMBEDDING).is_file():
         from .targets import load_tokenizer
 
-        tokenizer = load_tokenizer(json.loads((directory / TARGET_EMBEDDING).read_text())["target"])
+        tokenizer = load_tokenizer(embedding_spec(directory)[0])
         dtype = torch.float32
     # Validate the tensors against the config before writing anything.
     from .model import MambaDrafter
