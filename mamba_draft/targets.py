@@ -86,21 +86,22 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
-    """sdpa, except row-stable attention (`mamba_draft.stable_attention`) for bf16/fp16 on CPU: there sdpa rounds a
+    """sdpa, except row-stable attention (`mamba_draft.cpu_attention`) for bf16/fp16 on CPU: there sdpa rounds a
     query's output with the number of keys it is handed, eager with where its visible keys sit (a tree node behind
     masked siblings), and speculative output must equal plain decoding's (tree_search.invariance)."""
     low = dtype in (torch.bfloat16, torch.float16)
     if low and torch.device(device).type == "cpu":
-        from .stable_attention import register
+        from .cpu_attention import ROW_STABLE, register
 
-        return register()
+        return register(ROW_STABLE)
     return "sdpa"
 
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    attn_implementation: str | None = "auto") -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`).
-    attn_implementation: "auto" is `default_attention`; None leaves transformers' default.
+    attn_implementation: "auto" is `default_attention`; None leaves transformers' default; "grouped" and
+    "row_stable" are `mamba_draft.cpu_attention`'s.
 
     A GGUF-loaded model is returned as a plain model (no `quantization_config`): its weights are already dense,
     and transformers refuses to save a model that still says it is GGUF-quantized.
@@ -110,10 +111,10 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     kwargs = {"dtype": dtype}
     if attn_implementation == "auto":
         attn_implementation = default_attention(dtype, device)
-    elif attn_implementation == "row_stable":
-        from .stable_attention import register
+    elif attn_implementation in ("grouped", "row_stable"):
+        from .cpu_attention import register
 
-        register()
+        register(attn_implementation)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     gguf = resolve_gguf(path)

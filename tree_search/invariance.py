@@ -6,7 +6,7 @@ kernel (a matrix-vector product) than two or more rows, and rounds ~1e-4 of its 
 products of 2, 4, ... 64 rows agree with each other bit for bit, whatever a row's place or its neighbours. The sdpa
 CPU kernel rounds with how many masked keys a query's row has, eager attention with where its visible keys sit (a
 tree node behind masked siblings). So low-precision CPU targets use row-stable attention
-(`mamba_draft.stable_attention`, each row's visible keys gathered to the front) and no target forward multiplies fewer rows
+(`mamba_draft.cpu_attention`, each row's visible keys packed to the front) and no target forward multiplies fewer rows
 than the *row floor*: a forward of fewer tokens (a plain decoding step) carries dummy leaf rows, which the cache
 drops at commit. The floor is probed once per model, dtype and device on the model's own widest linear layer, so a
 CPU whose kernels switch at another row count gets its own floor.
