@@ -5,15 +5,13 @@ copy of the whole KV cache each layer and step is most of a batched decoding ste
 400 keys: sdpa 18.5 ms a layer, the same product with the shared heads grouped 1.1 ms). `grouped_attention` is
 eager's arithmetic (additive mask, fp32 softmax) with the G query heads of a key head multiplied together.
 
-Row-stable attention adds one guarantee: a query's output does not depend on where its visible keys sit in the
-forward. Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or
-a probability-weighted sum of values rounds with the positions of the terms: a tree node whose ancestors sit
-behind masked siblings rounded differently from the decoding step that computes the same token after the same
-context, and speculative output in bf16 drifted from plain decoding (tree_search.invariance). So every query row
-reduces over [context..., ancestors..., itself] packed to the front, exactly as a decoding step does: the keys
-every query sees (the cache before the tree) are copied in front of each row's own gathered tree keys. Forwards of
-more than `GATHER_MAX_QUERIES` queries (prefills) and unmasked ones run grouped attention: a prefill is computed
-the same way for every method that shares it.
+Row-stable attention adds one guarantee: a query's output does not depend on what else shares its forward.
+Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a
+probability-weighted sum of values rounds with the positions of the terms: a tree node whose ancestors sit behind
+masked siblings rounded differently from the decoding step that computes the same token after the same context,
+and speculative output in bf16 drifted from plain decoding (tree_search.invariance). Here each row reduces over its
+visible keys in position order, in fixed blocks added one after another (`row_stable_attention`), so a tree node,
+a decoding step and a prefill row compute the same bits for the same context.
 
 Registered with transformers as attn_implementation="grouped" and "row_stable" (`mamba_draft.targets.
 default_attention` picks row_stable for bf16/fp16 targets on CPU).
