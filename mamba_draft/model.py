@@ -444,8 +444,9 @@ class MambaDrafter(nn.Module):
             h = layer(h, None if state is None else state.conv[i, :rows], None if state is None else state.ssm[i, :rows])
         return h
 
-    def train_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Differentiable full-sequence logits (B, L, vocab_size) from a zero state: the training forward.
+    def train_forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable full-sequence logits (B, L, vocab_size) from a zero state, and the final-norm hidden
+        states (B, L, d_model) they come from: the training forward.
 
         The same chunked scans as prefill (Mamba-2: SSD matmuls; Mamba-1: a linear recurrence), linear in L, with
         autograd through them. With a draft vocabulary the head rows are gathered here, so gradients reach the
@@ -455,7 +456,7 @@ class MambaDrafter(nn.Module):
         h = self.backbone.norm_f(self._run(ids, None))
         weight = self.lm_head.weight[self.draft_ids] if self.draft_ids is not None \
             else self.lm_head.weight[: self.config.real_vocab_size]
-        return F.linear(h.to(weight.dtype), weight)
+        return F.linear(h.to(weight.dtype), weight), h
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

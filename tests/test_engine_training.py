@@ -12,7 +12,7 @@ from training import make_data as md
 from training.config import load_config
 from training.data import IGNORE_INDEX
 from training.engine_data import PackedEngine, load_engine
-from training.loss import cached_kl, forward_kl
+from training.loss import cached_kl, feature_loss, forward_kl
 from training.train import train
 
 
@@ -50,7 +50,8 @@ def engine_dir(tmp_path_factory):
     out = root / "data"
     from mamba_draft import cli
     args = cli.build_parser("make-data").parse_args(["--target", str(target), "--out", str(out), "--prompts",
-                                                     str(prompts), "--max-new-tokens", "16", "--dtype", "float32"])
+                                                     str(prompts), "--max-new-tokens", "16", "--dtype", "float32",
+                                                     "--hidden"])
     md.make_data(args, progress=False)
     return out, target, tokenizer
 
@@ -75,6 +76,96 @@ def test_windows_carry_each_scored_tokens_distribution_and_resume_exactly(engine
     again = PackedEngine(greedy, seq_len=24, seed=1, rank=0, world=1)
     again.load_state_dict(state)
     assert all(torch.equal(expected[k], v) for k, v in again.next_batch(2).items())
+
+
+def test_cached_hidden_states_are_the_targets_and_sit_beside_its_top_k(engine_dir):
+    """make-data --hidden: row j of a reply is the target's final-norm state its top-K row j came from (the head on
+    it gives the cached top-1), equal to a teacher-forced forward of the prompt and reply alone."""
+    import transformers
+
+    out, target, tokenizer = engine_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+    width = model.config.hidden_size
+    prompts = {p["id"]: p["prompt"] for p in md.read_shard(out / "prompts.jsonl")}
+    for t in (0.0, 0.7):
+        records = md.read_shard(md.reply_path(out, t))
+        assert md.hidden_path(out, t).stat().st_size == sum(r["topk"][1] for r in records) * width * 2
+        for record in records[:4]:
+            hidden = md.read_hidden(out, t, record, width)
+            ids, _ = md.read_topk(out, t, record)
+            prompt = md.prompt_ids(tokenizer, [{"role": "user", "content": prompts[record["id"]]}])
+            x = torch.tensor([prompt + record["reply_ids"]])
+            with torch.no_grad():
+                want = model.model(input_ids=x).last_hidden_state[0, len(prompt) - 1:][: hidden.shape[0]]
+                head = model.lm_head(hidden.float())
+            torch.testing.assert_close(hidden.float(), want, atol=0.02, rtol=0.02)  # bf16 storage
+            assert (head.argmax(-1) == ids[:, 0]).float().mean() > 0.9  # bf16-rounded state: near-ties may flip
+
+
+def test_hidden_states_resume_after_a_torn_write(engine_dir, tmp_path):
+    import shutil
+
+    out, target, tokenizer = engine_dir
+    copy = tmp_path / "data"
+    shutil.copytree(out, copy)
+    path = md.hidden_path(copy, 0.0)
+    whole = path.read_bytes()
+    first = md.read_shard(md.reply_path(copy, 0.0))[0]["topk"][1] * 2 * 32  # a width-32 target: the first reply
+    path.write_bytes(whole[: first + 100])  # killed mid-append: one reply and a torn piece of the next
+    from training.regenerate import target_tokenizer
+    from mamba_draft.targets import load_causal_lm
+
+    engine = md.Engine(load_causal_lm(target, attn_implementation="grouped"), target_tokenizer(str(target)),
+                       md.hf_sample)
+    assert engine.model.config.hidden_size == 32
+    prompts = {p["id"]: p["prompt"] for p in md.read_shard(copy / "prompts.jsonl")}
+    md.hidden_states(engine, copy, prompts, 0.0, progress=False, on_batch=lambda: None)
+    resumed = path.read_bytes()
+    assert len(resumed) == len(whole)
+    torch.testing.assert_close(torch.frombuffer(bytearray(resumed), dtype=torch.bfloat16).float(),
+                               torch.frombuffer(bytearray(whole), dtype=torch.bfloat16).float(), atol=0.02, rtol=0.02)
+
+
+def test_feature_loss_pairs_the_drafters_state_at_t_with_the_targets_row_t_plus_1():
+    torch.manual_seed(0)
+    target = torch.randn(2, 6, 8)
+    labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 4, 5, 6, 7]] * 2)
+    drafter = torch.cat([target[:, 1:], torch.randn(2, 1, 8)], dim=1)  # state t = target row t + 1
+    drafter[:, 0] = 100.0  # position 0 predicts an unlabelled token: never scored
+    assert feature_loss(drafter, target, labels).item() == 0.0
+    assert feature_loss(target, target, labels).item() > 0.1
+
+
+def test_the_feature_loss_trains_the_drafters_state_toward_the_targets(engine_dir, tmp_path):
+    """distill.feature_weight: KL + SmoothL1 to the cached hidden states; the state distance falls as it trains."""
+    from mamba_draft import MambaDrafter
+    from training.export import export
+
+    out, target, tokenizer = engine_dir
+    overrides = [f"model.tokenizer={target}", "data.kind=engine", f"data.path={out}", "data.seq_len=32",
+                 "deepspeed=configs/deepspeed/zero1.json", "optim.lr=1e-2", "model.arch=mamba2", "model.head_dim=16",
+                 f"model.init_embeddings_from={target}", "model.freeze_embeddings=true", "distill.feature_weight=1.0", "distill.kl_weight=0.0"]
+    examples = load_engine(out, tokenizer, temperatures=[0.0], hidden_size=32)
+
+    def distance(run) -> float:
+        drafter = MambaDrafter.from_pretrained(str(export(run, tmp_path / f"x{run.name}")))
+        total = 0.0
+        for e in examples:
+            with torch.no_grad():
+                _, hidden = drafter.train_forward(e.input_ids[None])
+            total += feature_loss(hidden, e.hidden[None].float(), e.labels[None]).item()
+        return total / len(examples)
+
+    kl_only = distance(train(load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml", overrides + [
+        f"output_dir={tmp_path / 'r0'}", "steps=60", "distill.feature_weight=0.0", "distill.kl_weight=1.0"])))
+    features = distance(train(load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml",
+                                          overrides + [f"output_dir={tmp_path / 'r1'}", "steps=60"])))
+    assert features < 0.8 * kl_only, (kl_only, features)
+    with pytest.raises(ValueError, match="data.kind: engine"):
+        train(load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml", [
+            f"model.tokenizer={target}", f"output_dir={tmp_path / 'r2'}", "distill.feature_weight=1.0"]))
+    with pytest.raises(ValueError, match="another width"):
+        load_engine(out, tokenizer, hidden_size=16)
 
 
 def test_a_drafter_distils_from_the_cache_in_process_and_ships_lean(engine_dir, tmp_path):

@@ -46,12 +46,12 @@ def test_loss_and_gradients_match_transformers_reference(arch):
 def test_draft_vocabulary_logits_are_the_gathered_head_rows_and_train_the_embedding():
     torch.manual_seed(0)
     ours = TrainableDrafter(hf_config("mamba1"))
-    full = ours.train_logits(torch.randint(0, 96, (2, 9))).detach()
+    full = ours.train_forward(torch.randint(0, 96, (2, 9)))[0].detach()
     ids = torch.tensor([5, 17, 2, 90])
     ours.set_draft_vocab(ids)
     x = torch.randint(0, 96, (2, 9))
     ours.set_draft_vocab(None)
-    expected = ours.train_logits(x)[..., ids]
+    expected = ours.train_forward(x)[0][..., ids]
     ours.set_draft_vocab(ids)
     logits = ours(input_ids=x).logits
     assert logits.shape == (2, 9, 4) and torch.allclose(logits, expected, atol=1e-6)

@@ -65,6 +65,8 @@ class DistillConfig:
     target: str | None = None             # frozen target model (HF dir or hub id); None: plain CE training
     ce_weight: float = 0.0                # loss = ce_weight * CE + kl_weight * KL(target || drafter)
     kl_weight: float = 1.0
+    feature_weight: float = 0.0           # + feature_weight * SmoothL1(drafter state, target's) (engine data cached
+                                          # with make-data --hidden; the drafter must share the target's width)
     temperature: float = 1.0
 
 

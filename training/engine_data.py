@@ -19,7 +19,7 @@ import torch
 
 from mamba_draft.heldout import is_heldout_text
 from training.data import IGNORE_INDEX, rank_order
-from training.make_data import TOPK, read_shard, read_topk
+from training.make_data import TOPK, hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
 from training.regenerate import prompt_ids
 
 
@@ -29,6 +29,8 @@ class EngineExample:
     labels: torch.Tensor      # (L,) long, IGNORE_INDEX outside the reply
     soft_ids: torch.Tensor    # (L, K) int32: the target's top-K ids for predicting token t (rows outside: 0)
     soft_logp: torch.Tensor   # (L, K) float16: their log-probabilities (rows outside: 0, never read)
+    hidden: torch.Tensor | None = None  # (L, d) bfloat16: the target's final hidden state each row's distribution
+                                        # came from (make-data --hidden; rows outside: 0, never read)
 
 
 HELDOUT = 64  # one prompt in HELDOUT (by a stable hash of its id) is held out of training for agreement curves
@@ -44,9 +46,10 @@ def heldout_ids(prompt_ids) -> set[str]:
 
 
 def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | None = None,
-                split: str = "all") -> list[EngineExample]:
+                split: str = "all", hidden_size: int | None = None) -> list[EngineExample]:
     """The replies of a make-data directory (the given temperatures, else all; of its `split`) as EngineExamples;
-    every reply to a prompt is on the same side of the split."""
+    every reply to a prompt is on the same side of the split. `hidden_size`: also read the cached hidden states
+    (make-data --hidden), of that width."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     directory = Path(directory)
@@ -61,6 +64,8 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
         temperature = float(path.stem.split("-T", 1)[1])
         if temperatures is not None and temperature not in temperatures:
             continue
+        if hidden_size:
+            check_hidden(directory, temperature, hidden_size)
         for record in read_shard(path):
             text = prompts.get(record["id"])
             if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
@@ -76,10 +81,28 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
             soft_ids[len(prompt):] = ids.to(torch.int32)  # row t: the distribution that token t was drawn from
             soft_logp[len(prompt):] = logp.to(torch.float16)
             labels = torch.tensor([IGNORE_INDEX] * len(prompt) + reply)
-            examples.append(EngineExample(torch.tensor(prompt + reply), labels, soft_ids, soft_logp))
+            hidden = None
+            if hidden_size:
+                hidden = torch.zeros(n, hidden_size, dtype=torch.bfloat16)
+                hidden[len(prompt):] = read_hidden(directory, temperature, record, hidden_size)
+            examples.append(EngineExample(torch.tensor(prompt + reply), labels, soft_ids, soft_logp, hidden))
     if not examples:
         raise ValueError(f"{directory}: no usable replies (with cached top-K) at temperatures {temperatures}")
+
     return examples
+
+
+def check_hidden(directory: Path, temperature: float, width: int) -> None:
+    """The hidden-state file must cover every top-K position, `width` values each (the drafter's width, which must
+    be the target's: its head is the target's embedding)."""
+    path = hidden_path(directory, temperature)
+    if not path.exists():
+        raise ValueError(f"{directory}: no cached hidden states for T={temperature:g} (a feature loss needs them): "
+                         "run make-data again with --hidden")
+    positions = topk_path(directory, temperature).stat().st_size // topk_bytes()
+    if path.stat().st_size != positions * width * 2:
+        raise ValueError(f"{path} holds {path.stat().st_size} bytes, not {positions} positions x {width} bf16 values: "
+                         "unfinished (rerun make-data --hidden) or made by a target of another width")
 
 
 @dataclass
@@ -131,8 +154,11 @@ class PackedEngine:
 
         labels = stack("labels")
         # a window that starts inside a reply: its first position has no prediction of its own (shift drops it)
-        return {"input_ids": stack("input_ids"), "labels": labels, "soft_ids": stack("soft_ids").long(),
-                "soft_logp": stack("soft_logp").float()}
+        batch = {"input_ids": stack("input_ids"), "labels": labels, "soft_ids": stack("soft_ids").long(),
+                 "soft_logp": stack("soft_logp").float()}
+        if self.examples[0].hidden is not None:
+            batch["hidden"] = stack("hidden").float()
+        return batch
 
 
 def engine_rows(examples: list[EngineExample], max_len: int) -> tuple[list[tuple[list[int], list[bool]]],

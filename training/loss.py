@@ -1,4 +1,5 @@
-"""Losses: next-token cross-entropy and forward KL to a frozen target, both over labelled positions only."""
+"""Losses over labelled positions only: next-token cross-entropy, forward KL to a frozen target, and a feature loss
+to the target's final hidden state."""
 from __future__ import annotations
 
 import torch
@@ -47,3 +48,14 @@ def cached_kl(logits: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Ten
     p = log_p.exp()
     log_q = F.log_softmax(logits[mask], dim=-1).gather(-1, ids)
     return (p * (log_p - log_q)).nan_to_num(0.0).sum(-1).mean()  # 0 * (-inf) outside the vocabulary: no term
+
+
+def feature_loss(hidden: torch.Tensor, target_hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean over labelled positions and features of SmoothL1(drafter's final hidden state, the target's) (EAGLE).
+
+    hidden (B, L, d): the drafter's state after its final norm at position t, which predicts token t+1;
+    target_hidden (B, L, d): row t is the target's state its distribution for token t came from (aligned with
+    labels, like the cached top-K). The drafter multiplies the target's own (tied, frozen) embedding, so matching
+    the state matches the target's logits over the whole vocabulary, not only its top-K."""
+    mask = labels[:, 1:] != IGNORE_INDEX
+    return F.smooth_l1_loss(hidden[:, :-1][mask].float(), target_hidden[:, 1:][mask].float())

@@ -20,6 +20,9 @@ where it stopped, losing at most the batch in flight; a larger --magpie extends 
                           position too), recorded from the generating forward itself (temperature 1, whatever the
                           sampling temperature): per position K int32 ids then K float16 log-probs; a record's
                           `topk` is [first position, count]. Dense distillation targets at no extra forward.
+    hidden-T{t}.bin       with --hidden: the target's last hidden state (after its final norm: what its tied head
+                          multiplies) at the same positions, bfloat16, hidden_size values per position — targets
+                          for a feature loss (EAGLE's), from one teacher-forced forward per reply after the replies
 """
 from __future__ import annotations
 
@@ -108,6 +111,10 @@ def topk_path(out: Path, temperature: float) -> Path:
     return out / f"topk-T{temperature:g}.bin"
 
 
+def hidden_path(out: Path, temperature: float) -> Path:
+    return out / f"hidden-T{temperature:g}.bin"
+
+
 def topk_bytes(k: int = TOPK) -> int:
     return k * (4 + 2)
 
@@ -134,6 +141,18 @@ def read_topk(out: Path, temperature: float, record: dict) -> tuple[torch.Tensor
         f.seek(start * topk_bytes())
         raw = torch.frombuffer(bytearray(f.read(count * topk_bytes())), dtype=torch.uint8).view(count, -1)
     return raw[:, :TOPK * 4].view(torch.int32).long(), raw[:, TOPK * 4:].view(torch.float16).float()
+
+
+def read_hidden(out: Path, temperature: float, record: dict, width: int) -> torch.Tensor:
+    """A reply's cached (positions, width) bfloat16 hidden states, aligned with its top-K rows."""
+    start, count = record["topk"]
+    with open(hidden_path(out, temperature), "rb") as f:
+        f.seek(start * width * 2)
+        raw = f.read(count * width * 2)
+    if len(raw) != count * width * 2:
+        raise ValueError(f"{hidden_path(out, temperature)} ends before reply {record['id']}: finish it with "
+                         "make-data --hidden")
+    return torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(count, width)
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -346,6 +365,61 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
     bar.close()
 
 
+HIDDEN_PAIR_BUDGET = 1 << 22  # rows x length^2 of one teacher forward: bounds its attention scores (~150 MB)
+
+
+@torch.no_grad()
+def hidden_states(engine: Engine, out: Path, prompts: dict[str, str], temperature: float, progress: bool,
+                  on_batch: Callable[[], None]) -> None:
+    """Append the target's final-norm hidden state at every cached top-K position of the replies that lack it.
+
+    Top-K row j of a reply is the distribution its token j was drawn from, computed at sequence position
+    len(prompt) - 1 + j; one teacher-forced forward over prompt + reply gives all of them. Replies go in top-K
+    order, so hidden-T{t}.bin stays aligned with topk-T{t}.bin; a torn tail is cut back to the last whole reply."""
+    records = [r for r in read_shard(reply_path(out, temperature)) if r.get("topk")]
+    path, width = hidden_path(out, temperature), engine.model.config.hidden_size
+    row = width * 2
+    size = path.stat().st_size if path.exists() else 0
+    ends = [r["topk"][0] + r["topk"][1] for r in records]
+    done = max((e for e in ends if e * row <= size), default=0)
+    if size != done * row:
+        with open(path, "r+b") as f:
+            f.truncate(done * row)
+    todo = [r for r in records if r["topk"][0] >= done]
+    if todo and todo[0]["topk"][0] != done:
+        raise ValueError(f"{path} ends at position {done}, inside a reply: the file was changed by hand")
+    tokenizer, base = engine.tokenizer, engine.model.base_model
+    bar = tqdm(total=len(todo), desc=f"hidden states T={temperature:g}", unit="reply", disable=not progress)
+    start = 0
+    while start < len(todo):
+        batch, longest = [], 0
+        for record in todo[start:]:
+            ids = prompt_ids(tokenizer, [{"role": "user", "content": prompts[record["id"]]}])
+            longest = max(longest, len(ids) + len(record["reply_ids"]))
+            if batch and (len(batch) + 1) * longest ** 2 > HIDDEN_PAIR_BUDGET:
+                break
+            batch.append((record, ids))
+        seqs = [ids + record["reply_ids"] for record, ids in batch]
+        length = max(map(len, seqs))
+        input_ids = torch.full((len(seqs), length), tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros(len(seqs), length, dtype=torch.long)
+        for b, seq in enumerate(seqs):  # right padding: every real position keeps its own index
+            input_ids[b, :len(seq)], mask[b, :len(seq)] = torch.tensor(seq), 1
+        device = engine.model.device
+        hidden = base(input_ids=input_ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        chunks = []
+        for b, (record, ids) in enumerate(batch):
+            count = record["topk"][1]
+            chunks.append(hidden[b, len(ids) - 1: len(ids) - 1 + count].to(torch.bfloat16).cpu())
+            if chunks[-1].shape[0] != count:
+                raise RuntimeError(f"reply {record['id']}: {count} top-K rows but {chunks[-1].shape[0]} positions")
+        append_bytes(path, torch.cat(chunks).view(torch.uint8).numpy().tobytes())
+        on_batch()
+        start += len(batch)
+        bar.update(len(batch))
+    bar.close()
+
+
 # ------------------------------------------------------------------------------------------ command
 
 def settings_of(args: argparse.Namespace) -> dict:
@@ -369,6 +443,8 @@ def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: 
         replies[f"{t:g}"] = {"replies": len(rows), "tokens": sum(len(r["reply_ids"]) for r in rows),
                              "truncated": sum(r["truncated"] for r in rows),
                              "empty": sum(not r["conversations"][1]["value"] for r in rows)}
+        if hidden_path(out, t).exists():  # positions with a cached hidden state (of hidden_size bf16 values)
+            replies[f"{t:g}"]["hidden_bytes"] = hidden_path(out, t).stat().st_size
     manifest = {"settings": settings, "dtype": str(dtype).removeprefix("torch."),
                 "prompts": {"total": len(prompts), "by_source": dict(Counter(p["source"] for p in prompts)),
                             "dropped_from_files": dict(dropped_files)},
@@ -424,6 +500,10 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
         magpie_batches(engine, out, count, args.batch_size, args.seed, seen, prompts_path, progress, manifest)
         reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
                       args.seed, progress, manifest)
+    if args.hidden:
+        prompts = {p["id"]: p["prompt"] for p in read_shard(prompts_path)}
+        for t in temperatures:
+            hidden_states(engine, out, prompts, t, progress, manifest)
     return manifest()
 
 
@@ -455,6 +535,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="reply length cap")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", action="store_true",
+                        help="also cache the target's final hidden state at every reply position (feature-loss "
+                        "targets: hidden_size bf16 values per position, one teacher-forced forward per reply)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")

@@ -1,6 +1,6 @@
 """Build the model being trained (Mamba-1 / Mamba-2 drafter or a small Llama target) and its tokenizer.
 
-Drafters train through mamba_draft's own chunked scans (`MambaDrafter.train_logits`): transformers' kernel-free
+Drafters train through mamba_draft's own chunked scans (`MambaDrafter.train_forward`): transformers' kernel-free
 Mamba path is O(B·L²) on CPU. Parameter names are the HF ones, so a DeepSpeed checkpoint exports to a plain
 `MambaForCausalLM` / `Mamba2ForCausalLM` directory.
 """
@@ -35,7 +35,8 @@ class TrainableDrafter(MambaDrafter):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> CausalLMOutput:
         # attention_mask is unused: padding sits after the real tokens (right padding) and carries no labels.
-        return CausalLMOutput(logits=self.train_logits(input_ids))
+        logits, hidden = self.train_forward(input_ids)
+        return CausalLMOutput(logits=logits, hidden_states=(hidden,))  # the final-norm state: feature-loss input
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:

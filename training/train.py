@@ -37,7 +37,7 @@ from training import data as data_lib
 from training.agreement import HeldoutEval, check_eval_config, plot_agreement
 from training.config import TrainConfig, load_config, save_config
 from training.distributed import deepspeed_config, init_distributed, use_bf16
-from training.loss import cached_kl, cross_entropy, forward_kl
+from training.loss import cached_kl, cross_entropy, feature_loss, forward_kl
 from training.model import (build_model, check_vocab, frequency_ranked_vocab, load_tokenizer, read_draft_vocab,
                             weight_decay_groups)
 
@@ -57,7 +57,8 @@ def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
     if cfg.data.kind == "engine":
         from training.engine_data import PackedEngine, label_lists, load_engine
 
-        examples = load_engine(cfg.data.path, tokenizer, split="train")  # 1 prompt in engine_data.HELDOUT: eval
+        examples = load_engine(cfg.data.path, tokenizer, split="train",  # 1 prompt in engine_data.HELDOUT: eval
+                               hidden_size=cfg.model.hidden_size if cfg.distill.feature_weight else None)
         if rank == 0:
             print(f"engine: {len(examples)} replies, {sum(e.input_ids.numel() for e in examples)} tokens")
         return (PackedEngine(examples, cfg.data.seq_len, cfg.data.seed, rank, world), len(examples),
@@ -112,14 +113,16 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
     """CE and/or forward KL to the target. With a draft vocabulary the drafter's logits cover `draft_ids` only:
     labels map to draft columns (ids outside it are not scored) and the target's distribution is renormalised
     over the subset (q is zero outside it, so that is the KL the drafter can reach)."""
-    logits = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-    labels = batch["labels"]
+    out = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    logits, labels = out.logits, batch["labels"]
     if draft_ids is not None:
         labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], labels)
         vocab = draft_ids.numel()
     d = cfg.distill
     if "soft_ids" in batch:  # the data engine's cached target distribution: no target forward
         loss = d.kl_weight * cached_kl(logits, batch["soft_ids"], batch["soft_logp"], labels, to_draft)
+        if d.feature_weight:
+            loss = loss + d.feature_weight * feature_loss(out.hidden_states[-1], batch["hidden"], labels)
         return loss + d.ce_weight * cross_entropy(logits, labels) if d.ce_weight else loss
     if target is None:
         return cross_entropy(logits, labels)
@@ -202,6 +205,11 @@ def validate(cfg: TrainConfig) -> None:
         raise FileNotFoundError(f"data.path {cfg.data.path!r} matches no file")
     if cfg.model.init_from and data_lib.is_local(cfg.model.init_from) and not Path(cfg.model.init_from).exists():
         raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
+    if cfg.distill.feature_weight and cfg.data.kind != "engine":
+        raise ValueError("distill.feature_weight needs data.kind: engine (the target's hidden states cached by "
+                         "make-data --hidden)")
+    if cfg.distill.feature_weight and cfg.model.arch == "llama":
+        raise ValueError("distill.feature_weight trains a Mamba drafter's final state, not a Llama's")
     use_bf16(cfg.precision)
     check_eval_config(cfg)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
