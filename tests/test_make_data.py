@@ -238,3 +238,24 @@ def test_long_prompts_are_answered_in_smaller_batches():
         (0, 2), (2, 6), (6, 7)]
     assert md.length_batches([5000, 10], batch_size=4, row_tokens=500) == [(0, 1), (1, 2)]  # a row alone may exceed
     assert md.length_batches([], batch_size=4) == []
+
+
+def test_the_sampler_draws_from_transformers_top_k_top_p_distribution():
+    """TopKSampler (the engine's fast draw) samples what transformers' temperature / top-k / top-p warpers keep, in
+    the same proportions, and returns scores whose argmax is the drawn token."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    scores = torch.randn(1, 40) * 2
+    warped = scores.clone()
+    for warp in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(8), TopPLogitsWarper(0.8)):
+        warped = warp(None, warped)
+    want = torch.softmax(warped, -1)[0]
+    sampler = md.TopKSampler(0.7, 8, 0.8)
+    n = 20000
+    out = sampler(None, scores.expand(n, -1).clone())
+    tokens = out.argmax(-1)
+    assert torch.isinf(out).sum(-1).eq(39).all()  # one finite score per row: the drawn token
+    freq = torch.bincount(tokens, minlength=40).float() / n
+    assert set(tokens.tolist()) <= set(want.nonzero().flatten().tolist())  # nothing outside top-k / top-p
+    assert (freq - want).abs().max() < 4 * (want * (1 - want) / n).sqrt().max() + 1e-3

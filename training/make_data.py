@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import LogitsProcessorList
 
 from mamba_draft.devices import check_device, native_bf16
 from mamba_draft.dtypes import parse_dtype
@@ -208,17 +209,41 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
 
 # ------------------------------------------------------------------------------------------ generation
 
+class TopKSampler:
+    """A logits processor that draws the next token itself — temperature, then top-k, then top-p, as transformers'
+    sampling warpers do — and leaves only that token's score finite, so `generate`'s greedy pick takes it.
+    transformers' top-p sorts the whole vocabulary and its draw scans it: at batch 64 x 49,152 on a 2-core CPU a
+    sort of 134 ms and a draw of 69 ms per step, against ~125 ms for the model's own step; here the draw is over
+    the top k only (4 ms). Draws from torch's global generator (seeded per batch by the engine)."""
+
+    def __init__(self, temperature: float, top_k: int | None, top_p: float | None):
+        self.temperature, self.top_k, self.top_p = temperature, top_k or 0, 1.0 if top_p is None else top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        k = min(self.top_k, scores.shape[-1]) if self.top_k > 0 else scores.shape[-1]
+        values, ids = (scores.float() / self.temperature).topk(k, dim=-1)  # sorted, highest first
+        probs = torch.softmax(values, dim=-1)
+        if self.top_p < 1.0:  # keep the highest tokens until their mass reaches top_p (the first always)
+            probs = probs.masked_fill(probs.cumsum(-1) - probs >= self.top_p, 0.0)
+        token = ids.gather(-1, torch.multinomial(probs, 1))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
+
+
 @torch.no_grad()
 def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
               top_p: float | None, eos_token_ids: list[int]) -> list[list[int]]:
-    """The default `Generate`: transformers' `generate` on the left-padded batch."""
+    """The default `Generate`: transformers' `generate` on the left-padded batch (sampling with `TopKSampler` and
+    the target's generation_config top-k / top-p unless `top_p` is given)."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
-    sampling = {"do_sample": False}
+    processors = []
     if temperature > 0:
-        sampling = {"do_sample": True, "temperature": temperature, **({"top_p": top_p} if top_p else {})}
+        config = model.generation_config
+        processors = [TopKSampler(temperature, config.top_k if config.top_k is not None else 50,
+                                  top_p if top_p else config.top_p)]
     # a static cache: the default one grows by concatenation, copying the whole batch's KV cache every step
     out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids,
-                         pad_token_id=tokenizer.pad_token_id, cache_implementation="static", **sampling)
+                         pad_token_id=tokenizer.pad_token_id, cache_implementation="static", do_sample=False,
+                         logits_processor=LogitsProcessorList(processors))
     return out[:, batch["input_ids"].size(1):].tolist()
 
 
