@@ -116,7 +116,7 @@ def _blocks_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     (..., n, BLOCK, D) -> (..., M, D) float32. bf16 products, as eager's (fp32 ones round with how many rows a
     product has on these CPUs; bf16 ones of >= 2 rows do not); a cumulative sum adds the blocks one after another
     (a block that is all padding adds an exact 0)."""
-    return torch.matmul(probs, values).float().cumsum(-3)[..., -1, :, :]
+    return torch.cumsum(torch.matmul(probs, values), -3, dtype=torch.float32)[..., -1, :, :]
 
 
 def _contiguous(layout: _Contiguous, query, key, value, scaling, chunk: int = 256):
@@ -138,8 +138,8 @@ def _contiguous(layout: _Contiguous, query, key, value, scaling, chunk: int = 25
         probs = torch.softmax(scores + layout.bias[:, :, None, first:first + chunk], dim=-1).to(value.dtype)
         probs = probs.view(batch, kv_heads, groups * n, -1, BLOCK).transpose(2, 3)  # (B, KVH, blocks, G*n, BLOCK)
         outs.append(_blocks_sum(probs, values).view(batch, kv_heads, groups, n, dim))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(batch, heads, queries, dim).to(query.dtype)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)).to(query.dtype)  # (B, KVH, G, q, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, queries, heads, dim)
 
 
 def _gathered(layout: _Gathered, query, key, value, scaling):
@@ -153,16 +153,18 @@ def _gathered(layout: _Gathered, query, key, value, scaling):
     packed = scores.gather(-1, layout.index[:, None, None].expand(batch, kv_heads, groups, queries, width))
     probs = torch.softmax(packed + layout.bias[:, None, None], dim=-1).to(value.dtype)  # (B, KVH, G, q, width)
     blocks = probs.view(batch, kv_heads, groups, queries, width // BLOCK, BLOCK)
-    # shared blocks: one product for every row, (B, KVH, full, G*q, BLOCK) @ (B, KVH, full, BLOCK, D)
-    head = blocks[:, :, :, :, :full].permute(0, 1, 4, 2, 3, 5).reshape(batch, kv_heads, full, groups * queries, BLOCK)
-    head = torch.matmul(head, value[:, :, :base].reshape(batch, kv_heads, full, BLOCK, dim))
-    head = head.view(batch, kv_heads, full, groups, queries, dim).permute(0, 1, 4, 2, 3, 5)  # (B,KVH,q,full,G,D)
     # each row's own blocks with its values gathered (whole rows of D: index_select, not an element gather)
     own = torch.stack([value[b].index_select(1, layout.index[b, :, base:].flatten()) for b in range(batch)])
     own = own.view(batch, kv_heads, queries, -1, BLOCK, dim)
-    tail = torch.matmul(blocks[:, :, :, :, full:].permute(0, 1, 3, 4, 2, 5), own)  # (B, KVH, q, n, G, D)
-    out = torch.cat([head, tail], dim=3).float().cumsum(3)[:, :, :, -1]  # (B, KVH, q, G, D): block after block
-    return out.transpose(2, 3).reshape(batch, heads, queries, dim).to(query.dtype)
+    partial = torch.matmul(blocks[:, :, :, :, full:].permute(0, 1, 3, 4, 2, 5), own)  # (B, KVH, q, n, G, D)
+    if full:  # shared blocks first: one product for every row, (B, KVH, full, G*q, BLOCK) @ (.., BLOCK, D)
+        head = blocks[:, :, :, :, :full].permute(0, 1, 4, 2, 3, 5).reshape(batch, kv_heads, full, groups * queries,
+                                                                              BLOCK)
+        head = torch.matmul(head, value[:, :, :base].reshape(batch, kv_heads, full, BLOCK, dim))
+        head = head.view(batch, kv_heads, full, groups, queries, dim).permute(0, 1, 4, 2, 3, 5)  # (B,KVH,q,full,G,D)
+        partial = torch.cat([head, partial], dim=3)
+    out = torch.cumsum(partial, 3, dtype=torch.float32)[:, :, :, -1].to(query.dtype)  # block after block
+    return out.permute(0, 2, 1, 3, 4).reshape(batch, queries, heads, dim)  # (B, KVH, q, G, D) -> (B, q, H, D)
 
 
 def row_stable_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
@@ -180,7 +182,7 @@ def row_stable_attention(module, query, key, value, attention_mask, scaling=None
     if layout is None:
         return grouped_attention(module, query, key, value, attention_mask, scaling)
     run = _contiguous if isinstance(layout, _Contiguous) else _gathered
-    return run(layout, query, key, value, _scaling(query, scaling)).transpose(1, 2).contiguous(), None
+    return run(layout, query, key, value, _scaling(query, scaling)), None
 
 
 def register(name: str = ROW_STABLE) -> str:
