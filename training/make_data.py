@@ -415,11 +415,14 @@ def hidden_states(engine: Engine, out: Path, prompts: dict[str, str], temperatur
         raise ValueError(f"{path} ends at position {done}, inside a reply: the file was changed by hand")
     tokenizer, base = engine.tokenizer, engine.model.base_model
     bar = tqdm(total=len(todo), desc=f"hidden states T={temperature:g}", unit="reply", disable=not progress)
+    encoded: dict[str, list[int]] = {}  # a reply that did not fit one batch opens the next: encode it once
     start = 0
     while start < len(todo):
         batch, longest = [], 0
         for record in todo[start:]:
-            ids = prompt_ids(tokenizer, [{"role": "user", "content": prompts[record["id"]]}])
+            if record["id"] not in encoded:
+                encoded[record["id"]] = prompt_ids(tokenizer, [{"role": "user", "content": prompts[record["id"]]}])
+            ids = encoded[record["id"]]
             longest = max(longest, len(ids) + len(record["reply_ids"]))
             if batch and (len(batch) + 1) * longest ** 2 > HIDDEN_PAIR_BUDGET:
                 break
