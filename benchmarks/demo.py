@@ -171,15 +171,21 @@ def prepare_corpus(cfg: DemoConfig, cache: Path) -> dict[str, Path]:
     return paths
 
 
-def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool) -> tuple[Path, dict | None]:
-    """Create (or, with force, empty) the cache; returns the results dir and the cached result unless re-measuring."""
+def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
+               measurement: dict) -> tuple[Path, dict | None]:
+    """Create (or, with force, empty) the cache; returns the results dir and the cached result unless re-measuring.
+    The cache key covers the models only: a cached result is reused only if it was measured with the same settings
+    (repeats, prompts, methods, lengths), so `--repeats 3` after a one-repeat run measures again."""
     if force:
         shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir or cache / "results"
     if (out_dir / "demo.json").is_file() and not (force or rebench):
-        print(f"[demo] results cached in {out_dir} (--rebench to measure again, --force to retrain)")
-        return out_dir, json.loads((out_dir / "demo.json").read_text())
+        cached = json.loads((out_dir / "demo.json").read_text())
+        if cached.get("measurement") == json.loads(json.dumps(measurement)):
+            print(f"[demo] results cached in {out_dir} (--rebench to measure again, --force to retrain)")
+            return out_dir, cached
+        print("[demo] cached results were measured with other settings: measuring again (models reused)")
     return out_dir, None
 
 
@@ -187,7 +193,8 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
              rebench: bool = False, progress: bool = True) -> dict:
     """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
     cache = cache_dir / cfg.fingerprint()
-    out_dir, cached = open_cache(cache, out_dir, force, rebench)
+    measurement = {k: getattr(cfg, k) for k in ("max_new_tokens", "repeats", "methods")}
+    out_dir, cached = open_cache(cache, out_dir, force, rebench, measurement)
     if cached is not None:
         return cached
 
@@ -206,6 +213,7 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
                         "sizes": describe_models(target, drafter, assistant)}
     result["skipped_verifiers"] = SKIPPED_VERIFIERS
     result["demo_seconds"] = time.perf_counter() - started
+    result["measurement"] = measurement
     from benchmarks.bench import write_outputs
 
     write_outputs(result, out_dir, prefix="demo")
@@ -327,7 +335,8 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
         train = True
     drafter = None if train else (drafter or SHIPPED_DRAFTER)
     cache = cache_dir / real_fingerprint(cfg, drafter)
-    out_dir, cached = open_cache(cache, out_dir, force, rebench)
+    measurement = {"config": asdict(cfg), "prompts": str(prompts_path), "full_sweep": full_sweep, "repeats": repeats}
+    out_dir, cached = open_cache(cache, out_dir, force, rebench, measurement)
     if cached is not None:
         return cached
     started = time.perf_counter()
@@ -342,6 +351,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     result["models"] = {"drafter": str(drafter), "assistant": str(assistant) if assistant else None}
     result["training"] = {"drafter": heldout_curve(Path(drafter)) if train else []}
     result["demo_seconds"] = time.perf_counter() - started
+    result["measurement"] = measurement
     from benchmarks.bench import write_outputs
 
     write_outputs(result["greedy"], out_dir, prefix="demo")

@@ -66,9 +66,16 @@ def test_rerun_uses_cached_models(quick_run, monkeypatch, tmp_path, capsys):
     mtime = (run_dir / "drafter" / "model.safetensors").stat().st_mtime
     assert cli.main(["demo", "--toy", "--quick", "--cache-dir", str(cache)]) == 0  # cached results: just the table
     assert "results cached" in capsys.readouterr().out
+    # other measurement settings: measured again without --rebench (the cache key covers the models only)
+    default = ["demo", "--toy", "--quick", "--cache-dir", str(cache)]
+    for args, measured in ((default + ["--max-new-tokens", "8"], True), (default + ["--max-new-tokens", "8"], False),
+                           (default, True)):
+        assert cli.main(args) == 0
+        printed = capsys.readouterr().out
+        assert ("measuring again" in printed) == measured and ("results cached" in printed) != measured, args
+    assert json.loads((run_dir / "results" / "demo.json").read_text())["config"]["max_new_tokens"] != 8
     out = tmp_path / "again"
-    assert cli.main(["demo", "--toy", "--quick", "--cache-dir", str(cache), "--rebench", "--out", str(out),
-                     "--max-new-tokens", "8"]) == 0
+    assert cli.main(default + ["--rebench", "--out", str(out), "--max-new-tokens", "8"]) == 0
     assert json.loads((out / "demo.json").read_text())["config"]["max_new_tokens"] == 8
     assert (run_dir / "drafter" / "model.safetensors").stat().st_mtime == mtime
 
