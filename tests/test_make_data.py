@@ -130,6 +130,56 @@ def test_magpie_prompts_are_filtered_counted_and_answered(target, tmp_path):
     assert len({r["id"] for r in rows}) == len(rows) == 5
 
 
+def test_steered_magpie_tasks_add_kinds_of_request_and_pasted_texts(target, tmp_path, monkeypatch):
+    """--magpie-tasks: each batch sampled after its task's system turn; a document task's text is cut back to a full
+    sentence and followed by its request; the source can be added to a directory made without it."""
+    path, tokenizer = target
+    monkeypatch.setattr(md, "TASKS", (md.Task("math", "Users ask math word problems."),
+                                      md.Task("doc", "Write a news article.", 200, "Summarize the text above.")))
+    story = " ".join(["The river rose after the storm, and the town moved its market uphill."] * 4)
+    samples = {"Users ask math word problems.": ["How many apples are left if Tom eats 3 of 10?", "Hello"],
+               "Write a news article.": [story + " Then the mayor said", "Too short. Really."]}
+    seen_systems = []
+
+    def generate(model, tokenizer, prompts, *, max_new_tokens, temperature, top_p, eos_token_ids):
+        if top_p != md.MAGPIE_TOP_P:
+            return md.hf_sample(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, eos_token_ids=eos_token_ids)
+        header = tokenizer.decode(prompts[0])
+        system = next((k for k in samples if k in header), None)
+        seen_systems.append(system)
+        if system is None:  # a plain Magpie batch
+            return [tokenizer("What is a prime number?", add_special_tokens=False)["input_ids"] + [eos_token_ids[0]]]
+        rows = []
+        for text in samples[system]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            rows.append(ids + [eos_token_ids[0]] if len(ids) < max_new_tokens else ids)  # the story hits the cap
+        return rows
+
+    out = tmp_path / "data"
+    common = ["--batch-size", 2, "--temperatures", "0", "--max-new-tokens", 6, "--dtype", "float32"]
+    md.make_data(args_for(path, out, "--magpie", 1, *common), generate=generate, progress=False)
+    manifest = md.make_data(args_for(path, out, "--magpie", 1, "--magpie-tasks", 4, *common), generate=generate,
+                            progress=False)
+    assert seen_systems == [None, "Users ask math word problems.", "Write a news article."]
+    prompts = {p["id"]: p for p in md.read_shard(out / "prompts.jsonl")}
+    assert prompts["task:0:0"] | {"prompt": ""} == {"id": "task:0:0", "source": "magpie_task", "prompt": "",
+                                                    "batch": 0, "task": "math"}
+    document = prompts["task:1:0"]["prompt"]
+    assert document.endswith("moved its market uphill.\n\nSummarize the text above.")  # cut after "uphill."
+    assert "the mayor said" not in document
+    assert set(prompts) == {"magpie:0:0", "task:0:0", "task:1:0"}
+    assert manifest["magpie_tasks"] == {"samples": 4, "kept": 2, "dropped": {"too_short": 2},
+                                        "by_task": {"math": 1, "doc": 1}}
+    assert manifest["replies"]["0"]["replies"] == 3  # steered prompts are answered like any other
+    records = md.read_shard(out / "replies-T0.jsonl")
+    reply = next(r for r in records if r["id"] == "task:1:0")
+    assert reply["conversations"][0]["value"] == document  # answered under the default template, no steering turn
+    monkeypatch.setattr(md, "TASKS", md.TASKS[:1])  # another task list: the directory refuses to mix them
+    with pytest.raises(ValueError, match="magpie_tasks differ"):
+        md.make_data(args_for(path, out, "--magpie-tasks", 6, *common), generate=generate, progress=False)
+
+
 def test_bad_input_is_one_line_and_writes_nothing(target, tmp_path, capsys, monkeypatch):
     path, _ = target
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)

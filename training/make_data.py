@@ -1,9 +1,11 @@
 """The data engine: a chat target writes its own prompts (Magpie) and answers them, greedy and sampled.
 
-    mamba-draft make-data --target smollm2 --out DIR --magpie 4096 [--prompts FILE ...] [--temperatures 0,0.7]
+    mamba-draft make-data --target smollm2 --out DIR --magpie 4096 [--magpie-tasks 2048] [--prompts FILE ...]
+        [--temperatures 0,0.7]
 
 Prompts come from the target itself (Magpie, Xu et al. 2024: sample what follows the chat template's user-turn
-header) and from user prompt files (ShareGPT / JSONL / Spec-Bench, as `regenerate` reads them). A generated prompt
+header; with --magpie-tasks also after a system turn that names a kind of task — `TASKS`: math, code, writing,
+translation, articles to summarize, ... — as Magpie's domain-steered variants do) and from user prompt files (ShareGPT / JSONL / Spec-Bench, as `regenerate` reads them). A generated prompt
 is kept when it ended its turn, is new (whitespace/case-folded), reads as a request, and shares no 8-word run with
 an odd-id Spec-Bench question; every drop is counted by reason. Held-out questions in a prompt file are skipped.
 Every prompt is then answered at each temperature (0 = greedy; > 0 samples with the target's generation_config
@@ -12,8 +14,9 @@ top-k / top-p, as `target.generate` and the benchmark do), in left-padded batche
 DIR is append-only and resumable: rerun the same command after an interruption (even SIGKILL) and it continues
 where it stopped, losing at most the batch in flight; a larger --magpie extends a finished run.
     manifest.json         settings and counts (rewritten atomically after every batch)
-    prompts.jsonl         {id, source, prompt, batch}: every accepted prompt
+    prompts.jsonl         {id, source, prompt, batch[, task]}: every accepted prompt
     magpie.jsonl          {batch, samples, kept, dropped{reason: n}}: one line per finished Magpie batch
+    magpie-tasks.jsonl    the same for steered batches (and their task)
     replies-T{t}.jsonl    {id, source, temperature, truncated, reply_ids, topk, conversations}: ShareGPT records
                           that `training.train` reads as SFT / distillation data (data.path: DIR/replies-*.jsonl)
     topk-T{t}.bin         the target's top-K next-token log-probabilities at every reply position (the end-of-turn
@@ -33,6 +36,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,10 +52,57 @@ from training.regenerate import conversation, eos_token_ids, prompt_ids, read_re
 
 MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
 TOPK = 20  # cached target log-probs per reply position
-ROUND_BATCHES = 8  # Magpie batches between two reply passes
+ROUND_BATCHES = 8  # Magpie batches (of each kind) between two reply passes
+TASK_SEED = 1 << 20  # steered batch b samples with seed + TASK_SEED + b (plain batch b: seed + b)
 # tokens (prompt + reply cap) per row of a full reply batch: longer prompts get fewer rows (Spec-Bench's RAG and
 # summarisation prompts run to 1,700 tokens: 64 of them would hold ~8x the KV cache of a batch of short prompts)
 REPLY_ROW_TOKENS = 512
+@dataclass(frozen=True)
+class Task:
+    """A kind of request Magpie is steered to write (`--magpie-tasks`): a system turn telling the target what its
+    users ask, sampled from before the user turn (the reply is still written under the default template, as every
+    benchmark prompt is). `instruction`: the sample is a text users paste (an article, a passage), capped at `tokens`
+    and cut back to its last full sentence; this request is appended to it."""
+    name: str
+    system: str
+    tokens: int = MAGPIE_TOKENS
+    instruction: str = ""
+
+
+# Generic instruction-tuning task kinds (Magpie's domain-steered variants): unsteered, a small target writes
+# near-identical requests ("Can you provide a list of ..."), and never a long text to work on.
+TASKS = (
+    Task("math", "You are a math tutor. The user gives you a math word problem with numbers and asks you to solve "
+         "it step by step."),
+    Task("python", "You are a programming assistant. The user asks you to write, explain or fix a Python function."),
+    Task("code", "You are a programming assistant. The user asks a question about JavaScript, SQL, C++ or the shell, "
+         "often with a code snippet."),
+    Task("science", "You are a science teacher. The user asks you to explain a concept in physics, chemistry, "
+         "biology or computer science."),
+    Task("humanities", "You are a knowledgeable assistant. The user asks about history, philosophy, economics, law "
+         "or literature."),
+    Task("writing", "You are a writing assistant. The user asks you to write a story, a poem, an email, a speech or "
+         "a blog post on a given topic."),
+    Task("roleplay", "You are an actor. The user asks you to play a character, such as a famous person, a doctor "
+         "or a pirate, and to answer in role."),
+    Task("reasoning", "You are a logical thinker. The user gives you a puzzle or riddle and asks you to reason "
+         "about it step by step."),
+    Task("translation", "You are a translator. The user gives you a sentence in French, German or Spanish and asks "
+         "you to translate it into English."),
+    Task("facts", "You are an encyclopedia. The user asks a short factual question about people, places, dates or "
+         "events."),
+    Task("editing", "You are an editor. The user gives you a few sentences with mistakes and asks you to correct or "
+         "rewrite them."),
+    Task("advice", "You are a helpful assistant. The user asks for advice or a plan for a situation in their work, "
+         "studies, health or daily life."),
+    Task("article", "You are a news writer. Write a news article.", 256,
+         "Summarize the article above in a few sentences."),
+    Task("passage", "You are a writer. Write an informative passage about a topic.", 256,
+         "Extract the key facts from the text above as a list."),
+    Task("report", "You are a journalist. Write a short report about an event.", 256,
+         "Based on the text above, answer: who was involved, what happened, and when?"),
+)
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]?(?=\s|$)")
 _SENTINEL = "\u2063MAGPIE\u2063"  # an invisible separator: marks where the user's text would start
 _REQUEST_START = re.compile(
     r"^(what|how|why|when|where|which|who|whom|whose|is|are|can|could|would|will|should|do|does|did|write|create|"
@@ -158,13 +209,14 @@ def read_hidden(out: Path, temperature: float, record: dict, width: int) -> torc
 
 # ------------------------------------------------------------------------------------------ prompts
 
-def magpie_prefix(tokenizer) -> list[int]:
-    """Token ids of the chat template up to where a user's message starts (system turn included, if the template
-    adds one): what the target continues to write a user request."""
+def magpie_prefix(tokenizer, system: str | None = None) -> list[int]:
+    """Token ids of the chat template up to where a user's message starts (`system`'s turn, or the template's
+    default one, included): what the target continues to write a user request."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("--magpie needs a target with a chat template (the prompt is sampled after its user-turn "
                          "header); pass --magpie 0 and --prompts FILE instead")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+    turns = [{"role": "system", "content": system}] if system else []
+    text = tokenizer.apply_chat_template([*turns, {"role": "user", "content": _SENTINEL}], tokenize=False,
                                          add_generation_prompt=False)
     if _SENTINEL not in text:
         raise ValueError("the chat template does not render the user's message verbatim; cannot find the user turn")
@@ -185,6 +237,21 @@ def request_verdict(text: str) -> str:
     if not (text.rstrip().endswith("?") or _REQUEST_START.match(text.lstrip(" \"'*#-"))):
         return "not_a_request"
     return ""
+
+
+def document_prompt(text: str, cut: bool, task: Task) -> tuple[str, str]:
+    """(prompt, '') for a pasted text of a document task — cut back to its last full sentence when the sample hit
+    its cap, then the task's request — or ('', reason) when it is dropped."""
+    if cut:
+        ends = list(_SENTENCE_END.finditer(text))
+        if not ends:
+            return "", "cut"
+        text = text[:ends[-1].end()]
+    if len(text.split()) < 40:
+        return "", "too_short"
+    if _ASSISTANT_VOICE.match(text):
+        return "", "assistant_voice"
+    return f"{text}\n\n{task.instruction}", ""
 
 
 def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]:
@@ -301,24 +368,32 @@ class Engine:
 
 
 def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed: int, seen: set[str],
-                   prompts_path: Path, progress: bool, on_batch: Callable[[], None]) -> None:
+                   prompts_path: Path, progress: bool, on_batch: Callable[[], None],
+                   tasks: tuple[Task, ...] = ()) -> None:
     """Sample Magpie batches until `count` samples have been drawn in all; each finished batch appends its kept
-    prompts, then its summary line (a batch without a summary line is redone; `seen` drops the re-drawn copies)."""
-    log_path = out / "magpie.jsonl"
+    prompts, then its summary line (a batch without a summary line is redone; `seen` drops the re-drawn copies).
+    With `tasks`, batch b is steered by tasks[b % len(tasks)] (`--magpie-tasks`, its own log and ids)."""
+    log_path = out / ("magpie-tasks.jsonl" if tasks else "magpie.jsonl")
     done = {r["batch"] for r in read_shard(log_path)}
     batches = -(-count // batch_size)
     todo = [b for b in range(batches) if b not in done]
     if not todo:
         return
-    prefix = magpie_prefix(engine.tokenizer)
-    bar = tqdm(total=len(todo) * batch_size, desc="magpie prompts", unit="sample", disable=not progress)
+    bar = tqdm(total=len(todo) * batch_size, desc="magpie task prompts" if tasks else "magpie prompts",
+               unit="sample", disable=not progress)
     for b in todo:
+        task = tasks[b % len(tasks)] if tasks else None
         n = min(batch_size, count - b * batch_size)
-        rows, _ = engine.run([prefix] * n, MAGPIE_TOKENS, MAGPIE_TEMPERATURE, MAGPIE_TOP_P, seed + b)
+        prefix = magpie_prefix(engine.tokenizer, task.system if task else None)
+        rows, _ = engine.run([prefix] * n, task.tokens if task else MAGPIE_TOKENS, MAGPIE_TEMPERATURE,
+                             MAGPIE_TOP_P, seed + b + (TASK_SEED if task else 0))
         kept, dropped = [], Counter()
         for row, (ids, cut) in enumerate(rows):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            reason = "cut" if cut else request_verdict(text)
+            if task is not None and task.instruction:
+                text, reason = document_prompt(text, cut, task)
+            else:
+                reason = "cut" if cut else request_verdict(text)
             if not reason and normalize(text) in seen:
                 reason = "duplicate"
             if not reason and overlaps_heldout(text):
@@ -327,9 +402,12 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
                 dropped[reason] += 1
                 continue
             seen.add(normalize(text))
-            kept.append({"id": f"magpie:{b}:{row}", "source": "magpie", "prompt": text, "batch": b})
+            record = {"id": f"{'task' if task else 'magpie'}:{b}:{row}", "source": "magpie_task" if task else "magpie",
+                      "prompt": text, "batch": b}
+            kept.append(record | ({"task": task.name} if task else {}))
         append_shard(prompts_path, kept)
-        append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)}])
+        append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)}
+                                | ({"task": task.name} if task else {})])
         on_batch()
         bar.update(n)
         bar.set_postfix(kept=len(kept), speed=engine.rate())
@@ -452,19 +530,24 @@ def hidden_states(engine: Engine, out: Path, prompts: dict[str, str], temperatur
 
 def settings_of(args: argparse.Namespace) -> dict:
     """What the data depends on: a resumed run must match these (--magpie may grow, --prompts may be added)."""
-    return {"target": str(args.target), "max_new_tokens": args.max_new_tokens,
-            "magpie": {"temperature": MAGPIE_TEMPERATURE, "top_p": MAGPIE_TOP_P, "max_tokens": MAGPIE_TOKENS,
-                       "batch_size": args.batch_size, "seed": args.seed}}
+    magpie = {"temperature": MAGPIE_TEMPERATURE, "top_p": MAGPIE_TOP_P, "max_tokens": MAGPIE_TOKENS,
+              "batch_size": args.batch_size, "seed": args.seed}
+    return {"target": str(args.target), "max_new_tokens": args.max_new_tokens, "magpie": magpie,
+            "magpie_tasks": {**magpie, "max_tokens": None, "seed": args.seed + TASK_SEED,
+                             "tasks": [[t.name, t.system, t.tokens, t.instruction] for t in TASKS]}}
 
 
 def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: list[float],
                    dropped_files: Counter, engine: Engine | None) -> dict:
     """Counts recomputed from the shards themselves (so they are right after any interruption)."""
     prompts = read_shard(out / "prompts.jsonl")
-    magpie = read_shard(out / "magpie.jsonl")
-    magpie_dropped = Counter()
-    for line in magpie:
-        magpie_dropped.update(line["dropped"])
+    def summary(lines: list[dict]) -> dict:
+        dropped = Counter()
+        for line in lines:
+            dropped.update(line["dropped"])
+        return {"samples": sum(line["samples"] for line in lines), "kept": sum(line["kept"] for line in lines),
+                "dropped": dict(dropped)}
+
     replies = {}
     for t in sorted({*temperatures, *(float(p.stem.split("-T", 1)[1]) for p in out.glob("replies-T*.jsonl"))}):
         rows = read_shard(reply_path(out, t))
@@ -476,8 +559,9 @@ def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: 
     manifest = {"settings": settings, "dtype": str(dtype).removeprefix("torch."),
                 "prompts": {"total": len(prompts), "by_source": dict(Counter(p["source"] for p in prompts)),
                             "dropped_from_files": dict(dropped_files)},
-                "magpie": {"samples": sum(line["samples"] for line in magpie),
-                           "kept": sum(line["kept"] for line in magpie), "dropped": dict(magpie_dropped)},
+                "magpie": summary(read_shard(out / "magpie.jsonl")),
+                "magpie_tasks": summary(read_shard(out / "magpie-tasks.jsonl"))
+                | {"by_task": dict(Counter(p["task"] for p in prompts if "task" in p))},
                 "replies": replies,
                 "last_run": {"tokens_per_s": round(engine.tokens / engine.seconds, 1) if engine and engine.seconds
                              else None}}
@@ -492,18 +576,19 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     manifest_path = out / "manifest.json"
     if manifest_path.exists():
         previous = json.loads(manifest_path.read_text())["settings"]
-        changed = sorted(k for k in settings if previous.get(k) != settings[k])
+        # a key the previous run did not record is a prompt source added since (nothing was made with it)
+        changed = sorted(k for k in settings if k in previous and previous[k] != settings[k])
         if changed:
             raise ValueError(f"{out} was made with other settings ({', '.join(changed)} differ); resume with the "
                              "same ones or choose a new --out")
     for path in args.prompts:
         if not Path(path).is_file():
             raise FileNotFoundError(f"prompt file not found: {path}")
-    if args.magpie == 0 and not args.prompts and not (out / "prompts.jsonl").exists():
-        raise ValueError("nothing to answer: give --magpie N and/or --prompts FILE")
+    if args.magpie == 0 and args.magpie_tasks == 0 and not args.prompts and not (out / "prompts.jsonl").exists():
+        raise ValueError("nothing to answer: give --magpie N, --magpie-tasks N and/or --prompts FILE")
 
     tokenizer = target_tokenizer(args.target)
-    if args.magpie:
+    if args.magpie or args.magpie_tasks:
         magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
     dtype = resolve_dtype(args.dtype, args.device)
     # data needs no batch invariance (tree_search.invariance): the fastest attention for batched decoding, grouped on
@@ -524,8 +609,10 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
         return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
 
     step = ROUND_BATCHES * args.batch_size
-    for count in [*range(step, args.magpie, step), args.magpie]:
-        magpie_batches(engine, out, count, args.batch_size, args.seed, seen, prompts_path, progress, manifest)
+    for round_ in range(1, max(1, -(-max(args.magpie, args.magpie_tasks) // step)) + 1):
+        for count, tasks in ((args.magpie, ()), (args.magpie_tasks, TASKS)):
+            magpie_batches(engine, out, min(count, round_ * step), args.batch_size, args.seed, seen, prompts_path,
+                           progress, manifest, tasks)
         reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
                       args.seed, progress, manifest)
     if args.hidden:
@@ -556,6 +643,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="chat target: HF dir, hub id, .gguf file or 'smollm2'")
     parser.add_argument("--out", required=True, help="output directory (append-only; rerun to resume or extend)")
     parser.add_argument("--magpie", type=int, default=0, help="prompts the target writes itself (samples drawn)")
+    parser.add_argument("--magpie-tasks", type=int, default=0,
+                        help="more such samples, each batch steered to one kind of task by a system turn (math, "
+                        "code, writing, translation, texts to summarize, ...: training.make_data.TASKS)")
     parser.add_argument("--prompts", nargs="*", default=[],
                         help="prompt files: ShareGPT JSON/JSONL, {'prompt'} / {'messages'} JSONL, Spec-Bench "
                         "(odd ids are held out and skipped)")
@@ -575,12 +665,14 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.magpie < 0:
-        raise ValueError("--magpie must be >= 0")
+    for name in ("magpie", "magpie_tasks"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     parse_temperatures(args.temperatures)
     check_device(args.device)
     manifest = make_data(args)
     replies = ", ".join(f"T={t}: {r['replies']} replies, {r['tokens']} tokens" for t, r in manifest["replies"].items())
-    print(f"make-data: {manifest['prompts']['total']} prompts ({manifest['magpie']['kept']} of "
-          f"{manifest['magpie']['samples']} Magpie samples kept); {replies}; {args.out}/manifest.json")
+    magpie = {k: manifest["magpie"][k] + manifest["magpie_tasks"][k] for k in ("kept", "samples")}
+    print(f"make-data: {manifest['prompts']['total']} prompts ({magpie['kept']} of {magpie['samples']} Magpie "
+          f"samples kept); {replies}; {args.out}/manifest.json")
     return 0
