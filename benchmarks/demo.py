@@ -258,8 +258,8 @@ def real_configs():
     from benchmarks.real_pair import RealPairConfig
 
     full = RealPairConfig()
-    quick = RealPairConfig(per_category=1, bench_prompts=2, max_new_tokens=12, magpie=4, train_prompts=4,
-                           max_prompt_tokens=96, reply_tokens=12, data_batch=4, draft_vocab_size=512,
+    quick = RealPairConfig(per_category=1, bench_prompts=2, max_new_tokens=12, magpie=4, magpie_tasks=4,
+                           train_prompts=4, max_prompt_tokens=96, reply_tokens=12, data_batch=4, draft_vocab_size=512,
                            drafter_layers=1, assistant_layers=1, assistant_intermediate=256, steps=3, seq_len=96,
                            batch=2, eval_every=2)
     return full, quick
@@ -303,7 +303,8 @@ def rebuild_pair(cfg, records: list[dict], cache: Path, threads: int | None) -> 
     if not prompts.is_file():
         chosen = training_prompts(records, load_tokenizer(SHIPPED_TARGET), cfg.max_prompt_tokens, cfg.train_prompts)
         prompts.write_text("".join(json.dumps(r) + "\n" for r in chosen))
-    print(f"[demo] data: the target writes {cfg.magpie} Magpie samples and answers them and the even-id questions "
+    print(f"[demo] data: the target writes {cfg.magpie} Magpie samples (+ {cfg.magpie_tasks} steered to kinds of "
+          f"task) and answers them and the even-id questions "
           f"(greedy and T = {cfg.temperature:g}, <= {cfg.reply_tokens} tokens; resumable)")
     started = time.perf_counter()
     manifest = make_data(make_data_args(cfg, prompts, data, threads))

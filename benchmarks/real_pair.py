@@ -3,7 +3,8 @@ for it (`mamba_draft/drafters/smollm2`), benchmarked on held-out (odd-id) Spec-B
 
 `demo --train` rebuilds a drafter from scratch with the shipped recipe at a smaller scale (and a Transformer
 assistant of the same size on the same data, for transformers' assisted generation):
-* data: the data engine (`training.make_data`): prompts the target writes itself (Magpie) plus the even-id
+* data: the data engine (`training.make_data`): prompts the target writes itself (Magpie, plain and steered to
+  kinds of task) plus the even-id
   Spec-Bench questions (odd ids are held out and refused), the target's greedy and T = 0.7 replies with its top-20
   next-token distributions cached at every reply position;
 * drafter: Mamba-2, d_model 576 = the target's width, embedding (tied, so also the head) the target's own, frozen;
@@ -57,6 +58,7 @@ class RealPairConfig:
     temperature: float = 0.7              # the sampling table's temperature
     # rebuild (--train)
     magpie: int = 256                     # prompts the target writes (samples drawn)
+    magpie_tasks: int = 256               # more, steered to kinds of task (make-data --magpie-tasks)
     train_prompts: int | None = None      # even-id questions answered (None: all that fit max_prompt_tokens)
     max_prompt_tokens: int = 384
     reply_tokens: int = 128               # max new tokens per reply
@@ -76,7 +78,8 @@ def make_data_args(cfg: RealPairConfig, prompts_file: Path, out: Path, threads: 
     """The `mamba-draft make-data` arguments of the rebuild (even-id questions in `prompts_file`)."""
     from mamba_draft.cli import build_parser
 
-    argv = ["--target", "smollm2", "--out", str(out), "--magpie", str(cfg.magpie), "--prompts", str(prompts_file),
+    argv = ["--target", "smollm2", "--out", str(out), "--magpie", str(cfg.magpie),
+            "--magpie-tasks", str(cfg.magpie_tasks), "--prompts", str(prompts_file),
             "--temperatures", f"0,{cfg.temperature:g}", "--max-new-tokens", str(cfg.reply_tokens),
             "--batch-size", str(cfg.data_batch)]
     return build_parser("make-data").parse_args(argv + (["--threads", str(threads)] if threads else []))

@@ -46,7 +46,8 @@ def test_quick_rebuild_makes_data_trains_the_pair_and_benchmarks_it(quick_train)
     assert drafter.vocab_size == quick.draft_vocab_size  # a draft vocabulary, from the training data
     assert drafter.input_vocab_size == 49152
     prompts = read_shard(run_dir / "data" / "prompts.jsonl")
-    questions = [p for p in prompts if p["source"] != "magpie"]
+    questions = [p for p in prompts if p["source"] == "even_questions"]
+    assert {p["source"] for p in prompts} <= {"even_questions", "magpie", "magpie_task"}
     assert len(questions) == quick.train_prompts and all(int(p["id"].split(":")[1]) % 2 == 0 for p in questions)
     for t in ("0", "0.7"):  # greedy and sampled replies, with the target's cached distributions
         assert len(read_shard(run_dir / "data" / f"replies-T{t}.jsonl")) == len(prompts)
