@@ -35,15 +35,19 @@ def test_tree_forward_matches_plain_forward_on_every_path(target, prompt_len):
             torch.testing.assert_close(logits[node], plain, atol=1e-5, rtol=1e-4)
 
 
-def test_commit_equals_reencoding_over_several_rounds(target):
+@pytest.mark.parametrize("branching", [(2, 2, 2), (1, 1, 1)])
+def test_commit_equals_reencoding_over_several_rounds(target, branching):
     torch.manual_seed(0)
-    tree = TreeConfig((2, 2, 2)).build()
+    tree = TreeConfig(branching).build()
     prompt = torch.randint(0, 64, (1, 5))
     state = TargetState(target)
     state.prefill(prompt[:, :-1])
     committed = prompt[:, :-1]  # what the cache should hold: the prefix, then each round's root + accepted path
     root = prompt[0, -1]
-    for path in ([], list(tree.leaf_paths[5]), list(tree.leaf_paths[2][:2]), [2]):
+    # a chain's accepted nodes already sit after the root (nothing moves); a tree's move down
+    paths = ([], [1, 2, 3], [1], [1, 2]) if branching == (1, 1, 1) else \
+        ([], list(tree.leaf_paths[5]), list(tree.leaf_paths[2][:2]), [2])
+    for path in paths:
         tokens = torch.cat([root.view(1), torch.randint(0, 64, (len(tree) - 1,))])
         state.tree_forward(tokens, tree)
         state.commit(path, len(tree))

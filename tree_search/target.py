@@ -393,7 +393,7 @@ class TargetState(_TreeMasks):
             return self._static_commit(path, tree_size)
         root = self.length
         keep = len(path)
-        if path:
+        if path != list(range(1, keep + 1)):  # nodes 1..keep already sit right after the root (every chain round)
             src = torch.tensor([root + i for i in path], device=self.device)
             dst = torch.arange(root + 1, root + 1 + keep, device=self.device)
             for layer in self.cache.layers:
