@@ -1,11 +1,12 @@
-"""FLy multi-level acceleration: prompt-lookup proposals pre-verified by the Mamba drafter."""
+"""Prompt lookup: `NgramLookup` (proposals the target verifies) and FLy's multi-level acceleration (proposals
+pre-verified by the Mamba drafter)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.helpers.tree_models import random_drafter
-from tree_search.prompt_lookup import draft_chain_with_lookup, lookup_proposal
+from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup, lookup_proposal
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,19 @@ def lookup_chain(drafter, context: torch.Tensor, n: int):
     state = drafter.allocate_state(2)
     logits, _ = drafter.prefill(context.view(1, -1), state=state)
     return draft_chain_with_lookup(drafter, state, logits[0], context, n)
+
+
+def test_ngram_lookup_proposes_after_the_latest_occurrence_of_the_longest_ngram():
+    lookup = NgramLookup([1, 2, 3, 4, 9, 1, 2, 3, 7, 2, 3], num_tokens=3)
+    assert lookup.propose() == [7, 2, 3]  # (2, 3) last occurred before 7; the 4-gram and 3-gram never recurred
+    lookup.extend([4])  # (2, 3, 4) occurred once: the 3-gram wins over the 2-gram (3, 4)
+    assert lookup.propose() == [9, 1, 2]
+    assert NgramLookup([1, 2, 3, 4, 9, 1, 2, 3, 4], num_tokens=8).propose() == [9, 1, 2, 3, 4]  # up to the end
+    assert NgramLookup([5, 6, 7, 8], num_tokens=4).propose() == []
+    assert NgramLookup([5, 6, 5, 6], num_tokens=4, min_ngram=3).propose() == []
+    assert NgramLookup([7, 5, 8, 5], num_tokens=2, min_ngram=1).propose() == [8, 5]
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramLookup([1], num_tokens=0)
 
 
 def test_lookup_proposal_takes_earliest_longest_ngram_match():

@@ -150,6 +150,23 @@ def test_other_attention_families_are_lossless(tmp_path):
 # ---- bad input: a clear error, before any model runs ----
 
 
+@pytest.mark.parametrize("case", ["llama", "llama-random-drafter"])
+@pytest.mark.parametrize("tree", ["1,1", "3,2,1", "bandit", "none"])
+def test_lookup_rounds_keep_greedy_identical(setups, case, tree):
+    """lookup_tokens: rounds that verify prompt-lookup proposals (repetitive prompts make them fire) interleave with
+    drafted and plain rounds; the output stays the target's own greedy output."""
+    target, drafter, ps, _ = setups[case]
+    lookups = 0
+    for prompt in ps[:4]:
+        repetitive = torch.cat([prompt, prompt, prompt[:, :3]], dim=1)  # its last n-grams recur
+        ref = hf_greedy(target, repetitive, 40)
+        result = generate(target, drafter, repetitive, max_new_tokens=40, tree=tree, lookup_tokens=6)
+        assert torch.equal(result.tokens, ref), f"prompt {repetitive.tolist()} diverged"
+        assert sum(result.stats.accepted_lengths) == 40 and result.stats.rounds == len(result.stats.accepted_lengths)
+        lookups += result.stats.lookup_rounds
+    assert lookups >= 4  # every prompt starts with a lookup round
+
+
 @pytest.fixture
 def counted(setups, monkeypatch):
     """The Llama setup with counters on every target forward and every drafter prefill/step."""
@@ -182,6 +199,10 @@ def counted(setups, monkeypatch):
         (dict(verifier="greedy", temperature=0.7), ValueError, "temperature 0"),
         (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
         (dict(tree="100"), ValueError, "distinct children"),
+        (dict(lookup_tokens=-1), ValueError, "lookup_tokens must be"),
+        (dict(lookup_tokens=True), ValueError, "lookup_tokens must be"),
+        (dict(lookup_tokens=4, prompt_lookup=True, tree="1,1"), ValueError, "pass one"),
+        (dict(input_ids=[[1, 2], [3, 4]], lookup_tokens=4), ValueError, "one prompt"),
     ],
 )
 def test_bad_input_is_refused_before_any_work(counted, change, error, message):

@@ -35,11 +35,11 @@ def models(tmp_path_factory):
     return target, drafter
 
 
-def exact_first_two(target, params: SamplingParams) -> torch.Tensor:
+def exact_first_two(target, params: SamplingParams, prompt: torch.Tensor = PROMPT) -> torch.Tensor:
     """(V, V) exact P(x1, x2) under the target's processed distribution."""
     with torch.no_grad():
-        first = logits_to_probs(target(PROMPT).logits[0, -1], params)
-        seconds = torch.cat([PROMPT.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        first = logits_to_probs(target(prompt).logits[0, -1], params)
+        seconds = torch.cat([prompt.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
         second = logits_to_probs(target(seconds).logits[:, -1], params)
     return (first[:, None] * second).double()
 
@@ -85,6 +85,29 @@ def test_first_two_tokens_follow_the_target_distribution(models, case):
     assert 0.05 < sum(rounds_with_rejection) / RUNS < 0.95
     if case == "bandit":
         assert all(s.pulls > 100 for s in kwargs["tree"].stats)  # every arm verified a good share of the runs
+
+
+def test_lookup_proposals_keep_sampling_exact(models):
+    """Prompt-lookup rounds (lookup_tokens): a deterministic proposal is a point-mass draft distribution; the rule
+    accepts it with the target's probability and otherwise samples the residual (p without the proposed token)."""
+    target, drafter = models
+    prompt = torch.tensor([[5, 3, 1, 5, 3]])  # its last 2-gram recurs: every first round verifies [1, 5, ...]
+    params = SamplingParams(1.0)
+    exact = exact_first_two(target, params, prompt)
+    first_round_accepted, lookup_rounds = [], []
+
+    def run(seed):
+        result = generate(target, drafter, prompt, max_new_tokens=2, verifier="sampling", seed=seed, tree="1,1",
+                          temperature=1.0, lookup_tokens=3)
+        first_round_accepted.append(result.stats.accepted_lengths[0] > 1)
+        lookup_rounds.append(result.stats.lookup_rounds)
+        return result.new_tokens[0].tolist()
+
+    empirical = empirical_first_two(run, RUNS)
+    tv = 0.5 * (empirical - exact).abs().sum().item()
+    assert tv < tv_bound(exact, RUNS), f"TV {tv:.4f} vs bound {tv_bound(exact, RUNS):.4f}"
+    assert min(lookup_rounds) >= 1
+    assert 0.05 < sum(first_round_accepted) / RUNS < 0.95  # the proposal is accepted in some runs, rejected in others
 
 
 def test_autoregressive_sampling_follows_the_target_distribution(models):

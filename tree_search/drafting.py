@@ -190,6 +190,19 @@ class TreeDrafter:
                 logits = self._step(buf.tokens[start:stop], start, stop, buf.parent_rows[level - 1])
         return buf
 
+    @torch.no_grad()
+    def proposal(self, root_token: torch.Tensor, tokens: list[int], record_probs: bool) -> DraftTree:
+        """A chain of given tokens (a prompt-lookup proposal) in the buffers of its length, no drafter call. With
+        `record_probs` each node's draft distribution is a point mass on its token: a deterministic proposal, which
+        lossless sampling accepts with the target's probability of it."""
+        buf = self.buffers(TreeConfig((1,) * len(tokens)))
+        buf.tokens[0] = root_token
+        buf.tokens[1:] = torch.tensor(tokens, device=self.device)
+        if record_probs:
+            buf.probs[:-1].zero_()
+            buf.probs[:-1].scatter_(1, buf.tokens[1:, None], 1.0)
+        return buf
+
     def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
         """Draft logit columns -> target token ids (a gather, no sync)."""
         return columns if self.draft_ids is None else self.draft_ids[columns]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tree_search.bandit import FixedPolicy, UCBBandit
+from tree_search.prompt_lookup import NgramLookup
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY, Recorder
 from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, resolve_sampling, sample
 from tree_search.strategies import drafting_strategy
@@ -33,6 +34,7 @@ class GenerateStats:
     total_time: float = 0.0
     drafter_calls: int = 0  # sequential drafter invocations (prefill, steps, extends)
     drafter_calls_saved: int = 0  # prompt lookup: calls the step-by-step chain path would have made more (can be < 0)
+    lookup_rounds: int = 0  # rounds that verified a prompt-lookup proposal instead of a draft (lookup_tokens)
     arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
     round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
     verifier: str = ""
@@ -87,6 +89,7 @@ def generate(
     tokenizer=None,
     streamer=None,
     prompt_lookup: bool = False,
+    lookup_tokens: int = 0,
     attention_mask: torch.Tensor | None = None,
 ) -> GenerateResult:
     """Tree speculative decoding of one prompt, or of a batch (then a `batch_generate.BatchGenerateResult`).
@@ -105,13 +108,18 @@ def generate(
     prompt_lookup: FLy's multi-level acceleration for chains at temperature 0: prompt-lookup n-gram proposals
     pre-verified by the drafter give the same greedy chain (so the same output) in fewer drafter calls when the text
     repeats itself, more when proposals keep failing (stats.drafter_calls_saved). Host-driven, not graph-captured.
+    lookup_tokens: K > 0 adds prompt-lookup rounds: when the last 2-4 committed tokens (prompt included) occurred
+    before, the <= K tokens that followed them are verified instead of a drafted tree (the drafter reads the
+    committed tokens when it next drafts; the policy picks shapes for the other rounds). Any verifier: the proposal
+    is deterministic (a point-mass draft distribution), so lossless sampling stays exact. Host-driven; one prompt.
     All inputs are validated before any model runs.
     """
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
     if is_batch(input_ids, attention_mask):
-        if streamer is not None or prompt_lookup:
-            raise ValueError("a batch of prompts takes no streamer and no prompt_lookup; pass one prompt for those")
+        if streamer is not None or prompt_lookup or lookup_tokens:
+            raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one prompt "
+                             "for those")
         from tree_search.batch_generate import generate_batch  # builds on this module
 
         return generate_batch(target, drafter, input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
@@ -120,25 +128,27 @@ def generate(
                               tokenizer=tokenizer)
     run = prepare(target, input_ids, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed, streamer,
                   drafter=drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
-                  tokenizer=tokenizer, prompt_lookup=prompt_lookup)
+                  tokenizer=tokenizer, prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens)
     ids, params, verifier, policy = run.ids, run.params, run.verifier, run.policy
     mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
     record_probs = not params.greedy or verifier.needs_draft_probs
     policy.start_call()
     target_state, _ = run.start(target, ids[:, :-1])  # the last prompt token is the first round's root
-    strategy = drafting_strategy(drafter, prompt_lookup, max(a.num_nodes for a in policy.arms) + 1,
+    strategy = drafting_strategy(drafter, prompt_lookup, max(lookup_tokens, *(a.num_nodes for a in policy.arms)) + 1,
                                  target_vocab_size(target), params, mode, record_probs, run.generator,
                                  max_tokens=ids.shape[1] + max_new_tokens)
+    lookup = NgramLookup(ids[0].tolist(), lookup_tokens) if lookup_tokens else None
     root, logits = ids[0, -1], None  # the drafter reads the prompt when it first drafts (never, if only none runs)
     rec = run.recorder
     while True:
-        arm = policy.select()
-        config = policy.arms[arm]
-        if config.depth and logits is None:
+        proposal = lookup.propose() if lookup is not None else None
+        arm = None if proposal else policy.select()  # a lookup round is no arm's: the policy learns from its own
+        drafts = arm is not None and policy.arms[arm].depth > 0
+        if drafts and logits is None:
             logits = strategy.prefill(ids)  # once per call: not charged to this round's arm
         rec.mark(DRAFT)
-        if config.depth:
-            buf = strategy.draft(config, root, logits)
+        if proposal or drafts:
+            buf = strategy.proposal(root, proposal) if proposal else strategy.draft(policy.arms[arm], root, logits)
             rec.mark(VERIFY)
             result = verify_tree(target_state, verifier, buf, params, run.generator, mode, record_probs)
             rec.mark(VERIFIED)
@@ -151,20 +161,29 @@ def generate(
             proposed = [result.next_token]
         committed, finished = run.emit(proposed)
         rec.count(verifier.name, result, len(committed), len(proposed))
+        if lookup is not None:
+            lookup.extend(committed)
+            run.stats.lookup_rounds += bool(proposal)
         if finished:
-            policy.update(arm, len(proposed), *rec.round_times(finished=True))
+            times = rec.round_times(finished=True)
+            if arm is not None:
+                policy.update(arm, len(proposed), *times)
             break
-        if config.depth:
+        if proposal or drafts:
             target_state.commit(result.path, len(buf.tree))
-            rec.mark(RESYNC)
+        rec.mark(RESYNC)
+        if drafts:
             logits = strategy.resync(buf, result, proposed)
             root = strategy.root
         else:
-            rec.mark(RESYNC)
             strategy.skip(proposed)  # the drafter catches up in one call when it next drafts
+            if proposal:
+                root = buf.tokens.new_tensor(result.next_token)
         rec.mark(DONE)
         # The policy is charged the whole round: committing to the target cache and resyncing the drafter too.
-        policy.update(arm, len(proposed), *rec.round_times(finished=False))
+        times = rec.round_times(finished=False)
+        if arm is not None:
+            policy.update(arm, len(proposed), *times)
     return run.finish(target_state, drafter_calls=strategy.calls, drafter_calls_saved=strategy.calls_saved,
                       arms=policy.summary())
 
@@ -228,11 +247,12 @@ class Run:
     policy: UCBBandit | None = None
     out: list[int] = field(default_factory=list)  # committed new tokens
     recorder: Recorder | None = None  # set by `start`, which starts the clock
+    lookup_tokens: int = 0  # the longest prompt-lookup proposal a round may verify
 
     def start(self, target: torch.nn.Module, prefix: torch.Tensor) -> tuple[TargetState, torch.Tensor | None]:
         """Start the clock, encode `prefix` (1, P) into a fresh target cache (-> its last logits), stream the prompt."""
         self.recorder = Recorder(self.stats, self.ids.device)
-        widest = max(a.num_nodes for a in self.policy.arms) if self.policy is not None else 0
+        widest = max(self.lookup_tokens, *(a.num_nodes for a in self.policy.arms)) if self.policy is not None else 0
         # auto: a preallocated static cache on CUDA (capturable verify), the dynamic cache on CPU (faster there)
         target_state = TargetState.for_model(target, max_len=self.ids.shape[1] + self.max_new_tokens + widest + 1)
         logits = target_state.prefill(prefix)
@@ -271,7 +291,7 @@ def is_batch(input_ids, attention_mask) -> bool:
 
 def prepare(target: torch.nn.Module, input_ids, max_new_tokens: int, temperature, top_p, top_k, eos_token_id, seed,
             streamer, *, drafter=None, tree=None, verifier=None, verifier_params=None, tokenizer=None,
-            prompt_lookup: bool = False) -> Run:
+            prompt_lookup: bool = False, lookup_tokens: int = 0) -> Run:
     """Validate a call's inputs, before any model runs -> its Run. drafter None: the autoregressive baseline."""
     params = resolve_sampling(target, temperature, top_p, top_k)
     policy = None
@@ -280,16 +300,17 @@ def prepare(target: torch.nn.Module, input_ids, max_new_tokens: int, temperature
             verifier = "greedy" if params.greedy else "sampling"
         verifier = get_verifier(verifier, **(verifier_params or {}))
         policy = make_policy(tree)
-        check_options(verifier, policy, params, prompt_lookup)
+        check_options(verifier, policy, params, prompt_lookup, lookup_tokens)
     arms = policy.arms if policy is not None else ()
-    ids = check_prompt(target, input_ids, max_new_tokens, tree_depth=max((a.depth for a in arms), default=0),
-                       tree_nodes=max((a.num_nodes for a in arms), default=0))
+    ids = check_prompt(target, input_ids, max_new_tokens,
+                       tree_depth=max(lookup_tokens, *(a.depth for a in arms), 0),
+                       tree_nodes=max(lookup_tokens, *(a.num_nodes for a in arms), 0))
     if drafter is not None:
         check_drafter(target, drafter, tokenizer, verifier, policy)
     stats = GenerateStats(prompt_tokens=ids.shape[1], verifier=verifier.name if verifier else "autoregressive",
                           lossless=verifier.lossless if verifier else True, sampling=asdict(params))
     return Run(ids, max_new_tokens, params, eos_set(target, eos_token_id), stats, make_generator(seed, ids.device),
-               streamer, verifier, policy)
+               streamer, verifier, policy, lookup_tokens=lookup_tokens)
 
 
 def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: UCBBandit) -> None:
@@ -302,7 +323,8 @@ def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifie
     check_tree_support(target)
 
 
-def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams, prompt_lookup: bool) -> None:
+def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams, prompt_lookup: bool,
+                  lookup_tokens: int = 0) -> None:
     """Refuse verifier / tree / sampling / prompt-lookup combinations that cannot work (no model needed)."""
     if verifier.greedy_only and not params.greedy:
         raise ValueError(
@@ -311,6 +333,11 @@ def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams,
         )
     if not isinstance(prompt_lookup, bool):
         raise TypeError(f"prompt_lookup must be True or False, got {prompt_lookup!r}")
+    if isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int) or not 0 <= lookup_tokens <= 64:
+        raise ValueError(f"lookup_tokens must be an integer in [0, 64] (0: no lookup rounds), got {lookup_tokens!r}")
+    if lookup_tokens and prompt_lookup:
+        raise ValueError("lookup_tokens (lookup proposals verified by the target) and prompt_lookup (lookup inside "
+                         "the drafter's chain) are two uses of prompt lookup: pass one")
     if not prompt_lookup:
         return
     if not params.greedy:

@@ -1,4 +1,9 @@
-"""FLy's multi-level acceleration: prompt-lookup n-gram proposals, pre-verified greedily by the drafter.
+"""Prompt lookup: the tokens that followed an earlier occurrence of the context's last n-gram, as a draft.
+
+Two uses. `NgramLookup` proposes them to the target directly (`generate(lookup_tokens=K)`, prompt-lookup decoding,
+Saxena 2023): a round whose context's last 2-4 tokens occurred before (in the prompt or the output) verifies the
+<= K tokens that followed them instead of the drafter's tree. And FLy's multi-level acceleration below, which keeps
+the drafter's own greedy chain and only saves drafter calls:
 
 Long chains (K up to ~25, which lossy verifiers such as FLy can use) make the drafter's sequential steps the
 bottleneck. Prompt lookup proposes the tokens that followed the most recent n-gram (n = max_ngram..1) earlier in
@@ -28,6 +33,38 @@ def lookup_proposal(context: torch.Tensor, max_ngram: int = 4, num_tokens: int =
     )
     candidates, _ = lookup.get_candidates(context.view(1, -1))
     return candidates[0, context.numel():]
+
+
+class NgramLookup:
+    """A growing token list with, for every n-gram (n = min_ngram..max_ngram), where the token after its most recent
+    occurrence sits: a proposal costs a few dict lookups, however long the context (one pass over the prompt)."""
+
+    def __init__(self, tokens: list[int], num_tokens: int, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram and num_tokens >= 1, got {min_ngram}, {max_ngram}, "
+                             f"{num_tokens}")
+        self.num_tokens, self.sizes = num_tokens, range(max_ngram, min_ngram - 1, -1)
+        self.tokens: list[int] = []
+        self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens)
+            for n in self.sizes:
+                if end >= n:
+                    self.follows[tuple(self.tokens[end - n:end])] = end
+            self.tokens.append(int(token))
+
+    def propose(self) -> list[int]:
+        """Up to num_tokens tokens that followed the latest earlier occurrence of the longest recurring final n-gram
+        ([] when none recurs)."""
+        end = len(self.tokens)
+        for n in self.sizes:
+            start = self.follows.get(tuple(self.tokens[end - n:])) if end >= n else None
+            if start is not None:
+                return self.tokens[start:start + self.num_tokens]
+        return []
 
 
 @dataclass

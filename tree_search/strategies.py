@@ -4,10 +4,11 @@
 with prompt lookup (FLy's multi-level acceleration: the same greedy chain in fewer drafter calls when the text repeats).
 Both have `prefill(ids) -> root logits`, `draft(config, root, root_logits) -> DraftTree`,
 `resync(buf, result, proposed) -> next root logits`, `skip(tokens)` (a no-speculation round committed `tokens`),
-`root` (the next round's root token, on the device), `calls` (drafter calls since construction) and `calls_saved`
+`proposal(root, tokens)` (given tokens as a chain: prompt-lookup rounds, which commit through `skip`), `root` (the
+next round's root token, on the device), `calls` (drafter calls since construction) and `calls_saved`
 (vs drafting every chain step by step).
 
-No-speculation rounds (the `none` arm) leave the drafter alone: the tokens they commit wait in `behind` and the next
+No-speculation rounds (the `none` arm) and prompt-lookup rounds leave the drafter alone: the tokens they commit wait in `behind` and the next
 drafted round feeds them in one `resync_extend` call (row 0 still holds the state after the last token the drafter
 read, since drafting forks rows 1.. and only `resync` / `resync_extend` move row 0), instead of one step per round.
 """
@@ -51,6 +52,10 @@ class TreeDrafting:
     def draft(self, config: TreeConfig, root: torch.Tensor, root_logits: torch.Tensor) -> DraftTree:
         root_logits = self.caught_up(root_logits)
         return self.drafts.draft(config, root, root_logits, self.params, self.mode, self.record_probs, self.generator)
+
+    def proposal(self, root: torch.Tensor, tokens: list[int]) -> DraftTree:
+        """A chain of given tokens (prompt lookup) to verify instead of a draft; its committed tokens go to `skip`."""
+        return self.drafts.proposal(root, tokens, self.record_probs)
 
     def resync(self, buf: DraftTree, result: VerifyResult, proposed: list[int]) -> torch.Tensor:
         return self.drafts.resync(buf, result.path, result.next_token)
