@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from benchmarks.equality import compare_outputs
-from benchmarks.methods import Method, Models, make_tree_policy, parse_method, run_hf, run_ours
+from benchmarks.methods import HF_KINDS, Method, Models, make_tree_policy, parse_method, run_hf, run_ours
 from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
 from mamba_draft.devices import check_device
 from mamba_draft.dtypes import DTYPES, parse_dtype
@@ -122,7 +122,7 @@ def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchCon
     pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
     outputs, records = [], []
     for start, ids, mask in batches:
-        if method.kind in ("hf-ar", "hf-assisted"):
+        if method.kind in HF_KINDS:
             if cfg.temperature > 0:
                 torch.manual_seed(seed + start)
             tokens, record = run_hf(method, models, ids, cfg.max_new_tokens, sampling_of(cfg), eos, pad, mask)
@@ -429,7 +429,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
                         "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
-                        help="hf-ar hf-assisted ar chain[:N] tree:3,2,2,1,1 bandit[:A/B] METHOD@VERIFIER verifier=NAME")
+                        help="hf-ar hf-assisted hf-lookup ar chain[:N] tree:3,2,2,1,1 bandit[:A/B] METHOD+lookup[:K] "
+                        "METHOD@VERIFIER verifier=NAME")
     parser.add_argument("--assistant", help="Transformer assistant for hf-assisted (Mamba assistants crash in transformers)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     parser.add_argument("--repeats", type=int, default=d.repeats)
@@ -494,6 +495,10 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     check_model_dir(args.drafter, "--drafter")
     if any(m.kind == "spec" for m in methods) and not args.drafter:
         raise ValueError("drafting methods need --drafter PATH")
+    single = [m.name for m in methods if m.kind == "hf-lookup" or m.lookup]
+    if single and max(args.batch_size) > 1:
+        raise ValueError(f"{', '.join(single)}: prompt lookup decodes one prompt at a time: drop it or use "
+                         "--batch-size 1")
     if any(m.kind == "hf-assisted" for m in methods):
         if max(args.batch_size) > 1:
             raise ValueError("hf-assisted decodes one prompt at a time (transformers' assisted generation is batch 1 "

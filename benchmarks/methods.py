@@ -2,11 +2,14 @@
 
     hf-ar            transformers `generate` (greedy or sampling), the target alone
     hf-assisted      transformers assisted generation with a Transformer assistant (`--assistant`)
+    hf-lookup        transformers prompt-lookup decoding (`prompt_lookup_num_tokens`), the target alone
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
     chain[:N]        chain drafting with the Mamba drafter, N tokens per round (default 5)
     tree:3,2,2,1,1   a fixed tree shape
     bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes), paper reward (Eq. 2)
     bandit-time[:..] the same with the measured-time reward (tokens per second of each round)
+    <drafting>+lookup[:K]  also prompt-lookup rounds of <= K tokens (default 8; `generate(lookup_tokens=K)`);
+                     `tree:none+lookup` is prompt-lookup decoding alone in our harness
     <drafting>@V     any drafting method verified by verifier V (default `greedy`, lossless)
     verifier=V       shorthand for `bandit@V`
     LABEL=METHOD     any of the above, shown as LABEL in tables and plots
@@ -18,16 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-HF_KINDS = ("hf-ar", "hf-assisted")
+HF_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
 DEFAULT_CHAIN = 5
+DEFAULT_LOOKUP = 8
 
 
 @dataclass(frozen=True)
 class Method:
     name: str                 # the spec as given (table label)
-    kind: str                 # hf-ar | hf-assisted | ar | spec
+    kind: str                 # hf-ar | hf-assisted | hf-lookup | ar | spec
     tree: str = ""            # spec: "1,1,1,1,1", "3,2,2,1,1", "bandit" or "bandit-time:3,2,2,1,1/1,1,1,1"
     verifier: str = "greedy"
+    lookup: int = 0           # spec: the longest prompt-lookup proposal a round verifies (0: none)
 
     @property
     def baseline(self) -> str:
@@ -53,14 +58,20 @@ def parse_method(spec: str) -> Method:
         if not label or not rest:
             raise ValueError(f"method {spec!r}: expected LABEL=METHOD")
         method = parse_method(rest)
-        return Method(label, method.kind, method.tree, method.verifier)
-    if name in ("hf-ar", "hf-assisted", "ar"):
+        return Method(label, method.kind, method.tree, method.verifier, method.lookup)
+    if name in ("hf-ar", "hf-assisted", "hf-lookup", "ar"):
         return Method(name, name)
     body = name
     if body.startswith("verifier="):
         body = "bandit@" + body.removeprefix("verifier=")
     drafting, _, verifier = body.partition("@")
     verifier = verifier or "greedy"
+    drafting, with_lookup, lookup_arg = drafting.partition("+lookup")
+    lookup = 0
+    if with_lookup:
+        lookup = DEFAULT_LOOKUP if not lookup_arg else int(lookup_arg[1:]) if lookup_arg[1:].isdigit() else -1
+        if not 1 <= lookup <= 64 or (lookup_arg and not lookup_arg.startswith(":")):
+            raise ValueError(f"method {spec!r}: +lookup takes a proposal length in [1, 64], e.g. +lookup:8")
     for part in verifier.split("+"):
         if part not in available_verifiers():
             raise ValueError(f"method {spec!r}: unknown verifier {part!r}; available: {', '.join(available_verifiers())}")
@@ -76,9 +87,10 @@ def parse_method(spec: str) -> Method:
         arms = [a for a in arg.split("/") if a] if arg else []
         tree = f"{kind}:" + "/".join(TreeConfig.parse(a).spec for a in arms) if arms else kind
     else:
-        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, ar, chain[:N], tree:3,2,2,1,1, "
-                         "bandit[:A/B] or bandit-time[:A/B], with an optional @verifier, or verifier=NAME")
-    return Method(name, "spec", tree, verifier)
+        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, ar, chain[:N], "
+                         "tree:3,2,2,1,1, bandit[:A/B] or bandit-time[:A/B], with an optional +lookup[:K] and "
+                         "@verifier, or verifier=NAME")
+    return Method(name, "spec", tree, verifier, lookup)
 
 
 def make_tree_policy(tree: str, persistent: bool = False):
@@ -134,6 +146,8 @@ def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: in
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     if method.kind == "hf-assisted":
         kwargs["assistant_model"] = models.assistant
+    if method.kind == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = DEFAULT_LOOKUP
     counter = ForwardCounter(models.target)
     try:
         sync(ids.device)
@@ -177,7 +191,7 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     else:
         result = generate(models.target, models.drafter, ids, max_new_tokens=max_new_tokens, tree=policy,
                           verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
-                          **sampling, **batch)
+                          lookup_tokens=method.lookup, **sampling, **batch)
     sync(ids.device)
     wall = time.perf_counter() - start
     s = result.stats

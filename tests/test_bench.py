@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.bench import resolve_methods
+from benchmarks.methods import parse_method
 from benchmarks.corpus import train_tokenizer
 from mamba_draft import cli
 
@@ -48,13 +49,14 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     code = cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
                      "--assistant", str(root / "assistant"), "--prompts", str(prompts), "--repeats", "2",
                      "--max-new-tokens", "12", "--methods", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1",
-                     "cpu=bandit-time:1,1,1/2,1", "tree:2,1@fly", "--out", str(out)])
+                     "cpu=bandit-time:1,1,1/2,1", "tree:2,1@fly", "hf-lookup", "lk=bandit-time:1,1,1/2,1+lookup:4",
+                     "tree:none+lookup", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "bench.json").read_text())
     methods = result["methods"]
     # `ar` was added as the baseline of our harness; hf-assisted is measured against hf-ar
     assert list(methods)[0] == "ar" and methods["hf-assisted"]["baseline"] == "hf-ar"
-    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu"):
+    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu", "hf-lookup", "lk", "tree:none+lookup"):
         s = methods[name]
         assert s["lossless"] and s["equality"]["all_repeats_identical"], (name, s["equality"])
         assert len(s["tokens_per_s"]) == 2 and all(v > 0 for v in s["tokens_per_s"])
@@ -63,6 +65,8 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     assert methods["tree:2,2,1"]["tau"][0] >= 1.0
     assert methods["tree:2,1@fly"]["lossless"] is False and "prefix_agreement" in methods["tree:2,1@fly"]["equality"]
     assert methods["cpu"]["tree"] == "bandit-time:1,1,1/2,1"  # LABEL=METHOD; measured-time reward
+    assert methods["hf-lookup"]["baseline"] == "hf-ar" and methods["lk"]["baseline"] == "ar"
+    assert parse_method("lk=bandit-time:1,1,1/2,1+lookup:4").lookup == 4 and parse_method("tree:none+lookup").lookup == 8
     # the bandit starts afresh on each prompt; the report sums its pulls over the last repeat's three prompts
     last = result["runs"]["cpu"][-1]["records"]
     assert sum(v["pulls"] for v in methods["cpu"]["arms"].values()) == sum(r["rounds"] for r in last)
@@ -87,6 +91,11 @@ def test_bench_rejects_bad_arguments_before_loading(tiny_pair, tmp_path):
         cli.main(base + ["--drafter", str(root / "drafter"), "--methods", "chain@nope"])
     with pytest.raises(ValueError, match="unknown method"):
         resolve_methods(["beam"])
+    for bad in ("chain+lookup:0", "chain+lookup8", "chain+lookup:x"):
+        with pytest.raises(ValueError, match=r"\+lookup takes a proposal length"):
+            resolve_methods([bad])
+    with pytest.raises(ValueError, match="prompt lookup decodes one prompt at a time"):
+        cli.main(base + ["--drafter", str(root / "drafter"), "--methods", "chain+lookup", "--batch-size", "2"])
     with pytest.raises(ValueError, match="duplicate methods"):
         resolve_methods(["chain", "chain"])
     assert not (tmp_path / "o").exists()

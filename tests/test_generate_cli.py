@@ -142,6 +142,9 @@ def test_prompt_lookup_keeps_the_greedy_output(saved, capsys):
     assert plain["drafter_calls"] - lookup["drafter_calls"] == lookup["drafter_calls_saved"]
     _, out = _run(capsys, *args[:-1], "--prompt-lookup")
     assert f"({lookup['drafter_calls_saved']} saved by prompt lookup)" in out
+    rounds = json.loads(_run(capsys, *args, "--lookup-tokens", 4)[1])  # proposals the target verifies
+    assert rounds["tokens"] == plain["tokens"] and rounds["lookup_rounds"] > 0
+    assert "prompt-lookup rounds" in _run(capsys, *args[:-1], "--lookup-tokens", 4)[1]
 
 
 @pytest.mark.parametrize("extra, error, message", [
@@ -158,6 +161,9 @@ def test_prompt_lookup_keeps_the_greedy_output(saved, capsys):
     (["--prompt-lookup"], ValueError, "chains only"),  # the default bandit has tree arms
     (["--prompt-lookup", "--tree", "1,1", "--temperature", "0.5"], ValueError, "needs temperature 0"),
     (["--prompt-lookup", "--autoregressive"], SystemExit, "--autoregressive uses no drafter"),
+    (["--lookup-tokens", "3", "--autoregressive"], SystemExit, "--autoregressive uses no drafter"),
+    (["--lookup-tokens", "-2"], ValueError, "lookup_tokens must be"),
+    (["--lookup-tokens", "3", "--prompt-lookup", "--tree", "1,1"], ValueError, "pass one"),
 ])
 def test_verifier_params_and_prompt_lookup_are_checked_before_loading_models(extra, error, message):
     # the model paths do not exist: each error must come before anything is loaded

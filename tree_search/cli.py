@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="chains at temperature 0: prompt-lookup n-grams pre-verified by the drafter "
                         "(same output, fewer drafter calls)")
+    parser.add_argument("--lookup-tokens", type=int, default=0, metavar="K",
+                        help="prompt-lookup rounds: when the last 2-4 tokens occurred before (prompt or output), "
+                        "verify the <= K tokens that followed them instead of a draft (default 0: off)")
     parser.add_argument("--temperature", type=float,
                         help="0 = greedy (default: the target's generation_config, as target.generate; greedy unless "
                         "it sets do_sample)")
@@ -69,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
         fail("--drafter is required (or pass --autoregressive for the baseline)")
     if args.arms is not None and (args.tree is not None or args.autoregressive):
         fail("--arms only applies to the bandit")
-    if args.autoregressive and (args.verifier or args.verifier_param or args.prompt_lookup):
-        fail("--autoregressive uses no drafter, so no --verifier, --verifier-param or --prompt-lookup")
+    if args.autoregressive and (args.verifier or args.verifier_param or args.prompt_lookup or args.lookup_tokens):
+        fail("--autoregressive uses no drafter, so no --verifier, --verifier-param, --prompt-lookup or "
+             "--lookup-tokens")
     if args.system_prompt is not None and args.no_chat_template:
         fail("--system-prompt needs the chat template; drop --no-chat-template")
     if args.prompt_file is not None:
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         return "greedy" if params.greedy else "sampling"
 
     verifier = get_verifier(args.verifier or default_verifier(sampling), **verifier_params)
-    check_options(verifier, tree, sampling, args.prompt_lookup)
+    check_options(verifier, tree, sampling, args.prompt_lookup, args.lookup_tokens)
 
     dtype = DTYPES[args.dtype]
     tokenizer = load_tokenizer(args.target)
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = resolve_sampling(target, args.temperature, args.top_p, args.top_k)
     if not args.verifier:
         verifier = get_verifier(default_verifier(sampling), **verifier_params)
-    check_options(verifier, tree, sampling, args.prompt_lookup)
+    check_options(verifier, tree, sampling, args.prompt_lookup, args.lookup_tokens)
     ids = encode_prompt(tokenizer, text, use_chat_template=not args.no_chat_template, system_prompt=args.system_prompt)
     input_ids = torch.tensor([ids], dtype=torch.long)
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype,
                                                embedding=target.get_input_embeddings().weight)
         result = generate(target, drafter, input_ids, tree=tree, verifier=verifier, tokenizer=tokenizer,
-                          prompt_lookup=args.prompt_lookup, **kwargs)
+                          prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens, **kwargs)
     stats = result.stats
     if args.json:
         report = {"text": tokenizer.decode(result.new_tokens[0], skip_special_tokens=True),
@@ -133,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                         f"temperature {sampling.temperature:g}, top-k {sampling.top_k or 'off'}, top-p {sampling.top_p:g}"),
         f"time: draft {stats.draft_time:.3f}s, verify {stats.verify_time:.3f}s, other {stats.other_time:.3f}s",
         f"drafter calls {stats.drafter_calls}" + (f" ({stats.drafter_calls_saved} saved by prompt lookup)"
-                                                   if args.prompt_lookup else ""),
+                                                   if args.prompt_lookup else "")
+        + (f"; {stats.lookup_rounds} prompt-lookup rounds" if args.lookup_tokens else ""),
     ]
     if len(stats.lossy_accepts_by) > 1:
         lines.append("lossy accepts by rule: " + ", ".join(f"{k} {v}" for k, v in stats.lossy_accepts_by.items()))
