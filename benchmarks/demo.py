@@ -229,17 +229,24 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 REAL_ARMS = {"bfloat16": "none/1,1/1,1,1/2,1", "float32": "none/1,1/1,1,1/2,1"}
 
 
+LOOKUP = 8  # longest prompt-lookup proposal (even-id questions, 48 tokens: chain 2 + lookup 8 1.61x of ar)
+
+
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
-    """The greedy and sampled tables: plain decoding (ours and transformers') and the measured-time bandit over the
-    kind's arms; hf-assisted when there is an assistant; --full adds the paper-reward bandit, fixed shapes and the
+    """The greedy and sampled tables: plain decoding (ours and transformers'), transformers' prompt-lookup decoding,
+    the measured-time bandit over the kind's arms alone and with prompt-lookup rounds (the product's default);
+    hf-assisted when there is an assistant; --full adds the paper-reward bandit, fixed shapes, lookup alone and the
     lossy verifiers."""
     arms = REAL_ARMS[dtype_name]
-    greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "ar", f"cpu-bandit=bandit-time:{arms}")
-    sampled = ("ar", f"cpu-bandit@sampling=bandit-time:{arms}@sampling")
+    bandit, with_lookup = f"bandit-time:{arms}", f"bandit-time:{arms}+lookup:{LOOKUP}"
+    greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "hf-lookup", "ar", f"cpu-bandit={bandit}",
+              f"cpu-bandit+lookup={with_lookup}")
+    sampled = ("ar", f"cpu-bandit@sampling={bandit}@sampling", f"cpu-bandit+lookup@sampling={with_lookup}@sampling")
     if full_sweep:
-        greedy += ("chain:2", f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
-                   f"cpu-bandit@fly=bandit-time:{arms}@fly",
-                   f"cpu-bandit@topk=bandit-time:{arms}@topk", f"cpu-bandit@dropmatch=bandit-time:{arms}@dropmatch")
+        greedy += ("chain:2", f"chain:2+lookup:{LOOKUP}", f"lookup=tree:none+lookup:{LOOKUP}",
+                   f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
+                   f"cpu-bandit@fly={bandit}@fly", f"cpu-bandit@topk={bandit}@topk",
+                   f"cpu-bandit@dropmatch={bandit}@dropmatch")
         sampled += ("hf-ar", "chain:2@sampling", "tree:2,1@sampling", *(("hf-assisted",) if assistant else ()))
     return {"greedy": greedy, "sampled": sampled}
 
