@@ -424,14 +424,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     parser.add_argument("--target", required=True, help="causal LM to accelerate: HF directory, hub id or .gguf "
                         "file; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format) or 'smollm2' (the shipped "
-                        "one); needed by drafting methods")
+    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format), any HF causal LM sharing "
+                        "the target's tokenizer (a Transformer drafter), or 'smollm2' (the shipped one); needed by "
+                        "drafting methods")
     parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
                         "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
                         help="hf-ar hf-assisted hf-lookup ar chain[:N] tree:3,2,2,1,1 bandit[:A/B] METHOD+lookup[:K] "
                         "METHOD@VERIFIER verifier=NAME")
-    parser.add_argument("--assistant", help="Transformer assistant for hf-assisted (Mamba assistants crash in transformers)")
+    parser.add_argument("--assistant", help="small Transformer sharing the target's tokenizer: the assistant of "
+                        "hf-assisted, and the drafter of assistant: methods in our engine")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     parser.add_argument("--repeats", type=int, default=d.repeats)
     parser.add_argument("--warmup", type=int, default=d.warmup)
@@ -493,8 +495,11 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
         if getattr(args, flag):
             check_target_path(getattr(args, flag), "--" + flag, command="bench")
     check_model_dir(args.drafter, "--drafter")
-    if any(m.kind == "spec" for m in methods) and not args.drafter:
+    if any(m.kind == "spec" and m.drafter == "drafter" for m in methods) and not args.drafter:
         raise ValueError("drafting methods need --drafter PATH")
+    if any(m.drafter == "assistant" for m in methods) and not args.assistant:
+        raise ValueError("assistant: methods draft with --assistant PATH (a small causal LM sharing the target's "
+                         "tokenizer)")
     single = [m.name for m in methods if m.kind == "hf-lookup" or m.lookup]
     if single and max(args.batch_size) > 1:
         raise ValueError(f"{', '.join(single)}: prompt lookup decodes one prompt at a time: drop it or use "
@@ -529,12 +534,12 @@ def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
         return load_causal_lm(path, dtype=dtype, device=args.device)
 
     models = Models(target=causal_lm(args.target), tokenizer=load_tokenizer(args.tokenizer or args.target))
-    if any(m.kind == "spec" for m in methods):
-        from mamba_draft import MambaDrafter
+    if any(m.kind == "spec" and m.drafter == "drafter" for m in methods):
+        from mamba_draft import load_drafter
 
-        models.drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype,
-                                                      embedding=models.target.get_input_embeddings().weight)
-    if any(m.kind == "hf-assisted" for m in methods):
+        models.drafter = load_drafter(args.drafter, device=args.device, dtype=dtype,
+                                      embedding=models.target.get_input_embeddings().weight)
+    if any(m.kind == "hf-assisted" or m.drafter == "assistant" for m in methods):
         models.assistant = causal_lm(args.assistant)
     return models
 

@@ -1,4 +1,5 @@
-"""Drafter step latency and memory vs context length: a Mamba drafter vs a Transformer drafter of similar size."""
+"""Drafter step latency and memory vs context length: a Mamba drafter vs a Transformer drafter of similar size, both
+through the drafter interface the tree engine drafts with (`MambaDrafter`, `TransformerDrafter`)."""
 from __future__ import annotations
 
 import argparse
@@ -74,10 +75,6 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def kv_cache_bytes(cache) -> int:
-    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-
-
 def time_round_robin(steps: dict, device: torch.device, warmup: int, n_steps: int, block: int = 8) -> dict:
     """Median seconds of one call of each `steps[key]()` (one decoded token each), after `warmup` untimed calls.
 
@@ -103,13 +100,16 @@ def time_round_robin(steps: dict, device: torch.device, warmup: int, n_steps: in
 
 
 @torch.no_grad()
-def prepare_mamba(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device):
-    """Prefill a random `context`-token prompt; returns its record (prefill time, state size) and a step function."""
+def prepare(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device):
+    """Prefill a random `context`-token prompt through the drafter interface (chunks of PREFILL_CHUNK, bounding a
+    Transformer's attention temporaries); returns its record (prefill time, state size) and a step function."""
     gen = torch.Generator().manual_seed(cfg.seed + context)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
     sync(device)
     start = time.perf_counter()
-    logits, state = drafter.prefill(prompt, max_batch=1)
+    logits, state = drafter.prefill(prompt[:, :PREFILL_CHUNK], max_batch=1)
+    for start_at in range(PREFILL_CHUNK, context, PREFILL_CHUNK):
+        logits = drafter.extend(prompt[:, start_at : start_at + PREFILL_CHUNK], state, last_only=True)
     sync(device)
     prefill_s = time.perf_counter() - start
     token = logits.argmax(-1)
@@ -119,31 +119,7 @@ def prepare_mamba(drafter, context: int, cfg: DrafterBenchConfig, device: torch.
         nonlocal token
         token = drafter.step(token, state).argmax(-1)
 
-    return {"context": context, "prefill_ms": 1e3 * prefill_s, "cache_bytes": tensor_bytes([state.conv, state.ssm])}, step
-
-
-@torch.no_grad()
-def prepare_llama(model, context: int, cfg: DrafterBenchConfig, device: torch.device):
-    """Prefill a random `context`-token prompt into a DynamicCache; returns its record and a step function."""
-    from transformers import DynamicCache
-
-    gen = torch.Generator().manual_seed(cfg.seed + context)
-    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-    cache = DynamicCache(config=model.config)
-    sync(device)
-    start = time.perf_counter()
-    for chunk in prompt.split(PREFILL_CHUNK, dim=1):
-        out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    sync(device)
-    prefill_s = time.perf_counter() - start
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-
-    @torch.no_grad()
-    def step():
-        nonlocal token
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-
-    return {"context": context, "prefill_ms": 1e3 * prefill_s, "cache_bytes": kv_cache_bytes(cache)}, step
+    return {"context": context, "prefill_ms": 1e3 * prefill_s, "cache_bytes": drafter.row_bytes(context)}, step
 
 
 def reset_peak(device: torch.device) -> int:
@@ -170,12 +146,14 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
 
     contexts = sorted(set(cfg.contexts) | {BASE_CONTEXT})
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
+    from mamba_draft.transformer import TransformerDrafter
+
     mamba = build_mamba(cfg, device, dtype)
     llama = build_llama(cfg, n_params(mamba), device, dtype)
-    models = {f"Mamba ({cfg.arch})": (mamba, prepare_mamba), "Transformer (Llama)": (llama, prepare_llama)}
+    models = {f"Mamba ({cfg.arch})": mamba, "Transformer (Llama)": TransformerDrafter(llama)}
     results = {}
     bar = tqdm(total=len(models) * (len(contexts) + 1), desc="bench-drafters", disable=not progress)
-    for name, (model, prepare) in models.items():
+    for name, model in models.items():
         weights = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied tensors once
         weight_bytes = tensor_bytes(weights)
         _, step = prepare(model, BASE_CONTEXT, cfg, device)  # untimed: first-call allocations and lazy init
@@ -214,8 +192,8 @@ def describe_device(device: torch.device) -> str:
 def memory_measure(device: torch.device) -> str:
     if device.type == "cuda":
         return "peak = torch.cuda.max_memory_allocated over prefill + decoding (weights included)"
-    return ("CPU: decoding memory = exact bytes of the recurrent state (Mamba) or KV cache (Transformer) "
-            "tensors after the prefill; weights listed separately")
+    return ("CPU: decoding memory = bytes one state row holds at that context (`row_bytes`: the recurrent state of "
+            "Mamba, the keys and values of a Transformer); weights listed separately")
 
 
 def markdown_report(result: dict) -> str:

@@ -240,9 +240,16 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     lossy verifiers."""
     arms = REAL_ARMS[dtype_name]
     bandit, with_lookup = f"bandit-time:{arms}", f"bandit-time:{arms}+lookup:{LOOKUP}"
+    # the assistant (a Transformer of the drafter's size, same data and steps) drafting in our engine: the paper's
+    # Mamba-vs-Transformer comparison under the same decoding (`assistant:` methods)
+    tf = (f"tf-bandit+lookup=assistant:{with_lookup}",) if assistant else ()
     greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "hf-lookup", "ar", f"cpu-bandit={bandit}",
-              f"cpu-bandit+lookup={with_lookup}")
-    sampled = ("ar", f"cpu-bandit@sampling={bandit}@sampling", f"cpu-bandit+lookup@sampling={with_lookup}@sampling")
+              f"cpu-bandit+lookup={with_lookup}", *tf)
+    sampled = ("ar", f"cpu-bandit@sampling={bandit}@sampling", f"cpu-bandit+lookup@sampling={with_lookup}@sampling",
+               *(f"{m.split('=')[0]}@sampling={m.split('=')[1]}@sampling" for m in tf))
+    if assistant and full_sweep:
+        greedy += ("tf-chain:2=assistant:chain:2", "tf-tree:2,1=assistant:tree:2,1", f"tf-bandit=assistant:{bandit}")
+        sampled += ("tf-chain:2@sampling=assistant:chain:2@sampling", "tf-tree:2,1@sampling=assistant:tree:2,1@sampling")
     if full_sweep:
         greedy += ("chain:2", f"chain:2+lookup:{LOOKUP}", f"lookup=tree:none+lookup:{LOOKUP}",
                    f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
@@ -388,6 +395,7 @@ def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, de
     from benchmarks.real_pair import heldout_prompts
     from mamba_draft import MambaDrafter
     from mamba_draft.targets import SHIPPED_TARGET, load_causal_lm, load_tokenizer
+    from mamba_draft.transformer import TransformerDrafter
     from tree_search.prompts import Prompt, encode_prompt
 
     target = load_causal_lm(SHIPPED_TARGET, dtype=dtype, device=device)
@@ -408,7 +416,8 @@ def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, de
                                 bandit_memory="pass")
         out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress)
     first = torch.tensor([encode_prompt(models.tokenizer, prompts[0].text, True)], device=device)
-    out["sizing"] = measure_sizing(models.target, models.drafter, first)
+    assistant_drafter = TransformerDrafter(models.assistant) if models.assistant is not None else None
+    out["sizing"] = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
     return out
 
 
@@ -439,11 +448,12 @@ def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: P
     return result
 
 
-def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[int, ...] = (2, 4, 8)) -> dict:
-    """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step,
-    and the cost of verifying a chain of n tokens in one target forward relative to one token (the cost structure
-    speculation lives on), all through the benchmark's own TargetState (row floor included); medians, timed in
-    turns."""
+def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[int, ...] = (2, 4, 8),
+                   assistant=None) -> dict:
+    """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
+    (and the assistant's, as a Transformer drafter, when given), and the cost of verifying a chain of n tokens in one
+    target forward relative to one token (the cost structure speculation lives on), all through the benchmark's own
+    TargetState (row floor included); medians, timed in turns."""
     from benchmarks.bench_drafters import time_round_robin
     from tree_search.target import TargetState
     from tree_search.tree import Tree
@@ -452,6 +462,10 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
     target_state = TargetState(target)
     target_state.prefill(input_ids)
     _, drafter_state = drafter.prefill(input_ids)
+    steps_of = {"drafter": lambda: drafter.step(token.view(1), drafter_state)}
+    if assistant is not None:
+        _, assistant_state = assistant.prefill(input_ids)
+        steps_of["assistant"] = lambda: assistant.step(token.view(1), assistant_state)
 
     def verify(n):
         tree, tokens = Tree(tuple(range(-1, n - 1))), token.expand(n)
@@ -461,12 +475,14 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
             target_state.commit([], n)
         return run
 
-    fns = {"target": lambda: target_state.decode(token), "drafter": lambda: drafter.step(token.view(1), drafter_state),
-           **{f"verify{n}": verify(n) for n in chains}}
+    fns = {"target": lambda: target_state.decode(token), **steps_of, **{f"verify{n}": verify(n) for n in chains}}
     seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=steps)
-    return {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
-            "ratio": seconds["target"] / seconds["drafter"],
-            "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}
+    out = {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
+           "ratio": seconds["target"] / seconds["drafter"],
+           "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}
+    if assistant is not None:
+        out["assistant_step_ms"] = 1e3 * seconds["assistant"]
+    return out
 
 
 def describe_models(*paths: Path) -> dict[str, int]:
@@ -542,8 +558,10 @@ def print_real(result: dict) -> None:
         last = curve[-1]
         print(f"Drafter held-out agreement {last['heldout_agreement']:.3f} after {last['train_tokens']} training tokens")
     sizing = result["sizing"]
+    assistant = (f", assistant (Transformer drafter) step {sizing['assistant_step_ms']:.2f} ms"
+                 if "assistant_step_ms" in sizing else "")
     print(f"Sizing (bare, batch 1): target token {sizing['target_token_ms']:.2f} ms, drafter step "
-          f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x); verifying n tokens costs "
+          f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x){assistant}; verifying n tokens costs "
           + ", ".join(f"{n}: {c:.2f}x" for n, c in sizing["verify_cost"].items())
           + f" one token; demo took {result['demo_seconds']:.0f} s")
 

@@ -11,6 +11,7 @@
     <drafting>+lookup[:K]  also prompt-lookup rounds of <= K tokens (default 8; `generate(lookup_tokens=K)`);
                      `tree:none+lookup` is prompt-lookup decoding alone in our harness
     <drafting>@V     any drafting method verified by verifier V (default `greedy`, lossless)
+    assistant:<drafting>  the same, drafted by the `--assistant` Transformer in our engine (`TransformerDrafter`)
     verifier=V       shorthand for `bandit@V`
     LABEL=METHOD     any of the above, shown as LABEL in tables and plots
 """
@@ -33,6 +34,7 @@ class Method:
     tree: str = ""            # spec: "1,1,1,1,1", "3,2,2,1,1", "bandit" or "bandit-time:3,2,2,1,1/1,1,1,1"
     verifier: str = "greedy"
     lookup: int = 0           # spec: the longest prompt-lookup proposal a round verifies (0: none)
+    drafter: str = "drafter"  # spec: which model drafts: the drafter (--drafter) or the assistant (--assistant)
 
     @property
     def baseline(self) -> str:
@@ -58,10 +60,12 @@ def parse_method(spec: str) -> Method:
         if not label or not rest:
             raise ValueError(f"method {spec!r}: expected LABEL=METHOD")
         method = parse_method(rest)
-        return Method(label, method.kind, method.tree, method.verifier, method.lookup)
+        return Method(label, method.kind, method.tree, method.verifier, method.lookup, method.drafter)
     if name in ("hf-ar", "hf-assisted", "hf-lookup", "ar"):
         return Method(name, name)
-    body = name
+    body, drafter = name, "drafter"
+    if body.startswith("assistant:"):
+        body, drafter = body.removeprefix("assistant:"), "assistant"
     if body.startswith("verifier="):
         body = "bandit@" + body.removeprefix("verifier=")
     drafting, _, verifier = body.partition("@")
@@ -88,9 +92,9 @@ def parse_method(spec: str) -> Method:
         tree = f"{kind}:" + "/".join(TreeConfig.parse(a).spec for a in arms) if arms else kind
     else:
         raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, ar, chain[:N], "
-                         "tree:3,2,2,1,1, bandit[:A/B] or bandit-time[:A/B], with an optional +lookup[:K] and "
-                         "@verifier, or verifier=NAME")
-    return Method(name, "spec", tree, verifier, lookup)
+                         "tree:3,2,2,1,1, bandit[:A/B] or bandit-time[:A/B], with an optional assistant: prefix, "
+                         "+lookup[:K] and @verifier, or verifier=NAME")
+    return Method(name, "spec", tree, verifier, lookup, drafter)
 
 
 def make_tree_policy(tree: str, persistent: bool = False):
@@ -113,6 +117,17 @@ class Models:
     drafter: object = None
     assistant: torch.nn.Module | None = None
     tokenizer: object = None
+    assistant_drafter: object = None  # the assistant behind the drafter interface (assistant: methods)
+
+    def drafter_for(self, method: Method):
+        """The model that drafts `method`'s rounds in our engine."""
+        if method.drafter == "drafter":
+            return self.drafter
+        if self.assistant_drafter is None:
+            from mamba_draft.transformer import TransformerDrafter
+
+            self.assistant_drafter = TransformerDrafter(self.assistant)
+        return self.assistant_drafter
 
 
 class ForwardCounter:
@@ -189,7 +204,7 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
         result = generate_autoregressive(models.target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                          seed=seed, **sampling, **batch)
     else:
-        result = generate(models.target, models.drafter, ids, max_new_tokens=max_new_tokens, tree=policy,
+        result = generate(models.target, models.drafter_for(method), ids, max_new_tokens=max_new_tokens, tree=policy,
                           verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
                           lookup_tokens=method.lookup, **sampling, **batch)
     sync(ids.device)

@@ -275,6 +275,8 @@ class Backbone(nn.Module):
 class MambaDrafter(nn.Module):
     """A Mamba language model that prefills, steps one token per row on an explicit state, and forks rows."""
 
+    capturable = True  # `step` has fixed shapes and no host sync: CUDA-graph capturable
+
     def __init__(self, config: MambaConfig, backend: str = "auto", state_dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
@@ -419,6 +421,14 @@ class MambaDrafter(nn.Module):
         return self.lm_head.weight.dtype
 
     # ---- state ----
+
+    def row_bytes(self, context: int = 0) -> int:
+        """Bytes of one state row (conv + SSM buffers, every layer): the same at any context length."""
+        cfg = self.config
+        conv = torch.tensor([], dtype=self.dtype).element_size() * cfg.conv_dim * cfg.d_conv
+        ssm = torch.tensor([], dtype=self.state_dtype or self.dtype).element_size() * \
+            int(torch.Size(cfg.ssm_state_shape).numel())
+        return cfg.n_layer * (conv + ssm)
 
     def allocate_state(self, max_batch: int) -> DrafterState:
         cfg = self.config

@@ -30,6 +30,10 @@ class DrafterState:
     def max_batch(self) -> int:
         return self.conv.shape[1]
 
+    @property
+    def device(self) -> torch.device:
+        return self.conv.device
+
     def rows(self, start: int, stop: int) -> "DrafterState":
         """A state viewing rows [start:stop] of this one (no copy: writes through)."""
         if not 0 <= start < stop <= self.max_batch:

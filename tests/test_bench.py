@@ -50,13 +50,14 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
                      "--assistant", str(root / "assistant"), "--prompts", str(prompts), "--repeats", "2",
                      "--max-new-tokens", "12", "--methods", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1",
                      "cpu=bandit-time:1,1,1/2,1", "tree:2,1@fly", "hf-lookup", "lk=bandit-time:1,1,1/2,1+lookup:4",
-                     "tree:none+lookup", "--out", str(out)])
+                     "tree:none+lookup", "tf=assistant:tree:2,1", "assistant:chain:2+lookup:4", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "bench.json").read_text())
     methods = result["methods"]
     # `ar` was added as the baseline of our harness; hf-assisted is measured against hf-ar
     assert list(methods)[0] == "ar" and methods["hf-assisted"]["baseline"] == "hf-ar"
-    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu", "hf-lookup", "lk", "tree:none+lookup"):
+    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu", "hf-lookup", "lk", "tree:none+lookup",
+                 "tf", "assistant:chain:2+lookup:4"):
         s = methods[name]
         assert s["lossless"] and s["equality"]["all_repeats_identical"], (name, s["equality"])
         assert len(s["tokens_per_s"]) == 2 and all(v > 0 for v in s["tokens_per_s"])
@@ -67,6 +68,9 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     assert methods["cpu"]["tree"] == "bandit-time:1,1,1/2,1"  # LABEL=METHOD; measured-time reward
     assert methods["hf-lookup"]["baseline"] == "hf-ar" and methods["lk"]["baseline"] == "ar"
     assert parse_method("lk=bandit-time:1,1,1/2,1+lookup:4").lookup == 4 and parse_method("tree:none+lookup").lookup == 8
+    # assistant: methods draft with the --assistant Llama in our engine (a TransformerDrafter), the rest with --drafter
+    assert parse_method("tf=assistant:tree:2,1").drafter == "assistant" and parse_method("tree:2,1").drafter == "drafter"
+    assert methods["tf"]["tau"][0] >= 1.0 and methods["tf"]["baseline"] == "ar"
     # the bandit starts afresh on each prompt; the report sums its pulls over the last repeat's three prompts
     last = result["runs"]["cpu"][-1]["records"]
     assert sum(v["pulls"] for v in methods["cpu"]["arms"].values()) == sum(r["rounds"] for r in last)
@@ -85,6 +89,8 @@ def test_bench_rejects_bad_arguments_before_loading(tiny_pair, tmp_path):
         cli.main(base + ["--methods", "chain"])
     with pytest.raises(ValueError, match="needs --assistant"):
         cli.main(base + ["--methods", "hf-assisted"])
+    with pytest.raises(ValueError, match="assistant: methods draft with --assistant"):
+        cli.main(base + ["--methods", "assistant:chain"])
     with pytest.raises(ValueError, match="crashes with recurrent-state assistants"):
         cli.main(base + ["--methods", "hf-assisted", "--assistant", str(root / "drafter")])
     with pytest.raises(ValueError, match="unknown verifier 'nope'"):

@@ -46,6 +46,18 @@ def test_json_output_is_the_targets_greedy_continuation(saved, capsys):
     assert set(report["arms"]) == {"(3,2,1)"}
 
 
+def test_a_causal_lm_directory_drafts_as_a_transformer_drafter(saved, capsys):
+    """`--drafter` takes any HF causal LM sharing the tokenizer: here the target itself, so every draft is right."""
+    root, target, tokenizer = saved
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "target", "--prompt", "the cat sat on",
+                     "--tree", "1,1,1", "--max-new-tokens", 24, "--json")
+    assert code == 0
+    report = json.loads(out)
+    prompt = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    assert report["tokens"] == hf_greedy(target, prompt, 24)[0, prompt.shape[1]:].tolist()
+    assert report["mean_accepted"] == 4.0  # 24 tokens: 6 rounds of 3 drafts + 1 bonus
+
+
 def test_streams_text_then_prints_stats(saved, capsys, tmp_path):
     root, target, tokenizer = saved
     prompt_file = tmp_path / "prompt.txt"

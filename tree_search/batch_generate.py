@@ -25,7 +25,7 @@ import torch
 
 from tree_search.bandit import UCBBandit
 from tree_search.drafting import TreeDrafter
-from tree_search.generate import (
+from tree_search.calls import (
     GenerateResult, GenerateStats, check_drafter, check_options, eos_set, make_policy, truncate,
 )
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY, Recorder
@@ -304,7 +304,8 @@ def prepare_batch(target: torch.nn.Module, prompts, attention_mask, max_new_toke
     check_batch_limits(target, ids, lengths, max_new_tokens, tree_depth=max((a.depth for a in arms), default=0),
                        tree_nodes=max((a.num_nodes for a in arms), default=0))
     if drafter is not None:
-        check_drafter_room(drafter, len(lengths), max(a.num_nodes for a in arms) + 1, target_vocab_size(target))
+        check_drafter_room(drafter, len(lengths), max(a.num_nodes for a in arms) + 1, target_vocab_size(target),
+                           max(lengths) + max_new_tokens + max(a.depth for a in arms))
         check_drafter(target, drafter, tokenizer, verifier, policy)
     device = next(target.parameters()).device
     name, lossless = (verifier.name, verifier.lossless) if verifier is not None else ("autoregressive", True)
@@ -372,15 +373,12 @@ def check_batch_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list
                          "holds exactly")
 
 
-def check_drafter_room(drafter, batch: int, tree_rows: int, out_vocab: int) -> None:
-    """Refuse a batch whose drafter state (one row per node of every row's largest tree), step logits and recorded
-    draft distributions would not fit in the drafter device's whole memory (a clear error instead of an OOM)."""
-    cfg = drafter.config
-    state_size = torch.tensor([], dtype=drafter.state_dtype or drafter.dtype).element_size()
+def check_drafter_room(drafter, batch: int, tree_rows: int, out_vocab: int, context: int) -> None:
+    """Refuse a batch whose drafter state (one row per node of every row's largest tree, each holding up to `context`
+    tokens for a Transformer drafter), step logits and recorded draft distributions would not fit in the drafter
+    device's whole memory (a clear error instead of an OOM)."""
     weight_size = torch.tensor([], dtype=drafter.dtype).element_size()
-    per_node = (cfg.n_layer * (cfg.conv_dim * cfg.d_conv * weight_size
-                               + int(torch.Size(cfg.ssm_state_shape).numel()) * state_size)
-                + int(drafter.vocab_size) * weight_size + out_vocab * 4)
+    per_node = drafter.row_bytes(context) + int(drafter.vocab_size) * weight_size + out_vocab * 4
     need = batch * tree_rows * per_node
     device = drafter.device
     if device.type == "cuda":

@@ -16,8 +16,9 @@ from mamba_draft.dtypes import DTYPES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="HF causal LM directory, hub id or .gguf file with its "
                         "tokenizer; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format), hub id, or 'smollm2' (the drafter shipped for the "
-                        "shipped target)")
+    parser.add_argument("--drafter", help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM "
+                        "sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2' (the drafter "
+                        "shipped for the shipped target)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
-    from mamba_draft import MambaDrafter
+    from mamba_draft import load_drafter
     from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.bandit import DEFAULT_ARMS, UCBBandit
     from tree_search.generate import check_options, generate, generate_autoregressive, make_policy
@@ -118,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if args.autoregressive:
         result = generate_autoregressive(target, input_ids, **kwargs)
     else:
-        drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device, dtype=dtype,
-                                               embedding=target.get_input_embeddings().weight)
+        drafter = load_drafter(args.drafter, device=args.device, dtype=dtype,
+                               embedding=target.get_input_embeddings().weight)
         result = generate(target, drafter, input_ids, tree=tree, verifier=verifier, tokenizer=tokenizer,
                           prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens, **kwargs)
     stats = result.stats

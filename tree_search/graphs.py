@@ -37,8 +37,10 @@ class StepRunner:
         self.drafter = drafter
         self.state = state
         self.key = drafter_key(drafter)
-        device = state.conv.device
-        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        device = state.device
+        # graphs need fixed shapes: a Transformer drafter's forward widens with its longest row (not capturable)
+        capturable = device.type == "cuda" and drafter.capturable
+        self.use_graphs = capturable if use_graphs is None else use_graphs
         rows = state.max_batch
         # Static inputs and output of every graph: allocated outside any capture, never reassigned.
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
@@ -90,7 +92,7 @@ class StepRunner:
         backup = rows.clone()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = capture_graph(body, self.pool, self.state.conv.device)
+        graph = capture_graph(body, self.pool, self.state.device)
         rows.conv.copy_(backup.conv)
         rows.ssm.copy_(backup.ssm)
         return graph

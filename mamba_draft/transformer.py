@@ -1,0 +1,287 @@
+"""A Transformer drafter: any Hugging Face causal LM behind the interface `MambaDrafter` has (`prefill`, `step`,
+`extend` on an explicit state whose rows fork for tree drafting), so the tree engine drafts with either kind.
+
+Its state (`KVState`) is one KV cache per row, contiguous from slot 0 (slot = RoPE position), preallocated and grown
+geometrically. Forking a row copies its cache up to the longest row: O(context) per fork and step, where a Mamba
+row is a fixed-size state — the cost the paper's Figure 1 shows. A forward writes each row's new keys at that row's
+own length (one scatter per layer) and attends with a 4D mask by position, so rows of different lengths (a batch of
+prompts, tree levels) step together without padding. Only full-attention models: a sliding window would need HF's
+own mask, which a 4D mask replaces.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
+
+
+@dataclass
+class _KVStore:
+    """Storage of a KVState: per layer keys / values (rows, heads, slots, head_dim), and each row's length."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor  # (rows,) long: tokens each row's cache holds
+    limit: int  # the model's position limit: capacity never grows past it
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, slots: int) -> None:
+        """Room for `slots` tokens per row (doubling, so a long generation reallocates O(log) times)."""
+        if slots <= self.capacity:
+            return
+        if slots > self.limit:
+            raise ValueError(f"the Transformer drafter's cache needs {slots} positions, beyond its model's "
+                             f"{self.limit} max positions")
+        grown = min(max(slots, 2 * self.capacity), self.limit)
+        for cache in (self.keys, self.values):
+            for i, old in enumerate(cache):
+                new = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                cache[i] = new
+
+
+class KVState:
+    """Rows [start:stop] of a `_KVStore`: what `MambaDrafter`'s `DrafterState` is to a Mamba drafter.
+
+    `rows` gives a view (writes go through); `gather_` copies whole row caches (the fork of tree drafting)."""
+
+    def __init__(self, store: _KVStore, start: int = 0, stop: int | None = None) -> None:
+        self.store, self.start = store, start
+        self.stop = store.lengths.shape[0] if stop is None else stop
+
+    @property
+    def max_batch(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.lengths.device
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.store.lengths[self.start : self.stop]
+
+    def rows(self, start: int, stop: int) -> KVState:
+        if not 0 <= start < stop <= self.max_batch:
+            raise IndexError(f"rows [{start}:{stop}] out of range for a state of {self.max_batch} rows")
+        return KVState(self.store, self.start + start, self.start + stop)
+
+    def gather_(self, dst_start: int, src_rows: torch.Tensor) -> KVState:
+        """rows[dst_start : dst_start + n] = rows[src_rows] (caches and lengths); overlap-safe (sources read first)."""
+        n = src_rows.shape[0]
+        if dst_start < 0 or dst_start + n > self.max_batch:
+            raise IndexError(f"gather of {n} rows at {dst_start} overflows a state of {self.max_batch} rows")
+        src = src_rows.to(self.device) + self.start
+        dst = slice(self.start + dst_start, self.start + dst_start + n)
+        lengths = self.store.lengths.index_select(0, src)
+        used = int(lengths.max())  # copy only the slots a source row holds (a host sync: this drafter is eager)
+        for cache in (self.store.keys, self.store.values):
+            for layer in cache:
+                layer[dst, :, :used] = layer[:, :, :used].index_select(0, src)
+        self.store.lengths[dst] = lengths
+        return self
+
+    def reset_(self) -> KVState:
+        self.lengths.zero_()
+        return self
+
+    def clone(self) -> KVState:
+        s = self.store
+        rows = slice(self.start, self.stop)
+        store = _KVStore([k[rows].clone() for k in s.keys], [v[rows].clone() for v in s.values],
+                         s.lengths[rows].clone(), s.limit)
+        return KVState(store)
+
+
+class _RowLayer(CacheLayerMixin):
+    """One layer's cache for one forward: writes the new keys at each row's own slots, returns the used slots."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, width: int) -> None:
+        super().__init__()
+        self.keys, self.values, self.index, self.width = keys, values, index, width
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the storage exists already
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        index = self.index.expand(-1, key_states.shape[1], -1, key_states.shape[3])
+        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
+
+    def get_seq_length(self) -> int:
+        return self.width
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.width, 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class TransformerDrafter(nn.Module):
+    """A Hugging Face causal LM as a drafter (see the module docstring). Same calls and properties as
+    `MambaDrafter` where the tree engine uses them; `capturable` is False (CUDA graphs need fixed shapes)."""
+
+    capturable = False  # a forward's width follows the longest row: eager only
+    backend = "hf"
+    state_dtype = None
+    draft_ids = None  # no draft vocabulary: the head scores the whole vocabulary
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"{type(model).__name__} is an encoder-decoder; a drafter must be a decoder-only "
+                             "causal LM")
+        self.model = model.eval()
+        self.config = config
+        layers = DynamicCache(config=config).layers
+        if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in layers):
+            raise ValueError(f"{type(model).__name__} has sliding-window attention layers; the Transformer drafter "
+                             "supports full-attention models only")
+        # the 4D mask each attention implementation takes: sdpa a boolean one, the others an additive one
+        self._bool_mask = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._shapes: list[tuple[int, int, int]] | None = None  # per layer (heads, key dim, value dim)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        revision: str | None = None) -> TransformerDrafter:
+        """A local HF causal-LM directory or hub id (sdpa attention)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
+                                                     attn_implementation="sdpa")
+        return cls(model.to(device))
+
+    # ---- properties ----
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (the output embedding's rows)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def input_vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", None) or 2**20)
+
+    def row_bytes(self, context: int) -> int:
+        """Bytes of one state row holding `context` tokens (keys and values, every layer)."""
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        return context * size * sum(h * (k + v) for h, k, v in self._layer_shapes())
+
+    # ---- state ----
+
+    @torch.no_grad()
+    def _layer_shapes(self) -> list[tuple[int, int, int]]:
+        """(kv heads, key dim, value dim) per layer, read off one token's cache (any HF architecture)."""
+        if self._shapes is None:
+            cache = DynamicCache(config=self.config)
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), past_key_values=cache,
+                       use_cache=True)
+            self._shapes = [(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3])
+                            for layer in cache.layers]
+        return self._shapes
+
+    def allocate_state(self, max_batch: int) -> KVState:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        slots = min(INITIAL_SLOTS, self.max_positions)
+        zeros = lambda heads, dim: torch.zeros(max_batch, heads, slots, dim, dtype=self.dtype, device=self.device)
+        shapes = self._layer_shapes()
+        return KVState(_KVStore([zeros(h, k) for h, k, _ in shapes], [zeros(h, v) for h, _, v in shapes],
+                                torch.zeros(max_batch, dtype=torch.long, device=self.device), self.max_positions))
+
+    # ---- compute ----
+
+    @torch.no_grad()
+    def extend(self, input_ids: torch.Tensor, state: KVState, *, last_only: bool = False) -> torch.Tensor:
+        """Continue rows [0:B] of `state` with a (B, L) block of tokens; returns logits (B, L, V) or (B, V)."""
+        ids = _check_ids(input_ids, self.input_vocab_size, self.device)
+        batch, n = ids.shape
+        if batch > state.max_batch:
+            raise ValueError(f"batch of {batch} rows exceeds the state's {state.max_batch} rows")
+        rows = state.rows(0, batch)
+        lengths = rows.lengths
+        width = int(lengths.max()) + n  # the longest row's slots after this block (host sync: eager drafter)
+        rows.store.reserve(width)
+        positions = lengths[:, None] + torch.arange(n, device=self.device)  # (B, n): slot = position
+        # query t of row b sees slots [0, its position]: its row's cache (contiguous from 0) and the block so far
+        visible = torch.arange(width, device=self.device) <= positions[:, :, None]
+        if self._bool_mask:
+            mask = visible[:, None]
+        else:
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
+        index = positions[:, None, :, None]
+        rows_slice = slice(rows.start, rows.stop)
+        cache = Cache(layers=[_RowLayer(k[rows_slice], v[rows_slice], index, width)
+                              for k, v in zip(rows.store.keys, rows.store.values)])
+        extra = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, **extra)
+        lengths += n
+        logits = out.logits
+        return logits[:, -1] if last_only else logits
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, state: KVState | None = None,
+                max_batch: int | None = None) -> tuple[torch.Tensor, KVState]:
+        """Encode a prompt (B, L) from scratch into rows [0:B]; returns last-position logits (B, V) and the state."""
+        ids = _check_ids(input_ids, self.input_vocab_size, self.device)
+        if ids.shape[1] == 0:
+            raise ValueError("prefill needs at least one token")
+        if state is None:
+            state = self.allocate_state(max(ids.shape[0], max_batch or 0))
+        state.rows(0, min(ids.shape[0], state.max_batch)).reset_()
+        return self.extend(ids, state, last_only=True), state
+
+    @torch.no_grad()
+    def step(self, token_ids: torch.Tensor, state: KVState) -> torch.Tensor:
+        """Feed one token per row (B,) to rows [0:B] of `state`; returns logits (B, V)."""
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
+            raise ValueError("step takes one token per row: a tensor of shape (B,)")
+        return self.extend(token_ids[:, None], state, last_only=True)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits (B, L, V) from an empty cache (the reference for everything else)."""
+        ids = _check_ids(input_ids, self.input_vocab_size, self.device)
+        return self.extend(ids, self.allocate_state(ids.shape[0]))
+
+
+def _check_ids(input_ids, vocab_rows: int, device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"token ids must be an integer tensor, got dtype {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"token ids must have shape (batch, length), got {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_rows):
+        raise ValueError(f"token ids must lie in [0, {vocab_rows}), got range [{int(ids.min())}, {int(ids.max())}]")
+    return ids.to(device=device, dtype=torch.long)

@@ -1,0 +1,154 @@
+"""Transformer drafters (any HF causal LM behind the drafter interface) in the same tree engine as Mamba drafters:
+the KV state's rows equal the model's own forward, greedy output is the target's own at batch 1 and in batches,
+sampling stays lossless (first-two-token law), lossy verifiers and the bandit run, commands load either kind."""
+import copy
+import math
+
+import pytest
+import torch
+
+from mamba_draft import load_drafter
+from mamba_draft import transformer as transformer_module
+from mamba_draft.transformer import TransformerDrafter
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama, tiny_neox
+from tree_search import UCBBandit
+from tree_search.batch_generate import check_drafter_room, generate_batch
+from tree_search.generate import generate
+from tree_search.sampling import SamplingParams, logits_to_probs
+
+VOCAB = 64
+NEW = 30
+
+
+def one_layer_copy(target) -> TransformerDrafter:
+    """A Transformer drafter that mostly agrees with `target`: its first layer, its embedding and head."""
+    model = copy.deepcopy(target)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    return TransformerDrafter(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+def test_rows_equal_the_models_own_forward(kind, monkeypatch):
+    """Rows of different lengths prefill, step and fork independently; the cache grows past its first capacity."""
+    monkeypatch.setattr(transformer_module, "INITIAL_SLOTS", 8)
+    model = (tiny_llama if kind == "llama" else tiny_neox)(vocab=VOCAB)
+    if kind == "neox":
+        model.config._attn_implementation = "eager"  # the additive-mask path
+    drafter = TransformerDrafter(model)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert torch.allclose(drafter(ids), ref, atol=1e-5)
+    state = drafter.allocate_state(6)
+    first, _ = drafter.prefill(ids[:1, :5], state.rows(0, 1))
+    second, _ = drafter.prefill(ids[1:, :11], state.rows(1, 2))
+    assert torch.allclose(first[0], ref[0, 4], atol=1e-5) and torch.allclose(second[0], ref[1, 10], atol=1e-5)
+    stepped = drafter.step(torch.stack([ids[0, 5], ids[1, 11]]), state.rows(0, 2))
+    assert torch.allclose(stepped, torch.stack([ref[0, 5], ref[1, 11]]), atol=1e-5)
+    state.gather_(3, torch.tensor([1, 0]))  # fork (rows swapped), then extend the copies past 8 slots
+    block = drafter.extend(torch.stack([ids[1, 12:20], ids[0, 6:14]]), state.rows(3, 5))
+    assert torch.allclose(block[0], ref[1, 12:20], atol=1e-5) and torch.allclose(block[1], ref[0, 6:14], atol=1e-5)
+    assert state.lengths.tolist() == [6, 12, 0, 20, 14, 0]
+    assert state.store.capacity >= 20
+    # the originals were not touched by their copies' steps
+    again = drafter.step(torch.stack([ids[0, 6], ids[1, 12]]), state.rows(0, 2))
+    assert torch.allclose(again, torch.stack([ref[0, 6], ref[1, 12]]), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(vocab=VOCAB)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 1, 10, 3)]
+    refs = [hf_greedy(target, torch.tensor([p]), NEW) for p in prompts]
+    return target, one_layer_copy(target), prompts, refs
+
+
+@pytest.mark.parametrize("tree", ["1,1,1", "3,2,1", "bandit"])
+def test_greedy_is_the_targets_own_at_batch_one_and_in_batches(pair, tree):
+    target, drafter, prompts, refs = pair
+    for prompt, ref in zip(prompts, refs):
+        result = generate(target, drafter, torch.tensor([prompt]), max_new_tokens=NEW, tree=tree)
+        assert torch.equal(result.tokens, ref)
+    batch = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree=tree)
+    for row, ref in zip(batch.rows, refs):
+        assert torch.equal(row.tokens, ref)
+
+
+def test_the_target_as_its_own_drafter_accepts_every_token(pair):
+    """A drafter equal to the target is always right: every round commits the whole chain plus the bonus, which
+    holds only if every fork, step and resync keeps each row's cache exactly its committed sequence."""
+    target, _, prompts, refs = pair
+    drafter = TransformerDrafter(copy.deepcopy(target))
+    result = generate(target, drafter, torch.tensor([prompts[2]]), max_new_tokens=NEW, tree="1,1,1,1")
+    assert torch.equal(result.tokens, refs[2])
+    assert result.stats.accepted_lengths[:-1] == [5] * (len(result.stats.accepted_lengths) - 1)
+    batch = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree="2,2,1")
+    for row, ref in zip(batch.rows, refs):
+        assert torch.equal(row.tokens, ref) and row.stats.accepted_lengths[:-1] == [4] * (row.stats.rounds - 1)
+
+
+def test_both_kinds_run_the_same_rounds(pair, tmp_path):
+    """An aligned drafter of either kind accepts more than one token per round on the same target."""
+    target, _, prompts, _ = pair
+    shrunk = copy.deepcopy(target)
+    mamba = aligned_drafter(tmp_path, shrunk)  # shrinks `shrunk`'s mixing layers in place, aligned to it
+    ref = hf_greedy(shrunk, torch.tensor([prompts[0]]), NEW)
+    for drafter in (one_layer_copy(shrunk), mamba):
+        result = generate(shrunk, drafter, torch.tensor([prompts[0]]), max_new_tokens=NEW, tree="2,1")
+        assert torch.equal(result.tokens, ref) and result.stats.mean_accepted > 1.2
+
+
+def test_sampling_with_a_transformer_drafter_is_lossless(monkeypatch):
+    """First two tokens of 3 x 2,000 rows (one batch, seeds 0..5,999) follow the target's processed distribution;
+    the bound is tests/test_generate_sampling.py's (a lossless sampler fails it with probability < 1e-6)."""
+    monkeypatch.setattr(transformer_module, "INITIAL_SLOTS", 8)
+    vocab = 8
+    target = tiny_llama(vocab=vocab, hidden=16, layers=1, seed=11, head_scale=3.0)
+    drafter = TransformerDrafter(tiny_llama(vocab=vocab, hidden=16, layers=1, seed=12, head_scale=3.0))
+    prompts, runs = ([3], [5, 1, 6], [2, 7, 0, 4, 4]), 2000
+    params = SamplingParams(0.9, top_k=6)
+    batch = [p for p in prompts for _ in range(runs)]
+    result = generate_batch(target, drafter, batch, max_new_tokens=2, tree="3,2", temperature=0.9, top_k=6, seed=0)
+    pairs = torch.tensor([t[0] * vocab + t[1] for t in result.new_tokens]).view(len(prompts), runs)
+    accepted = sum(row.stats.cut_tokens > 0 for row in result.rows) / len(batch)
+    assert 0.05 < accepted < 0.95  # accepted drafts and rejections both ran
+    for prompt, drawn in zip(prompts, pairs):
+        with torch.no_grad():
+            first = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params).double()
+            second = torch.stack([logits_to_probs(target(torch.tensor([prompt + [t]])).logits[0, -1], params)
+                                  for t in range(vocab)]).double()
+        exact = (first[:, None] * second).flatten()
+        empirical = torch.bincount(drawn, minlength=vocab * vocab).double() / runs
+        bound = 0.5 * torch.sqrt(exact * (1 - exact) / runs).sum().item() + math.sqrt(math.log(1e6) / (2 * runs))
+        assert 0.5 * (empirical - exact).abs().sum().item() < bound
+
+
+def test_lossy_verifiers_and_the_bandit_take_a_transformer_drafter(pair):
+    target, drafter, prompts, refs = pair
+    bandit = UCBBandit(arms=("none", "1,1", "3,2,1"), lambda_ucb=2.0)
+    result = generate(target, drafter, torch.tensor([prompts[0]]), max_new_tokens=NEW, tree=bandit)
+    assert torch.equal(result.tokens, refs[0]) and all(arm["pulls"] for arm in result.stats.arms.values())
+    lossy = generate(target, drafter, torch.tensor([prompts[0]]), max_new_tokens=NEW, tree="3,2,1",
+                     verifier="topk", verifier_params={"k": 3})
+    assert not lossy.stats.lossless and lossy.stats.new_tokens == NEW
+
+
+def test_memory_check_counts_a_transformer_drafters_context(pair):
+    _, drafter, _, _ = pair
+    assert drafter.row_bytes(2048) == 2048 * drafter.row_bytes(1) > 0
+    with pytest.raises(ValueError, match="drafter state rows"):
+        check_drafter_room(drafter, batch=64, tree_rows=64, out_vocab=VOCAB, context=10**9)
+
+
+def test_load_drafter_picks_the_kind_from_the_checkpoint(pair, tmp_path):
+    target, _, prompts, refs = pair
+    llama_dir, mamba_dir = tmp_path / "llama", tmp_path / "mamba"
+    target.save_pretrained(llama_dir)
+    aligned_drafter(mamba_dir, copy.deepcopy(target))
+    loaded = load_drafter(llama_dir)
+    assert isinstance(loaded, TransformerDrafter)
+    assert type(load_drafter(mamba_dir)).__name__ == "MambaDrafter"
+    result = generate(target, loaded, torch.tensor([prompts[1]]), max_new_tokens=NEW, tree="2,1")
+    assert torch.equal(result.tokens, refs[1])

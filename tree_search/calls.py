@@ -1,0 +1,187 @@
+"""What a generate call is, whatever the engine: its stats and result, and the checks of its drafter, verifier,
+tree policy and options that run before any model does (shared by `generate` and `batch_generate`)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tree_search.bandit import FixedPolicy, UCBBandit
+from tree_search.sampling import SamplingParams
+from tree_search.target import check_tree_support, target_vocab_size
+from tree_search.tree import TreeConfig
+from tree_search.verifiers import Verifier
+
+
+@dataclass
+class GenerateStats:
+    """What one call did. accepted_lengths: tokens committed per round, bonus included (Spec-Bench)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    target_forwards: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    lossy_accepts: int = 0
+    lossy_accepts_by: dict[str, int] = field(default_factory=dict)  # per rule; a node two rules accept counts twice
+    cut_tokens: int = 0  # tokens the last round proposed beyond EOS / max_new_tokens (dropped)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    drafter_calls: int = 0  # sequential drafter invocations (prefill, steps, extends)
+    drafter_calls_saved: int = 0  # prompt lookup: calls the step-by-step chain path would have made more (can be < 0)
+    lookup_rounds: int = 0  # rounds that verified a prompt-lookup proposal instead of a draft (lookup_tokens)
+    arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
+    round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
+    verifier: str = ""
+    lossless: bool = True
+    sampling: dict[str, float] = field(default_factory=dict)  # the resolved temperature, top_k, top_p
+
+    @property
+    def mean_accepted(self) -> float:
+        """τ: mean tokens committed per target verification round (1.0 for autoregressive decoding)."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def other_time(self) -> float:
+        """Prefill, cache compaction and bookkeeping: everything that is neither drafting nor verification."""
+        return max(self.total_time - self.draft_time - self.verify_time, 0.0)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(mean_accepted=self.mean_accepted, tokens_per_s=self.tokens_per_s, other_time=self.other_time)
+        return out
+
+
+@dataclass
+class GenerateResult:
+    tokens: torch.Tensor  # (1, prompt + new) committed sequence
+    stats: GenerateStats
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return self.tokens[:, self.stats.prompt_tokens :]
+
+
+def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: UCBBandit) -> None:
+    """Refuse a drafter / tree / verifier the target cannot be decoded with (vocabularies, tree width, attention)."""
+    vocab = check_vocab(target, drafter, tokenizer)
+    widest = max((n for a in policy.arms for n in a.branching), default=0)  # "none" has no level
+    if widest > vocab:
+        raise ValueError(f"a tree level asks for {widest} distinct children but the vocabulary has {vocab} tokens")
+    verifier.check_target(target)
+    check_tree_support(target)
+
+
+def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams, prompt_lookup: bool,
+                  lookup_tokens: int = 0) -> None:
+    """Refuse verifier / tree / sampling / prompt-lookup combinations that cannot work (no model needed)."""
+    if verifier.greedy_only and not params.greedy:
+        raise ValueError(
+            f"verifier {verifier.name!r} is for temperature 0; "
+            f"use verifier='sampling' for temperature {params.temperature}"
+        )
+    if not isinstance(prompt_lookup, bool):
+        raise TypeError(f"prompt_lookup must be True or False, got {prompt_lookup!r}")
+    if isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int) or not 0 <= lookup_tokens <= 64:
+        raise ValueError(f"lookup_tokens must be an integer in [0, 64] (0: no lookup rounds), got {lookup_tokens!r}")
+    if lookup_tokens and prompt_lookup:
+        raise ValueError("lookup_tokens (lookup proposals verified by the target) and prompt_lookup (lookup inside "
+                         "the drafter's chain) are two uses of prompt lookup: pass one")
+    if not prompt_lookup:
+        return
+    if not params.greedy:
+        raise ValueError(
+            f"prompt_lookup drafts the drafter's greedy chain, so it needs temperature 0 (got {params.temperature})"
+        )
+    trees = [str(arm) for arm in policy.arms if max(arm.branching, default=1) > 1]
+    if trees:
+        raise ValueError(
+            f"prompt_lookup drafts chains only (every branching factor 1), but tree arm(s) {', '.join(trees)} branch; "
+            "pass a chain such as tree='1,1,1,1,1'"
+        )
+
+
+def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
+    """Cut a round's tokens at the first EOS (kept) or at the remaining budget; returns (tokens, finished)."""
+    for i, tok in enumerate(tokens[:budget]):
+        if tok in eos:
+            return tokens[: i + 1], True
+    kept = tokens[:budget]
+    return kept, len(kept) >= budget
+
+
+def make_policy(tree) -> UCBBandit:
+    """'bandit' -> a fresh UCBBandit over the default arms; a UCBBandit passes through; anything else is one shape."""
+    if isinstance(tree, UCBBandit):
+        return tree
+    if isinstance(tree, str) and tree.strip().lower() == "bandit":
+        return UCBBandit()
+    if isinstance(tree, (TreeConfig, str, tuple, list)):
+        return FixedPolicy(TreeConfig.parse(tree))
+    raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'none', 'bandit' or a UCBBandit; "
+                    f"got {type(tree).__name__}")
+
+
+def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
+    """Refuse a drafter/target vocabulary mismatch; returns how many distinct tokens the drafter can propose.
+
+    Different logit widths are accepted only when a tokenizer shows both cover its real vocabulary (checkpoints
+    pad their embeddings to multiples of 8/128); the drafter then only proposes ids below the narrower width.
+    With a draft vocabulary (`drafter.draft_ids`) the drafter must read every token the target may commit (the
+    target's vocabulary, or the tokenizer's) and propose only distinct ids of the target's vocabulary.
+    Padding ids the target may still sample past the drafter's embedding are clamped by TreeDrafter.
+    """
+    if drafter.draft_ids is not None:
+        return check_draft_vocab(target, drafter, tokenizer)
+    target_vocab, draft_vocab = target_vocab_size(target), int(drafter.vocab_size)
+    if tokenizer is not None:
+        real = len(tokenizer)
+        if min(target_vocab, draft_vocab) < real:
+            raise ValueError(
+                f"vocabulary mismatch: tokenizer has {real} tokens but the target covers {target_vocab} "
+                f"and the drafter {draft_vocab}"
+            )
+    elif draft_vocab != target_vocab:
+        raise ValueError(
+            f"vocabulary mismatch: drafter has {draft_vocab} tokens, target {type(target).__name__} has "
+            f"{target_vocab}; pass the tokenizer if both only pad the same real vocabulary"
+        )
+    return min(target_vocab, draft_vocab)
+
+
+def check_draft_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
+    """check_vocab for a drafter with a draft vocabulary; returns its size."""
+    target_vocab, reads, ids = target_vocab_size(target), int(drafter.input_vocab_size), drafter.draft_ids
+    needed, owner = (len(tokenizer), "the tokenizer") if tokenizer is not None \
+        else (target_vocab, f"target {type(target).__name__}")
+    if target_vocab < needed:
+        raise ValueError(f"vocabulary mismatch: tokenizer has {needed} tokens but the target covers {target_vocab}")
+    if reads < needed:
+        raise ValueError(
+            f"vocabulary mismatch: the drafter reads {reads} token ids but {owner} has {needed}; a drafter with a "
+            "draft vocabulary must still read every token the target can commit"
+        )
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= target_vocab:
+        raise ValueError(
+            f"draft vocabulary ids must lie in the target's vocabulary [0, {target_vocab}), got [{low}, {high}]"
+        )
+    if torch.unique(ids).numel() != ids.numel():  # a repeated id would get only one column's share of q
+        raise ValueError("draft vocabulary ids must be distinct")
+    return ids.numel()
+
+
+def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        config = getattr(target, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
