@@ -103,7 +103,7 @@ class Batch(NamedTuple):
 
 def make_batches(prompt_ids: list[torch.Tensor], size: int) -> list[Batch]:
     """Consecutive groups of `size` prompts (the last may be smaller), left-padded; size 1: the prompts as they are."""
-    from tree_search.batch_generate import batch_prompts
+    from tree_search.calls import batch_prompts
 
     if size == 1:
         return [Batch(i, ids, None) for i, ids in enumerate(prompt_ids)]

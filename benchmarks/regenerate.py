@@ -70,7 +70,7 @@ class DraftedGenerate:
 def make_tree(args: argparse.Namespace):
     """--tree / --arms -> a policy for every batch: the bandit keeps its statistics across batches."""
     from tree_search.bandit import DEFAULT_ARMS, UCBBandit
-    from tree_search.generate import make_policy
+    from tree_search.calls import make_policy
 
     tree = args.tree or "bandit"
     is_bandit = tree.strip().lower() == "bandit"
@@ -82,7 +82,7 @@ def make_tree(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from tree_search.generate import check_options
+    from tree_search.calls import check_options
     from tree_search.sampling import resolve_sampling
     from tree_search.verifiers import get_verifier
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
-from tree_search.batch_generate import BatchRun, generate_autoregressive_batch, generate_batch
+from tree_search.generate import Run, generate_autoregressive_batch, generate_batch
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import SamplingParams, logits_to_probs
@@ -110,7 +110,7 @@ def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkey
     target, drafter, prompts, refs = greedy_setup
     eos = refs[0][0, len(prompts[0]) + 9].item()
     runs, calls, prefills = [], [], []
-    start, extend, prefill = BatchRun.start, TreeDrafter.extend_batch, TreeDrafter.prefill_batch
+    start, extend, prefill = Run.start, TreeDrafter.extend_batch, TreeDrafter.prefill_batch
 
     def spy_start(self):
         runs.append(self)
@@ -133,7 +133,7 @@ def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkey
         return prefill(self, ids, mask)
 
     monkeypatch.setattr(TreeDrafter, "prefill_batch", spy_prefill)
-    monkeypatch.setattr(BatchRun, "start", spy_start)
+    monkeypatch.setattr(Run, "start", spy_start)
     monkeypatch.setattr(TreeDrafter, "extend_batch", spy_extend)
     policy = Scripted()
     result = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree=policy, eos_token_id=eos)

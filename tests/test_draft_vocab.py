@@ -34,14 +34,15 @@ VOCAB, NEW_TOKENS = 64, 60
 def drafted(monkeypatch):
     """Spy on TreeDrafter: every drafted token and, per round, the recorded q of the nodes that had children."""
     seen = {"tokens": [], "probs": []}
-    draft, draft_lookup = TreeDrafter.draft, TreeDrafter.draft_chain_lookup
+    draft, draft_lookup = TreeDrafter.draft_batch, TreeDrafter.draft_chain_lookup
 
-    def note(buf):
-        seen["tokens"] += buf.tokens[1:].tolist()
-        seen["probs"].append(buf.probs[: buf.tree.levels[-1][0]].clone())
+    def note(buf):  # a batch's trees (B, T+1) or one prompt's lookup chain (T+1,): every row's the same way
+        tokens, probs = buf.tokens.view(-1, len(buf.tree)), buf.probs.view(-1, len(buf.tree), buf.probs.shape[-1])
+        seen["tokens"] += tokens[:, 1:].flatten().tolist()
+        seen["probs"] += list(probs[:, : buf.tree.levels[-1][0]].clone())
         return buf
 
-    monkeypatch.setattr(TreeDrafter, "draft", lambda self, *a, **k: note(draft(self, *a, **k)))
+    monkeypatch.setattr(TreeDrafter, "draft_batch", lambda self, *a, **k: note(draft(self, *a, **k)))
     monkeypatch.setattr(TreeDrafter, "draft_chain_lookup",
                         lambda self, *a, **k: (lambda out: (note(out[0]), out[1]))(draft_lookup(self, *a, **k)))
     return seen

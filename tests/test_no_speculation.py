@@ -95,20 +95,24 @@ def run_scripted(pair, prompt, max_new_tokens, eos=None, prompt_lookup=False, sc
     """Greedy generate under `Scripted`, recording the drafter's root logits per drafted round and its catch-ups."""
     target, drafter = pair
     policy = Scripted(script, arms)
-    drafted, extended = [], []  # (round, root token, root logits) per drafted round; tokens fed per resync_extend
-    draft, draft_lookup, resync_extend = TreeDrafter.draft, TreeDrafter.draft_chain_lookup, TreeDrafter.resync_extend
+    drafted, extended = [], []  # (round, root token, root logits) per drafted round; tokens fed per catch-up call
+    # one prompt is a batch of one: trees draft through draft_batch and catch up through extend_batch; prompt lookup
+    # drafts its chains with draft_chain_lookup and reads committed tokens through resync_extend
+    draft_name, extend_name = ("draft_chain_lookup", "resync_extend") if prompt_lookup else ("draft_batch", "extend_batch")
+    draft, extend = getattr(TreeDrafter, draft_name), getattr(TreeDrafter, extend_name)
 
     def recording_draft(self, config, root, root_logits, *args):
-        drafted.append((len(policy.pulled) - 1, int(root), root_logits.clone()))
-        return (draft_lookup if prompt_lookup else draft)(self, config, root, root_logits, *args)
+        row = (lambda t: t) if prompt_lookup else (lambda t: t[0])
+        drafted.append((len(policy.pulled) - 1, int(row(root)), row(root_logits).clone()))
+        return draft(self, config, root, root_logits, *args)
 
     def recording_extend(self, tokens):
-        extended.append(tokens.tolist())
-        return resync_extend(self, tokens)
+        extended.append((tokens if prompt_lookup else tokens[0]).tolist())
+        return extend(self, tokens)
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(TreeDrafter, "draft_chain_lookup" if prompt_lookup else "draft", recording_draft)
-    patch.setattr(TreeDrafter, "resync_extend", recording_extend)
+    patch.setattr(TreeDrafter, draft_name, recording_draft)
+    patch.setattr(TreeDrafter, extend_name, recording_extend)
     try:
         result = generate(target, drafter, prompt, max_new_tokens=max_new_tokens, tree=policy, eos_token_id=eos,
                           prompt_lookup=prompt_lookup)
@@ -263,7 +267,7 @@ def test_a_none_round_moves_one_token_to_the_host(pair, monkeypatch):
     result = generate(target, drafter, torch.tensor([[3, 17, 41, 8]]), max_new_tokens=30, tree=policy)
     none = sum(ARMS[a] == "none" for a in policy.pulled)
     in_loop = Counter({key: n for key, n in seen.items() if not key[0].startswith("check_")})
-    assert in_loop == Counter({("generate", "__int__"): none, ("round_tokens", "tolist"): result.stats.rounds - none})
+    assert in_loop == Counter({("speculate", "tolist"): none, ("verify", "tolist"): result.stats.rounds - none})
 
 
 def test_cli_tree_none_and_a_none_arm(saved, capsys):  # noqa: F811

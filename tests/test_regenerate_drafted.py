@@ -2,6 +2,7 @@
 speculative decoding (token-identical at temperature 0, reproducible when sampling), one-line errors on bad input."""
 from __future__ import annotations
 
+import importlib
 import json
 from collections import Counter
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-import tree_search.batch_generate
+import importlib
 from mamba_draft import cli
 from tests.helpers.training_fixtures import FIXTURES, make_tokenizer
 from tests.helpers.tree_models import aligned_drafter, random_drafter
@@ -79,10 +80,11 @@ def test_greedy_drafted_replies_equal_the_plain_ones(pair, tmp_path, capsys, mon
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert 0 < sum("truncated" in r for r in want) < len(want)  # some replies end at an EOS, others are cut off
 
-    batches, real = [], tree_search.batch_generate.generate_batch
-    monkeypatch.setattr(tree_search.batch_generate, "generate_batch",
-                        lambda target, drafter, prompts, **kw: batches.append((drafter, prompts, kw))
-                        or real(target, drafter, prompts, **kw))
+    engine = importlib.import_module("tree_search.generate")  # the package re-exports a function of that name
+    batches, real = [], engine.speculate
+    monkeypatch.setattr(engine, "speculate",
+                        lambda target, drafter, prompts, *args: batches.append((drafter, prompts, args))
+                        or real(target, drafter, prompts, *args))
     assert regenerate_cli(target_dir, tmp_path / "drafted.json", "--drafter", str(drafter_dir), "--tree", tree) == 0
     assert json.loads((tmp_path / "drafted.json").read_text()) == want
     out = capsys.readouterr().out.strip().splitlines()

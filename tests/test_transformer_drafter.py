@@ -12,8 +12,8 @@ from mamba_draft import transformer as transformer_module
 from mamba_draft.transformer import TransformerDrafter
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama, tiny_neox
 from tree_search import UCBBandit
-from tree_search.batch_generate import check_drafter_room, generate_batch
-from tree_search.generate import generate
+from tree_search.calls import check_drafter_room
+from tree_search.generate import generate, generate_batch
 from tree_search.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 64

@@ -1,7 +1,7 @@
 """Tree-structured speculative decoding with a Mamba drafter: topology, drafting, verification, bandit, generate."""
-from tree_search.batch_generate import BatchGenerateResult, generate_autoregressive_batch, generate_batch
 from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
-from tree_search.generate import GenerateResult, GenerateStats, generate, generate_autoregressive
+from tree_search.calls import BatchGenerateResult, GenerateResult, GenerateStats
+from tree_search.generate import generate, generate_autoregressive, generate_autoregressive_batch, generate_batch
 from tree_search.sampling import SamplingParams
 from tree_search.target import UnsupportedTargetError
 from tree_search.tree import Tree, TreeConfig

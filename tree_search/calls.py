@@ -1,14 +1,17 @@
-"""What a generate call is, whatever the engine: its stats and result, and the checks of its drafter, verifier,
-tree policy and options that run before any model does (shared by `generate` and `batch_generate`)."""
+"""What a generate call is: its stats and result (one prompt, or a batch), and the checks of its prompts, drafter,
+verifier, tree policy and options, which all run before any model does."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from tree_search.bandit import FixedPolicy, UCBBandit
 from tree_search.sampling import SamplingParams
-from tree_search.target import check_tree_support, target_vocab_size
+from tree_search.target import (
+    check_batch_prompts, check_tree_support, max_positions, target_vocab_size, window_capacity,
+)
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import Verifier
 
@@ -65,6 +68,21 @@ class GenerateResult:
     @property
     def new_tokens(self) -> torch.Tensor:
         return self.tokens[:, self.stats.prompt_tokens :]
+
+
+@dataclass
+class BatchGenerateResult:
+    rows: list[GenerateResult]  # per prompt, in input order: tokens (1, prompt + new) and that row's own stats
+    stats: GenerateStats  # the whole batch: all rows' new tokens, batched rounds, target forwards, times, arms
+
+    @property
+    def new_tokens(self) -> list[list[int]]:
+        return [row.new_tokens[0].tolist() for row in self.rows]
+
+    @property
+    def mean_accepted(self) -> list[float]:
+        """Per-row τ (tokens committed per round the row took part in)."""
+        return [row.stats.mean_accepted for row in self.rows]
 
 
 def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: UCBBandit) -> None:
@@ -185,3 +203,128 @@ def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
     if eos_token_id is None:
         return set()
     return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+
+
+def is_batch(input_ids, attention_mask) -> bool:
+    """A list of prompts, (B > 1, L) ids, or any ids with an attention mask (left-padded batches)."""
+    if attention_mask is not None:
+        return True
+    if isinstance(input_ids, (list, tuple)):
+        return bool(input_ids) and not isinstance(input_ids[0], int)
+    return isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 1
+
+
+def check_prompt(
+    target: torch.nn.Module, input_ids, max_new_tokens: int, tree_depth: int = 0, tree_nodes: int = 0
+) -> torch.Tensor:
+    """Validate the prompt (batch 1, non-empty, in-vocabulary, within the position and sliding-window limits)
+    -> (1, L) on the target device. A tree reaches `tree_depth` positions and `tree_nodes` cache slots past the end."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    ids = torch.as_tensor(input_ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (1, L), got {tuple(ids.shape)}")
+    if ids.shape[0] != 1:
+        raise ValueError(f"only batch size 1 is supported, got a batch of {ids.shape[0]} prompts")
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: input_ids needs at least one token")
+    vocab = target_vocab_size(target)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+    limit = max_positions(target)
+    if limit is not None:
+        if ids.shape[1] > limit:
+            raise ValueError(f"the prompt has {ids.shape[1]} tokens, beyond the target's {limit} max positions")
+        if ids.shape[1] + max_new_tokens + tree_depth > limit:
+            raise ValueError(
+                f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree depth ({tree_depth}) "
+                f"exceeds the target's {limit} max positions"
+            )
+    window = window_capacity(target)
+    if window is not None and tree_nodes and ids.shape[1] + max_new_tokens + tree_nodes > window:
+        raise ValueError(
+            f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes ({tree_nodes}) exceeds "
+            f"the {window} tokens {type(target).__name__}'s sliding-window cache holds exactly"
+        )
+    return ids.to(device=next(target.parameters()).device, dtype=torch.long)
+
+
+def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A list of prompts (left-padded here) or left-padded ids (B, L) + attention_mask -> (ids, mask, lengths)."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(f"batched input_ids must have shape (B, L), got {tuple(prompts.shape)}; "
+                             "or pass a list of prompts")
+        lengths = check_batch_prompts(prompts, attention_mask)  # shapes, 0/1, left padding, no empty prompt
+        mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
+        return prompts.long(), mask.to(device=prompts.device, dtype=torch.long), lengths
+    if attention_mask is not None:
+        raise ValueError("attention_mask goes with left-padded (B, L) input_ids; a list of prompts is padded here")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists or a left-padded (B, L) tensor")
+    rows = []
+    for b, prompt in enumerate(prompts):
+        row = torch.as_tensor(prompt)
+        if row.dim() == 2 and row.shape[0] == 1:  # a (1, L) prompt, as `generate` takes it
+            row = row[0]
+        if row.numel() == 0:  # first: torch reads [] as float
+            raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
+        if row.dim() != 1 or row.dtype.is_floating_point or row.dtype == torch.bool:
+            raise ValueError(f"prompt {b} must be a list or 1-D tensor of integer token ids, got "
+                             f"{row.dtype} {tuple(row.shape)}")
+        rows.append(row)
+    lengths = [row.numel() for row in rows]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)  # pad id 0: masked out, but the target embeds it
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - row.numel():] = row.cpu()
+        mask[b, width - row.numel():] = 1
+    return ids, mask, lengths
+
+
+def check_batch_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int,
+                       tree_depth: int = 0, tree_nodes: int = 0) -> None:
+    """`check_prompt`'s limits for a batch: budget, token ids (pads too: the target embeds them), positions per row,
+    and the sliding window, which the batch cache's shared slots (the padded width, then every round's longest
+    path) fill at least as fast as the longest row."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    vocab = target_vocab_size(target)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"token ids (pads included) must lie in [0, {vocab}), got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")
+    longest = max(lengths)
+    limit = max_positions(target)
+    if limit is not None and longest + max_new_tokens + tree_depth > limit:
+        raise ValueError(f"the longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) + tree depth "
+                         f"({tree_depth}) exceeds the target's {limit} max positions")
+    window = window_capacity(target)
+    if window is not None and ids.shape[1] + max_new_tokens + tree_nodes > window:
+        raise ValueError(f"the padded prompts ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes "
+                         f"({tree_nodes}) exceed the {window} tokens {type(target).__name__}'s sliding-window cache "
+                         "holds exactly")
+
+
+def check_drafter_room(drafter, batch: int, tree_rows: int, out_vocab: int, context: int) -> None:
+    """Refuse a batch whose drafter state (one row per node of every row's largest tree, each holding up to `context`
+    tokens for a Transformer drafter), step logits and recorded draft distributions would not fit in the drafter
+    device's whole memory (a clear error instead of an OOM)."""
+    weight_size = torch.tensor([], dtype=drafter.dtype).element_size()
+    per_node = drafter.row_bytes(context) + int(drafter.vocab_size) * weight_size + out_vocab * 4
+    need = batch * tree_rows * per_node
+    device = drafter.device
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        return
+    if need > total:
+        raise ValueError(f"a batch of {batch} prompts needs {batch * tree_rows} drafter state rows "
+                         f"({need / 2**30:.1f} GiB with their logits and draft distributions), more than the "
+                         f"{total / 2**30:.1f} GiB of {device}; use smaller batches or trees")

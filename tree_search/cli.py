@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from mamba_draft import load_drafter
     from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.bandit import DEFAULT_ARMS, UCBBandit
-    from tree_search.generate import check_options, generate, generate_autoregressive, make_policy
+    from tree_search.calls import check_options, make_policy
+    from tree_search.generate import generate, generate_autoregressive
     from tree_search.prompts import encode_prompt
     from tree_search.sampling import resolve_sampling
     from tree_search.verifiers import get_verifier

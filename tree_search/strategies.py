@@ -1,122 +1,148 @@
-"""Drafting strategies: how `generate` fills a round's draft and resyncs the drafter after it, behind one interface.
+"""Drafting strategies: how `generate` fills a round's drafts for its B rows and resyncs the drafter after it.
 
-`TreeDrafting` drafts the tree level by level (`TreeDrafter.draft`); `LookupDrafting` drafts chains at temperature 0
-with prompt lookup (FLy's multi-level acceleration: the same greedy chain in fewer drafter calls when the text repeats).
-Both have `prefill(ids) -> root logits`, `draft(config, root, root_logits) -> DraftTree`,
-`resync(buf, result, proposed) -> next root logits`, `skip(tokens)` (a no-speculation round committed `tokens`),
-`proposal(root, tokens)` (given tokens as a chain: prompt-lookup rounds, which commit through `skip`), `root` (the
-next round's root token, on the device), `calls` (drafter calls since construction) and `calls_saved`
-(vs drafting every chain step by step).
+`TreeDrafting` drafts one tree per row, level by level (`TreeDrafter.draft_batch`: one drafter step per level for all
+rows); `LookupDrafting` drafts one prompt's chains at temperature 0 with prompt lookup (FLy's multi-level
+acceleration: the same greedy chain in fewer drafter calls when the text repeats). Both have
+`prefill(ids, mask) -> root logits (B, V)`, `draft(config, logits) -> Draft`, `resync(draft, results, proposed) ->
+next root logits`, `proposal(tokens)` (given tokens as one row's chain: prompt-lookup rounds), `skip(tokens)` (a round
+committed (B, m) tokens without the drafter), `catch_up(logits)`, `compact(rows)`, `roots` (each row's next root, on
+the device), `calls` (drafter calls since construction) and `calls_saved` (vs drafting every chain step by step).
 
-No-speculation rounds (the `none` arm) and prompt-lookup rounds leave the drafter alone: the tokens they commit wait in `behind` and the next
-drafted round feeds them in one `resync_extend` call (row 0 still holds the state after the last token the drafter
-read, since drafting forks rows 1.. and only `resync` / `resync_extend` move row 0), instead of one step per round.
+No-speculation rounds (the `none` arm) and prompt-lookup rounds leave the drafter alone: the tokens they commit wait
+in `behind` and the next drafted round feeds them in one drafter call (`TreeDrafter.extend_batch`: rows 0..B-1 still
+hold the state after the last token each read, since drafting forks other rows and only resync / extend move them).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
+from tree_search.tree import Tree, TreeConfig
 
 if TYPE_CHECKING:
     from tree_search.drafting import DraftTree
     from tree_search.sampling import SamplingParams
-    from tree_search.tree import TreeConfig
     from tree_search.verifiers import VerifyResult
 
 
-class TreeDrafting:
-    """The drafter's tree: top-N (or sampled) children per node, one batched drafter step per level."""
+@dataclass
+class Draft:
+    """A round's drafts in batch shape: what the target verifies (`BatchDraftTree` has the same fields)."""
 
-    def __init__(self, drafts: TreeDrafter, params: SamplingParams, mode: str, record_probs: bool,
-                 generator: torch.Generator | None) -> None:
-        self.drafts, self.params, self.mode, self.record_probs, self.generator = (
-            drafts, params, mode, record_probs, generator)
+    config: TreeConfig
+    tree: Tree
+    tokens: torch.Tensor  # (B, T+1), tokens[:, 0] the roots
+    probs: torch.Tensor  # (B, T+1, V_target) draft distributions (when recorded)
+
+    @classmethod
+    def of(cls, buf: DraftTree) -> Draft:
+        """One prompt's DraftTree as a batch of one (views, no copy)."""
+        return cls(buf.config, buf.tree, buf.tokens[None], buf.probs[None])
+
+
+class TreeDrafting:
+    """The drafter's trees: top-N (or sampled) children per node, one batched drafter step per level for all rows."""
+
+    def __init__(self, drafts: TreeDrafter, params: SamplingParams, mode: str, record_probs: bool) -> None:
+        self.drafts, self.params, self.mode, self.record_probs = drafts, params, mode, record_probs
         self.first_call = drafts.calls  # the TreeDrafter is shared across calls: count this call's only
         self.calls_saved = 0
-        self.behind: list[int] = []  # committed tokens the drafter has not read yet (no-speculation rounds)
+        self.behind: list[torch.Tensor] = []  # (B, m) committed tokens the drafter has not read (none / lookup rounds)
 
     @property
     def calls(self) -> int:
         return self.drafts.calls - self.first_call
 
-    @property
-    def root(self) -> torch.Tensor:
-        return self.drafts.one_token[0]
+    def roots(self, batch: int) -> torch.Tensor:
+        """Each row's next root token (B,), on the device."""
+        return self.drafts.roots[:batch]
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.drafts.prefill(ids)
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.drafts.prefill_batch(ids, mask)
 
-    def draft(self, config: TreeConfig, root: torch.Tensor, root_logits: torch.Tensor) -> DraftTree:
-        root_logits = self.caught_up(root_logits)
-        return self.drafts.draft(config, root, root_logits, self.params, self.mode, self.record_probs, self.generator)
-
-    def proposal(self, root: torch.Tensor, tokens: list[int]) -> DraftTree:
-        """A chain of given tokens (prompt lookup) to verify instead of a draft; its committed tokens go to `skip`."""
-        return self.drafts.proposal(root, tokens, self.record_probs)
-
-    def resync(self, buf: DraftTree, result: VerifyResult, proposed: list[int]) -> torch.Tensor:
-        return self.drafts.resync(buf, result.path, result.next_token)
-
-    def skip(self, tokens: list[int]) -> None:
-        """A round committed `tokens` without drafting; the drafter reads them when it next drafts."""
-        self.behind += tokens
-
-    def caught_up(self, root_logits: torch.Tensor | None) -> torch.Tensor:
-        """The drafter's logits after the root: `root_logits`, or, after no-speculation rounds, those of feeding it
-        the tokens they committed (ending with the root) in one call."""
+    def catch_up(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits after each root: `logits`, or, after rounds that left the drafter alone, those of
+        feeding it the tokens they committed (ending with the root) in one call."""
         if not self.behind:
-            return root_logits
-        tokens, self.behind = torch.tensor(self.behind, device=self.drafts.device), []
+            return logits
+        tokens, self.behind = torch.cat(self.behind, dim=1), []
         return self.extend(tokens)
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Row 0 (the state after the last token read) reads committed `tokens` (1-D) -> the logits after them."""
-        return self.drafts.resync_extend(tokens)
+        return self.drafts.extend_batch(tokens)
+
+    def draft(self, config: TreeConfig, logits: torch.Tensor, generators: list[torch.Generator] | None) -> Draft:
+        """Every row's tree; row b draws its samples from generators[b] (None: torch's global RNG)."""
+        batch = logits.shape[0]
+        return self.drafts.draft_batch(config, self.roots(batch), logits, self.params, self.mode, self.record_probs,
+                                       generators)
+
+    def proposal(self, tokens: list[int]) -> Draft:
+        """One prompt's chain of given tokens (prompt lookup) to verify instead of a draft; then `skip`."""
+        return Draft.of(self.drafts.proposal(self.drafts.roots[0], tokens, self.record_probs))
+
+    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]]) -> torch.Tensor:
+        return self.drafts.resync_batch(draft, [r.path[-1] if r.path else 0 for r in results],
+                                        [p[-1] for p in proposed])
+
+    def skip(self, tokens: torch.Tensor, catch_up: bool = True) -> None:
+        """A round committed `tokens` (B, m) without drafting; the drafter reads them when it next drafts (if
+        `catch_up`: a call that never drafts keeps nothing)."""
+        self.drafts.roots[: tokens.shape[0]] = tokens[:, -1]
+        if catch_up:
+            self.behind.append(tokens)
+
+    def compact(self, rows: list[int]) -> None:
+        """Only rows `rows` go on (finished rows dropped)."""
+        self.drafts.compact(rows)
+        self.behind = [tokens[rows] for tokens in self.behind]
 
 
 class LookupDrafting(TreeDrafting):
-    """The drafter's greedy chain, with prompt-lookup proposals checked in one drafter call each (chains, greedy).
+    """One prompt's greedy chain, with prompt-lookup proposals checked in one drafter call each (chains, greedy).
 
     Keeps the committed text on the device for the lookup, appended in place each round (no per-round rebuild).
     """
 
     def __init__(self, drafts: TreeDrafter, record_probs: bool, capacity: int) -> None:
-        super().__init__(drafts, None, "topk", record_probs, None)  # greedy chains: no sampling state
+        super().__init__(drafts, None, "topk", record_probs)  # greedy chains: no sampling state
         self.capacity = capacity  # prompt + new tokens: the most the committed text can hold
         self.context = None
         self.length = 0
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         self.context = torch.empty(self.capacity, dtype=torch.long, device=ids.device)
         self.context[: ids.shape[1]] = ids[0]
         self.length = ids.shape[1]
-        return super().prefill(ids)
+        return super().prefill(ids, mask)
 
-    def draft(self, config: TreeConfig, root: torch.Tensor, root_logits: torch.Tensor) -> DraftTree:
-        root_logits = self.caught_up(root_logits)  # first, so the lookup searches the whole committed text
-        buf, lookup = self.drafts.draft_chain_lookup(config, root, root_logits, self.context[: self.length],
-                                                     self.record_probs)
+    def draft(self, config: TreeConfig, logits: torch.Tensor, generators=None) -> Draft:
+        buf, lookup = self.drafts.draft_chain_lookup(config, self.drafts.roots[0], logits[0],
+                                                     self.context[: self.length], self.record_probs)
         self.calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
-        return buf
+        return Draft.of(buf)
 
-    def resync(self, buf: DraftTree, result: VerifyResult, proposed: list[int]) -> torch.Tensor:
-        self.calls_saved += len(result.path) == buf.config.depth  # `TreeDrafter.resync` steps an accepted leaf too
-        return self.extend(torch.tensor(proposed, device=self.context.device))
+    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]]) -> torch.Tensor:
+        self.calls_saved += len(results[0].path) == draft.config.depth  # `resync_batch` steps an accepted leaf too
+        return self.extend(torch.tensor([proposed[0]], device=self.context.device))
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.context[self.length : self.length + len(tokens)] = tokens
-        self.length += len(tokens)
-        return super().extend(tokens)
+        """Row 0 reads committed tokens (1, m) -> the logits after them (1, V); they join the lookup's text."""
+        row = tokens[0]
+        self.context[self.length : self.length + len(row)] = row
+        self.length += len(row)
+        self.drafts.roots[:1] = row[-1:]
+        return self.drafts.resync_extend(row)[None]
 
 
 def drafting_strategy(drafter, prompt_lookup: bool, rows: int, out_vocab: int, params: SamplingParams, mode: str,
-                      record_probs: bool, generator: torch.Generator | None, max_tokens: int) -> TreeDrafting:
-    """The call's strategy on the drafter's cached TreeDrafter. rows: state rows the largest tree needs;
-    max_tokens: prompt + max_new_tokens (the longest committed text)."""
+                      record_probs: bool, max_tokens: int) -> TreeDrafting:
+    """The call's strategy on the drafter's cached TreeDrafter. rows: state rows the batch's largest trees need;
+    max_tokens: prompt + max_new_tokens (the longest committed text; prompt lookup only)."""
     if prompt_lookup:
-        drafts = TreeDrafter.for_drafter(drafter, max(rows, LOOKUP_ROWS), out_vocab)
-        return LookupDrafting(drafts, record_probs, max_tokens)
-    return TreeDrafting(TreeDrafter.for_drafter(drafter, rows, out_vocab), params, mode, record_probs, generator)
+        return LookupDrafting(TreeDrafter.for_drafter(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs,
+                              max_tokens)
+    return TreeDrafting(TreeDrafter.for_drafter(drafter, rows, out_vocab), params, mode, record_probs)

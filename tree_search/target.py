@@ -491,6 +491,35 @@ class TargetState(_TreeMasks):
         return capture_graph(body, self._pool, self.device)
 
 
+class OneRow:
+    """One prompt's `TargetState` (static cache and captured verification on CUDA, no validity mask) in the batched
+    shapes of `BatchTargetState`, so one generation loop serves both: tokens (1, n), logits (1, n, V), one path per
+    row. A batch of one is still a batch: its row finishing ends the call, so it never drops rows."""
+
+    def __init__(self, state: TargetState) -> None:
+        self.state = state
+        self._size = 0  # nodes of the last tree forward (its commit needs them)
+
+    @property
+    def forwards(self) -> int:
+        return self.state.forwards
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        logits = self.state.prefill(input_ids)
+        return None if logits is None else logits[None]
+
+    def tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False):
+        self._size = len(tree)
+        logits, hidden = self.state.tree_forward(tokens[0], tree, want_hidden)
+        return logits[None], None if hidden is None else hidden[None]
+
+    def commit(self, paths: list[list[int]]) -> None:
+        self.state.commit(paths[0], self._size)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.state.decode(tokens[0])[None]
+
+
 def _padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Check left-padded (B, L) ids + mask (no model needed) -> the mask as bool (B, L) on the ids' device."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
