@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
+from mamba_draft import transformer as transformer_module
+from mamba_draft.transformer import TransformerDrafter
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
-from tree_search.generate import Run, generate_autoregressive_batch, generate_batch
 from tree_search.drafting import TreeDrafter
-from tree_search.generate import generate, generate_autoregressive
+from tree_search.generate import Run, generate, generate_autoregressive, generate_autoregressive_batch, generate_batch
 from tree_search.sampling import SamplingParams, logits_to_probs
 from tree_search.target import BatchTargetState
 from tree_search.verifiers.greedy import GreedyVerifier
@@ -236,13 +237,19 @@ def test_verifiers_needing_hidden_states_get_each_rows_own(greedy_setup):
     assert verifier.checked == sum(row.stats.rounds for row in result.rows)
 
 
-def test_first_two_tokens_law_of_every_row(tmp_path):
+@pytest.mark.parametrize("kind", ["mamba", "transformer"])
+def test_first_two_tokens_law_of_every_row(tmp_path, monkeypatch, kind):
     """Lossless sampling per row: each row's first two tokens jointly follow the target's processed distribution for
     its prompt (the second token comes from an accepted level-2 draft, a correction or the bonus). 2,000 rows per
-    prompt in one batch (seeds 0..5,999); the TV bound is tests/test_generate_sampling.py's, over the 64 pairs."""
+    prompt in one batch (seeds 0..5,999); the TV bound is tests/test_generate_sampling.py's, over the 64 pairs.
+    Either drafter kind: a Mamba drafter, or a Transformer drafter (its KV rows kept small: 12,000 rows of them)."""
     vocab = 8
     target = tiny_llama(vocab=vocab, hidden=16, layers=1, seed=11, head_scale=3.0)
-    drafter = random_drafter(tmp_path, vocab=vocab, hidden=16, layers=1, seed=12, head_scale=3.0)
+    if kind == "mamba":
+        drafter = random_drafter(tmp_path, vocab=vocab, hidden=16, layers=1, seed=12, head_scale=3.0)
+    else:
+        monkeypatch.setattr(transformer_module, "INITIAL_SLOTS", 8)
+        drafter = TransformerDrafter(tiny_llama(vocab=vocab, hidden=16, layers=1, seed=12, head_scale=3.0))
     prompts, runs = ([3], [5, 1, 6], [2, 7, 0, 4, 4]), 2000
     params = SamplingParams(0.9, top_k=6)
     batch = [p for p in prompts for _ in range(runs)]  # grouped by prompt: the drafter prefills equal lengths at once

@@ -1,8 +1,8 @@
 """Transformer drafters (any HF causal LM behind the drafter interface) in the same tree engine as Mamba drafters:
 the KV state's rows equal the model's own forward, greedy output is the target's own at batch 1 and in batches,
-sampling stays lossless (first-two-token law), lossy verifiers and the bandit run, commands load either kind."""
+lossy verifiers and the bandit run, commands load either kind (lossless sampling with either kind:
+tests/test_batch_generate.py's first-two-token law)."""
 import copy
-import math
 
 import pytest
 import torch
@@ -14,7 +14,6 @@ from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama, ti
 from tree_search import UCBBandit
 from tree_search.calls import check_drafter_room
 from tree_search.generate import generate, generate_batch
-from tree_search.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 64
 NEW = 30
@@ -98,31 +97,6 @@ def test_both_kinds_run_the_same_rounds(pair, tmp_path):
     for drafter in (one_layer_copy(shrunk), mamba):
         result = generate(shrunk, drafter, torch.tensor([prompts[0]]), max_new_tokens=NEW, tree="2,1")
         assert torch.equal(result.tokens, ref) and result.stats.mean_accepted > 1.2
-
-
-def test_sampling_with_a_transformer_drafter_is_lossless(monkeypatch):
-    """First two tokens of 3 x 2,000 rows (one batch, seeds 0..5,999) follow the target's processed distribution;
-    the bound is tests/test_generate_sampling.py's (a lossless sampler fails it with probability < 1e-6)."""
-    monkeypatch.setattr(transformer_module, "INITIAL_SLOTS", 8)
-    vocab = 8
-    target = tiny_llama(vocab=vocab, hidden=16, layers=1, seed=11, head_scale=3.0)
-    drafter = TransformerDrafter(tiny_llama(vocab=vocab, hidden=16, layers=1, seed=12, head_scale=3.0))
-    prompts, runs = ([3], [5, 1, 6], [2, 7, 0, 4, 4]), 2000
-    params = SamplingParams(0.9, top_k=6)
-    batch = [p for p in prompts for _ in range(runs)]
-    result = generate_batch(target, drafter, batch, max_new_tokens=2, tree="3,2", temperature=0.9, top_k=6, seed=0)
-    pairs = torch.tensor([t[0] * vocab + t[1] for t in result.new_tokens]).view(len(prompts), runs)
-    accepted = sum(row.stats.cut_tokens > 0 for row in result.rows) / len(batch)
-    assert 0.05 < accepted < 0.95  # accepted drafts and rejections both ran
-    for prompt, drawn in zip(prompts, pairs):
-        with torch.no_grad():
-            first = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params).double()
-            second = torch.stack([logits_to_probs(target(torch.tensor([prompt + [t]])).logits[0, -1], params)
-                                  for t in range(vocab)]).double()
-        exact = (first[:, None] * second).flatten()
-        empirical = torch.bincount(drawn, minlength=vocab * vocab).double() / runs
-        bound = 0.5 * torch.sqrt(exact * (1 - exact) / runs).sum().item() + math.sqrt(math.log(1e6) / (2 * runs))
-        assert 0.5 * (empirical - exact).abs().sum().item() < bound
 
 
 def test_lossy_verifiers_and_the_bandit_take_a_transformer_drafter(pair):
