@@ -1,4 +1,5 @@
-"""Batched tree drafting on the Mamba state: one drafter step per level over all of that level's rows.
+"""Batched tree drafting on the drafter's state (Mamba or Transformer): one drafter step per level over all of that
+level's rows.
 
 Node i's drafter state lives in state row i (row 0 = root = state after the last committed token). A level
 forks its parents' rows into its own rows (`gather_`) and steps them together, so the drafter holds the
@@ -8,8 +9,10 @@ captured graph reused across rounds, calls and tree shapes.
 
 B prompts draft together in a forest (`tree.Forest`: B copies of one tree, level-major, so each level of all B trees
 is one contiguous row range and still one step): `prefill_batch` (left-padded prompts, each row encoded without its
-padding) -> `draft_batch` -> `resync_batch` -> ...; `compact` drops finished rows. Per row, the same tokens and q as the
-single-prompt path on that prompt alone.
+padding) -> `draft_batch` -> `resync_batch` -> ...; `compact` drops finished rows. `generate` drafts this way for
+every batch size, one prompt included; per row, the same tokens and q as the single-tree `draft` / `resync` on that
+prompt alone (kept as the reference `tests/test_batch_drafting.py` checks the forest against). One prompt's
+prompt-lookup proposals (`proposal`) and lookup chains (below) use the single-tree buffers.
 
 Chains at temperature 0 can instead be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven): it
 drafts on scratch rows 1-2 and leaves row 0 committed, so `resync_extend` continues row 0 in one call.
@@ -70,10 +73,6 @@ class BatchDraftTree:
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]
-
-    def row(self, b: int) -> DraftTree:
-        """Batch row b as a single-prompt DraftTree (views, no copy) for verification; not for `draft`/`resync`."""
-        return DraftTree(self.config, self.tree, [], self.tokens[b], self.probs[b])
 
 
 class TreeDrafter:
