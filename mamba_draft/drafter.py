@@ -44,4 +44,9 @@ def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                                             embedding=embedding)
     from .transformer import TransformerDrafter
 
-    return TransformerDrafter.from_pretrained(str(path), device=device, dtype=dtype, revision=revision)
+    try:
+        return TransformerDrafter.from_pretrained(str(path), device=device, dtype=dtype, revision=revision)
+    except (ValueError, OSError, KeyError) as err:  # transformers' own message runs to a paragraph: its first sentence
+        reason = str(err).split(". ")[0].strip()
+        raise ValueError(f"drafter {path} is neither a Mamba checkpoint nor a causal LM transformers can load "
+                         f"({reason})") from err

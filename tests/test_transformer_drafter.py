@@ -126,3 +126,9 @@ def test_load_drafter_picks_the_kind_from_the_checkpoint(pair, tmp_path):
     assert type(load_drafter(mamba_dir)).__name__ == "MambaDrafter"
     result = generate(target, loaded, torch.tensor([prompts[1]]), max_new_tokens=NEW, tree="2,1")
     assert torch.equal(result.tokens, refs[1])
+
+
+def test_load_drafter_names_a_directory_it_cannot_load(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "nonsense"}')
+    with pytest.raises(ValueError, match="neither a Mamba checkpoint nor a causal LM transformers can load"):
+        load_drafter(tmp_path)
