@@ -540,7 +540,10 @@ def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
         models.drafter = load_drafter(args.drafter, device=args.device, dtype=dtype,
                                       embedding=models.target.get_input_embeddings().weight)
     if any(m.kind == "hf-assisted" or m.drafter == "assistant" for m in methods):
+        from mamba_draft.checkpoint import read_draft_ids
+
         models.assistant = causal_lm(args.assistant)
+        models.assistant_draft_ids = read_draft_ids(args.assistant) if Path(args.assistant).is_dir() else None
     return models
 
 

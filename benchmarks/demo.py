@@ -365,7 +365,8 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
           f"({'native bf16' if dtype == torch.bfloat16 else 'no native bf16'}), drafter {drafter}")
     result = benchmark_real(cfg, records, drafter, assistant, dtype, device, full_sweep, repeats, progress)
     result["models"] = {"drafter": str(drafter), "assistant": str(assistant) if assistant else None}
-    result["training"] = {"drafter": heldout_curve(Path(drafter)) if train else []}
+    result["training"] = {"drafter": heldout_curve(Path(drafter)) if train else [],
+                          "assistant": heldout_curve(Path(assistant)) if train and assistant else []}
     result["demo_seconds"] = time.perf_counter() - started
     result["measurement"] = measurement
     from benchmarks.bench import write_outputs
@@ -394,15 +395,16 @@ def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, de
     from benchmarks.methods import Models
     from benchmarks.real_pair import heldout_prompts
     from mamba_draft import MambaDrafter
+    from mamba_draft.checkpoint import read_draft_ids
     from mamba_draft.targets import SHIPPED_TARGET, load_causal_lm, load_tokenizer
-    from mamba_draft.transformer import TransformerDrafter
     from tree_search.prompts import Prompt, encode_prompt
 
     target = load_causal_lm(SHIPPED_TARGET, dtype=dtype, device=device)
     models = Models(target=target, tokenizer=load_tokenizer(SHIPPED_TARGET),
                     drafter=MambaDrafter.from_pretrained(str(drafter), device=device,
                                                          embedding=target.get_input_embeddings().weight),
-                    assistant=load_causal_lm(assistant, dtype=dtype, device=device) if assistant else None)
+                    assistant=load_causal_lm(assistant, dtype=dtype, device=device) if assistant else None,
+                    assistant_draft_ids=read_draft_ids(assistant) if assistant else None)
     prompts = [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
                for r in heldout_prompts(records, cfg.per_category)][: cfg.bench_prompts]
     dtype_name = str(dtype).removeprefix("torch.")
@@ -416,7 +418,7 @@ def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, de
                                 bandit_memory="pass")
         out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress)
     first = torch.tensor([encode_prompt(models.tokenizer, prompts[0].text, True)], device=device)
-    assistant_drafter = TransformerDrafter(models.assistant) if models.assistant is not None else None
+    assistant_drafter = models.assistant_as_drafter() if models.assistant is not None else None
     out["sizing"] = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
     return out
 
@@ -553,10 +555,11 @@ def print_real(result: dict) -> None:
     print(f"Target dtype: {result['dtype']} (the same for every method)")
     for name in ("greedy", "sampled"):
         print(f"\n## {name}\n\n" + markdown_report(result[name]))
-    curve = result["training"]["drafter"]
-    if curve:
-        last = curve[-1]
-        print(f"Drafter held-out agreement {last['heldout_agreement']:.3f} after {last['train_tokens']} training tokens")
+    for name, curve in result["training"].items():
+        if curve:
+            last = curve[-1]
+            print(f"{name.capitalize()} held-out agreement {last['heldout_agreement']:.3f} after "
+                  f"{last['train_tokens']} training tokens")
     sizing = result["sizing"]
     assistant = (f", assistant (Transformer drafter) step {sizing['assistant_step_ms']:.2f} ms"
                  if "assistant_step_ms" in sizing else "")

@@ -117,16 +117,20 @@ class Models:
     drafter: object = None
     assistant: torch.nn.Module | None = None
     tokenizer: object = None
+    assistant_draft_ids: torch.Tensor | None = None  # the draft vocabulary stored with the assistant, if any
     assistant_drafter: object = None  # the assistant behind the drafter interface (assistant: methods)
 
     def drafter_for(self, method: Method):
         """The model that drafts `method`'s rounds in our engine."""
-        if method.drafter == "drafter":
-            return self.drafter
+        return self.drafter if method.drafter == "drafter" else self.assistant_as_drafter()
+
+    def assistant_as_drafter(self):
+        """The assistant as a TransformerDrafter, proposing from its draft vocabulary when it has one
+        (transformers' assisted generation always scores the assistant's full vocabulary)."""
         if self.assistant_drafter is None:
             from mamba_draft.transformer import TransformerDrafter
 
-            self.assistant_drafter = TransformerDrafter(self.assistant)
+            self.assistant_drafter = TransformerDrafter(self.assistant, self.assistant_draft_ids)
         return self.assistant_drafter
 
 

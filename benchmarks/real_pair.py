@@ -10,7 +10,9 @@ assistant of the same size on the same data, for transformers' assisted generati
 * drafter: Mamba-2, d_model 576 = the target's width, embedding (tied, so also the head) the target's own, frozen;
   a frequency-ranked draft vocabulary (FR-Spec); trained on forward KL to the cached distributions
   (configs/distill/smollm2-engine.yaml is the full-scale recipe);
-* assistant: a Llama of about the drafter's size, same data, same steps, same embedding initialisation.
+* assistant: a Llama of about the drafter's size, same data, steps, embedding initialisation and draft vocabulary
+  (trained on those ids only, like the drafter; transformers' assisted generation scores all of its ids, our engine
+  the draft vocabulary stored beside it).
 """
 from __future__ import annotations
 
@@ -96,12 +98,12 @@ def train_config(cfg: RealPairConfig, arch: str, data: Path, out: Path, precisio
                         state_size=64, expand=2, head_dim=64, num_heads=0 if mamba else 9, num_key_value_heads=3,
                         intermediate_size=cfg.assistant_intermediate, max_position_embeddings=2048,
                         tie_word_embeddings=True, init_embeddings_from=SHIPPED_TARGET, freeze_embeddings=True,
-                        draft_vocab_size=cfg.draft_vocab_size if mamba else 0)
+                        draft_vocab_size=cfg.draft_vocab_size)
     return TrainConfig(output_dir=str(out), model=model, data=DataConfig(kind="engine", path=str(data),
                                                                           seq_len=cfg.seq_len),
                        optim=OptimConfig(lr=cfg.lr, weight_decay=0.0, warmup_steps=max(1, cfg.steps // 20),
                                          lr_min_ratio=0.1),
-                       eval=EvalConfig(data=str(data), every=cfg.eval_every) if mamba else EvalConfig(),
+                       eval=EvalConfig(data=str(data), every=cfg.eval_every if mamba else cfg.steps),
                        deepspeed="configs/deepspeed/zero1.json", steps=cfg.steps, global_batch_size=cfg.batch,
                        micro_batch_size=cfg.batch, checkpoint_every=10**9, log_every=1, build_shm_comm=False,
                        precision=precision)

@@ -140,14 +140,24 @@ def load_checkpoint(path: str | os.PathLike, revision: str | None = None,
     else:
         config = MambaConfig.from_mamba_ssm_dict(raw)
         tensors = {_ssm_to_hf_name(k): v for k, v in _read_weights_file(directory / SSM_WEIGHTS).items()}
-    if (directory / DRAFT_VOCAB).is_file():
-        draft = _read_weights_file(directory / DRAFT_VOCAB)
-        if "d2t" not in draft:
-            raise ValueError(f"{directory / DRAFT_VOCAB} has no 'd2t' tensor")
-        tensors[DRAFT_IDS] = draft["d2t"]
+    draft_ids = read_draft_ids(directory)
+    if draft_ids is not None:
+        tensors[DRAFT_IDS] = draft_ids
     if (directory / TARGET_EMBEDDING).is_file() and EMBEDDING not in tensors:
         tensors[EMBEDDING] = target_embedding(directory, embedding)
     return config, tensors
+
+
+def read_draft_ids(path: str | os.PathLike) -> torch.Tensor | None:
+    """The draft vocabulary's id map (`d2t`) of a draft_vocab.safetensors file or of a model directory holding
+    one; None when there is none."""
+    file = Path(path) / DRAFT_VOCAB if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        return None
+    draft = _read_weights_file(file)
+    if "d2t" not in draft:
+        raise ValueError(f"{file} has no 'd2t' tensor")
+    return draft["d2t"]
 
 
 def _read_hf_weights(directory: Path) -> dict:

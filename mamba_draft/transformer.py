@@ -7,6 +7,11 @@ row is a fixed-size state — the cost the paper's Figure 1 shows. A forward wri
 own length (one scatter per layer) and attends with a 4D mask by position, so rows of different lengths (a batch of
 prompts, tree levels) step together without padding. Only full-attention models: a sliding window would need HF's
 own mask, which a 4D mask replaces.
+
+A draft vocabulary (FR-Spec; `draft_vocab.safetensors` next to the weights, or `set_draft_vocab`) scores only those
+ids: the model's body runs as usual and its final hidden state meets a contiguous copy of their head rows. For a small
+drafter the head is most of a step (SmolLM2's 49,152 x 576 against ~4 M body weights), and a model trained on the full
+vocabulary loses only the tokens outside the set.
 """
 from __future__ import annotations
 
@@ -14,11 +19,14 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
+# config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
+HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 @dataclass
@@ -139,9 +147,8 @@ class TransformerDrafter(nn.Module):
     capturable = False  # a forward's width follows the longest row: eager only
     backend = "hf"
     state_dtype = None
-    draft_ids = None  # no draft vocabulary: the head scores the whole vocabulary
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, draft_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
@@ -157,22 +164,70 @@ class TransformerDrafter(nn.Module):
         self._bool_mask = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._shapes: list[tuple[int, int, int]] | None = None  # per layer (heads, key dim, value dim)
+        self.register_buffer("draft_ids", None, persistent=False)
+        self.register_buffer("draft_head", None, persistent=False)
+        self.register_buffer("draft_bias", None, persistent=False)
+        self.set_draft_vocab(draft_ids)
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         revision: str | None = None) -> TransformerDrafter:
-        """A local HF causal-LM directory or hub id (sdpa attention)."""
+        """A local HF causal-LM directory or hub id (sdpa attention), with the draft vocabulary a local directory
+        stores (`draft_vocab.safetensors`, as training writes it)."""
+        from pathlib import Path
+
         from transformers import AutoModelForCausalLM
+
+        from .checkpoint import read_draft_ids
 
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
                                                      attn_implementation="sdpa")
-        return cls(model.to(device))
+        draft_ids = read_draft_ids(path) if Path(path).is_dir() else None
+        return cls(model.to(device), draft_ids)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, draft_ids: torch.Tensor | None) -> None:
+        """Propose only `draft_ids` (distinct ids of the head's vocabulary), or every id with None.
+
+        Refused for models whose logits are not the head applied to the final hidden state (soft-capped or scaled
+        logits): the draft head would score those ids differently from the model."""
+        if draft_ids is None:
+            self.draft_ids = self.draft_head = self.draft_bias = None
+            return
+        ids = torch.as_tensor(draft_ids)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        full = int(self.model.get_output_embeddings().weight.shape[0])
+        if int(ids.min()) < 0 or int(ids.max()) >= full:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {full}), got [{int(ids.min())}, {int(ids.max())}]")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("draft vocabulary ids must be distinct")
+        transforms = [name for name in HEAD_TRANSFORMS if getattr(self.config, name, None) not in (None, 1, 1.0)]
+        if transforms:
+            raise ValueError(f"{type(self.model).__name__} transforms its logits ({', '.join(transforms)}): a draft "
+                             "vocabulary would score its ids differently; use the full vocabulary")
+        head = self.model.get_output_embeddings()
+        ids = ids.to(device=head.weight.device, dtype=torch.long)
+        bias = getattr(head, "bias", None)
+        draft_head, draft_bias = head.weight[ids].detach().clone(), None if bias is None else bias[ids].detach().clone()
+        # the body's last hidden state times the head rows must be the model's own logits: check on a probe
+        probe = torch.arange(4, device=ids.device)[None] % self.input_vocab_size
+        full = self.model(input_ids=probe).logits[..., ids].float()
+        drafted = F.linear(self.model.base_model(input_ids=probe).last_hidden_state, draft_head, draft_bias).float()
+        if not torch.allclose(drafted, full, rtol=2e-2, atol=2e-2 * float(full.abs().max()) + 1e-6):
+            raise ValueError(f"{type(self.model).__name__}'s logits are not its head applied to its body's last "
+                             "hidden state: a draft vocabulary cannot be used with it")
+        self.draft_ids, self.draft_head, self.draft_bias = ids, draft_head, draft_bias
 
     # ---- properties ----
 
     @property
     def vocab_size(self) -> int:
-        """Width of the logits (the output embedding's rows)."""
+        """Width of the logits: the draft vocabulary's size, else the output embedding's rows (column j scores
+        `draft_ids[j]`, else id j)."""
+        if self.draft_ids is not None:
+            return self.draft_ids.numel()
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
@@ -243,12 +298,14 @@ class TransformerDrafter(nn.Module):
         rows_slice = slice(rows.start, rows.stop)
         cache = Cache(layers=[_RowLayer(k[rows_slice], v[rows_slice], index, width)
                               for k, v in zip(rows.store.keys, rows.store.values)])
-        extra = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, **extra)
+        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        if self.draft_head is not None:  # the body, then the draft ids' head rows
+            hidden = self.model.base_model(**kwargs).last_hidden_state
+            lengths += n
+            return F.linear(hidden[:, -1] if last_only else hidden, self.draft_head, self.draft_bias)
+        out = self.model(**kwargs, **({"logits_to_keep": 1} if last_only and self._logits_to_keep else {}))
         lengths += n
-        logits = out.logits
-        return logits[:, -1] if last_only else logits
+        return out.logits[:, -1] if last_only else out.logits
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state: KVState | None = None,

@@ -220,6 +220,20 @@ def test_cli_drafter_equal_to_its_target_agrees_everywhere(tokenizer, tmp_path, 
         assert result["tau5"] > result["tau3"] > result["tau1"] == 2.0
 
 
+def test_cli_takes_a_transformer_drafter_with_its_draft_vocabulary(tokenizer, target_dir, tmp_path, capsys):
+    """`eval --agreement` on a Transformer drafter: the target itself, its logit columns permuted by a stored
+    draft vocabulary, agrees everywhere."""
+    from safetensors.torch import save_file
+
+    drafter = tmp_path / "self"
+    transformers.AutoModelForCausalLM.from_pretrained(target_dir).save_pretrained(drafter)
+    save_file({"d2t": torch.randperm(300, generator=torch.Generator().manual_seed(1))},
+              str(drafter / "draft_vocab.safetensors"))
+    assert cli(["eval", str(drafter), "--target", str(target_dir), "--agreement", str(CHAT),
+                "--max-sequences", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["agreement:messages.jsonl"]["agreement"] == 1.0
+
+
 def test_cli_agreement_bad_input(tokenizer, tmp_path, capsys):
     target = save_mamba(tokenizer, tmp_path / "target", seed=0)
     base = ["eval", str(target), "--target", str(target), "--agreement"]

@@ -80,3 +80,24 @@ def test_export_bad_input(mamba2_run, tmp_path):
     with pytest.raises(ValueError, match="unknown export format 'gguf'"):
         export(mamba2_run, tmp_path / "out", format="gguf")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_llama_trains_on_a_draft_vocabulary_and_exports_the_full_model(tok_dir, tmp_path):
+    """model.draft_vocab_size on a Transformer: logits cover the draft ids only in training, the export is the
+    ordinary full-vocabulary model (plain transformers) with the id map beside it, which TransformerDrafter reads."""
+    from mamba_draft.transformer import TransformerDrafter
+    from training.model import build_model, load_tokenizer
+
+    cfg = load_config(REPO / "configs/tiny/pretrain-cpu.yaml", [f"model.tokenizer={tok_dir}", "model.arch=llama",
+                                                                "model.num_heads=2"])
+    draft = torch.tensor([5, 3, 40, 7])
+    model = build_model(cfg.model, load_tokenizer(str(tok_dir)), 0, draft)
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 4)
+    out = run(tok_dir, tmp_path / "run", "model.arch=llama", "model.num_heads=2", "model.draft_vocab_size=16")
+    hf_dir = export(out, tmp_path / "hf")
+    full = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    drafter = TransformerDrafter.from_pretrained(str(hf_dir))
+    assert drafter.draft_ids.numel() == 16 and full.config.vocab_size > 16
+    ids = torch.randint(0, 290, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(ids), full(ids).logits[..., drafter.draft_ids], atol=1e-5, rtol=1e-5)

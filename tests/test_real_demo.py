@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import demo
 from benchmarks.real_pair import heldout_prompts, training_prompts
@@ -45,6 +46,10 @@ def test_quick_rebuild_makes_data_trains_the_pair_and_benchmarks_it(quick_train)
     assert drafter.config.arch == "mamba2"
     assert drafter.vocab_size == quick.draft_vocab_size  # a draft vocabulary, from the training data
     assert drafter.input_vocab_size == 49152
+    from mamba_draft import load_drafter
+
+    assistant = load_drafter(run_dir / "assistant")  # the same draft vocabulary, stored beside its full model
+    assert type(assistant).__name__ == "TransformerDrafter" and torch.equal(assistant.draft_ids, drafter.draft_ids)
     prompts = read_shard(run_dir / "data" / "prompts.jsonl")
     questions = [p for p in prompts if p["source"] == "even_questions"]
     assert {p["source"] for p in prompts} <= {"even_questions", "magpie", "magpie_task"}
@@ -54,7 +59,8 @@ def test_quick_rebuild_makes_data_trains_the_pair_and_benchmarks_it(quick_train)
     assert (run_dir / "drafter" / "agreement.png").read_bytes()[:4] == b"\x89PNG"
 
     result = json.loads((run_dir / "results" / "demo.json").read_text())
-    assert result["training"]["drafter"] and 0 <= result["training"]["drafter"][-1]["heldout_agreement"] <= 1
+    for model in ("drafter", "assistant"):
+        assert result["training"][model] and 0 <= result["training"][model][-1]["heldout_agreement"] <= 1
     assert result["dtype"] == str(demo.demo_dtype("cpu")).removeprefix("torch.")
     specs = demo.real_methods(result["dtype"], assistant=True, full_sweep=False)
     assert "hf-assisted" in specs["greedy"]

@@ -132,3 +132,59 @@ def test_load_drafter_names_a_directory_it_cannot_load(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "nonsense"}')
     with pytest.raises(ValueError, match="neither a Mamba checkpoint nor a causal LM transformers can load"):
         load_drafter(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+def test_a_draft_vocabulary_scores_its_ids_as_the_model_does(kind):
+    """Column j of every prefill / step / block is the full model's logit of draft id j (body, then the draft rows)."""
+    model = (tiny_llama if kind == "llama" else tiny_neox)(vocab=VOCAB)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    draft = torch.tensor([7, 0, 63, 12, 5, 30])
+    drafter = TransformerDrafter(model, draft)
+    assert drafter.vocab_size == 6 and drafter.input_vocab_size == VOCAB
+    with torch.no_grad():
+        ref = model(ids).logits[..., draft]
+    assert torch.allclose(drafter(ids), ref, atol=1e-5)
+    last, state = drafter.prefill(ids[:, :5])
+    assert torch.allclose(last, ref[:, 4], atol=1e-5)
+    assert torch.allclose(drafter.step(ids[:, 5], state), ref[:, 5], atol=1e-5)
+    drafter.set_draft_vocab(None)
+    assert drafter.vocab_size == VOCAB
+
+
+def test_greedy_with_a_draft_vocabulary_is_the_targets_own(pair, tmp_path):
+    """A Transformer drafter with a draft vocabulary (stored next to its weights, as training writes it) still
+    gives the target's own greedy output; the target drafting for itself over every id it emits accepts every token."""
+    from safetensors.torch import save_file
+
+    target, drafter, prompts, refs = pair
+    draft = torch.arange(0, VOCAB, 2)  # half the ids: proposals of the others never happen
+    small = TransformerDrafter(drafter.model, draft)
+    for prompt, ref in zip(prompts, refs):
+        assert torch.equal(generate(target, small, torch.tensor([prompt]), max_new_tokens=NEW, tree="3,2,1").tokens, ref)
+    batch = generate_batch(target, small, prompts, max_new_tokens=NEW, tree="2,1")
+    assert all(torch.equal(row.tokens, ref) for row, ref in zip(batch.rows, refs))
+    directory = tmp_path / "self"
+    target.save_pretrained(directory)
+    emitted = torch.unique(torch.cat([torch.tensor(p) for p in prompts] + [r.flatten() for r in refs]))
+    save_file({"d2t": emitted.flip(0).contiguous()}, str(directory / "draft_vocab.safetensors"))
+    itself = load_drafter(directory)
+    assert torch.equal(itself.draft_ids, emitted.flip(0))
+    result = generate(target, itself, torch.tensor([prompts[2]]), max_new_tokens=NEW, tree="1,1,1,1")
+    assert torch.equal(result.tokens, refs[2])
+    assert result.stats.accepted_lengths[:-1] == [5] * (len(result.stats.accepted_lengths) - 1)
+
+
+def test_a_draft_vocabulary_is_refused_where_logits_are_not_head_times_state(pair):
+    target, _, _, _ = pair
+    model = copy.deepcopy(target)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        TransformerDrafter(model, torch.arange(8))
+    model = copy.deepcopy(target)
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: type(out := forward(*args, **kwargs))(logits=2 * out.logits)
+    with pytest.raises(ValueError, match="not its head applied"):
+        TransformerDrafter(model, torch.arange(8))
+    with pytest.raises(ValueError, match="distinct"):
+        TransformerDrafter(copy.deepcopy(target), torch.tensor([1, 1]))

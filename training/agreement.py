@@ -351,9 +351,10 @@ def plot_agreement(metrics: Path | dict[str, Path], out: Path) -> bool:
 def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *, gammas: Sequence[int] = (1, 3, 5),
                       max_sequences: int | None = None, max_len: int = 2048, batch_size: int = 4,
                       device: str = "cpu") -> dict:
-    """Agreement and tau of a saved drafter (`MambaDrafter.from_pretrained`) with a target (HF directory, hub id,
-    .gguf or 'smollm2'), on a held-out file rendered with the target's tokenizer."""
-    from mamba_draft import MambaDrafter
+    """Agreement and tau of a saved drafter (`mamba_draft.load_drafter`: a Mamba checkpoint or any small causal
+    LM, with its draft vocabulary) with a target (HF directory, hub id, .gguf or 'smollm2'), on a held-out file
+    rendered with the target's tokenizer."""
+    from mamba_draft import load_drafter
     from mamba_draft.targets import load_causal_lm, load_tokenizer
 
     gammas = check_gammas(gammas)
@@ -362,7 +363,7 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
     tokenizer = load_tokenizer(target_path)
     rows, skipped = load_heldout(heldout_path, tokenizer, max_len, max_sequences)
     target = load_causal_lm(target_path, device=device, attn_implementation=None)
-    drafter = MambaDrafter.from_pretrained(drafter_path, device=device, embedding=target.get_input_embeddings().weight)
+    drafter = load_drafter(drafter_path, device=device, embedding=target.get_input_embeddings().weight)
     if len(tokenizer) > drafter.input_vocab_size:
         raise ValueError(f"the target's tokenizer has {len(tokenizer)} tokens but the drafter reads only "
                          f"{drafter.input_vocab_size}: drafter and target must share a tokenizer")
