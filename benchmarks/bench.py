@@ -231,6 +231,8 @@ def summarize(method: Method, runs: dict, prompts: list[Prompt], references) -> 
         total = sum(r["wall_time"] for r in drafted)
         out["time_split"] = {"draft": sum(r["draft_time"] for r in drafted) / total,
                              "verify": sum(r["verify_time"] for r in drafted) / total}
+        # the drafter's state at its largest (a Transformer's KV rows grow with the context, a Mamba's stay fixed)
+        out["drafter_state_mib"] = max(r.get("drafter_state_bytes", 0) for r in drafted) / 2**20
     if references is not None:
         out["equality"] = equality(references, mine)
     return out
@@ -252,6 +254,11 @@ def equality_cell(summary: dict) -> str:
     return f"lossy: {eq['n_identical']}/{eq['n_prompts']} identical, prefix agreement {eq['prefix_agreement']:.2f}"
 
 
+def state_cell(summary: dict) -> str:
+    mib = summary.get("drafter_state_mib")
+    return "–" if not mib else f"{mib:.2f} MiB"
+
+
 def reference_text(result: dict) -> str:
     return {"ar": "plain decoding (ar)"}.get(result.get("reference"), "target greedy")
 
@@ -259,9 +266,9 @@ def reference_text(result: dict) -> str:
 def markdown_report(result: dict) -> str:
     cfg = result["config"]
     reference = reference_text(result)
-    header = ["method", "verifier", "tokens/s", "τ", "speedup", "vs", f"output vs {reference}"]
+    header = ["method", "verifier", "tokens/s", "τ", "speedup", "vs", "drafter state", f"output vs {reference}"]
     rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
-             fmt_mean_std(s["tau"]), fmt_mean_std(s["speedup"]) + "×", s["baseline"], equality_cell(s)]
+             fmt_mean_std(s["tau"]), fmt_mean_std(s["speedup"]) + "×", s["baseline"], state_cell(s), equality_cell(s)]
             for name, s in result["methods"].items()]
     text = (f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, "
             f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}.{bandit_memory_text(cfg)}\n\n"

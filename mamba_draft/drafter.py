@@ -1,6 +1,6 @@
 """The drafter interface the tree engine drafts with, and the one loader every command uses.
 
-A drafter is an `nn.Module` with an explicit state of rows (`allocate_state(rows)`: `max_batch`, `device`,
+A drafter is an `nn.Module` with an explicit state of rows (`allocate_state(rows)`: `max_batch`, `device`, `nbytes`,
 `rows(start, stop)` views, `gather_(dst, src_rows)` forks, `reset_()`), and:
 
     prefill(ids (B, L), state) -> (last logits (B, V), state)    encode rows [0:B] from scratch

@@ -34,6 +34,11 @@ class DrafterState:
     def device(self) -> torch.device:
         return self.conv.device
 
+    @property
+    def nbytes(self) -> int:
+        """Memory of these rows' buffers: fixed, whatever the context."""
+        return self.conv.nbytes + self.ssm.nbytes
+
     def rows(self, start: int, stop: int) -> "DrafterState":
         """A state viewing rows [start:stop] of this one (no copy: writes through)."""
         if not 0 <= start < stop <= self.max_batch:

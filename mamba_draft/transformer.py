@@ -78,6 +78,11 @@ class KVState:
     def lengths(self) -> torch.Tensor:
         return self.store.lengths[self.start : self.stop]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory of the whole store's caches (every row, at the capacity the longest row has grown it to)."""
+        return sum(t.nbytes for cache in (self.store.keys, self.store.values) for t in cache)
+
     def rows(self, start: int, stop: int) -> KVState:
         if not 0 <= start < stop <= self.max_batch:
             raise IndexError(f"rows [{start}:{stop}] out of range for a state of {self.max_batch} rows")

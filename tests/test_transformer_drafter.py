@@ -188,3 +188,20 @@ def test_a_draft_vocabulary_is_refused_where_logits_are_not_head_times_state(pai
         TransformerDrafter(model, torch.arange(8))
     with pytest.raises(ValueError, match="distinct"):
         TransformerDrafter(copy.deepcopy(target), torch.tensor([1, 1]))
+
+
+def test_runs_report_the_drafter_state_memory(pair, tmp_path, monkeypatch):
+    """stats.drafter_state_bytes: a Transformer drafter's KV rows grow with the context, a Mamba drafter's state
+    does not; a run that never drafts reports 0."""
+    monkeypatch.setattr(transformer_module, "INITIAL_SLOTS", 8)
+    target, _, prompts, _ = pair
+    short, long = torch.tensor([prompts[1]]), torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(4))
+    for drafter in (one_layer_copy(target), aligned_drafter(tmp_path, copy.deepcopy(target))):
+        sizes = [generate(target, drafter, ids, max_new_tokens=8, tree="2,1").stats.drafter_state_bytes
+                 for ids in (short, long)]
+        assert sizes[0] > 0
+        if isinstance(drafter, TransformerDrafter):  # 8 slots per row held the short call; the long one needs > 40
+            assert sizes[1] > 5 * sizes[0]
+        else:
+            assert sizes[1] == sizes[0]
+    assert generate(target, one_layer_copy(target), short, max_new_tokens=4, tree="none").stats.drafter_state_bytes == 0

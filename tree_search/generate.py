@@ -191,7 +191,7 @@ def speculate(target, drafter, prompts, attention_mask, batch: bool, max_new_tok
         if arm is not None:
             policy.update(arm, reward_tokens, *times)
     return run.finish(target_state, drafter_calls=strategy.calls, drafter_calls_saved=strategy.calls_saved,
-                      arms=policy.summary())
+                      drafter_state_bytes=strategy.state_bytes if logits is not None else 0, arms=policy.summary())
 
 
 def verify(target_state, verifier: Verifier, draft: Draft, params: SamplingParams, generators, mode: str,
