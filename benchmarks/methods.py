@@ -216,7 +216,8 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     s = result.stats
     record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
               "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,
-              "lossy_accepts": s.lossy_accepts, "drafter_state_bytes": s.drafter_state_bytes, "arm_pulls": {a: v["pulls"] - before.get(a, 0) for a, v in s.arms.items()}}
+              "lossy_accepts": s.lossy_accepts, "drafter_state_bytes": s.drafter_state_bytes,
+              "arm_pulls": {a: v["pulls"] - before.get(a, 0) for a, v in s.arms.items()}}
     if mask is None:
         return result.new_tokens[0].tolist(), record
     return result.new_tokens, record | {"batch_rounds": s.rounds}

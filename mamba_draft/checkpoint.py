@@ -148,6 +148,21 @@ def load_checkpoint(path: str | os.PathLike, revision: str | None = None,
     return config, tensors
 
 
+def check_draft_ids(draft_ids, vocab: int, device=None, vocab_name: str = "") -> torch.Tensor:
+    """A draft vocabulary as a long tensor on `device`: non-empty, 1-D, integer, distinct ids in [0, vocab)
+    (`vocab_name`, e.g. "the target's vocabulary ", names that range in the error)."""
+    ids = torch.as_tensor(draft_ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"draft vocabulary ids must lie in {vocab_name}[0, {vocab}), got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")
+    if torch.unique(ids).numel() != ids.numel():  # a repeated id would get only one column's share of q
+        raise ValueError("draft vocabulary ids must be distinct")
+    return ids.to(device=device, dtype=torch.long)
+
+
 def read_draft_ids(path: str | os.PathLike) -> torch.Tensor | None:
     """The draft vocabulary's id map (`d2t`) of a draft_vocab.safetensors file or of a model directory holding
     one; None when there is none."""

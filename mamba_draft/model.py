@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import DRAFT_IDS
+from .checkpoint import DRAFT_IDS, check_draft_ids
 from .config import MambaConfig
 from .kernels import load_kernels
 from .state import DrafterState
@@ -369,16 +369,7 @@ class MambaDrafter(nn.Module):
         if draft_ids is None:
             self.draft_ids = self.draft_head = None
             return
-        ids = torch.as_tensor(draft_ids)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} "
-                             f"{tuple(ids.shape)}")
-        ids = ids.to(device=self.device, dtype=torch.long)
-        real = self.config.real_vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= real:
-            raise ValueError(f"draft vocabulary ids must lie in [0, {real}), got [{int(ids.min())}, {int(ids.max())}]")
-        if torch.unique(ids).numel() != ids.numel():
-            raise ValueError("draft vocabulary ids must be distinct")
+        ids = check_draft_ids(draft_ids, self.config.real_vocab_size, self.device)
         self.draft_ids = ids
         self.draft_head = self.lm_head.weight[ids].detach().clone()
 

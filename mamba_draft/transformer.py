@@ -24,6 +24,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from .checkpoint import check_draft_ids
+
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
 HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -199,21 +201,12 @@ class TransformerDrafter(nn.Module):
         if draft_ids is None:
             self.draft_ids = self.draft_head = self.draft_bias = None
             return
-        ids = torch.as_tensor(draft_ids)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} "
-                             f"{tuple(ids.shape)}")
-        full = int(self.model.get_output_embeddings().weight.shape[0])
-        if int(ids.min()) < 0 or int(ids.max()) >= full:
-            raise ValueError(f"draft vocabulary ids must lie in [0, {full}), got [{int(ids.min())}, {int(ids.max())}]")
-        if torch.unique(ids).numel() != ids.numel():
-            raise ValueError("draft vocabulary ids must be distinct")
+        head = self.model.get_output_embeddings()
+        ids = check_draft_ids(draft_ids, int(head.weight.shape[0]), head.weight.device)
         transforms = [name for name in HEAD_TRANSFORMS if getattr(self.config, name, None) not in (None, 1, 1.0)]
         if transforms:
             raise ValueError(f"{type(self.model).__name__} transforms its logits ({', '.join(transforms)}): a draft "
                              "vocabulary would score its ids differently; use the full vocabulary")
-        head = self.model.get_output_embeddings()
-        ids = ids.to(device=head.weight.device, dtype=torch.long)
         bias = getattr(head, "bias", None)
         draft_head, draft_bias = head.weight[ids].detach().clone(), None if bias is None else bias[ids].detach().clone()
         # the body's last hidden state times the head rows must be the model's own logits: check on a probe

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mamba_draft.checkpoint import check_draft_ids
 from tree_search.bandit import FixedPolicy, UCBBandit
 from tree_search.sampling import SamplingParams
 from tree_search.target import (
@@ -185,16 +186,7 @@ def check_draft_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
             f"vocabulary mismatch: the drafter reads {reads} token ids but {owner} has {needed}; a drafter with a "
             "draft vocabulary must still read every token the target can commit"
         )
-    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"draft vocabulary must be a non-empty 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= target_vocab:
-        raise ValueError(
-            f"draft vocabulary ids must lie in the target's vocabulary [0, {target_vocab}), got [{low}, {high}]"
-        )
-    if torch.unique(ids).numel() != ids.numel():  # a repeated id would get only one column's share of q
-        raise ValueError("draft vocabulary ids must be distinct")
-    return ids.numel()
+    return check_draft_ids(ids, target_vocab, vocab_name="the target's vocabulary ").numel()
 
 
 def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
