@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -180,17 +181,24 @@ class TransformerDrafter(nn.Module):
     def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         revision: str | None = None) -> TransformerDrafter:
         """A local HF causal-LM directory or hub id (sdpa attention), with the draft vocabulary a local directory
-        stores (`draft_vocab.safetensors`, as training writes it)."""
-        from pathlib import Path
-
+        stores (`draft_vocab.safetensors`, as training writes it). A model transformers cannot load raises OSError
+        with the first sentence of its reason; a bad stored vocabulary, ValueError naming the file."""
         from transformers import AutoModelForCausalLM
 
-        from .checkpoint import read_draft_ids
+        from .checkpoint import DRAFT_VOCAB, read_draft_ids
 
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
-                                                     attn_implementation="sdpa")
-        draft_ids = read_draft_ids(path) if Path(path).is_dir() else None
-        return cls(model.to(device), draft_ids)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
+                                                         attn_implementation="sdpa")
+        except (ValueError, OSError, KeyError) as err:  # transformers' message runs to a paragraph: its first sentence
+            raise OSError(str(err).split(". ")[0].strip()) from err
+        drafter = cls(model.to(device))
+        if Path(path).is_dir():
+            try:
+                drafter.set_draft_vocab(read_draft_ids(path))
+            except ValueError as err:
+                raise ValueError(f"{Path(path) / DRAFT_VOCAB}: {err}") from err
+        return drafter
 
     @torch.no_grad()
     def set_draft_vocab(self, draft_ids: torch.Tensor | None) -> None:

@@ -190,6 +190,16 @@ def test_a_draft_vocabulary_is_refused_where_logits_are_not_head_times_state(pai
         TransformerDrafter(copy.deepcopy(target), torch.tensor([1, 1]))
 
 
+def test_load_drafter_names_a_bad_stored_draft_vocabulary(pair, tmp_path):
+    from safetensors.torch import save_file
+
+    target, _, _, _ = pair
+    target.save_pretrained(tmp_path)
+    save_file({"d2t": torch.tensor([1, 1, 2])}, str(tmp_path / "draft_vocab.safetensors"))
+    with pytest.raises(ValueError, match=r"^\S*draft_vocab.safetensors: draft vocabulary ids must be distinct$"):
+        load_drafter(tmp_path)
+
+
 def test_runs_report_the_drafter_state_memory(pair, tmp_path, monkeypatch):
     """stats.drafter_state_bytes: a Transformer drafter's KV rows grow with the context, a Mamba drafter's state
     does not; a run that never drafts reports 0."""
