@@ -26,6 +26,8 @@ import torch
 GROUPED, ROW_STABLE = "grouped", "row_stable"
 GATHER_MAX_QUERIES = 64
 BLOCK = 64  # keys per block of a row-stable sum
+LOOP_SUM_MIN = 1 << 14  # elements per block sum above which blocks are added in a loop (_blocks_sum)
+CHUNK = 128  # query rows per product in a long forward (a prefill): bounds memory, skips keys no row of it sees
 
 
 def _scaling(query: torch.Tensor, scaling: float | None) -> float:
@@ -56,6 +58,7 @@ class _Contiguous:
     > 0 behind left padding): a row's logical keys are physical ones shifted by start_b, no gather needed."""
     starts: tuple[int, ...] | None  # per batch row, None when all are 0
     bias: torch.Tensor              # (B, 1, q, whole blocks) float32: 0 where visible, -inf elsewhere
+    chunks: tuple[tuple[int, int, int], ...]  # (first row, stop row, keys the rows see, in whole blocks)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,13 @@ def _layout(attention_mask: torch.Tensor | None, batch: int, queries: int, keys:
         bias = torch.zeros(batch, 1, queries, blocks * BLOCK, device=device)
         bias[:, 0, :, :keys].masked_fill_(~shifted, float("-inf"))
         bias[..., keys:] = float("-inf")
-        layout = _Contiguous(tuple(starts) if any(starts) else None, bias)
+        # a causal prefill's early rows see only the early keys: each chunk of rows multiplies only the blocks its
+        # rows see (whole blocks: what a row's sum adds beyond its own keys is exact zeros either way)
+        seen = shifted.sum(-1).amax(0)  # (q,) keys the row sees, at most, over the batch
+        chunks = tuple((first, min(first + CHUNK, queries),
+                        max(1, -(-int(seen[first:first + CHUNK].max()) // BLOCK)) * BLOCK)
+                       for first in range(0, queries, CHUNK))
+        layout = _Contiguous(tuple(starts) if any(starts) else None, bias, chunks)
     elif queries > GATHER_MAX_QUERIES:
         layout = None  # a long forward with gaps: no method runs one (a prefill is causal); grouped attention
     else:
@@ -114,28 +123,35 @@ def _layout(attention_mask: torch.Tensor | None, batch: int, queries: int, keys:
 def _blocks_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """sum_j probs_j @ values_j over blocks j, added in block order: probs (..., n, M, BLOCK) bf16, values
     (..., n, BLOCK, D) -> (..., M, D) float32. bf16 products, as eager's (fp32 ones round with how many rows a
-    product has on these CPUs; bf16 ones of >= 2 rows do not); a cumulative sum adds the blocks one after another
-    (a block that is all padding adds an exact 0)."""
-    return torch.cumsum(torch.matmul(probs, values), -3, dtype=torch.float32)[..., -1, :, :]
+    product has on these CPUs; bf16 ones of >= 2 rows do not); the blocks are added one after another in float64
+    (a block that is all padding adds an exact 0), as a CPU cumsum accumulates: small sums take one cumsum, large
+    ones (a prefill's) a loop of in-place adds, 8x faster there and the same bits (tests/test_cpu_attention.py)."""
+    parts = torch.matmul(probs, values)
+    if parts[..., 0, :, :].numel() < LOOP_SUM_MIN:
+        return torch.cumsum(parts, -3, dtype=torch.float32)[..., -1, :, :]
+    total = parts[..., 0, :, :].double()
+    for block in range(1, parts.shape[-3]):
+        total += parts[..., block, :, :]
+    return total.float()
 
 
-def _contiguous(layout: _Contiguous, query, key, value, scaling, chunk: int = 256):
+def _contiguous(layout: _Contiguous, query, key, value, scaling):
     batch, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    padded = layout.bias.shape[-1]
     if layout.starts is not None:  # left padding: each batch row's keys from its first visible one
         key = torch.stack([key[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
         value = torch.stack([value[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
-    values = torch.nn.functional.pad(value, (0, 0, 0, padded - keys)).view(batch, kv_heads, -1, BLOCK, dim)
     q = query.reshape(batch, kv_heads, groups, queries, dim)
     outs = []
-    for first in range(0, queries, chunk):  # bounded memory for long prefills
-        rows = q[:, :, :, first:first + chunk]
-        n = rows.shape[3]
-        scores = torch.matmul(rows.reshape(batch, kv_heads, groups * n, dim), key.transpose(-1, -2)) * scaling
-        scores = torch.nn.functional.pad(scores.view(batch, kv_heads, groups, n, keys), (0, padded - keys))
-        probs = torch.softmax(scores + layout.bias[:, :, None, first:first + chunk], dim=-1).to(value.dtype)
+    for first, stop, width in layout.chunks:
+        n, used = stop - first, min(width, keys)
+        values = torch.nn.functional.pad(value[:, :, :used], (0, 0, 0, width - used)).view(batch, kv_heads, -1, BLOCK,
+                                                                                          dim)
+        rows = q[:, :, :, first:stop].reshape(batch, kv_heads, groups * n, dim)
+        scores = torch.matmul(rows, key[:, :, :used].transpose(-1, -2)) * scaling
+        scores = torch.nn.functional.pad(scores.view(batch, kv_heads, groups, n, used), (0, width - used))
+        probs = torch.softmax(scores + layout.bias[:, :, None, first:stop, :width], dim=-1).to(value.dtype)
         probs = probs.view(batch, kv_heads, groups * n, -1, BLOCK).transpose(2, 3)  # (B, KVH, blocks, G*n, BLOCK)
         outs.append(_blocks_sum(probs, values).view(batch, kv_heads, groups, n, dim))
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)).to(query.dtype)  # (B, KVH, G, q, D)

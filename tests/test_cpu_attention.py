@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mamba_draft.cpu_attention import BLOCK, grouped_attention, row_stable_attention
+from mamba_draft.cpu_attention import BLOCK, LOOP_SUM_MIN, _blocks_sum, grouped_attention, row_stable_attention
 from tree_search.tree import Tree
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's attention shape
@@ -105,6 +105,19 @@ def test_a_prefill_row_equals_the_decoding_step_bit_for_bit(length):
     key, value = torch.randn(1, KV_HEADS, length, DIM).bfloat16(), torch.randn(1, KV_HEADS, length, DIM).bfloat16()
     causal = torch.ones(length, length, dtype=torch.bool).tril()[None]
     prefill, _ = row_stable_attention(None, query, key, value, additive(causal, torch.bfloat16))
-    for row in (0, 63, 64, length - 1):
+    for row in (0, 63, 64, 127, 128, 200, length - 1):  # blocks and chunks (CHUNK rows) begin at 64, 128
+        if row >= length:
+            continue
         step, _ = row_stable_attention(None, query[:, :, row:row + 1], key[:, :, :row + 1], value[:, :, :row + 1], None)
         assert torch.equal(step[:, 0], prefill[:, row]), row
+
+
+@pytest.mark.parametrize("rows", [6, 2 * LOOP_SUM_MIN // 64])
+def test_block_sums_by_cumsum_and_by_loop_agree_bit_for_bit(rows):
+    """Small block sums take one cumsum, large ones (prefills) a loop of float64 adds: the same bits, so a prefill
+    row and a decoding step still agree (the row-level check is the prefill test above)."""
+    torch.manual_seed(rows)
+    probs = torch.rand(1, 3, 9, rows, BLOCK).bfloat16()
+    values = (torch.randn(1, 3, 9, BLOCK, DIM) * torch.rand(1, 3, 9, 1, 1) * 100).bfloat16()
+    by_cumsum = torch.cumsum(torch.matmul(probs, values), -3, dtype=torch.float32)[..., -1, :, :]
+    assert torch.equal(_blocks_sum(probs, values), by_cumsum)
