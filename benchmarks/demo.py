@@ -522,18 +522,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="benchmark repeats (default: 1 real, 3 toy, 1 with --quick)")
     parser.add_argument("--max-new-tokens", type=int,
                         help="tokens generated per prompt (default: 32 real, 128 toy; fewer with --quick)")
+    parser.add_argument("--per-category", type=int,
+                        help="real pair: held-out questions per Spec-Bench category (default: 2; 1 with --train, "
+                        "which keeps the rebuild and its benchmark within 30 min on 2 cores)")
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("repeats", "max_new_tokens"):
+    for flag in ("repeats", "max_new_tokens", "per_category"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.cache_dir.exists() and not args.cache_dir.is_dir():
         raise NotADirectoryError(f"--cache-dir {args.cache_dir} is not a directory")
     if args.toy:
-        if args.full or args.prompts or args.train or args.drafter:
-            raise ValueError("--full, --prompts, --train and --drafter apply to the real pair, not --toy")
+        if args.full or args.prompts or args.train or args.drafter or args.per_category:
+            raise ValueError("--full, --prompts, --train, --drafter and --per-category apply to the real pair, not --toy")
         return run_toy(args)
     if args.train and args.drafter:
         raise ValueError("--train builds its own drafter; drop --drafter")
@@ -545,7 +548,8 @@ def run(args: argparse.Namespace) -> int:
 
     full, quick = real_configs()
     cfg = quick if args.quick else full
-    cfg = replace(cfg, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    cfg = replace(cfg, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens,
+                  per_category=args.per_category or (1 if args.train else cfg.per_category))
     result = run_real_demo(cfg, args.cache_dir, args.prompts or SPEC_BENCH, args.out, force=args.force,
                            rebench=args.rebench, full_sweep=args.full, repeats=args.repeats or 1, train=args.train,
                            drafter=args.drafter, threads=getattr(args, "threads", None))

@@ -111,3 +111,21 @@ def test_real_demo_rejects_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         cli.main(["demo", "--drafter", str(tmp_path / "none"), "--cache-dir", str(tmp_path / "c")])
     assert not (tmp_path / "c").exists()
+
+
+def test_per_category_defaults_to_two_and_to_one_with_train(tmp_path, monkeypatch):
+    """--train benchmarks one held-out question per category unless told otherwise (the rebuild and its benchmark
+    within 30 min on 2 cores); bad values and --toy are refused before anything is built."""
+    seen = []
+    monkeypatch.setattr(demo, "run_real_demo", lambda cfg, *a, **k: seen.append(cfg.per_category) or {})
+    monkeypatch.setattr(demo, "print_real", lambda result: None)
+    cache = ["--cache-dir", str(tmp_path / "c")]
+    for args, expected in (([], 2), (["--train"], 1), (["--train", "--per-category", "3"], 3),
+                           (["--per-category", "1"], 1)):
+        assert cli.main(["demo", *args, *cache]) == 0
+        assert seen[-1] == expected, args
+    with pytest.raises(ValueError, match="--per-category must be >= 1"):
+        cli.main(["demo", "--per-category", "0", *cache])
+    with pytest.raises(ValueError, match="apply to the real pair"):
+        cli.main(["demo", "--toy", "--per-category", "1", *cache])
+    assert not (tmp_path / "c").exists()
