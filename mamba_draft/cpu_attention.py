@@ -143,11 +143,13 @@ def _contiguous(layout: _Contiguous, query, key, value, scaling):
         key = torch.stack([key[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
         value = torch.stack([value[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
     q = query.reshape(batch, kv_heads, groups, queries, dim)
+    widest = max(width for _, _, width in layout.chunks)  # pad the values once; each chunk views its blocks
+    padded = torch.nn.functional.pad(value[:, :, :min(widest, keys)], (0, 0, 0, max(0, widest - keys)))
+    padded = padded.view(batch, kv_heads, -1, BLOCK, dim)
     outs = []
     for first, stop, width in layout.chunks:
         n, used = stop - first, min(width, keys)
-        values = torch.nn.functional.pad(value[:, :, :used], (0, 0, 0, width - used)).view(batch, kv_heads, -1, BLOCK,
-                                                                                          dim)
+        values = padded[:, :, :width // BLOCK]
         rows = q[:, :, :, first:stop].reshape(batch, kv_heads, groups * n, dim)
         scores = torch.matmul(rows, key[:, :, :used].transpose(-1, -2)) * scaling
         scores = torch.nn.functional.pad(scores.view(batch, kv_heads, groups, n, used), (0, width - used))
