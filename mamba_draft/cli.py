@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("benchmarks.demo", "train a demo target + drafter on this machine and compare decoding methods"),
     "bench": ("benchmarks.bench", "Spec-Bench-style side-by-side benchmark of decoding methods"),
     "bench-drafters": ("benchmarks.bench_drafters", "drafter step latency and memory vs context length"),
+    "gpu-timings": ("benchmarks.gpu_timings", "GPU timings: drafter steps, tree drafting, verification, projected speedup"),
 }
 
 

@@ -4,7 +4,11 @@
 - CUDA-graph replay of tree drafting against eager drafting (tree_search/graphs.py), shared pool and output lifetime;
 - graphs dropped and lossless output after the drafter's `.to(dtype)` / backend switch;
 - the target's static verify path (tree_search/target.py): captured graphs and torch.compile(mode="reduce-overhead")
-  against the eager static path, and lossless generate through the graphs.
+  against the eager static path, and lossless generate through the graphs;
+- greedy generate at batch 1 and 8, fp32 and bf16, token-identical to the target's own greedy `generate`;
+- no host sync inside captured drafting or a captured verify + commit.
+
+`scripts/gpu_check.sh` runs this file and the timings (`benchmarks/gpu_timings.py`) on a GPU machine.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import pytest
 import torch
 
 from mamba_draft.kernels import kernels_available
-from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_causal_lm, tiny_llama
+from benchmarks.gpu_timings import count_syncs
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama
 from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
@@ -178,3 +183,44 @@ def test_static_verify_compiled_with_reduce_overhead_equals_eager():
     compiled.forward = torch.compile(target, mode="reduce-overhead", fullgraph=True)
     for want, got in zip(eager, _static_rounds(compiled, prompt, rounds), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_batch_1_and_8_equal_the_targets_generate(tmp_path, kind, dtype):
+    target = tiny_causal_lm(kind, vocab=VOCAB)
+    drafter = aligned_drafter(tmp_path, target)
+    target, drafter = target.to("cuda", dtype), drafter.to("cuda", dtype)
+    rows = [p.to("cuda") for p in prompts(VOCAB, 8, seed=3, min_len=3)]
+    references = [hf_greedy(target, p, 24) for p in rows]
+    one = generate(target, drafter, rows[0], max_new_tokens=24, tree="3,2,1", temperature=0.0)
+    assert torch.equal(one.tokens, references[0])
+    batch = generate(target, drafter, [p[0].tolist() for p in rows], max_new_tokens=24, tree="3,2,1",
+                     temperature=0.0)
+    for b, (row, reference) in enumerate(zip(batch.rows, references, strict=True)):
+        assert torch.equal(row.tokens, reference), f"row {b} diverged"
+
+
+def test_captured_drafting_and_verification_make_no_host_sync(tmp_path):
+    """Once captured, drafting a tree (graph replays per level) and verifying + committing it (static cache,
+    captured forward and commit) never wait for the device: the round's only sync is reading its verdict."""
+    target = tiny_llama(vocab=VOCAB).to("cuda")
+    drafter = aligned_drafter(tmp_path, target).to("cuda")
+    config = TreeConfig((3, 2, 1))
+    drafts = TreeDrafter(drafter, len(config.build()), VOCAB)
+    prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
+    logits = drafts.prefill(prompt)
+    draft = lambda: drafts.draft(config, prompt[0, -1], logits, GREEDY, "topk", False, None)  # noqa: E731
+    draft()  # captures
+    assert count_syncs(draft) == 0
+    state = TargetState(target, static=True, max_len=64, graphs=True)
+    state.prefill(prompt)
+    tree = config.build()
+    tokens = torch.randint(0, VOCAB, (len(tree),), device="cuda")
+
+    def verify():
+        state.tree_forward(tokens, tree)
+        state.commit([1, 4], len(tree))
+
+    verify()  # captures
+    assert count_syncs(verify) == 0

@@ -1,0 +1,446 @@
+"""The GPU timings: drafter step (eager vs CUDA graph, torch vs kernels), tree drafting per shape, target verification
+by tree size (dynamic vs static vs captured), the projected speedup at the paper's τ, batched trees vs batched
+plain decoding, and the host syncs in a round. One JSON and one markdown table (plus two plots) under --out.
+
+Random weights of real shapes (no downloads): a Mamba-130M-shaped drafter (d 768 × 24, Mamba-1) and Pythia-1.4B /
+6.9B-shaped GPT-NeoX targets, bf16. `scripts/gpu_check.sh` runs it on a GPU machine; `--smoke` runs tiny shapes
+and few iterations anywhere (on CPU: eager and static paths only), which is how the suite checks this script.
+
+Projected speedup = τ · T_target / T_round, T_round = drafting the tree (graphs) + verifying and committing it
+(captured): what a round costs when everything between kernels is gone, at the τ the paper measured.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.report import line_plot, markdown_table, write_json, write_text
+from mamba_draft.devices import check_device
+
+CHAINS = tuple((1,) * depth for depth in range(1, 9))
+TREES = ((3, 2, 2, 1, 1), (3, 3, 2, 1), (2, 2, 2, 1, 1, 1))
+CHAIN5 = (1, 1, 1, 1, 1)
+# the paper's τ (Mamba Drafters, Pythia-6.9B target): a 5-chain, and the (3,2,2,1,1) tree
+PAPER_TAU = {CHAIN5: 3.08, (3, 2, 2, 1, 1): 3.91}
+# verification by tree size: the root alone, a 5-chain, (3,2,1), (3,2,2,1,1) (1 + 3 + 6 + 12 + 12 + 12 = 46 nodes)
+VERIFY_TREES = {1: (), 6: CHAIN5, 16: (3, 2, 1), 46: (3, 2, 2, 1, 1)}
+
+
+@dataclass
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int
+
+
+@dataclass
+class GpuTimingConfig:
+    drafter: dict = field(default_factory=lambda: {"arch": "mamba1", "d_model": 768, "n_layer": 24,
+                                                   "vocab_size": 50280})
+    targets: dict = field(default_factory=lambda: {
+        "pythia-1.4b": Shape(2048, 24, 16, 8192, 50304), "pythia-6.9b": Shape(4096, 32, 32, 16384, 50432)})
+    batches: tuple[int, ...] = (1, 3, 6, 12, 24, 48)
+    prefix: int = 512          # cached tokens before every timed verification
+    batch: int = 8             # batched trees vs batched plain decoding
+    iters: int = 50
+    warmup: int = 5
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+
+
+def smoke_config(device: str) -> GpuTimingConfig:
+    return GpuTimingConfig(drafter={"arch": "mamba1", "d_model": 32, "n_layer": 2, "vocab_size": 96},
+                           targets={"tiny-neox": Shape(64, 2, 4, 128, 104)}, batches=(1, 3), prefix=16, batch=2,
+                           iters=2, warmup=1, dtype="float32", device=device)
+
+
+class Clock:
+    """Mean milliseconds of back-to-back calls: CUDA events around the loop (one sync at its end) on a GPU."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
+        self.device, self.iters, self.warmup = device, iters, warmup
+
+    def ms(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        if self.device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            for _ in range(self.iters):
+                fn()
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop) / self.iters
+        started = time.perf_counter()
+        for _ in range(self.iters):
+            fn()
+        return (time.perf_counter() - started) * 1e3 / self.iters
+
+
+def build_drafter(cfg: GpuTimingConfig, device: torch.device, dtype: torch.dtype):
+    from mamba_draft import MambaDrafter
+    from mamba_draft.config import MambaConfig
+
+    torch.manual_seed(0)
+    return MambaDrafter(MambaConfig(**cfg.drafter), backend="torch").to(device=device, dtype=dtype).eval()
+
+
+def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
+    """A GPT-NeoX (Pythia) of `shape`, random weights, created on the device (a 6.9B model never sits on the host)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                           num_attention_heads=shape.heads, intermediate_size=shape.intermediate,
+                           max_position_embeddings=4096, rotary_pct=0.25, use_parallel_residual=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPTNeoXForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def backends(drafter) -> list[str]:
+    from mamba_draft.kernels import kernels_available
+
+    return ["torch"] + (["kernels"] if drafter.device.type == "cuda" and kernels_available() else [])
+
+
+def graph_modes(device: torch.device) -> list[bool]:
+    return [False, True] if device.type == "cuda" else [False]
+
+
+def time_drafter_steps(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+    """One step of B rows, eager and replayed from a graph, per backend."""
+    from tree_search.graphs import StepRunner
+
+    rows = []
+    state = drafter.allocate_state(max(cfg.batches))
+    for backend in backends(drafter):
+        drafter.set_backend(backend)
+        for graphs in graph_modes(drafter.device):
+            runner = StepRunner(drafter, state, use_graphs=graphs)
+            for batch in cfg.batches:
+                tokens = torch.randint(0, drafter.vocab_size, (batch,), device=drafter.device)
+                rows.append({"backend": backend, "graphs": graphs, "batch": batch,
+                             "ms": clock.ms(lambda: runner.run(0, batch, tokens))})
+            runner.invalidate()
+    drafter.set_backend("torch")
+    return rows
+
+
+def time_tree_drafting(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+    """Drafting a whole tree from the root's logits (graphs on CUDA, the drafter's best backend), per shape."""
+    from tree_search.drafting import TreeDrafter
+    from tree_search.sampling import SamplingParams
+    from tree_search.tree import TreeConfig
+
+    drafter.set_backend(backends(drafter)[-1])
+    greedy = SamplingParams(temperature=0.0)
+    configs = [TreeConfig(c) for c in CHAINS + TREES]
+    drafts = TreeDrafter(drafter, max(len(c.build()) for c in configs), drafter.vocab_size)
+    prompt = torch.randint(0, drafter.vocab_size, (1, 32), device=drafter.device)
+    logits = drafts.prefill(prompt)
+    root = prompt[0, -1]
+    rows = [{"tree": c.branching, "nodes": len(c.build()),
+             "ms": clock.ms(lambda: drafts.draft(c, root, logits, greedy, "topk", False, None))} for c in configs]
+    drafts.runner.invalidate()
+    drafter.set_backend("torch")
+    chain5 = next(r["ms"] for r in rows if r["tree"] == CHAIN5)
+    for r in rows:
+        r["vs_chain5"] = r["ms"] / chain5
+    return rows
+
+
+def verify_modes(device: torch.device) -> dict[str, dict]:
+    modes = {"dynamic": {"static": False}, "static": {"static": True}}
+    if device.type == "cuda":
+        modes["captured"] = {"static": True, "graphs": True}
+    return modes
+
+
+def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+    """A forward over the root + tree after `prefix` cached tokens and its commit (the root kept), per tree size and
+    cache kind. The cache grows by one token per call: max_len leaves room for every call."""
+    from tree_search.target import TargetState
+    from tree_search.tree import Tree, TreeConfig
+
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    calls = (clock.iters + clock.warmup + 2) * len(VERIFY_TREES)
+    rows = []
+    for mode, kwargs in verify_modes(device).items():
+        state = TargetState(model, max_len=cfg.prefix + calls + max(VERIFY_TREES) + 1, **kwargs)
+        state.prefill(torch.randint(0, vocab, (1, cfg.prefix), device=device))
+        for size, branching in VERIFY_TREES.items():
+            tree = TreeConfig(branching).build() if branching else Tree((-1,))
+            tokens = torch.randint(0, vocab, (size,), device=device)
+
+            def verify():
+                state.tree_forward(tokens, tree)
+                state.commit([], size)
+
+            rows.append({"mode": mode, "tokens": size, "ms": clock.ms(verify)})
+        del state
+    return rows
+
+
+def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+    """B prompts: one plain decoding step of every row vs drafting B trees + verifying them in one forward."""
+    from tree_search.drafting import TreeDrafter
+    from tree_search.sampling import SamplingParams
+    from tree_search.target import BatchTargetState
+    from tree_search.tree import TreeConfig
+
+    device, batch = drafter.device, cfg.batch
+    vocab = min(model.config.vocab_size, drafter.vocab_size)
+    drafter.set_backend(backends(drafter)[-1])
+    greedy = SamplingParams(temperature=0.0)
+    state = BatchTargetState(model)
+    prompts = torch.randint(0, vocab, (batch, cfg.prefix), device=device)
+    state.prefill(prompts)
+    roots = prompts[:, -1]
+    rows = [{"tree": (), "ms": clock.ms(lambda: state.decode(roots)), "draft_ms": 0.0}]
+    for branching, tau in PAPER_TAU.items():
+        config = TreeConfig(branching)
+        nodes = len(config.build())
+        drafts = TreeDrafter(drafter, batch * nodes + batch, model.config.vocab_size)
+        logits = drafts.prefill_batch(prompts)
+
+        def draft():
+            return drafts.draft_batch(config, roots, logits, greedy, "topk", False, None)
+
+        tokens = draft().tokens.clone()
+        tree = config.build()
+
+        def verify():
+            state.tree_forward(tokens, tree)
+            state.commit([[] for _ in range(batch)])
+
+        rows.append({"tree": branching, "ms": clock.ms(verify), "draft_ms": clock.ms(draft), "tau": tau})
+        drafts.runner.invalidate()
+    drafter.set_backend("torch")
+    plain = rows[0]["ms"]
+    for r in rows[1:]:
+        r["projected_speedup"] = r["tau"] * plain / (r["ms"] + r["draft_ms"])
+    return rows
+
+
+class SharedVocab:
+    """The tokenizer both random models stand for, as far as `generate`'s vocabulary check reads one (its length):
+    Pythia pads GPT-NeoX's vocabulary to 50304 / 50432 rows, the Mamba-130M drafter to 50280."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def count_syncs(fn) -> int | None:
+    """Host syncs `fn` makes (torch's CUDA sync debug mode, one warning each); off CUDA `fn` runs and None."""
+    if not torch.cuda.is_available():
+        fn()
+        return None
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def sync_counts(model, drafter, device: torch.device) -> dict:
+    """Syncs in a captured drafting pass and a captured verify + commit (both should be 0), and per round of a
+    whole `generate` call (one is the round's verdict, copied to the host). Off CUDA the same calls run eager and
+    the counts are None."""
+    from tree_search.drafting import TreeDrafter
+    from tree_search.generate import generate
+    from tree_search.sampling import SamplingParams
+    from tree_search.target import TargetState
+    from tree_search.tree import TreeConfig
+
+    config = TreeConfig((3, 2, 2, 1, 1))
+    vocab = min(model.config.vocab_size, drafter.vocab_size)
+    drafter.set_backend(backends(drafter)[-1])
+    drafts = TreeDrafter(drafter, len(config.build()), drafter.vocab_size)
+    prompt = torch.randint(0, vocab, (1, 64), device=device)
+    logits = drafts.prefill(prompt)
+    greedy = SamplingParams(temperature=0.0)
+    for _ in range(2):  # capture first
+        drafts.draft(config, prompt[0, -1], logits, greedy, "topk", False, None)
+    drafting = count_syncs(lambda: drafts.draft(config, prompt[0, -1], logits, greedy, "topk", False, None))
+    tree = config.build()
+    state = TargetState(model, static=True, max_len=256, graphs=device.type == "cuda")
+    state.prefill(prompt)
+    tokens = torch.randint(0, vocab, (len(tree),), device=device)
+
+    def verify():
+        state.tree_forward(tokens, tree)
+        state.commit([1, 4], len(tree))
+
+    verify()
+    verifying = count_syncs(verify)
+    rounds: list[int] = []
+
+    def call():
+        result = generate(model, drafter, prompt, max_new_tokens=32, tree=config, temperature=0.0, verifier="greedy",
+                          tokenizer=SharedVocab(vocab))
+        rounds.append(result.stats.rounds)
+
+    call()
+    whole = count_syncs(call)
+    return {"captured_drafting": drafting, "captured_verify_commit": verifying, "generate_syncs": whole,
+            "generate_rounds": rounds[-1], "syncs_per_round": None if whole is None else whole / max(rounds[-1], 1)}
+
+
+def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    clock = Clock(device, cfg.iters, cfg.warmup)
+    drafter = build_drafter(cfg, device, dtype)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+              "torch": torch.__version__, "config": asdict(cfg), "backends": backends(drafter)}
+    progress("drafter steps")
+    result["drafter_steps"] = time_drafter_steps(drafter, cfg, clock)
+    progress("tree drafting")
+    result["tree_drafting"] = time_tree_drafting(drafter, cfg, clock)
+    result["targets"] = {}
+    for name, shape in cfg.targets.items():
+        progress(f"target {name}")
+        model = build_target(shape, device, dtype)
+        entry = {"verify": time_verification(model, cfg, clock)}
+        entry["batched"] = time_batched(model, drafter, cfg, clock)
+        entry["syncs"] = sync_counts(model, drafter, device)
+        result["targets"][name] = entry
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["projected"] = projected(result)
+    return result
+
+
+def projected(result: dict) -> list[dict]:
+    """τ · T_target / T_round per target and paper shape, from the fastest verification mode measured."""
+    drafting = {tuple(r["tree"]): r["ms"] for r in result["tree_drafting"]}
+    rows = []
+    for name, entry in result["targets"].items():
+        best = {}
+        for r in entry["verify"]:
+            best[r["tokens"]] = min(best.get(r["tokens"], float("inf")), r["ms"])
+        for branching, tau in PAPER_TAU.items():
+            size = 1 + sum(_level_sizes(branching))
+            verify = best.get(size)
+            if verify is None:
+                continue
+            round_ms = drafting[branching] + verify
+            rows.append({"target": name, "tree": branching, "tau": tau, "target_ms": best[1], "draft_ms":
+                         drafting[branching], "verify_ms": verify, "round_ms": round_ms,
+                         "speedup": tau * best[1] / round_ms})
+    return rows
+
+
+def _level_sizes(branching) -> list[int]:
+    sizes, width = [], 1
+    for n in branching:
+        width *= n
+        sizes.append(width)
+    return sizes
+
+
+def markdown_report(result: dict) -> str:
+    fmt = lambda v: f"{v:.3f}"  # noqa: E731
+    out = [f"# GPU timings on {result['device']} (torch {result['torch']}, {result['config']['dtype']})", ""]
+    steps = result["drafter_steps"]
+    batches = sorted({r["batch"] for r in steps})
+    d = result["config"]["drafter"]
+    out += [f"## Drafter step (ms), {d['arch']} d{d['d_model']} x {d['n_layer']}, vocab {d['vocab_size']}", ""]
+    rows = []
+    for backend in result["backends"]:
+        for graphs in sorted({r["graphs"] for r in steps}):
+            ms = {r["batch"]: r["ms"] for r in steps if r["backend"] == backend and r["graphs"] == graphs}
+            rows.append([backend, "graph" if graphs else "eager"] + [fmt(ms[b]) for b in batches])
+    out += [markdown_table(["backend", "mode"] + [f"B={b}" for b in batches], rows)]
+    out += ["## Tree drafting (ms, whole tree)", ""]
+    out += [markdown_table(["tree", "nodes", "ms", "vs 5-chain"],
+                           [[",".join(map(str, r["tree"])), r["nodes"], fmt(r["ms"]), f"{r['vs_chain5']:.2f}"]
+                            for r in result["tree_drafting"]])]
+    for name, entry in result["targets"].items():
+        modes = list(dict.fromkeys(r["mode"] for r in entry["verify"]))
+        sizes = sorted({r["tokens"] for r in entry["verify"]})
+        ms = {(r["mode"], r["tokens"]): r["ms"] for r in entry["verify"]}
+        out += [f"## {name}: verify + commit (ms) by tree size", ""]
+        out += [markdown_table(["mode"] + [f"{s} tokens" for s in sizes],
+                               [[m] + [fmt(ms[m, s]) for s in sizes] for m in modes])]
+        out += [f"## {name}: batch {result['config']['batch']}, trees vs plain decoding", ""]
+        out += [markdown_table(["tree", "verify ms", "draft ms", "τ", "projected speedup"],
+                               [[",".join(map(str, r["tree"])) or "plain", fmt(r["ms"]), fmt(r["draft_ms"]),
+                                 r.get("tau", 1.0), f"{r.get('projected_speedup', 1.0):.2f}"] for r in entry["batched"]])]
+        if entry["syncs"].get("generate_syncs") is not None:
+            out += [f"host syncs — captured drafting: {entry['syncs']['captured_drafting']}, captured verify + commit:"
+                    f" {entry['syncs']['captured_verify_commit']}, a whole generate call: "
+                    f"{entry['syncs']['generate_syncs']} in {entry['syncs']['generate_rounds']} rounds", ""]
+    out += ["## Projected speedup = τ · T_target / T_round (batch 1)", ""]
+    out += [markdown_table(["target", "tree", "τ", "T_target ms", "draft ms", "verify ms", "speedup"],
+                           [[r["target"], ",".join(map(str, r["tree"])), r["tau"], fmt(r["target_ms"]),
+                             fmt(r["draft_ms"]), fmt(r["verify_ms"]), f"{r['speedup']:.2f}"]
+                            for r in result["projected"]])]
+    return "\n".join(out)
+
+
+def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "gpu_timings.json", "markdown": out_dir / "gpu_timings.md",
+             "steps_png": out_dir / "gpu_drafter_steps.png", "verify_png": out_dir / "gpu_verify.png"}
+    write_json(paths["json"], result)
+    write_text(paths["markdown"], markdown_report(result))
+    steps = result["drafter_steps"]
+    batches = sorted({r["batch"] for r in steps})
+    series = {f"{b} {'graph' if g else 'eager'}": [next(r["ms"] for r in steps if (r["backend"], r["graphs"],
+                                                                                    r["batch"]) == (b, g, n))
+                                                   for n in batches]
+              for b in result["backends"] for g in sorted({r["graphs"] for r in steps})}
+    line_plot(paths["steps_png"], batches, series, f"Drafter step ({result['device']})", "batch", "ms")
+    verify = {}
+    for name, entry in result["targets"].items():
+        for r in entry["verify"]:
+            verify.setdefault(f"{name} {r['mode']}", []).append(r["ms"])
+    sizes = sorted({r["tokens"] for e in result["targets"].values() for r in e["verify"]})
+    line_plot(paths["verify_png"], sizes, verify, f"Verify + commit ({result['device']})", "tree tokens", "ms")
+    return paths
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON, markdown and plots")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations: checks the script runs")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 50)")
+    parser.add_argument("--targets", nargs="+", default=None, help="target shapes to time (default: all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_device(args.device)
+    cfg = smoke_config(args.device) if args.smoke else GpuTimingConfig(device=args.device)
+    if args.iters is not None:
+        if args.iters < 1:
+            raise ValueError(f"--iters must be >= 1, got {args.iters}")
+        cfg.iters = args.iters
+    if args.targets:
+        unknown = sorted(set(args.targets) - set(cfg.targets))
+        if unknown:
+            raise ValueError(f"unknown --targets {unknown}; choose from {sorted(cfg.targets)}")
+        cfg.targets = {k: v for k, v in cfg.targets.items() if k in args.targets}
+    result = run_timings(cfg, progress=lambda what: print(f"[gpu-timings] {what}", flush=True))
+    paths = write_outputs(result, args.out)
+    print(markdown_report(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
