@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -25,7 +24,7 @@ from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.graphs import StepRunner
-from tree_search.target import TargetState
+from tree_search.target import _STATES, TargetState
 from tree_search.tree import Tree, TreeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -149,7 +148,7 @@ def _random_rounds(count: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox", "qwen2"])
-def test_static_verify_graphs_equal_eager_and_stay_lossless(tmp_path, monkeypatch, kind):
+def test_static_verify_graphs_equal_eager_and_stay_lossless(tmp_path, kind):
     """TargetState(static=True, graphs=True): one captured forward per (tree size, want_hidden) and one commit per
     tree size, replayed with the same outputs and cache as the eager static path; generate through it stays
     token-identical to the target's own greedy generate."""
@@ -163,12 +162,11 @@ def test_static_verify_graphs_equal_eager_and_stay_lossless(tmp_path, monkeypatc
     for want, got in zip(eager, graphed, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert set(graphed_state._sizes) == {16, 7, 1} and graphed_state._sizes[16].graphs.keys() == {False, True, "commit"}
-    generate_module = importlib.import_module("tree_search.generate")
-    monkeypatch.setattr(generate_module, "TargetState",
-                        lambda model: TargetState.for_model(model, max_len=5 + 24 + 16, static=True, graphs=True))
     reference = hf_greedy(target, prompt, 24)
-    for tree in ("3,2,1", "2,2,1", "none"):
+    for tree in ("3,2,1", "2,2,1", "none"):  # generate's own state: static and captured on CUDA
         assert torch.equal(generate(target, drafter, prompt, max_new_tokens=24, tree=tree).tokens, reference)
+    state = _STATES[target]
+    assert state.use_graphs and {16, 11, 1} <= set(state._sizes) and state._sizes[16].graphs
     assert torch.equal(generate_autoregressive(target, prompt, max_new_tokens=24).tokens, reference)
 
 

@@ -330,7 +330,8 @@ class Run:
         there) holding prompt + max_new_tokens + the widest tree, in batched shapes. Several: a BatchTargetState."""
         if self.batch > 1 or self.batched:
             return BatchTargetState(target)
-        return OneRow(TargetState.for_model(target, max_len=self.ids.shape[1] + self.max_new_tokens + widest))
+        return OneRow(TargetState.for_model(target, max_len=self.ids.shape[1] + self.max_new_tokens + widest,
+                                            graphs=True))  # graphs apply only where the cache is static (CUDA)
 
     def emit(self, proposed: list[list[int]], results: list[VerifyResult], name: str
              ) -> tuple[list[list[int]], list[bool]]:
