@@ -16,6 +16,7 @@ from torch import nn
 from .checkpoint import DRAFT_IDS, check_draft_ids
 from .config import MambaConfig
 from .kernels import load_kernels
+from .packed_linear import PackCache, pack_linears
 from .state import DrafterState
 
 BACKENDS = ("auto", "torch", "kernels")
@@ -289,6 +290,7 @@ class MambaDrafter(nn.Module):
         # a contiguous copy of their head rows; it still reads every token of the full vocabulary as input.
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
+        self.head_cache = PackCache()  # the head's prepacked copy (bf16 on CPU; packed_linear)
         self.backend = "torch"
         self.set_backend(backend)
 
@@ -317,6 +319,7 @@ class MambaDrafter(nn.Module):
         model.load_hf_state_dict(tensors)
         model.to(dtype=dtype)
         model.eval().requires_grad_(False)
+        pack_linears(model)  # bf16 on CPU: projections on prepacked weights, same bits
         model.set_backend(backend)
         return model
 
@@ -435,7 +438,7 @@ class MambaDrafter(nn.Module):
             weight = self.draft_head
         else:
             weight = self.lm_head.weight[: self.config.real_vocab_size]  # skip padded vocabulary rows entirely
-        return F.linear(h.to(weight.dtype), weight)
+        return self.head_cache.linear(h.to(weight.dtype), weight)
 
     def _run(self, input_ids: torch.Tensor, state: DrafterState | None) -> torch.Tensor:
         """Hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (None: from zero, kept nowhere)."""

