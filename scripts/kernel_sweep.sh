@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The suite under every CPU kernel path we can force on one machine: the defaults, MKL held to AVX2, and ATen's
-# vector kernels narrowed to AVX2 and to the scalar default. A test that only passes on one kernel path compares
+# The suite under every CPU kernel path we can force on one machine: the defaults, MKL held to AVX2, ATen's
+# vector kernels narrowed to AVX2 and to the scalar default, and oneDNN held to AVX2. A test that only passes on one kernel path compares
 # results exactness does not promise; this is how to find it without owning every CPU.
 #
 #   bash scripts/kernel_sweep.sh [pytest args...]     e.g. bash scripts/kernel_sweep.sh tests/test_lossy_rules.py
@@ -18,7 +18,8 @@ mkdir -p "$logs"
 
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) ($(nproc) cores)"
 echo "supports: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | xargs)"
-settings=("defaults" "MKL_ENABLE_INSTRUCTIONS=AVX2" "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default")
+settings=("defaults" "MKL_ENABLE_INSTRUCTIONS=AVX2" "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default"
+          "ONEDNN_MAX_CPU_ISA=AVX2")  # the last: oneDNN without bf16 kernels, so no layer is prepacked
 status=0
 for setting in "${settings[@]}"; do
     env_args=()

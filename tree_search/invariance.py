@@ -43,20 +43,21 @@ def row_floor(model: torch.nn.Module) -> int:
     key = (linear.weight.data_ptr(), linear.weight.dtype, linear.weight.device, torch.get_num_threads())
     cached = _FLOORS.setdefault(model, {})
     if key not in cached:
-        cached[key] = _probe(linear.weight.detach())
+        cached[key] = _probe(linear)
     return cached[key]
 
 
 @torch.no_grad()
-def _probe(weight: torch.Tensor) -> int:
+def _probe(linear: torch.nn.Module) -> int:
     """The smallest candidate row count m such that products of m rows, and of every larger candidate, equal the
-    reference product of all rows; the reference size if none does."""
+    reference product of all rows; the reference size if none does. Through the layer itself: the kernel the
+    forward runs (a prepacked one, mamba_draft.packed_linear, has the same floor as F.linear where measured)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=g).to(weight.dtype)
-    reference = torch.nn.functional.linear(x, weight)
+    x = torch.randn(_PROBE_ROWS, linear.in_features, generator=g).to(linear.weight.dtype)
+    reference = linear(x)
     floor = _PROBE_ROWS
     for m in sorted(_CANDIDATES, reverse=True):
-        chunks = torch.cat([torch.nn.functional.linear(x[i:i + m], weight) for i in range(0, _PROBE_ROWS, m)])
+        chunks = torch.cat([linear(x[i:i + m]) for i in range(0, _PROBE_ROWS, m)])
         if not torch.equal(chunks, reference):
             break
         floor = m
