@@ -508,8 +508,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", action="store_true", help="real pair: also trees and every lossy verifier")
     parser.add_argument("--train", action="store_true",
                         help="real pair: rebuild a drafter from scratch (data engine + the shipped recipe, smaller) "
-                        "and a Transformer assistant of the same size, instead of the shipped drafter (~23 min on 2 "
-                        "cores, then a ~5-min benchmark)")
+                        "and a Transformer assistant of the same size, instead of the shipped drafter (~22 min on 2 "
+                        "cores, then a ~4.5-min benchmark)")
     parser.add_argument("--drafter", help="real pair: benchmark this drafter directory instead of the shipped one")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="Spec-Bench question.jsonl for the real pair (even ids: training data; odd ids: "
