@@ -64,7 +64,7 @@ class PackCache:
                 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
             return F.linear(x, weight, bias)
         storage = weight.untyped_storage()
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride())
+        key = (weight.data_ptr(), weight._version, weight.shape, weight.stride())
         if self.storage is None or storage._cdata != self.storage._cdata or key != self.key:
             self.packed, self.storage, self.key = exact_pack(weight), storage, key
         if self.packed is None:  # this weight does not pack to the same bits here
