@@ -187,7 +187,6 @@ def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
                 state.commit([], size)
 
             rows.append({"mode": mode, "tokens": size, "ms": clock.ms(verify)})
-        del state
     return rows
 
 
