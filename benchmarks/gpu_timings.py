@@ -330,6 +330,8 @@ def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
 
 def projected(result: dict) -> list[dict]:
     """τ · T_target / T_round per target and paper shape, from the fastest verification mode measured."""
+    from tree_search.tree import TreeConfig
+
     drafting = {tuple(r["tree"]): r["ms"] for r in result["tree_drafting"]}
     rows = []
     for name, entry in result["targets"].items():
@@ -337,7 +339,7 @@ def projected(result: dict) -> list[dict]:
         for r in entry["verify"]:
             best[r["tokens"]] = min(best.get(r["tokens"], float("inf")), r["ms"])
         for branching, tau in PAPER_TAU.items():
-            size = 1 + sum(_level_sizes(branching))
+            size = len(TreeConfig(branching).build())
             verify = best.get(size)
             if verify is None:
                 continue
@@ -346,14 +348,6 @@ def projected(result: dict) -> list[dict]:
                          drafting[branching], "verify_ms": verify, "round_ms": round_ms,
                          "speedup": tau * best[1] / round_ms})
     return rows
-
-
-def _level_sizes(branching) -> list[int]:
-    sizes, width = [], 1
-    for n in branching:
-        width *= n
-        sizes.append(width)
-    return sizes
 
 
 def markdown_report(result: dict) -> str:

@@ -28,9 +28,7 @@ def _selective_state_update():
     spec = importlib.util.find_spec("mamba_ssm")  # locates the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("mamba_ssm is not installed")
-    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "mamba_ssm"}
-    for name in saved:
-        del sys.modules[name]  # a half-imported package from the failed attempt
+    _forget_mamba_ssm()  # what the failed attempt half-imported
     parts = STEP_MODULE.split(".")
     for depth in range(1, len(parts) - 1):  # bare packages mamba_ssm, mamba_ssm.ops, mamba_ssm.ops.triton
         name = ".".join(parts[:depth])
@@ -40,10 +38,13 @@ def _selective_state_update():
     try:
         return importlib.import_module(STEP_MODULE).selective_state_update
     except Exception:
-        for name in [n for n in sys.modules if n.split(".")[0] == "mamba_ssm"]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+        _forget_mamba_ssm()
         raise
+
+
+def _forget_mamba_ssm() -> None:
+    for name in [n for n in sys.modules if n.split(".")[0] == "mamba_ssm"]:
+        del sys.modules[name]
 
 
 @functools.cache

@@ -63,13 +63,21 @@ class PackCache:
                 or weight.device.type != "cpu" or x.dim() < 2 or (bias is not None and bias.dtype != x.dtype)
                 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
             return F.linear(x, weight, bias)
-        storage = weight.untyped_storage()
-        key = (weight.data_ptr(), weight._version, weight.shape, weight.stride())
-        if self.storage is None or storage._cdata != self.storage._cdata or key != self.key:
-            self.packed, self.storage, self.key = exact_pack(weight), storage, key
+        if not self.holds(weight):
+            self.remember(weight, exact_pack(weight))
         if self.packed is None:  # this weight does not pack to the same bits here
             return F.linear(x, weight, bias)
         return _packed_linear(x, self.packed, bias)
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether the packed copy is of this very weight, unchanged since."""
+        return (self.storage is not None and weight.untyped_storage()._cdata == self.storage._cdata
+                and self.key == (weight.data_ptr(), weight._version, weight.shape, weight.stride()))
+
+    def remember(self, weight: torch.Tensor, packed: torch.Tensor | None) -> None:
+        """Keep `packed` (None: this weight does not pack exactly) as the copy of `weight` as it is now."""
+        self.packed, self.storage = packed, weight.untyped_storage()
+        self.key = (weight.data_ptr(), weight._version, weight.shape, weight.stride())
 
     def __deepcopy__(self, memo) -> "PackCache":
         return PackCache()
@@ -103,7 +111,10 @@ def pack_linears(model: nn.Module) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and packs_exactly(child.weight):
-                setattr(parent, name, PackedLinear.wrap(child))
+            packed = exact_pack(child.weight) if type(child) is nn.Linear else None
+            if packed is not None:
+                layer = PackedLinear.wrap(child)
+                layer.cache.remember(child.weight, packed)  # probed and packed once, here
+                setattr(parent, name, layer)
                 swapped += 1
     return swapped
