@@ -67,6 +67,16 @@ def _conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, 
     return F.silu(out)
 
 
+def _ssm_update(ssm_state: torch.Tensor, decay: torch.Tensor, dx: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """ssm_state <- ssm_state * decay + dx * B (broadcast), in place; returns the new state in fp32. An fp32 state
+    is updated where it lies (no temporaries); a low-precision one is computed in fp32 and rounded once."""
+    if ssm_state.dtype == torch.float32:
+        return ssm_state.mul_(decay).addcmul_(dx, B)
+    state = torch.addcmul(ssm_state.float() * decay, dx, B)
+    ssm_state.copy_(state)
+    return state
+
+
 def _ssd_scan(x, dt, A, B, C, state, chunk: int = SCAN_SLICE):
     """Mamba-2 recurrence over a sequence in chunks (the SSD "attention" form), continuing from `state`.
 
@@ -153,11 +163,9 @@ class MambaMixer(nn.Module):
         x = _conv_step(x, conv_state, weight, self.conv1d.bias)
         dt, B, C = self._dt_B_C(x)
         dt = F.softplus((dt + self.dt_proj.bias).float())
-        dA = torch.exp(dt[..., None] * A)
-        dBx = (dt * x.float())[..., None] * B[:, None, :].float()
-        state = ssm_state.float() * dA + dBx
-        ssm_state.copy_(state)
-        y = torch.matmul(state, C.float()[..., None])[..., 0] + x.float() * self.D.float()  # cheaper than einsum
+        x = x.float()
+        state = _ssm_update(ssm_state, torch.exp(dt[..., None] * A), (dt * x)[..., None], B[:, None, :].float())
+        y = (state * C.float()[:, None, :]).sum(-1) + x * self.D.float()  # cheaper than matmul or einsum on CPU
         y = y * F.silu(z.float())
         return self.out_proj(y.to(h.dtype))
 
@@ -237,13 +245,18 @@ class Mamba2Mixer(nn.Module):
                 dt_softplus=softplus)
             return self._out(y.flatten(-2), z, h.dtype)
         xbc = _conv_step(xbc, conv_state, weight, self.conv1d.bias)
-        x, B, C = self._split(xbc)  # x (B, H, P), B/C (B, H, N)
-        dt = self._dt(dt)  # (B, H)
-        dA = torch.exp(dt * A)
-        state = ssm_state.float() * dA[..., None, None] + (dt[..., None] * x.float())[..., None] * B.float()[:, :, None]
-        ssm_state.copy_(state)
-        y = torch.matmul(state, C.float()[..., None])[..., 0] + x.float() * self.D.float()[:, None]
-        return self._out(y.flatten(-2), z, h.dtype)
+        # heads h = g * R + r share group g's B and C: broadcast them (no repeat_interleave copies)
+        G, N = cfg.ngroups, cfg.d_state
+        gn, rows = G * N, xbc.shape[0]
+        x, B, C = xbc.float().split([cfg.d_inner, gn, gn], dim=-1)
+        x = x.view(rows, G, -1, cfg.headdim)  # (b, G, R, P)
+        dt = self._dt(dt)  # (b, H)
+        decay = torch.exp(dt * A).view(rows, G, -1, 1, 1)
+        dx = (dt.view(rows, G, -1, 1) * x)[..., None]  # (b, G, R, P, 1)
+        state = _ssm_update(ssm_state.view(rows, G, -1, cfg.headdim, N), decay, dx, B.view(rows, G, 1, 1, N))
+        # y = state @ C as a product and a sum over N: 3x cheaper than a batched matmul of (P, N) @ (N, 1) on CPU
+        y = (state * C.view(rows, G, 1, 1, N)).sum(-1) + x * self.D.float().view(G, -1, 1)
+        return self._out(y.flatten(1), z, h.dtype)
 
 
 class Block(nn.Module):

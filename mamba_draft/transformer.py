@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .checkpoint import check_draft_ids
+from .packed_linear import PackCache
 
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
@@ -175,6 +176,7 @@ class TransformerDrafter(nn.Module):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
         self.register_buffer("draft_bias", None, persistent=False)
+        self.head_cache = PackCache()  # the draft head's prepacked copy (bf16 on CPU; packed_linear)
         self.set_draft_vocab(draft_ids)
 
     @classmethod
@@ -308,7 +310,7 @@ class TransformerDrafter(nn.Module):
         if self.draft_head is not None:  # the body, then the draft ids' head rows
             hidden = self.model.base_model(**kwargs).last_hidden_state
             lengths += n
-            return F.linear(hidden[:, -1] if last_only else hidden, self.draft_head, self.draft_bias)
+            return self.head_cache.linear(hidden[:, -1] if last_only else hidden, self.draft_head, self.draft_bias)
         out = self.model(**kwargs, **({"logits_to_keep": 1} if last_only and self._logits_to_keep else {}))
         lengths += n
         return out.logits[:, -1] if last_only else out.logits

@@ -79,3 +79,24 @@ def test_ties_survive_packing():
     model = model.to(torch.bfloat16)
     pack_linears(model)
     assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@needs_packing
+def test_a_transformer_drafters_draft_head_runs_packed_and_follows_a_new_vocabulary():
+    from mamba_draft.transformer import TransformerDrafter
+
+    model = bf16_llama()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    drafter = TransformerDrafter(model, torch.tensor([5, 9, 2, 40]))
+    for vocab in ([5, 9, 2, 40], [1, 63, 7]):  # a new vocabulary: a new head, repacked (never the old copy)
+        drafter.set_draft_vocab(torch.tensor(vocab))
+        logits, _ = drafter.prefill(ids)
+        assert drafter.head_cache.packed is not None
+        packed, drafter.head_cache = drafter.head_cache, Plain()
+        assert torch.equal(logits, drafter.prefill(ids)[0])
+        drafter.head_cache = packed
+
+
+class Plain:
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
