@@ -549,7 +549,8 @@ def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
     if any(m.kind == "hf-assisted" or m.drafter == "assistant" for m in methods):
         from mamba_draft.checkpoint import read_draft_ids
 
-        models.assistant = causal_lm(args.assistant)
+        # sdpa: the assistant only proposes, so it needs no batch-invariant attention, and sdpa is its fastest here
+        models.assistant = load_causal_lm(args.assistant, dtype=dtype, device=args.device, attn_implementation="sdpa")
         models.assistant_draft_ids = read_draft_ids(args.assistant) if Path(args.assistant).is_dir() else None
     return models
 

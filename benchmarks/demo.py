@@ -406,7 +406,8 @@ def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, de
                     drafter=MambaDrafter.from_pretrained(str(drafter), device=device, dtype=dtype,
                                                          state_dtype=torch.float32,
                                                          embedding=target.get_input_embeddings().weight),
-                    assistant=load_causal_lm(assistant, dtype=dtype, device=device) if assistant else None,
+                    assistant=(load_causal_lm(assistant, dtype=dtype, device=device, attn_implementation="sdpa")
+                               if assistant else None),  # it only proposes: no batch-invariant attention needed
                     assistant_draft_ids=read_draft_ids(assistant) if assistant else None)
     prompts = [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
                for r in heldout_prompts(records, cfg.per_category)][: cfg.bench_prompts]

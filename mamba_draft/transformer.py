@@ -4,9 +4,11 @@
 Its state (`KVState`) is one KV cache per row, contiguous from slot 0 (slot = RoPE position), preallocated and grown
 geometrically. Forking a row copies its cache up to the longest row: O(context) per fork and step, where a Mamba
 row is a fixed-size state — the cost the paper's Figure 1 shows. A forward writes each row's new keys at that row's
-own length (one scatter per layer) and attends with a 4D mask by position, so rows of different lengths (a batch of
+own length (`kv_state.write_rows`) and attends with a 4D mask by position, so rows of different lengths (a batch of
 prompts, tree levels) step together without padding. Only full-attention models: a sliding window would need HF's
-own mask, which a 4D mask replaces.
+own mask, which a 4D mask replaces. A Llama-family model (Llama, SmolLM, Qwen2, Mistral without a window) runs
+`llama_step`'s lean body instead of transformers' forward where a probe shows the same logits: a few-layer drafter's
+step is mostly transformers' per-call machinery, not arithmetic.
 
 A draft vocabulary (FR-Spec; `draft_vocab.safetensors` next to the weights, or `set_draft_vocab`) scores only those
 ids: the model's body runs as usual and its final hidden state meets a contiguous copy of their head rows. For a small
@@ -16,7 +18,6 @@ vocabulary loses only the tokens outside the set.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,97 +27,13 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .checkpoint import check_draft_ids
+from .kv_state import KVState, KVStore, write_rows
+from .llama_step import LlamaBody
 from .packed_linear import PackCache
 
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
 HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-@dataclass
-class _KVStore:
-    """Storage of a KVState: per layer keys / values (rows, heads, slots, head_dim), and each row's length."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    lengths: torch.Tensor  # (rows,) long: tokens each row's cache holds
-    limit: int  # the model's position limit: capacity never grows past it
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
-
-    def reserve(self, slots: int) -> None:
-        """Room for `slots` tokens per row (doubling, so a long generation reallocates O(log) times)."""
-        if slots <= self.capacity:
-            return
-        if slots > self.limit:
-            raise ValueError(f"the Transformer drafter's cache needs {slots} positions, beyond its model's "
-                             f"{self.limit} max positions")
-        grown = min(max(slots, 2 * self.capacity), self.limit)
-        for cache in (self.keys, self.values):
-            for i, old in enumerate(cache):
-                new = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                cache[i] = new
-
-
-class KVState:
-    """Rows [start:stop] of a `_KVStore`: what `MambaDrafter`'s `DrafterState` is to a Mamba drafter.
-
-    `rows` gives a view (writes go through); `gather_` copies whole row caches (the fork of tree drafting)."""
-
-    def __init__(self, store: _KVStore, start: int = 0, stop: int | None = None) -> None:
-        self.store, self.start = store, start
-        self.stop = store.lengths.shape[0] if stop is None else stop
-
-    @property
-    def max_batch(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def device(self) -> torch.device:
-        return self.store.lengths.device
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.store.lengths[self.start : self.stop]
-
-    @property
-    def nbytes(self) -> int:
-        """Memory of the whole store's caches (every row, at the capacity the longest row has grown it to)."""
-        return sum(t.nbytes for cache in (self.store.keys, self.store.values) for t in cache)
-
-    def rows(self, start: int, stop: int) -> KVState:
-        if not 0 <= start < stop <= self.max_batch:
-            raise IndexError(f"rows [{start}:{stop}] out of range for a state of {self.max_batch} rows")
-        return KVState(self.store, self.start + start, self.start + stop)
-
-    def gather_(self, dst_start: int, src_rows: torch.Tensor) -> KVState:
-        """rows[dst_start : dst_start + n] = rows[src_rows] (caches and lengths); overlap-safe (sources read first)."""
-        n = src_rows.shape[0]
-        if dst_start < 0 or dst_start + n > self.max_batch:
-            raise IndexError(f"gather of {n} rows at {dst_start} overflows a state of {self.max_batch} rows")
-        src = src_rows.to(self.device) + self.start
-        dst = slice(self.start + dst_start, self.start + dst_start + n)
-        lengths = self.store.lengths.index_select(0, src)
-        used = int(lengths.max())  # copy only the slots a source row holds (a host sync: this drafter is eager)
-        for cache in (self.store.keys, self.store.values):
-            for layer in cache:
-                layer[dst, :, :used] = layer[:, :, :used].index_select(0, src)
-        self.store.lengths[dst] = lengths
-        return self
-
-    def reset_(self) -> KVState:
-        self.lengths.zero_()
-        return self
-
-    def clone(self) -> KVState:
-        s = self.store
-        rows = slice(self.start, self.stop)
-        store = _KVStore([k[rows].clone() for k in s.keys], [v[rows].clone() for v in s.values],
-                         s.lengths[rows].clone(), s.limit)
-        return KVState(store)
 
 
 class _RowLayer(CacheLayerMixin):
@@ -125,18 +42,18 @@ class _RowLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, width: int) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, starts: list[int], positions: torch.Tensor,
+                 width: int) -> None:
         super().__init__()
-        self.keys, self.values, self.index, self.width = keys, values, index, width
+        self.keys, self.values, self.starts, self.positions, self.width = keys, values, starts, positions, width
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # the storage exists already
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        index = self.index.expand(-1, key_states.shape[1], -1, key_states.shape[3])
-        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        write_rows(self.keys, key_states, self.starts, self.positions)
+        write_rows(self.values, value_states, self.starts, self.positions)
         return self.keys[:, :, : self.width], self.values[:, :, : self.width]
 
     def get_seq_length(self) -> int:
@@ -176,7 +93,9 @@ class TransformerDrafter(nn.Module):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
         self.register_buffer("draft_bias", None, persistent=False)
-        self.head_cache = PackCache()  # the draft head's prepacked copy (bf16 on CPU; packed_linear)
+        self.head_cache = PackCache()  # the draft head's (or the model's head's) prepacked copy (bf16 on CPU)
+        self.lean: LlamaBody | None = None
+        self.lean = self._checked_lean_body()
         self.set_draft_vocab(draft_ids)
 
     @classmethod
@@ -228,6 +147,25 @@ class TransformerDrafter(nn.Module):
                              "hidden state: a draft vocabulary cannot be used with it")
         self.draft_ids, self.draft_head, self.draft_bias = ids, draft_head, draft_bias
 
+    @torch.no_grad()
+    def _checked_lean_body(self) -> LlamaBody | None:
+        """`llama_step`'s lean body if the model has the Llama layout and the body gives transformers' logits on a
+        probe (two rows of different lengths reading a block of three tokens), else None."""
+        body = LlamaBody.of(self.model)
+        if body is None:
+            return None
+        probe = torch.arange(13, device=self.device) * 7 % self.input_vocab_size
+        logits = []
+        for lean in (None, body):
+            self.lean = lean
+            _, state = self.prefill(probe[:10].view(2, 5))
+            state.lengths[1] = 3  # row 1 continues after 3 tokens: rows of different lengths in one forward
+            logits.append(self.extend(probe[10:].expand(2, 3), state).float())
+        self.lean = None
+        reference, lean = logits
+        same = torch.allclose(lean, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()) + 1e-6)
+        return body if same else None
+
     # ---- properties ----
 
     @property
@@ -254,9 +192,15 @@ class TransformerDrafter(nn.Module):
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", None) or 2**20)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the model's, except fp32 where the lean body attends on CPU (there few-row bf16
+        batched products, or converting the used slots each step, cost more than fp32 products on an fp32 cache)."""
+        return torch.float32 if self.lean is not None and self.device.type == "cpu" else self.dtype
+
     def row_bytes(self, context: int) -> int:
         """Bytes of one state row holding `context` tokens (keys and values, every layer)."""
-        size = torch.tensor([], dtype=self.dtype).element_size()
+        size = torch.tensor([], dtype=self.cache_dtype).element_size()
         return context * size * sum(h * (k + v) for h, k, v in self._layer_shapes())
 
     # ---- state ----
@@ -276,9 +220,9 @@ class TransformerDrafter(nn.Module):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         slots = min(INITIAL_SLOTS, self.max_positions)
-        zeros = lambda heads, dim: torch.zeros(max_batch, heads, slots, dim, dtype=self.dtype, device=self.device)
+        zeros = lambda heads, dim: torch.zeros(max_batch, heads, slots, dim, dtype=self.cache_dtype, device=self.device)
         shapes = self._layer_shapes()
-        return KVState(_KVStore([zeros(h, k) for h, k, _ in shapes], [zeros(h, v) for h, _, v in shapes],
+        return KVState(KVStore([zeros(h, k) for h, k, _ in shapes], [zeros(h, v) for h, _, v in shapes],
                                 torch.zeros(max_batch, dtype=torch.long, device=self.device), self.max_positions))
 
     # ---- compute ----
@@ -292,19 +236,29 @@ class TransformerDrafter(nn.Module):
             raise ValueError(f"batch of {batch} rows exceeds the state's {state.max_batch} rows")
         rows = state.rows(0, batch)
         lengths = rows.lengths
-        width = int(lengths.max()) + n  # the longest row's slots after this block (host sync: eager drafter)
+        starts = lengths.tolist()  # each row's first new slot (a host sync: this drafter is eager)
+        width = max(starts) + n  # the longest row's slots after this block
         rows.store.reserve(width)
         positions = lengths[:, None] + torch.arange(n, device=self.device)  # (B, n): slot = position
         # query t of row b sees slots [0, its position]: its row's cache (contiguous from 0) and the block so far
         visible = torch.arange(width, device=self.device) <= positions[:, :, None]
+        rows_slice = slice(rows.start, rows.stop)
+        if self.lean is not None:
+            hidden = self.lean.forward(ids, starts, positions, visible, [k[rows_slice] for k in rows.store.keys],
+                                       [v[rows_slice] for v in rows.store.values])
+            lengths += n
+            if last_only:
+                hidden = hidden[:, -1]
+            if self.draft_head is not None:
+                return self.head_cache.linear(hidden, self.draft_head, self.draft_bias)
+            head = self.model.get_output_embeddings()
+            return self.head_cache.linear(hidden, head.weight, head.bias)
         if self._bool_mask:
             mask = visible[:, None]
         else:
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
             mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
-        index = positions[:, None, :, None]
-        rows_slice = slice(rows.start, rows.stop)
-        cache = Cache(layers=[_RowLayer(k[rows_slice], v[rows_slice], index, width)
+        cache = Cache(layers=[_RowLayer(k[rows_slice], v[rows_slice], starts, positions, width)
                               for k, v in zip(rows.store.keys, rows.store.values)])
         kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
         if self.draft_head is not None:  # the body, then the draft ids' head rows
