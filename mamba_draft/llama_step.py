@@ -29,27 +29,31 @@ _BODY = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 class _Fused:
     """Products with the concatenation of some linear layers' weights (and biases), rebuilt whenever one of them is
-    another tensor or was edited in place; prepacked where that gives the same bits."""
+    another tensor or was edited in place (their storages are held, so no new tensor can take an old address);
+    prepacked where that gives the same bits. One layer's weight is used as it is."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
+        self.held: list = []
         self.weight = self.bias = None
         self.cache = PackCache()
 
     def linear(self, x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor:
-        key = tuple((t.data_ptr(), t._version, t.dtype) for lin in linears for t in (lin.weight, lin.bias)
-                    if t is not None)
+        if len(linears) == 1:
+            return self.cache.linear(x, linears[0].weight, linears[0].bias)
+        sources = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.shape) for t in sources)
         if key != self.key:
             self.weight = torch.cat([lin.weight.detach() for lin in linears])
             self.bias = None if all(lin.bias is None for lin in linears) else torch.cat(
                 [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias.detach() for lin in linears])
-            self.key = key
+            self.key, self.held = key, [t.untyped_storage() for t in sources]
         return self.cache.linear(x, self.weight, self.bias)
 
 
 class LlamaBody:
-    """The body of a Llama-family causal LM as one lean forward over a row-indexed KV cache (see module doc). It
-    holds no weights: every call reads the body's current modules."""
+    """The body of a Llama-family causal LM as one lean forward over a row-indexed KV cache (see module doc). Every
+    call reads the body's current modules; only the concatenated q/k/v and gate/up weights are copies (`_Fused`)."""
 
     def __init__(self, body: nn.Module) -> None:
         self.body = body
