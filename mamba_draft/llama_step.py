@@ -7,7 +7,7 @@ context, bf16, 2-core AMD EPYC: ~5.7 ms a step, ~1.6 ms of it in products). This
 (embedding, rotary embedding, RMSNorms, activation) and replaces the rest with a handful of ops per layer: one
 product for q/k/v and one for gate/up (the weights concatenated, rebuilt whenever a source weight changes), every
 product on a prepacked weight where that gives the same bits (`packed_linear`), the new keys written at each row's
-own slots, and grouped-query attention as two batched products over the used slots.
+own slots, and grouped-query attention (`cpu_attention.grouped_attention`: no repeated keys) over the used slots.
 
 `LlamaBody.of(model)` returns None for a model of another shape; `TransformerDrafter` also checks the body's logits
 against transformers' own before using it, so a look-alike that computes something else (scaled embeddings, q/k
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cpu_attention import grouped_attention
 from .kv_state import write_rows
 from .packed_linear import PackCache
 
@@ -87,7 +88,7 @@ class LlamaBody:
         hidden = self.body.embed_tokens(ids)
         cos, sin = self.body.rotary_emb(hidden, positions)
         cos, sin = cos[:, None], sin[:, None]
-        blocked = None
+        mask = visible[:, None]  # (B, 1, n, width)
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             head_dim = attn.head_dim
@@ -99,17 +100,10 @@ class LlamaBody:
             v = v.view(batch, n, -1, head_dim).transpose(1, 2)
             write_rows(keys[i], k, starts, positions)
             write_rows(values[i], v, starts, positions)
-            kv_heads = k.shape[1]
-            group = q.shape[1] // kv_heads
-            if blocked is None:  # (B, 1, group * n, width): a query's row of the mask, for each query of a group
-                blocked = (~visible)[:, None, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * n, width)
-            # grouped-query attention, a kv head's group of queries as one block (no repeated keys), in the cache's
-            # dtype (the drafter keeps an fp32 cache on CPU: see TransformerDrafter.cache_dtype)
-            q = q.reshape(batch, kv_heads, group * n, head_dim).to(keys[i].dtype)
-            scores = torch.matmul(q, keys[i][:, :, :width].transpose(-1, -2)).float().mul_(attn.scaling)
-            probs = scores.masked_fill_(blocked, float("-inf")).softmax(-1).to(values[i].dtype)
-            attended = torch.matmul(probs, values[i][:, :, :width]).to(hidden.dtype)
-            attended = attended.view(batch, -1, n, head_dim).transpose(1, 2).reshape(batch, n, -1)
+            # in the cache's dtype (fp32 on CPU: TransformerDrafter.cache_dtype), a kv head's queries as one block
+            attended, _ = grouped_attention(None, q.to(keys[i].dtype), keys[i][:, :, :width], values[i][:, :, :width],
+                                            mask, attn.scaling)
+            attended = attended.reshape(batch, n, -1).to(hidden.dtype)
             hidden = hidden + self.out[i].linear(attended, attn.o_proj)
             x = layer.post_attention_layernorm(hidden)
             gate, up = self.gate_up[i].linear(x, mlp.gate_proj, mlp.up_proj).split(
