@@ -115,29 +115,48 @@ def make_batches(prompt_ids: list[torch.Tensor], size: int) -> list[Batch]:
     return out
 
 
-def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
-             seed: int, bar=None) -> tuple[list[list[int]], list[dict], dict]:
-    """One method over every batch; returns per-prompt outputs, per-batch records and the tree shapes' pulls."""
-    policy = make_tree_policy(method.tree, cfg.bandit_memory == "pass") if method.kind == "spec" else None
-    pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
-    outputs, records = [], []
-    for start, ids, mask in batches:
+class Pass:
+    """One method's pass over batches, fed one batch at a time so that methods can alternate batch by batch: its
+    tree policy (a bandit kept over the whole pass when cfg.bandit_memory is "pass"), per-prompt outputs and
+    per-batch records."""
+
+    def __init__(self, method: Method, models: Models, cfg: BenchConfig, eos: list[int], seed: int) -> None:
+        self.method, self.models, self.cfg, self.eos, self.seed = method, models, cfg, eos, seed
+        self.policy = make_tree_policy(method.tree, cfg.bandit_memory == "pass") if method.kind == "spec" else None
+        self.pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
+        self.outputs: list[list[int]] = []
+        self.records: list[dict] = []
+
+    def run(self, batch: Batch) -> None:
+        start, ids, mask = batch
+        method, cfg = self.method, self.cfg
         if method.kind in HF_KINDS:
             if cfg.temperature > 0:
-                torch.manual_seed(seed + start)
-            tokens, record = run_hf(method, models, ids, cfg.max_new_tokens, sampling_of(cfg), eos, pad, mask)
+                torch.manual_seed(self.seed + start)
+            tokens, record = run_hf(method, self.models, ids, cfg.max_new_tokens, sampling_of(cfg), self.eos,
+                                    self.pad, mask)
         else:
-            tokens, record = run_ours(method, models, ids, cfg.max_new_tokens, sampling_of(cfg), eos, policy,
-                                      seed + start, mask)
-        outputs.extend([tokens] if mask is None else tokens)
-        records.append(record)
-        if bar is not None:
-            bar.update(ids.shape[0])
-    arms: dict[str, dict[str, int]] = {}  # pulls per tree shape, summed over the pass's prompts
-    for record in records:
-        for shape, pulls in record.get("arm_pulls", {}).items():
-            arms.setdefault(shape, {"pulls": 0})["pulls"] += pulls
-    return outputs, records, arms
+            tokens, record = run_ours(method, self.models, ids, cfg.max_new_tokens, sampling_of(cfg), self.eos,
+                                      self.policy, self.seed + start, mask)
+        self.outputs.extend([tokens] if mask is None else tokens)
+        self.records.append(record)
+
+    def result(self) -> tuple[list[list[int]], list[dict], dict]:
+        """(per-prompt outputs, per-batch records, pulls per tree shape summed over the pass's batches)."""
+        arms: dict[str, dict[str, int]] = {}
+        for record in self.records:
+            for shape, pulls in record.get("arm_pulls", {}).items():
+                arms.setdefault(shape, {"pulls": 0})["pulls"] += pulls
+        return self.outputs, self.records, arms
+
+
+def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
+             seed: int) -> tuple[list[list[int]], list[dict], dict]:
+    """One method over every batch; returns per-prompt outputs, per-batch records and the tree shapes' pulls."""
+    one = Pass(method, models, cfg, eos, seed)
+    for batch in batches:
+        one.run(batch)
+    return one.result()
 
 
 def reference_method(models: Models) -> str:
@@ -157,16 +176,23 @@ def reference_outputs(models: Models, prompt_ids, cfg: BenchConfig, eos: list[in
 def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int], bar,
             warmup: BenchConfig) -> dict[str, list[dict]]:
     """Untimed warm-up passes over the first batch (with `warmup`'s settings), then `repeats` passes of every
-    method over every batch, the methods interleaved -> {method: [per repeat: outputs, records, arms]}."""
+    method over every batch -> {method: [per repeat: outputs, records, arms]}. Within a repeat the methods take
+    turns batch by batch (each method's pass keeps its own policy): on a machine whose speed drifts over minutes,
+    every method's batch is timed within seconds of the others' on the same batch."""
     for method in methods:
         for _ in range(cfg.warmup):
             run_pass(method, models, batches[:1], warmup, eos, cfg.seed)
     runs = {m.name: [] for m in methods}
     for repeat in range(cfg.repeats):
-        for method in methods:
-            bar.set_postfix_str(f"repeat {repeat + 1}: {method.name}")
-            outputs, records, arms = run_pass(method, models, batches, cfg, eos, cfg.seed + 1000 * repeat, bar)
-            runs[method.name].append({"outputs": outputs, "records": records, "arms": arms})
+        passes = [Pass(method, models, cfg, eos, cfg.seed + 1000 * repeat) for method in methods]
+        for batch in batches:
+            for one in passes:
+                bar.set_postfix_str(f"repeat {repeat + 1}: {one.method.name}")
+                one.run(batch)
+                bar.update(batch.ids.shape[0])
+        for one in passes:
+            outputs, records, arms = one.result()
+            runs[one.method.name].append({"outputs": outputs, "records": records, "arms": arms})
     return runs
 
 

@@ -204,3 +204,47 @@ def test_lossless_reference_is_plain_decoding_where_the_target_has_a_row_floor(m
     monkeypatch.setattr(bench, "row_floor", lambda model: 1)
     assert bench.reference_method(models) == "hf-ar"
     assert bench.reference_text({"reference": "hf-ar"}) == "target greedy"
+
+
+def test_methods_take_turns_prompt_by_prompt_each_keeping_its_policy_over_the_pass(monkeypatch):
+    """Within a repeat every method runs prompt 0, then every method prompt 1, ... (a drifting machine times all
+    methods on a prompt within seconds); a pass-memory bandit stays one object over its pass, fresh per repeat."""
+    from benchmarks import bench
+    from benchmarks.methods import Models
+
+    calls = []
+
+    def fake_ours(method, models, ids, max_new_tokens, sampling, eos, policy, seed, mask=None):
+        calls.append((method.name, int(ids[0, 0]), id(policy) if policy is not None else None, seed))
+        return [1], {"new_tokens": 1, "wall_time": 1.0, "rounds": 1, "accepted": 1, "arm_pulls": {}}
+
+    def fake_hf(method, models, ids, max_new_tokens, sampling, eos, pad, mask=None):
+        calls.append((method.name, int(ids[0, 0]), None, None))
+        return [1], {"new_tokens": 1, "wall_time": 1.0, "rounds": 1, "accepted": 1}
+
+    monkeypatch.setattr(bench, "run_ours", fake_ours)
+    monkeypatch.setattr(bench, "run_hf", fake_hf)
+    methods = [parse_method(m) for m in ("ar", "hf-ar", "cpu=bandit-time:1,1/2,1")]
+    cfg = bench.BenchConfig(methods=tuple(m.name for m in methods), repeats=2, warmup=1, bandit_memory="pass",
+                            temperature=0.0)
+    batches = bench.make_batches([torch.tensor([[10 + i, 1]]) for i in range(3)], 1)
+
+    class Bar:
+        updates = 0
+
+        def set_postfix_str(self, _):
+            pass
+
+        def update(self, n):
+            Bar.updates += n
+
+    runs = bench.measure(methods, Models(target=None), batches, cfg, [], Bar(), cfg)
+    warm, timed = calls[:3], calls[3:]
+    assert [(name, prompt) for name, prompt, _, _ in warm] == [("ar", 10), ("hf-ar", 10), ("cpu", 10)]
+    order = [(name, prompt) for name, prompt, _, _ in timed]
+    assert order == [(m.name, 10 + i) for _ in range(2) for i in range(3) for m in methods]
+    bandits = [[policy for name, _, policy, _ in timed[r * 9:(r + 1) * 9] if name == "cpu"] for r in range(2)]
+    assert all(len(set(b)) == 1 for b in bandits) and bandits[0][0] != bandits[1][0]
+    assert [seed for name, _, _, seed in timed if name == "ar"] == [0, 1, 2, 1000, 1001, 1002]
+    assert Bar.updates == 18 and all(len(runs[m.name]) == 2 and len(runs[m.name][0]["records"]) == 3
+                                     for m in methods)
