@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
 from pathlib import Path
 
@@ -85,6 +86,12 @@ def load_tokenizer(path: str | os.PathLike):
     _gguf_support()
     with _load_errors(gguf[0] / gguf[1]):
         return AutoTokenizer.from_pretrained(str(gguf[0]), gguf_file=gguf[1])
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which this transformers' forward takes a KV cache: `cache` from 5.24 (`past_key_values`
+    there warns and goes in 5.40), `past_key_values` before. The model fills the Cache object passed in place."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:

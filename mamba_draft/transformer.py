@@ -30,6 +30,7 @@ from .checkpoint import check_draft_ids
 from .kv_state import KVState, KVStore, write_rows
 from .llama_step import LlamaBody
 from .packed_linear import PackCache
+from .targets import cache_keyword
 
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
@@ -89,6 +90,7 @@ class TransformerDrafter(nn.Module):
         # the 4D mask each attention implementation takes: sdpa a boolean one, the others an additive one
         self._bool_mask = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
         self._shapes: list[tuple[int, int, int]] | None = None  # per layer (heads, key dim, value dim)
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
@@ -210,8 +212,8 @@ class TransformerDrafter(nn.Module):
         """(kv heads, key dim, value dim) per layer, read off one token's cache (any HF architecture)."""
         if self._shapes is None:
             cache = DynamicCache(config=self.config)
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), past_key_values=cache,
-                       use_cache=True)
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                       **{self._cache_keyword: cache}, use_cache=True)
             self._shapes = [(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3])
                             for layer in cache.layers]
         return self._shapes
@@ -260,7 +262,8 @@ class TransformerDrafter(nn.Module):
             mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
         cache = Cache(layers=[_RowLayer(k[rows_slice], v[rows_slice], starts, positions, width)
                               for k, v in zip(rows.store.keys, rows.store.values)])
-        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      **{self._cache_keyword: cache})
         if self.draft_head is not None:  # the body, then the draft ids' head rows
             hidden = self.model.base_model(**kwargs).last_hidden_state
             lengths += n

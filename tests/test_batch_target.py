@@ -4,7 +4,7 @@ dropped, and the plain batched decode step; bad batches are refused before any m
 import pytest
 import torch
 
-from tests.helpers.tree_models import hf_greedy, tiny_causal_lm
+from tests.helpers.tree_models import encoded_cache, hf_greedy, tiny_causal_lm
 from tree_search.target import BatchTargetState, TargetState, check_batch_prompts
 from tree_search.tree import TreeConfig
 
@@ -56,8 +56,7 @@ def assert_cache_is_reencoding(model, state: BatchTargetState, row: int, sequenc
     assert int(state.positions[row]) == sequence.numel()
     slots = state.valid[row].nonzero().flatten()
     assert slots.numel() == sequence.numel()
-    with torch.no_grad():
-        reference = model(sequence[None], use_cache=True).past_key_values
+    reference = encoded_cache(model, sequence[None])
     for ours, ref in zip(state.cache.layers, reference.layers):
         torch.testing.assert_close(ours.keys[row][:, slots], ref.keys[0], **CLOSE)
         torch.testing.assert_close(ours.values[row][:, slots], ref.values[0], **CLOSE)

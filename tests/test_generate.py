@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tests.helpers.tree_models import (
-    aligned_drafter, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama, tiny_neox,
+    aligned_drafter, encoded_cache, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama, tiny_neox,
 )
 from tree_search import UCBBandit
 from tree_search.generate import generate, generate_autoregressive
@@ -103,8 +103,7 @@ def test_cache_is_compacted_every_round(setups, monkeypatch, temperature, verifi
     assert result.tokens.shape[1] == ps[1].shape[1] + 40
     # the cache holds the committed sequence minus its root, i.e. a prefix of what generate returned
     for _, length, layers in snapshots:
-        with torch.no_grad():
-            reference = target(result.tokens[:, :length], use_cache=True).past_key_values
+        reference = encoded_cache(target, result.tokens[:, :length])
         for (keys, values), ref in zip(layers, reference.layers):
             torch.testing.assert_close(keys, ref.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(values, ref.values, atol=1e-5, rtol=1e-4)

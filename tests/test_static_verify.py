@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, tiny_causal_lm
+from tests.helpers.tree_models import aligned_drafter, encoded_cache, hf_greedy, prompts, tiny_causal_lm
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.target import TargetState, UnsupportedTargetError, _use_static, static_cache_refusal
 from tree_search.bandit import DEFAULT_ARMS
@@ -59,8 +59,7 @@ def test_greedy_generate_through_the_static_cache_equals_the_targets_own(tmp_pat
 
 
 def dynamic_keys(model, committed: torch.Tensor):
-    with torch.no_grad():
-        return model(committed, use_cache=True).past_key_values.layers
+    return encoded_cache(model, committed).layers
 
 
 @pytest.mark.parametrize("kind", KINDS)

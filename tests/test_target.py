@@ -3,7 +3,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.tree_models import tiny_causal_lm
+from tests.helpers.tree_models import encoded_cache, tiny_causal_lm
 from tree_search.generate import generate
 from tree_search.target import TargetState, UnsupportedTargetError, check_tree_support, window_capacity
 from tree_search.tree import TreeConfig
@@ -52,8 +52,7 @@ def test_commit_equals_reencoding_over_several_rounds(target, branching):
         state.tree_forward(tokens, tree)
         state.commit(path, len(tree))
         committed = torch.cat([committed, tokens[[0] + path].view(1, -1)], dim=1)
-        with torch.no_grad():
-            reference = target(committed, use_cache=True).past_key_values
+        reference = encoded_cache(target, committed)
         assert state.cache.get_seq_length() == state.length == committed.shape[1]
         for ours, ref in zip(state.cache.layers, reference.layers):
             torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
@@ -97,3 +96,27 @@ def test_sliding_window_capacity_is_enforced():
     model = tiny_causal_lm("mistral", sliding_window=32)
     assert window_capacity(model) == 31
     assert window_capacity(tiny_causal_lm("qwen2")) is None
+
+
+def test_caches_go_under_the_keyword_the_installed_transformers_takes(recwarn):
+    """`cache` where the forward takes it (transformers >= 5.24: `past_key_values` warns and is removed in 5.40),
+    `past_key_values` before; one-prompt and batched generation with a Transformer drafter (its generic path: a
+    GPT-NeoX) then raise no deprecation warning."""
+    from mamba_draft.targets import cache_keyword
+    from mamba_draft.transformer import TransformerDrafter
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None):
+            pass
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            pass
+
+    assert cache_keyword(New()) == "cache" and cache_keyword(Old()) == "past_key_values"
+    model, drafter = tiny_causal_lm("llama"), TransformerDrafter(tiny_causal_lm("neox", seed=1))
+    assert drafter.lean is None
+    prompt = torch.randint(0, 64, (6,)).tolist()
+    generate(model, drafter, torch.tensor([prompt]), max_new_tokens=6, tree="2,1")
+    generate(model, drafter, [prompt, prompt[2:]], max_new_tokens=6, tree="2,1")
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]

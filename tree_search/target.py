@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from mamba_draft.targets import cache_keyword
 from tree_search.graphs import capture_graph
 from tree_search.invariance import padded, row_floor
 from tree_search.tree import Tree
@@ -136,6 +137,7 @@ class _TreeMasks:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = None  # DynamicCache, created by prefill
+        self._cache_keyword = cache_keyword(model)
         self.forwards = 0
         # every forward after the prefill multiplies at least this many rows (tree_search.invariance): a forward of
         # fewer tokens carries dummy leaves, so a position's logits do not depend on how many tokens it shared with
@@ -149,6 +151,10 @@ class _TreeMasks:
             self._mask_dtype = getattr(model, "dtype", next(model.parameters()).dtype)
             self._visible, self._hidden = 0.0, torch.finfo(self._mask_dtype).min
         self._trees: dict[Tree, tuple[torch.Tensor, torch.Tensor]] = {}  # per tree: (mask block, depths) on device
+
+    def _cache_arg(self) -> dict:
+        """Our cache under the keyword this transformers' forward takes (the model updates the object in place)."""
+        return {self._cache_keyword: self.cache}
 
     def _tree_inputs(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """The tree's own (T+1, T+1) mask block and depths, moved to the device once per tree, not per round."""
@@ -320,11 +326,10 @@ class TargetState(_TreeMasks):
         if self.static:
             self._slots[:length].copy_(self._arange[:length])
             out = self.model(input_ids=input_ids, position_ids=self._arange[:length].view(1, length),
-                             past_key_values=self.cache, use_cache=True, **last_logits_only(self.model))
+                             **self._cache_arg(), use_cache=True, **last_logits_only(self.model))
         else:
-            out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+            out = self.model(input_ids=input_ids, **self._cache_arg(), use_cache=True,
                              **last_logits_only(self.model))
-            self.cache = out.past_key_values
         self.length = length
         self.forwards += 1
         return out.logits[0, -1]
@@ -337,8 +342,7 @@ class TargetState(_TreeMasks):
             self.commit([], 1)
             return logits[0]
         pos = torch.tensor([[self.length]], device=self.device)
-        out = self.model(input_ids=token.view(1, 1), position_ids=pos, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+        out = self.model(input_ids=token.view(1, 1), position_ids=pos, **self._cache_arg(), use_cache=True)
         self.length += 1
         self.forwards += 1
         return out.logits[0, -1]
@@ -370,11 +374,10 @@ class TargetState(_TreeMasks):
             input_ids=tokens.view(1, n),
             attention_mask=mask,
             position_ids=(depths + self.length).view(1, n),
-            past_key_values=self.cache,
+            **self._cache_arg(),
             use_cache=True,
             output_hidden_states=want_hidden,
         )
-        self.cache = out.past_key_values
         self.forwards += 1
         real = n - self._extra
         hidden = out.hidden_states[-1][0, :real] if want_hidden else None
@@ -434,7 +437,7 @@ class TargetState(_TreeMasks):
 
     def _forward(self, size: _TreeSize, want_hidden: bool):
         out = self.forward(input_ids=size.ids, attention_mask=size.mask, position_ids=size.positions,
-                           past_key_values=self.cache, use_cache=True, output_hidden_states=want_hidden)
+                           **self._cache_arg(), use_cache=True, output_hidden_states=want_hidden)
         return out.logits[0], out.hidden_states[-1][0] if want_hidden else None
 
     def _forward_into(self, size: _TreeSize, want_hidden: bool) -> None:
@@ -620,11 +623,10 @@ class BatchTargetState(_TreeMasks):
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count; theirs is never seen
-            past_key_values=self.cache,
+            **self._cache_arg(),
             use_cache=True,
             **last_logits_only(self.model),
         )
-        self.cache = out.past_key_values
         self._slots[:, :length].masked_fill_(valid, self._visible)
         self.slots = length
         self.forwards += 1
@@ -655,11 +657,10 @@ class BatchTargetState(_TreeMasks):
             input_ids=tokens,
             attention_mask=mask,
             position_ids=self.positions[:, None] + depths,
-            past_key_values=self.cache,
+            **self._cache_arg(),
             use_cache=True,
             output_hidden_states=want_hidden,
         )
-        self.cache = out.past_key_values
         self._pending = tree
         self.forwards += 1
         return out.logits[:, :real], out.hidden_states[-1][:, :real] if want_hidden else None

@@ -151,3 +151,13 @@ class SizedTokenizer:
 
     def __len__(self) -> int:
         return self.size
+
+
+def encoded_cache(model, ids: torch.Tensor):
+    """The cache of encoding `ids` (B, L) in one plain forward: the reference our caches are compared with."""
+    from mamba_draft.targets import cache_keyword
+
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, use_cache=True, **{cache_keyword(model): cache})
+    return cache
