@@ -226,7 +226,9 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 # `none` is plain decoding, for stretches where drafts do not pay.
 # bf16 (AMD EPYC with AVX512-BF16, even-id questions, 48 tokens, the shipped drafter, + lookup rounds): this bandit
 # 1.54x, over 1,1 / 1,1,1 only 1.46x, tree 2,1 1.35x, chain 2 1.30x of plain decoding, all identical to it (without
-# lookup, the previous drafter: chain 3 1.11x, chain 2 1.08x, tree 2,1 1.07x, tree 3,1 0.93x). fp32: not re-tuned.
+# lookup, the previous drafter: chain 3 1.11x, chain 2 1.08x, tree 2,1 1.07x, tree 3,1 0.93x). fp32 (AMD EPYC with
+# AVX2 only, even-id questions, 32 tokens, + lookup rounds): this bandit 1.48x, over none / 1,1,1 / 1,1,1,1 / 2,1 /
+# 2,1,1 1.51x, over none / 1,1,1 / 2,1 / 3,1 / 2,2,1 1.47x, tree 2,1 1.56x, 3,1 1.47x, 2,2,1 1.45x: within noise, kept.
 REAL_ARMS = {"bfloat16": "none/1,1/1,1,1/2,1", "float32": "none/1,1/1,1,1/2,1"}
 
 
