@@ -134,12 +134,22 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     else:
         _gguf_support()
         with _load_errors(gguf[0] / gguf[1]):
-            model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **_dequantized(kwargs))
         _drop_quantization(model)
     model = model.to(device).eval()
     if pack:
         pack_linears(model)
     return model
+
+
+def _dequantized(kwargs: dict) -> dict:
+    """Ask for dense weights explicitly: transformers >= 5.2x may keep a GGUF's weights in their quantized blocks
+    (GgufConfig, computed by hub kernels in fp32), which would change the target's numbers and cost."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers always dequantize
+        return kwargs
+    return {**kwargs, "quantization_config": GgufConfig(dequantize=True)}
 
 
 def _drop_quantization(model: torch.nn.Module) -> None:

@@ -35,12 +35,30 @@ def test_gguf_loads_as_a_plain_llama_with_its_chat_template(smollm2):
     assert isinstance(target, transformers.LlamaForCausalLM)
     assert target.config.vocab_size == len(tokenizer) == 49152
     assert getattr(target.config, "quantization_config", None) is None  # dequantized: saves like any HF model
-    assert next(target.parameters()).dtype == torch.float32
+    assert {p.dtype for p in target.parameters()} == {torch.float32}
+    assert not [type(m).__name__ for m in target.modules() if "gguf" in type(m).__name__.lower()]  # dense layers
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime number."}]
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     assert encode_prompt(tokenizer, "Name a prime number.", True, system_prompt="Be brief.") == expected
     assert tokenizer.decode(expected).endswith("<|im_start|>assistant\n")
+
+
+def test_gguf_weights_are_asked_for_dense(monkeypatch):
+    """transformers >= 5.2x may keep a GGUF's weights in quantized blocks computed by hub kernels: the target would
+    then not be the dense model in the requested dtype. load_causal_lm asks for dequantized weights explicitly."""
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    with pytest.raises(ValueError, match="stop here"):
+        load_causal_lm(SHIPPED_TARGET, dtype=torch.bfloat16)
+    if hasattr(transformers, "GgufConfig"):
+        assert seen["quantization_config"].dequantize is True
+    assert seen["dtype"] == torch.bfloat16
 
 
 def test_convert_from_gguf_gives_identical_logits(smollm2, tmp_path):
