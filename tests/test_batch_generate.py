@@ -1,18 +1,18 @@
 """generate_batch / generate_autoregressive_batch: B prompts decoded together give, per row, exactly what the target's
 own `generate` (greedy) or `generate` with that row's seed (sampling) gives that prompt alone; rows stop on their own
 EOS / budget and leave the batch; the policy sees the batch; bad batches are refused before any model runs."""
-import math
 
 import pytest
 import torch
 
 from mamba_draft import transformer as transformer_module
 from mamba_draft.transformer import TransformerDrafter
+from tests.helpers.sampling_law import assert_follows, exact_first_two
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import Run, generate, generate_autoregressive, generate_autoregressive_batch, generate_batch
-from tree_search.sampling import SamplingParams, logits_to_probs
+from tree_search.sampling import SamplingParams
 from tree_search.target import BatchTargetState
 from tree_search.verifiers.greedy import GreedyVerifier
 
@@ -241,7 +241,7 @@ def test_verifiers_needing_hidden_states_get_each_rows_own(greedy_setup):
 def test_first_two_tokens_law_of_every_row(tmp_path, monkeypatch, kind):
     """Lossless sampling per row: each row's first two tokens jointly follow the target's processed distribution for
     its prompt (the second token comes from an accepted level-2 draft, a correction or the bonus). 2,000 rows per
-    prompt in one batch (seeds 0..5,999); the TV bound is tests/test_generate_sampling.py's, over the 64 pairs.
+    prompt in one batch (seeds 0..5,999); the TV bound is tests/helpers/sampling_law.py's, over the 64 pairs.
     Either drafter kind: a Mamba drafter, or a Transformer drafter (its KV rows kept small: 12,000 rows of them)."""
     vocab = 8
     target = tiny_llama(vocab=vocab, hidden=16, layers=1, seed=11, head_scale=3.0)
@@ -257,17 +257,9 @@ def test_first_two_tokens_law_of_every_row(tmp_path, monkeypatch, kind):
     pairs = torch.tensor([tokens[0] * vocab + tokens[1] for tokens in result.new_tokens]).view(len(prompts), runs)
     accepted = sum(row.stats.cut_tokens > 0 for row in result.rows) / len(batch)
     assert 0.05 < accepted < 0.95  # both branches of the rule ran: accepted drafts and rejections
-    delta_bound = math.sqrt(math.log(1e6) / (2 * runs))
     for prompt, drawn in zip(prompts, pairs):
-        with torch.no_grad():
-            first = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params).double()
-            second = torch.stack([logits_to_probs(target(torch.tensor([prompt + [t]])).logits[0, -1], params)
-                                  for t in range(vocab)]).double()
-        exact = (first[:, None] * second).flatten()
-        empirical = torch.bincount(drawn, minlength=vocab * vocab).double() / runs
-        bound = 0.5 * torch.sqrt(exact * (1 - exact) / runs).sum().item() + delta_bound
-        tv = 0.5 * (empirical - exact).abs().sum().item()
-        assert tv < bound, f"prompt {prompt}: TV {tv:.4f} vs bound {bound:.4f}"
+        law = torch.bincount(drawn, minlength=vocab * vocab).double().view(vocab, vocab) / runs
+        assert_follows(law, exact_first_two(target, prompt, params), runs)
 
 
 def test_bad_batches_are_refused_before_any_model_runs(greedy_setup, monkeypatch):

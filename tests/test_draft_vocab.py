@@ -1,17 +1,14 @@
 """Draft vocabularies (EAGLE-3's d2t, FR-Spec) in tree_search: a drafter that proposes only a subset of the
 target's ids drafts inside that subset and stays lossless; a drafter narrower than the target no longer crashes.
 
-Sampling bound (as in tests/test_generate_sampling.py): over the K = 64 first-two-token outcomes,
-  E[TV] = ½ Σ_k E|p̂_k − p_k| ≤ ½ Σ_k sqrt(p_k (1 − p_k) / N)                    (Jensen, binomial variance)
-  TV moves by at most 1/N per run, so by McDiarmid P(TV ≥ E[TV] + ε) ≤ exp(−2 N ε²), ε = sqrt(ln(1/δ) / (2N)).
-With δ = 1e-6 an exact sampler fails the assertion with probability < 1e-6. N = 2,000 runs per case keeps it
-CI-sized (bound ≈ 0.14); deliberately broken variants, measured with this setup and N while writing the test, fail
-it by a wide margin: q written into columns 0..k-1 instead of its target ids gave TV 0.62 (subset) / 0.65 (narrow),
-q scattered in sorted-id order instead of the map's order gave 0.66 / 0.63 (exact sampling: 0.064 / 0.064).
+Sampling bound: tests/helpers/sampling_law.py's, over the K = 64 first-two-token outcomes (an exact sampler fails
+it with probability < 1e-6). N = 2,000 runs per case (bound ≈ 0.14, in batches of 500 rows); deliberately broken
+variants, measured with this setup and N while writing the test, fail it by a wide margin: q written into columns
+0..k-1 instead of its target ids gave TV 0.62 (subset) / 0.65 (narrow), q scattered in sorted-id order instead of
+the map's order gave 0.66 / 0.63 (exact sampling: 0.064 / 0.064).
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -19,12 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from mamba_draft import MambaDrafter
 from mamba_draft.checkpoint import DRAFT_VOCAB, convert
+from tests.helpers.sampling_law import assert_follows, empirical, exact_first_two, seeded_runs
 from tests.helpers.tree_models import (
     SizedTokenizer, aligned_drafter, draft_subset, hf_greedy, prompts, random_drafter, tiny_llama,
 )
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate
-from tree_search.sampling import SamplingParams, logits_to_probs
+from tree_search.sampling import SamplingParams
 from tree_search.tree import TreeConfig
 
 VOCAB, NEW_TOKENS = 64, 60
@@ -113,7 +111,7 @@ def test_lookup_chain_equals_the_stepped_chain(subset_setup):
 # ---------------------------------------------------------------- sampling: exact law
 
 
-SAMPLE_VOCAB, RUNS, PROMPT = 8, 2_000, torch.tensor([[3]])
+SAMPLE_VOCAB, RUNS, PROMPT = 8, 2_000, [3]
 
 
 @pytest.fixture(scope="module")
@@ -128,44 +126,30 @@ def sample_models(tmp_path_factory):
     return target, {"subset": (full, None), "narrow-subset": (narrow, SizedTokenizer(6))}
 
 
-def exact_first_two(target, params: SamplingParams) -> torch.Tensor:
-    """(V, V) exact P(x1, x2) under the target's processed distribution."""
-    with torch.no_grad():
-        first = logits_to_probs(target(PROMPT).logits[0, -1], params)
-        seconds = torch.cat([PROMPT.repeat(SAMPLE_VOCAB, 1), torch.arange(SAMPLE_VOCAB)[:, None]], dim=1)
-        second = logits_to_probs(target(seconds).logits[:, -1], params)
-    return (first[:, None] * second).double()
-
-
-def tv_bound(p: torch.Tensor, n: int, delta: float = 1e-6) -> float:
-    return 0.5 * torch.sqrt(p * (1 - p) / n).sum().item() + math.sqrt(math.log(1 / delta) / (2 * n))
-
-
 @pytest.mark.parametrize("case", ["subset", "narrow-subset"])
 def test_first_two_tokens_follow_the_target_distribution(sample_models, drafted, case):
     target, drafters = sample_models
     drafter, tokenizer = drafters[case]
-    exact = exact_first_two(target, SamplingParams(1.0))
-    read = []
+    read, rejected_first = [], []
     hook = drafter.backbone.embeddings.register_forward_pre_hook(lambda _, args: read.append(int(args[0].max())))
-    counts = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, dtype=torch.float64)
-    rejected_first = 0
+
+    def run(seed, rows):
+        result = generate(target, drafter, [PROMPT] * rows, max_new_tokens=2, tree="2,1", temperature=1.0, top_k=0,
+                          top_p=1.0, verifier="sampling", seed=seed, tokenizer=tokenizer)
+        rejected_first.extend(row.stats.accepted_lengths[0] == 1 for row in result.rows)
+        return result.new_tokens
+
     try:
-        for seed in range(RUNS):
-            result = generate(target, drafter, PROMPT, max_new_tokens=2, tree="2,1", temperature=1.0, top_k=0,
-                              top_p=1.0, verifier="sampling", seed=seed, tokenizer=tokenizer)
-            first, second = result.new_tokens[0].tolist()
-            counts[first, second] += 1
-            rejected_first += result.stats.accepted_lengths[0] == 1
+        outcomes = seeded_runs(run, RUNS, 500)
     finally:
         hook.remove()
-    tv = 0.5 * (counts / RUNS - exact).abs().sum().item()
-    assert tv < tv_bound(exact, RUNS), f"TV {tv:.4f} vs bound {tv_bound(exact, RUNS):.4f}"
-    assert 0.05 < rejected_first / RUNS < 0.95  # both branches of the rejection rule are exercised
+    law = empirical([tuple(t) for t in outcomes], (SAMPLE_VOCAB, SAMPLE_VOCAB))
+    assert_follows(law, exact_first_two(target, PROMPT, SamplingParams(1.0)), RUNS)
+    assert 0.05 < sum(rejected_first) / RUNS < 0.95  # both branches of the rejection rule are exercised
     check_drafts(drafted, drafter.draft_ids, recorded=True)
     assert max(read) < drafter.input_vocab_size
     if case == "narrow-subset":  # often the first token was one the drafter cannot read, and it drafted on
-        assert counts[6:].sum() / RUNS > 0.2
+        assert law[6:].sum() > 0.2
 
 
 # ---------------------------------------------------------------- checkpoints keep the id map

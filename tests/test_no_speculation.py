@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import Counter
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.sampling_law import assert_follows, empirical, tv_bound
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_llama
 from tests.test_generate_cli import _run, saved  # noqa: F401  (saved: the CLI's target / tokenizer / drafter fixture)
 from tree_search import Tree, TreeConfig, UCBBandit
@@ -210,23 +210,19 @@ def test_tree_none_samples_exactly_as_the_autoregressive_baseline(pair):
 
 
 def test_tree_none_first_token_follows_the_target_distribution(tmp_path):
-    """TV between the empirical and the exact first-token law, bounded as in tests/test_generate_sampling.py
-    (E[TV] <= ½ Σ sqrt(p(1-p)/N), McDiarmid slack at δ = 1e-6): about 0.09 at N = 2,000 on 8 outcomes. Picking the
-    argmax instead of sampling would give TV 1 - max p ≈ 0.4 here."""
-    vocab, runs, prompt = 8, 2_000, torch.tensor([[3, 5]])
+    """TV between the empirical and the exact first-token law, bounded as in tests/helpers/sampling_law.py: about
+    0.09 at N = 2,000 on 8 outcomes (one batch of 2,000 rows). Picking the argmax instead of sampling would give
+    TV 1 - max p ≈ 0.4 here."""
+    vocab, runs, prompt = 8, 2_000, [3, 5]
     target = tiny_llama(vocab=vocab, hidden=16, layers=1, seed=11, head_scale=3.0)
     drafter = random_drafter(tmp_path, vocab=vocab, hidden=16, layers=1, seed=12, head_scale=3.0)
     params = SamplingParams(0.9, top_k=6)
     with torch.no_grad():
-        exact = logits_to_probs(target(prompt).logits[0, -1], params).double()
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    for seed in range(runs):
-        result = generate(target, drafter, prompt, max_new_tokens=1, tree="none", temperature=0.9, top_k=6, seed=seed)
-        counts[result.new_tokens[0, 0]] += 1
-    tv = 0.5 * (counts / runs - exact).abs().sum().item()
-    bound = 0.5 * torch.sqrt(exact * (1 - exact) / runs).sum().item() + math.sqrt(math.log(1e6) / (2 * runs))
-    assert tv < bound, f"TV {tv:.4f} vs bound {bound:.4f}"
-    assert 1 - exact.max().item() > 2 * bound  # the argmax alone would fail
+        exact = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params).double()
+    result = generate(target, drafter, [prompt] * runs, max_new_tokens=1, tree="none", temperature=0.9, top_k=6,
+                      seed=0)
+    assert_follows(empirical([(t[0],) for t in result.new_tokens], (vocab,)), exact, runs)
+    assert 1 - exact.max().item() > 2 * tv_bound(exact, runs)  # the argmax alone would fail
 
 
 class SlowGreedy(GreedyVerifier):
