@@ -7,8 +7,7 @@ tests/helpers/sampling_law.py's, over the K = 64 outcomes: ≈ 0.06 at N = 10,00
 with probability < 1e-6. Deliberately broken rules fail it by a wide margin (measured with this setup while writing
 the test, N = 4,000 runs; a broken rule's bias does not shrink with N): sampling the correction from p instead of
 the residual norm(max(p − q, 0)) gave TV 0.20 (chain), 0.25 (wide tree) and 0.19 (a prompt-lookup proposal); not
-renormalising q after a rejected sibling (q_{i+1} = q_i) gave TV 0.13 on the wide tree; with top-N drafts
-(`sampling-top`), keeping a rejected candidate's mass in p gave TV 0.23 (N = 10,000).
+renormalising q after a rejected sibling (q_{i+1} = q_i) gave TV 0.13 on the wide tree.
 """
 import pytest
 import torch
@@ -36,8 +35,6 @@ CASES = {
     "wide-tree": dict(tree="4,2", temperature=0.9, top_k=6),
     "bandit": dict(tree=UCBBandit(arms=("1,1", "3,2", "2,1,1"), lambda_ucb=0.5, persistent=True), temperature=1.2,
                    top_p=0.9),
-    # the drafter's top-N tokens as children, each accepted with the target's probability (`sampling-top`)
-    "top-drafts": dict(tree="3,2", temperature=0.9, top_k=6, verifier="sampling-top"),
 }
 
 
@@ -49,8 +46,8 @@ def test_first_two_tokens_follow_the_target_distribution(models, case):
     rounds_with_rejection = []
 
     def run(seed, rows):
-        result = generate(target, drafter, [PROMPT] * rows, max_new_tokens=2, seed=seed,
-                          **{"verifier": "sampling", **kwargs})
+        result = generate(target, drafter, [PROMPT] * rows, max_new_tokens=2, verifier="sampling", seed=seed,
+                          **kwargs)
         rounds_with_rejection.extend(row.stats.accepted_lengths[0] == 1 for row in result.rows)
         return result.new_tokens
 

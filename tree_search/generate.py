@@ -36,7 +36,7 @@ from tree_search.target import BatchTargetState, OneRow, TargetState, target_voc
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
 from tree_search.verifiers.greedy import GreedyVerifier, greedy_walk
-from tree_search.verifiers.sampling import SamplingVerifier, TopDraftSamplingVerifier
+from tree_search.verifiers.sampling import SamplingVerifier
 
 _PLAIN = VerifyResult(path=[], next_token=0)  # what a plain decoding step counts as (no lossy accepts, no info)
 
@@ -123,7 +123,7 @@ def speculate(target, drafter, prompts, attention_mask, batch: bool, max_new_tok
     mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
     record_probs = not params.greedy or verifier.needs_draft_probs
     # Greedy decisions need only each node's argmax: one batched argmax and one host copy instead of B verifier calls.
-    walk = params.greedy and type(verifier) in (GreedyVerifier, SamplingVerifier, TopDraftSamplingVerifier)
+    walk = params.greedy and type(verifier) in (GreedyVerifier, SamplingVerifier)
     lm_head = target.get_output_embeddings() if verifier.needs_hidden else None
     speculates = any(arm.depth for arm in policy.arms)  # tree="none" never needs the drafter
     widest = max(lookup_tokens, *(a.num_nodes for a in policy.arms)) + 1

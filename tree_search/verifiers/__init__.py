@@ -9,7 +9,7 @@ from tree_search.verifiers.base import (
     verifier_class,
 )
 from tree_search.verifiers.greedy import GreedyVerifier
-from tree_search.verifiers.sampling import SamplingVerifier, TopDraftSamplingVerifier
+from tree_search.verifiers.sampling import SamplingVerifier
 
 # imported for their @register_verifier: every built-in name resolves once this package is imported
 from tree_search.verifiers import autojudge, combine, dropmatch, fly, topk  # noqa: F401
@@ -24,5 +24,4 @@ __all__ = [
     "verifier_class",
     "GreedyVerifier",
     "SamplingVerifier",
-    "TopDraftSamplingVerifier",
 ]

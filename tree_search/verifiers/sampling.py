@@ -88,14 +88,3 @@ def _accept_point_masses(
         p[x] = 0.0
         p = p / p.sum()
     return None, p
-
-
-@register_verifier
-class TopDraftSamplingVerifier(SamplingVerifier):
-    """`sampling` over deterministic drafts: each node's children are the drafter's top-N tokens (as greedy drafts
-    them) instead of draws from q; each is accepted with the target's probability of it, and on rejection the
-    target's distribution without it is tried next (EAGLE-2's rule). Lossless the same way; it pays when the
-    drafter's ranking agrees with the target better than its probabilities do (q's shape then costs nothing)."""
-
-    name = "sampling-top"
-    draft_mode = "topk"
