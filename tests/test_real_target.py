@@ -150,3 +150,26 @@ def test_greedy_generate_with_a_draft_vocabulary_drafter_matches_target_generate
     drafter.set_draft_vocab(torch.unique(torch.cat([reference[0], torch.arange(0, 4096, 7)])))
     out = generate(target, drafter, prompt, max_new_tokens=12, tree=tree, temperature=0.0, tokenizer=tokenizer)
     assert out.tokens[0].tolist() == reference[0].tolist()
+
+
+def test_processes_writing_the_same_dense_copy_at_once_share_one(tmp_path, monkeypatch):
+    """Two loaders at once (DeepSpeed ranks, say) on an empty cache: both get the copy, one directory stays."""
+    import threading
+
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    both_writing = threading.Barrier(2)
+
+    def slow_write(gguf, directory):
+        (directory / "config.json").write_text("{}")
+        both_writing.wait(timeout=10)  # neither has renamed its copy into place yet
+
+    monkeypatch.setattr(targets, "write_plain", slow_write)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(dense_copy((tmp_path, "m.gguf")))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [dense_copy_path((tmp_path, "m.gguf"))] * 2
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [got[0].name]
