@@ -110,6 +110,7 @@ def dense_copy(gguf: tuple[Path, str]) -> Path | None:
     those: measured equal for the shipped target). Kept under $MAMBA_DRAFT_CACHE (default ~/.cache/mamba-draft;
     "off": no copy) by the file's path, size and mtime and the transformers and gguf versions; a copy appears whole
     (renamed into place) or not at all. None when copies are off or cannot be written: the caller reads the GGUF."""
+    _gguf_support()  # its message, before a missing package's version is looked up
     copy = dense_copy_path(gguf)
     if copy is None or (copy / "config.json").is_file():
         return copy

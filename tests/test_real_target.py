@@ -173,3 +173,16 @@ def test_processes_writing_the_same_dense_copy_at_once_share_one(tmp_path, monke
         t.join()
     assert got == [dense_copy_path((tmp_path, "m.gguf"))] * 2
     assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [got[0].name]
+
+
+def test_a_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    for load in (load_causal_lm, load_tokenizer):
+        with pytest.raises(ImportError, match=r"needs gguf \(pip install gguf accelerate\)"):
+            load(tmp_path / "m.gguf")
+    assert not (tmp_path / "cache").exists()
