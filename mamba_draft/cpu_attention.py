@@ -28,6 +28,11 @@ GATHER_MAX_QUERIES = 64
 BLOCK = 64  # keys per block of a row-stable sum
 LOOP_SUM_MIN = 1 << 14  # elements per block sum above which blocks are added in a loop (_blocks_sum)
 CHUNK = 128  # query rows per product in a long forward (a prefill): bounds memory, skips keys no row of it sees
+# A hidden key's bias: the lowest float, as eager's masks, not -inf. For a row that sees a key it gives the same exact
+# zero after the softmax; a row that sees none (a left pad's query in a padded `generate`) gets finite weights, not
+# the NaN of a softmax over -inf alone, which would become the pad's key and value in the next layer and, as a NaN
+# score no bias masks, every row's output.
+HIDDEN = torch.finfo(torch.float32).min
 
 
 def _scaling(query: torch.Tensor, scaling: float | None) -> float:
@@ -57,7 +62,7 @@ class _Contiguous:
     """Every row sees one run of keys, [start_b, start_b + n_row) (causal prefills, chains, decoding steps; start_b
     > 0 behind left padding): a row's logical keys are physical ones shifted by start_b, no gather needed."""
     starts: tuple[int, ...] | None  # per batch row, None when all are 0
-    bias: torch.Tensor              # (B, 1, q, whole blocks) float32: 0 where visible, -inf elsewhere
+    bias: torch.Tensor              # (B, 1, q, whole blocks) float32: 0 where visible, HIDDEN elsewhere
     chunks: tuple[tuple[int, int, int], ...]  # (first row, stop row, keys the rows see, in whole blocks)
 
 
@@ -67,7 +72,7 @@ class _Gathered:
     position order, the first `full` blocks (keys every row sees) identical in every row, padded with key 0."""
     full: int
     index: torch.Tensor  # (B, q, (full + own blocks) * BLOCK) long
-    bias: torch.Tensor   # same shape, float32: 0 for a real key, -inf for padding
+    bias: torch.Tensor   # same shape, float32: 0 for a real key, HIDDEN for padding
 
 
 _last: tuple[weakref.ref, int, tuple, object] | None = None  # one forward's layout serves its every layer
@@ -90,8 +95,8 @@ def _layout(attention_mask: torch.Tensor | None, batch: int, queries: int, keys:
     shifted = torch.stack([visible[b].roll(-s, dims=-1) for b, s in enumerate(starts)]) if any(starts) else visible
     if not (shifted[..., 1:] & ~shifted[..., :-1]).any():  # every row: a run of visible keys, then hidden ones
         bias = torch.zeros(batch, 1, queries, blocks * BLOCK, device=device)
-        bias[:, 0, :, :keys].masked_fill_(~shifted, float("-inf"))
-        bias[..., keys:] = float("-inf")
+        bias[:, 0, :, :keys].masked_fill_(~shifted, HIDDEN)
+        bias[..., keys:] = HIDDEN
         # a causal prefill's early rows see only the early keys: each chunk of rows multiplies only the blocks its
         # rows see (whole blocks: what a row's sum adds beyond its own keys is exact zeros either way)
         seen = shifted.sum(-1).amax(0)  # (q,) keys the row sees, at most, over the batch
@@ -114,7 +119,7 @@ def _layout(attention_mask: torch.Tensor | None, batch: int, queries: int, keys:
         valid = torch.cat([torch.ones_like(head, dtype=torch.bool),
                            torch.arange(width, device=device) < count[..., None]], dim=-1)
         layout = _Gathered(full, torch.cat([head, order], dim=-1),
-                           torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf")))
+                           torch.zeros(valid.shape, device=device).masked_fill_(~valid, HIDDEN))
     if attention_mask is not None:
         _last = (weakref.ref(attention_mask), attention_mask._version, shape, layout)
     return layout

@@ -121,3 +121,22 @@ def test_block_sums_by_cumsum_and_by_loop_agree_bit_for_bit(rows):
     values = (torch.randn(1, 3, 9, BLOCK, DIM) * torch.rand(1, 3, 9, 1, 1) * 100).bfloat16()
     by_cumsum = torch.cumsum(torch.matmul(probs, values), -3, dtype=torch.float32)[..., -1, :, :]
     assert torch.equal(_blocks_sum(probs, values), by_cumsum)
+
+
+@pytest.mark.parametrize("name", ["row_stable", "grouped"])
+def test_a_left_padded_generate_equals_each_prompt_alone(name):
+    """transformers' `generate` on a left-padded batch: a pad's query sees no key. Its attention must stay finite,
+    or the NaN becomes the pad's key and value in the next layer and every row's output (row-stable attention gave
+    all-NaN logits here, so `regenerate` wrote empty replies in bf16)."""
+    from mamba_draft.cpu_attention import register
+    from tests.helpers.tree_models import tiny_llama
+
+    model = tiny_llama(vocab=64, hidden=32, layers=2, seed=1)
+    model.set_attn_implementation(register(name))
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5]]
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)[:, 5:]
+    for row, prompt in zip(batched.tolist(), prompts):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert row == alone[0, len(prompt):].tolist()
