@@ -19,6 +19,7 @@ from tests.helpers.training_fixtures import CHATML, REPO, tiny_chat_target, trai
 from training import make_data as md
 from training.config import DataConfig
 from training.data import load_records, prepare_sft
+from training.regenerate import TopKSampler
 
 ODD_QUESTION = next(r for r in read_spec_bench() if is_heldout(r) and r["category"] == "writing")["turns"][0]
 
@@ -301,7 +302,7 @@ def test_the_sampler_draws_from_transformers_top_k_top_p_distribution():
     for warp in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(8), TopPLogitsWarper(0.8)):
         warped = warp(None, warped)
     want = torch.softmax(warped, -1)[0]
-    sampler = md.TopKSampler(0.7, 8, 0.8)
+    sampler = TopKSampler(0.7, 8, 0.8)
     n = 20000
     out = sampler(None, scores.expand(n, -1).clone())
     tokens = out.argmax(-1)

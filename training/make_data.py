@@ -41,14 +41,15 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import LogitsProcessorList
 
 from mamba_draft.devices import check_device, native_bf16
 from mamba_draft.dtypes import parse_dtype
 from mamba_draft.heldout import normalize, overlaps_heldout
 from mamba_draft.io import write_json
 from mamba_draft.targets import load_causal_lm
-from training.regenerate import conversation, eos_token_ids, prompt_ids, read_records, target_tokenizer
+from training.regenerate import (
+    conversation, data_attention, eos_token_ids, hf_sample, prompt_ids, read_records, target_tokenizer,
+)
 
 MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
 TOPK = 20  # cached target log-probs per reply position
@@ -275,44 +276,6 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
 
 
 # ------------------------------------------------------------------------------------------ generation
-
-class TopKSampler:
-    """A logits processor that draws the next token itself — temperature, then top-k, then top-p, as transformers'
-    sampling warpers do — and leaves only that token's score finite, so `generate`'s greedy pick takes it.
-    transformers' top-p sorts the whole vocabulary and its draw scans it: at batch 64 x 49,152 on a 2-core CPU a
-    sort of 134 ms and a draw of 69 ms per step, against ~125 ms for the model's own step; here the draw is over
-    the top k only (4 ms). Draws from torch's global generator (seeded per batch by the engine)."""
-
-    def __init__(self, temperature: float, top_k: int | None, top_p: float | None):
-        self.temperature, self.top_k, self.top_p = temperature, top_k or 0, 1.0 if top_p is None else top_p
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        k = min(self.top_k, scores.shape[-1]) if self.top_k > 0 else scores.shape[-1]
-        values, ids = (scores.float() / self.temperature).topk(k, dim=-1)  # sorted, highest first
-        probs = torch.softmax(values, dim=-1)
-        if self.top_p < 1.0:  # keep the highest tokens until their mass reaches top_p (the first always)
-            probs = probs.masked_fill(probs.cumsum(-1) - probs >= self.top_p, 0.0)
-        token = ids.gather(-1, torch.multinomial(probs, 1))
-        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
-
-
-@torch.no_grad()
-def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-              top_p: float | None, eos_token_ids: list[int]) -> list[list[int]]:
-    """The default `Generate`: transformers' `generate` on the left-padded batch (sampling with `TopKSampler` and
-    the target's generation_config top-k / top-p unless `top_p` is given)."""
-    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
-    processors = []
-    if temperature > 0:
-        config = model.generation_config
-        processors = [TopKSampler(temperature, config.top_k if config.top_k is not None else 50,
-                                  top_p if top_p else config.top_p)]
-    # a static cache: the default one grows by concatenation, copying the whole batch's KV cache every step
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids,
-                         pad_token_id=tokenizer.pad_token_id, cache_implementation="static", do_sample=False,
-                         logits_processor=LogitsProcessorList(processors))
-    return out[:, batch["input_ids"].size(1):].tolist()
-
 
 def cut_at_eos(row: list[int], eos_ids: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """(tokens before the first EOS, True when no EOS came within max_new_tokens)."""
@@ -591,10 +554,7 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     if args.magpie or args.magpie_tasks:
         magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
     dtype = resolve_dtype(args.dtype, args.device)
-    # data needs no batch invariance (tree_search.invariance): the fastest attention for batched decoding, grouped on
-    # CPU (sdpa's copies of the repeated key heads were 55 % of a batch-64 step here)
-    attention = "grouped" if torch.device(args.device).type == "cpu" else "sdpa"
-    model = load_causal_lm(args.target, dtype=dtype, device=args.device, attn_implementation=attention)
+    model = load_causal_lm(args.target, dtype=dtype, device=args.device, attn_implementation=data_attention(args.device))
     engine = Engine(model, tokenizer, generate or hf_sample)
     out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: a bad target leaves nothing behind
 
