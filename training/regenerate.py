@@ -188,7 +188,7 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
                      seed: int | None = None) -> list[tuple[str, bool]]:
     """One left-padded batch -> (reply text, truncated) per prompt; generate None: `hf_sample`."""
     rows = (generate or hf_sample)(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, eos_token_ids=eos_ids, seed=seed)
+                                   temperature=temperature, eos_token_ids=eos_ids, seed=seed)
     if len(rows) != len(prompts):
         raise RuntimeError(f"the batch generator returned {len(rows)} replies for {len(prompts)} prompts")
     replies = []
