@@ -169,8 +169,9 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
                    attn_implementation: str | None = "auto", pack: bool = True) -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`; read from its
     `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`; None leaves
-    transformers' default; "grouped" and "row_stable" are `mamba_draft.cpu_attention`'s. pack: bf16 linear layers on CPU run on prepacked weights where
-    that gives the same bits (`mamba_draft.packed_linear`; +1 copy of those weights in memory).
+    transformers' default; "grouped" and "row_stable" are `mamba_draft.cpu_attention`'s. pack: bf16 linear layers
+    on CPU run on prepacked weights where that gives the same bits (`mamba_draft.packed_linear`; +1 copy of those
+    weights in memory).
 
     A GGUF-loaded model is returned as a plain model (no `quantization_config`): its weights are already dense,
     and transformers refuses to save a model that still says it is GGUF-quantized.

@@ -15,7 +15,8 @@ from mamba_draft import MambaConfig, MambaDrafter
 from mamba_draft.cli import main as cli
 from mamba_draft import targets
 from mamba_draft.targets import (
-    CACHE_ENV, SHIPPED_TARGET, dense_copy, dense_copy_path, load_causal_lm, load_tokenizer, resolve_gguf, shipped_target,
+    CACHE_ENV, SHIPPED_TARGET, dense_copy, dense_copy_path, load_causal_lm, load_tokenizer, resolve_gguf,
+    shipped_target,
 )
 from tree_search import generate
 from tree_search.prompts import encode_prompt
