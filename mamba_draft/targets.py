@@ -97,7 +97,6 @@ def load_tokenizer(path: str | os.PathLike):
 def _gguf_tokenizer(gguf: tuple[Path, str]):
     from transformers import AutoTokenizer
 
-    _gguf_support()
     with _load_errors(gguf[0] / gguf[1]):
         return AutoTokenizer.from_pretrained(str(gguf[0]), gguf_file=gguf[1])
 
@@ -110,7 +109,7 @@ def dense_copy(gguf: tuple[Path, str]) -> Path | None:
     those: measured equal for the shipped target). Kept under $MAMBA_DRAFT_CACHE (default ~/.cache/mamba-draft;
     "off": no copy) by the file's path, size and mtime and the transformers and gguf versions; a copy appears whole
     (renamed into place) or not at all. None when copies are off or cannot be written: the caller reads the GGUF."""
-    _gguf_support()  # its message, before a missing package's version is looked up
+    _gguf_support()  # every GGUF load passes here or through write_plain: the install hint comes first
     copy = dense_copy_path(gguf)
     if copy is None or (copy / "config.json").is_file():
         return copy
@@ -143,6 +142,7 @@ def dense_copy_path(gguf: tuple[Path, str]) -> Path | None:
 
 def write_plain(gguf: tuple[Path, str], directory: Path, dtype: torch.dtype = torch.float32) -> None:
     """transformers' own loading of the GGUF (model dequantized to `dtype`, tokenizer), saved as an HF directory."""
+    _gguf_support()
     _load_gguf(gguf, dtype, {}).save_pretrained(directory)
     _gguf_tokenizer(gguf).save_pretrained(directory)
 
@@ -205,7 +205,6 @@ def _load_gguf(gguf: tuple[Path, str], dtype: torch.dtype, kwargs: dict) -> torc
     """transformers' own GGUF loading, dequantized to `dtype`, returned as a plain model."""
     from transformers import AutoModelForCausalLM
 
-    _gguf_support()
     with _load_errors(gguf[0] / gguf[1]):
         model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1],
                                                      **_dequantized({**kwargs, "dtype": dtype}))
