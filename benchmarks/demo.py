@@ -229,10 +229,9 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 # lookup, the previous drafter: chain 3 1.11x, chain 2 1.08x, tree 2,1 1.07x, tree 3,1 0.93x). fp32 (AMD EPYC with
 # AVX2 only, even-id questions, 32 tokens, + lookup rounds): this bandit 1.48x, over none / 1,1,1 / 1,1,1,1 / 2,1 /
 # 2,1,1 1.51x, over none / 1,1,1 / 2,1 / 3,1 / 2,2,1 1.47x, tree 2,1 1.56x, 3,1 1.47x, 2,2,1 1.45x: within noise, kept.
-REAL_ARMS = {"bfloat16": "none/1,1/1,1,1/2,1", "float32": "none/1,1/1,1,1/2,1"}
-
-
-LOOKUP = 8  # longest prompt-lookup proposal (even-id questions, 48 tokens: chain 2 + lookup 8 1.61x of ar)
+# Both kinds kept these arms: `generate`'s CPU default (tree_search.bandit.CPU_ARMS), which the demo measures, with
+# its prompt-lookup rounds (tree_search.calls.LOOKUP_TOKENS; even-id questions, 48 tokens: chain 2 + lookup 8 1.61x
+# of ar).
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
@@ -240,7 +239,10 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     the measured-time bandit over the kind's arms alone and with prompt-lookup rounds (the product's default);
     hf-assisted when there is an assistant; --full adds the paper-reward bandit, fixed shapes, lookup alone and the
     lossy verifiers."""
-    arms = REAL_ARMS[dtype_name]
+    from tree_search.bandit import CPU_ARMS
+    from tree_search.calls import LOOKUP_TOKENS as LOOKUP
+
+    arms = "/".join(arm.spec for arm in CPU_ARMS)
     bandit, with_lookup = f"bandit-time:{arms}", f"bandit-time:{arms}+lookup:{LOOKUP}"
     # the assistant (a Transformer of the drafter's size, same data and steps) drafting in our engine: the paper's
     # Mamba-vs-Transformer comparison under the same decoding (`assistant:` methods)
@@ -259,16 +261,6 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
                    f"cpu-bandit@dropmatch={bandit}@dropmatch")
         sampled += ("hf-ar", "chain:2@sampling", "tree:2,1@sampling", *(("hf-assisted",) if assistant else ()))
     return {"greedy": greedy, "sampled": sampled}
-
-
-def demo_dtype(device: str) -> "torch.dtype":
-    """The target's dtype, the same for every method: bf16 on GPUs and on CPUs with native bf16 products (AVX512-BF16
-    or AMX), else fp32."""
-    import torch
-
-    from mamba_draft.devices import native_bf16
-
-    return torch.bfloat16 if native_bf16(device) else torch.float32
 
 
 def real_configs():
@@ -345,6 +337,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     import torch
 
     from mamba_draft.checkpoint import SHIPPED_DRAFTER
+    from mamba_draft.devices import default_dtype
     from mamba_draft.heldout import read_spec_bench
 
     records = read_spec_bench(prompts_path)  # checked before anything is built
@@ -362,7 +355,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     if train:
         drafter, assistant = rebuild_pair(cfg, records, cache, threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = demo_dtype(device)
+    dtype = default_dtype(device)  # the same for every method: bf16 where native (AVX512-BF16, AMX, GPUs)
     print(f"[demo] target SmolLM2-135M-Instruct in {str(dtype).removeprefix('torch.')} on {device} "
           f"({'native bf16' if dtype == torch.bfloat16 else 'no native bf16'}), drafter {drafter}")
     result = benchmark_real(cfg, records, drafter, assistant, dtype, device, full_sweep, repeats, progress)

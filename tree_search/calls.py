@@ -8,13 +8,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mamba_draft.checkpoint import check_draft_ids
-from tree_search.bandit import FixedPolicy, UCBBandit
+from tree_search.bandit import FixedPolicy, UCBBandit, default_policy
 from tree_search.sampling import SamplingParams
 from tree_search.target import (
     check_batch_prompts, check_tree_support, max_positions, target_vocab_size, window_capacity,
 )
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import Verifier
+
+LOOKUP_TOKENS = 8  # the default prompt-lookup proposal length (`default_lookup_tokens`)
 
 
 @dataclass
@@ -135,15 +137,30 @@ def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], 
     return kept, len(kept) >= budget
 
 
-def make_policy(tree) -> UCBBandit:
-    """'bandit' -> a fresh UCBBandit over the default arms; a UCBBandit passes through; anything else is one shape."""
+def is_auto(tree) -> bool:
+    return isinstance(tree, str) and tree.strip().lower() == "auto"
+
+
+def default_lookup_tokens(tree, device: str | torch.device, batch: bool, prompt_lookup: bool) -> int:
+    """`lookup_tokens=None`: with `tree="auto"`, prompt-lookup rounds of up to `LOOKUP_TOKENS` for one prompt on a
+    CPU, as the default policy's arms were chosen with (SmolLM2-135M, even-id Spec-Bench questions, both CPU kinds);
+    none for a batch, with `prompt_lookup` (the other use of lookup), on other devices or for a tree given."""
+    cpu = torch.device(device).type == "cpu"
+    return LOOKUP_TOKENS if is_auto(tree) and cpu and not batch and not prompt_lookup else 0
+
+
+def make_policy(tree, device: str | torch.device = "cpu") -> UCBBandit:
+    """'auto' -> the device's default (`bandit.default_policy`); 'bandit' -> a fresh UCBBandit over the paper's arms;
+    a UCBBandit passes through; anything else is one shape."""
     if isinstance(tree, UCBBandit):
         return tree
+    if is_auto(tree):
+        return default_policy(device)
     if isinstance(tree, str) and tree.strip().lower() == "bandit":
         return UCBBandit()
     if isinstance(tree, (TreeConfig, str, tuple, list)):
         return FixedPolicy(TreeConfig.parse(tree))
-    raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'none', 'bandit' or a UCBBandit; "
+    raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'none', 'auto', 'bandit' or a UCBBandit; "
                     f"got {type(tree).__name__}")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mamba_draft.devices import check_device
+from mamba_draft.devices import check_device, default_dtype
 from mamba_draft.dtypes import DTYPES
 
 
@@ -25,13 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--tree", help="fixed tree shape, e.g. 3,2,2,1,1 (a chain is 1,1,1,1); 'none' drafts nothing "
                        "(plain target decoding, on the same harness)")
-    shape.add_argument("--bandit", action="store_true", help="UCB over tree shapes (the default)")
+    shape.add_argument("--bandit", action="store_true", help="UCB over the paper's tree shapes (3,3,2,1; 3,2,2,1,1; "
+                       "2,2,2,1,1,1; or --arms). Default without --tree / --bandit / --arms: the device's own, on a "
+                       "CPU the measured-time bandit over none;1,1;1,1,1;2,1 with prompt-lookup rounds of <= 8 tokens, "
+                       "on a GPU the paper's bandit")
     shape.add_argument("--autoregressive", action="store_true", help="plain target decoding (baseline; no drafter)")
     parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'; an arm "
                         "'none' is a round without speculation (one plain target step), e.g. 'none;1,1;1,1,1', the "
                         "fallback when drafting does not pay (with --bandit-reward time)")
-    parser.add_argument("--bandit-reward", choices=("paper", "time"), default="paper",
-                        help="bandit reward: paper Eq. 2 (acceptance and depth) or measured tokens per second per round")
+    parser.add_argument("--bandit-reward", choices=("paper", "time"),
+                        help="bandit reward: paper Eq. 2 (acceptance and depth, the default with --bandit / --arms) "
+                        "or measured tokens per second per round")
     parser.add_argument("--verifier", help="verifier name, or lossy ones joined by '+' to accept a token if any accepts "
                         "it, e.g. autojudge+dropmatch (default: greedy at temperature 0, else sampling)")
     parser.add_argument("--verifier-param", action="append", default=[], metavar="KEY=VALUE",
@@ -40,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="chains at temperature 0: prompt-lookup n-grams pre-verified by the drafter "
                         "(same output, fewer drafter calls)")
-    parser.add_argument("--lookup-tokens", type=int, default=0, metavar="K",
+    parser.add_argument("--lookup-tokens", type=int, metavar="K",
                         help="prompt-lookup rounds: when the last 2-4 tokens occurred before (prompt or output), "
-                        "verify the <= K tokens that followed them instead of a draft (default 0: off)")
+                        "verify the <= K tokens that followed them instead of a draft; 0: off (default: 8 with the "
+                        "CPU's default policy, else 0)")
     parser.add_argument("--temperature", type=float,
                         help="0 = greedy (default: the target's generation_config, as target.generate; greedy unless "
                         "it sets do_sample)")
@@ -54,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="target and drafter dtype (default: bfloat16 where the device has native bf16 products, "
+                        "else float32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
 
 
@@ -64,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from mamba_draft import load_drafter
     from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.bandit import DEFAULT_ARMS, UCBBandit
-    from tree_search.calls import check_options, make_policy
+    from tree_search.calls import check_options, default_lookup_tokens, make_policy
     from tree_search.generate import generate, generate_autoregressive
     from tree_search.prompts import encode_prompt
     from tree_search.sampling import resolve_sampling
@@ -93,24 +100,33 @@ def run(args: argparse.Namespace) -> int:
     # everything checkable without the models is checked before loading them; sampling left unset is only known
     # from the target's generation_config, so the checks run again once it is loaded
     sampling = resolve_sampling(None, args.temperature, args.top_p, args.top_k)
-    arms = tuple(args.arms.split(";")) if args.arms is not None else DEFAULT_ARMS
     # `is not None`: an empty --tree / --arms is a malformed spec (refused by the parser), not an absent one
-    tree = make_policy(args.tree if args.tree is not None else UCBBandit(arms=arms, reward=args.bandit_reward))
+    if args.tree is not None:
+        shape = args.tree
+    elif args.bandit or args.arms is not None or args.bandit_reward is not None:
+        arms = tuple(args.arms.split(";")) if args.arms is not None else DEFAULT_ARMS
+        shape = UCBBandit(arms=arms, reward=args.bandit_reward or "paper")
+    else:
+        shape = "auto"
+    tree = make_policy(shape, args.device)
+    lookup_tokens = args.lookup_tokens
+    if lookup_tokens is None:
+        lookup_tokens = default_lookup_tokens(shape, args.device, False, args.prompt_lookup)
     verifier_params = parse_verifier_params(args.verifier_param)
 
     def default_verifier(params):  # lossless either way
         return "greedy" if params.greedy else "sampling"
 
     verifier = get_verifier(args.verifier or default_verifier(sampling), **verifier_params)
-    check_options(verifier, tree, sampling, args.prompt_lookup, args.lookup_tokens)
+    check_options(verifier, tree, sampling, args.prompt_lookup, lookup_tokens)
 
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(args.device)
     tokenizer = load_tokenizer(args.target)
-    target = load_causal_lm(args.target, dtype=dtype, device=args.device, attn_implementation="sdpa")
+    target = load_causal_lm(args.target, dtype=dtype, device=args.device)
     sampling = resolve_sampling(target, args.temperature, args.top_p, args.top_k)
     if not args.verifier:
         verifier = get_verifier(default_verifier(sampling), **verifier_params)
-    check_options(verifier, tree, sampling, args.prompt_lookup, args.lookup_tokens)
+    check_options(verifier, tree, sampling, args.prompt_lookup, lookup_tokens)
     ids = encode_prompt(tokenizer, text, use_chat_template=not args.no_chat_template, system_prompt=args.system_prompt)
     input_ids = torch.tensor([ids], dtype=torch.long)
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
@@ -123,11 +139,12 @@ def run(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter, device=args.device, dtype=dtype,
                                embedding=target.get_input_embeddings().weight)
         result = generate(target, drafter, input_ids, tree=tree, verifier=verifier, tokenizer=tokenizer,
-                          prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens, **kwargs)
+                          prompt_lookup=args.prompt_lookup, lookup_tokens=lookup_tokens, **kwargs)
     stats = result.stats
     if args.json:
         report = {"text": tokenizer.decode(result.new_tokens[0], skip_special_tokens=True),
-                  "tokens": result.new_tokens[0].tolist(), **stats.to_dict()}
+                  "tokens": result.new_tokens[0].tolist(), "target_dtype": str(dtype).removeprefix("torch."),
+                  **stats.to_dict()}
         print(json.dumps(report))
         return 0
     lines = [
@@ -140,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         f"time: draft {stats.draft_time:.3f}s, verify {stats.verify_time:.3f}s, other {stats.other_time:.3f}s",
         f"drafter calls {stats.drafter_calls}" + (f" ({stats.drafter_calls_saved} saved by prompt lookup)"
                                                    if args.prompt_lookup else "")
-        + (f"; {stats.lookup_rounds} prompt-lookup rounds" if args.lookup_tokens else ""),
+        + (f"; {stats.lookup_rounds} prompt-lookup rounds" if lookup_tokens else ""),
+        f"target dtype {str(dtype).removeprefix('torch.')}",
     ]
     if len(stats.lossy_accepts_by) > 1:
         lines.append("lossy accepts by rule: " + ", ".join(f"{k} {v}" for k, v in stats.lossy_accepts_by.items()))

@@ -26,7 +26,8 @@ import torch
 from tree_search.bandit import UCBBandit
 from tree_search.calls import (
     BatchGenerateResult, GenerateResult, GenerateStats, batch_prompts, check_batch_limits, check_drafter,
-    check_drafter_room, check_options, check_prompt, eos_set, is_batch, make_policy, truncate,
+    check_drafter_room, check_options, check_prompt, default_lookup_tokens, eos_set, is_batch, make_policy,
+    truncate,
 )
 from tree_search.prompt_lookup import NgramLookup
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY, Recorder
@@ -51,7 +52,7 @@ def generate(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
-    tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "bandit",
+    tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "auto",
     verifier: str | Verifier | None = None,
     verifier_params: dict | None = None,
     eos_token_id: int | list[int] | None = None,
@@ -59,7 +60,7 @@ def generate(
     tokenizer=None,
     streamer=None,
     prompt_lookup: bool = False,
-    lookup_tokens: int = 0,
+    lookup_tokens: int | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> GenerateResult | BatchGenerateResult:
     """Tree speculative decoding of one prompt (-> GenerateResult) or of a batch (-> BatchGenerateResult).
@@ -67,8 +68,9 @@ def generate(
     input_ids: (1, L) / (L,) for one prompt; a list of token lists, or left-padded (B, L) ids + `attention_mask`,
     for a batch (one tree per row, one target forward for all rows; row b seeded seed + b).
 
-    tree: a TreeConfig / "3,2,2,1,1" / tuple (fixed shape), "bandit" (UCB over the default arms, reset per
-    call) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls). "none" (as a
+    tree: a TreeConfig / "3,2,2,1,1" / tuple (fixed shape), "auto" (the target device's default, reset per call:
+    on a CPU the measured-time bandit over none / 1,1 / 1,1,1 / 2,1, elsewhere the paper's), "bandit" (UCB over the
+    paper's arms) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls). "none" (as a
     shape or a bandit arm) is no speculation: that round is one plain target decoding step, what every verifier
     would pick on a root-only tree (the argmax, or a sample of the target's processed distribution).
     temperature / top_p / top_k: None takes the target's generation_config, as `target.generate` does
@@ -81,12 +83,15 @@ def generate(
     (prompt-lookup rounds: when the last 2-4 committed tokens, prompt included, occurred before, the <= K tokens that
     followed them are verified instead of a drafted tree; the drafter reads the committed tokens when it next drafts;
     the policy picks shapes for the other rounds. Any verifier: the proposal is deterministic, a point-mass draft
-    distribution, so lossless sampling stays exact).
+    distribution, so lossless sampling stays exact). lookup_tokens None: 8 with tree "auto" for one prompt
+    on a CPU without `prompt_lookup`, else 0 (`calls.default_lookup_tokens`).
     All inputs are validated before any model runs.
     """
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
     batch = is_batch(input_ids, attention_mask)
+    if lookup_tokens is None:
+        lookup_tokens = default_lookup_tokens(tree, next(target.parameters()).device, batch, prompt_lookup)
     if batch and (streamer is not None or prompt_lookup or lookup_tokens):
         raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one prompt "
                          "for those")
@@ -98,7 +103,7 @@ def generate(
 @torch.no_grad()
 def generate_batch(target: torch.nn.Module, drafter, prompts, *, attention_mask: torch.Tensor | None = None,
                    max_new_tokens: int, temperature: float | None = None, top_p: float | None = None,
-                   top_k: int | None = None, tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "bandit",
+                   top_k: int | None = None, tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "auto",
                    verifier: str | Verifier | None = None, verifier_params: dict | None = None,
                    eos_token_id: int | list[int] | None = None, seed: int | None = None,
                    tokenizer=None) -> BatchGenerateResult:
@@ -391,12 +396,13 @@ def prepare(target: torch.nn.Module, prompts, attention_mask, batched: bool, max
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer (row b uses seed + b) or None, got {seed!r}")
     params = resolve_sampling(target, temperature, top_p, top_k)
+    device = next(target.parameters()).device
     policy = None
     if drafter is not None:
         if verifier is None:
             verifier = "greedy" if params.greedy else "sampling"
         verifier = get_verifier(verifier, **(verifier_params or {}))
-        policy = make_policy(tree)
+        policy = make_policy(tree, device)
         check_options(verifier, policy, params, prompt_lookup, lookup_tokens)
     arms = policy.arms if policy is not None else ()
     depth = max(lookup_tokens, *(a.depth for a in arms), 0)
@@ -411,7 +417,6 @@ def prepare(target: torch.nn.Module, prompts, attention_mask, batched: bool, max
         check_drafter_room(drafter, len(lengths), nodes + 1, target_vocab_size(target),
                            max(lengths) + max_new_tokens + depth)
         check_drafter(target, drafter, tokenizer, verifier, policy)
-    device = next(target.parameters()).device
     name, lossless = (verifier.name, verifier.lossless) if verifier is not None else ("autoregressive", True)
     stats = GenerateStats(prompt_tokens=sum(lengths), verifier=name, lossless=lossless, sampling=asdict(params))
     rows = [GenerateStats(prompt_tokens=n, verifier=name, lossless=lossless, sampling=asdict(params)) for n in lengths]
