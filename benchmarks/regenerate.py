@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 import training.regenerate as plain
-from mamba_draft.devices import check_device
+from mamba_draft.devices import check_device, resolve_dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         from mamba_draft import MambaDrafter
 
         drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device,
-                                               dtype=plain.model_dtype(args.dtype, args.device))
+                                               dtype=resolve_dtype(args.dtype, args.device))
         generate = DraftedGenerate(drafter, tree, args.verifier)
     counts = plain.run(args, generate=generate)
     if generate is not None:

@@ -43,3 +43,10 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
 def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """A target's dtype when none is asked for: bf16 where its products are native (`native_bf16`), else fp32."""
     return torch.bfloat16 if native_bf16(device) else torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """A --dtype value: "auto" is `default_dtype(device)`, anything else a name `parse_dtype` knows."""
+    from .dtypes import parse_dtype
+
+    return default_dtype(device) if name == "auto" else parse_dtype(name)

@@ -279,9 +279,9 @@ def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_native_bf16(monkeypatch, t
         monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo"
                                                                              else path, *a, **k))
         assert devices.native_bf16("cpu") is native
-        assert md.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+        assert devices.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
         monkeypatch.undo()
-    assert md.resolve_dtype("float32", "cpu") == torch.float32
+    assert devices.resolve_dtype("float32", "cpu") == torch.float32
 
 
 def test_long_prompts_are_answered_in_smaller_batches():

@@ -20,6 +20,14 @@ VALID = [r for r in SHAREGPT if not r["id"].startswith("bad_")]
 PROG = "python -m training.regenerate: error: "
 
 
+@pytest.fixture(autouse=True)
+def fp32_auto(monkeypatch):
+    """--dtype auto is bf16 where the CPU's bf16 products are native: fp32 here on every kind, as the references."""
+    import mamba_draft.devices
+
+    monkeypatch.setattr(mamba_draft.devices, "native_bf16", lambda device="cpu": False)
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A tiny random Llama (weights perturbed so replies depend on the prompt) with the fixture tokenizer."""
@@ -243,7 +251,11 @@ def test_cli_dtype_threads_and_seeded_sampling(target, tmp_path, monkeypatch):
                                      "--output", str(tmp_path / name), "--max-new-tokens", "8", *extra]) == 0
     assert run("bf16.json", "--dtype", "bfloat16", "--threads", "2")
     assert threads == [2] and next(loaded[-1].parameters()).dtype == torch.bfloat16
-    assert run("fp32.json") and next(loaded[-1].parameters()).dtype == torch.float32  # auto on CPU
+    assert run("fp32.json") and next(loaded[-1].parameters()).dtype == torch.float32  # auto, no native bf16
+    import mamba_draft.devices
+
+    monkeypatch.setattr(mamba_draft.devices, "native_bf16", lambda device="cpu": True)
+    assert run("auto.json") and next(loaded[-1].parameters()).dtype == torch.bfloat16  # auto, native bf16
     assert run("s0.json", "--temperature", "1.0", "--seed", "0") and run("s0b.json", "--temperature", "1.0", "--seed", "0")
     assert run("s1.json", "--temperature", "1.0", "--seed", "1")
     read = lambda name: json.loads((tmp_path / name).read_text())

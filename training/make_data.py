@@ -42,8 +42,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mamba_draft.devices import check_device, native_bf16
-from mamba_draft.dtypes import parse_dtype
+from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.heldout import normalize, overlaps_heldout
 from mamba_draft.io import write_json
 from mamba_draft.targets import load_causal_lm
@@ -581,13 +580,6 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
         for t in temperatures:
             hidden_states(engine, out, prompts, t, progress, manifest)
     return manifest()
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """auto: bfloat16 where bf16 products are native (CUDA, CPUs with AVX512-BF16 / AMX), else float32."""
-    if name == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
-    return parse_dtype(name)
 
 
 def parse_temperatures(text: str) -> list[float]:

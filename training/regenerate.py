@@ -32,14 +32,13 @@ import torch
 from tqdm import tqdm
 from transformers import LogitsProcessorList
 
-from mamba_draft.devices import check_device
-from mamba_draft.dtypes import parse_dtype
+from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.io import write_json
 from mamba_draft.targets import load_causal_lm, load_tokenizer
 from training.data import FALLBACK_CHAT_TEMPLATE, ROLES, normalize_conversation
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
-DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # auto: bfloat16 on CUDA, else float32
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # auto: bfloat16 where native (devices.default_dtype)
 TRUNCATED = ("mark", "drop")
 
 
@@ -199,13 +198,6 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     return replies
 
 
-def model_dtype(dtype: str, device: str) -> torch.dtype:
-    """--dtype (one of DTYPE_CHOICES, checked by `regenerate` / argparse): auto is bfloat16 on CUDA, else float32."""
-    if dtype == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    return parse_dtype(dtype)
-
-
 def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, output: str | os.PathLike, *,
                max_new_tokens: int = 512, temperature: float = 0.0, batch_size: int = 8, truncated: str = "mark",
                limit: int | None = None, seed: int = 0, device: str = "cpu", dtype: str = "auto",
@@ -242,7 +234,7 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
         raise ValueError(f"nothing to write: all {len(records)} input records were skipped ({summary(counts)})")
 
     tokenizer = target_tokenizer(model)
-    lm = load_causal_lm(model, dtype=model_dtype(dtype, device), device=device,
+    lm = load_causal_lm(model, dtype=resolve_dtype(dtype, device), device=device,
                         attn_implementation=data_attention(device))
     eos_ids = eos_token_ids(tokenizer, lm)
     torch.manual_seed(seed)
@@ -312,7 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="auto: bfloat16 on CUDA, else float32")
+                        help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
