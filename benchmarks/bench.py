@@ -10,16 +10,19 @@ from typing import NamedTuple
 import torch
 
 from benchmarks.equality import compare_outputs
-from benchmarks.methods import HF_KINDS, Method, Models, make_tree_policy, parse_method, run_hf, run_ours
+from benchmarks.methods import (HF_KINDS, Method, Models, load_plain, make_tree_policy, parse_method, run_hf,
+                                run_ours)
 from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
-from mamba_draft.devices import check_device
-from mamba_draft.dtypes import DTYPES, parse_dtype
+from mamba_draft.devices import check_device, resolve_dtype
+from mamba_draft.dtypes import DTYPES
 from mamba_draft.heldout import SPEC_BENCH
-from tree_search.invariance import row_floor
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
-DEFAULT_METHODS = ("hf-ar", "ar", "chain", "tree:3,2,2,1,1", "bandit")
+DEFAULT_METHODS = ("hf-ar", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit")
+# what a user has without us: our plain decoding and transformers' `generate` on the plain model; every speedup is
+# stated against the faster of those that ran
+BASELINES = ("ar", "hf-ar")
 BATCH_WARMUP_TOKENS = 8  # a batch sweep's warm-up pays one-time costs (first calls, allocations), not a full batch
 
 
@@ -44,7 +47,8 @@ class BenchConfig:
 
 
 def resolve_methods(specs) -> list[Method]:
-    """Parse the method list and add each one's same-harness autoregressive baseline if missing (run first)."""
+    """Parse the method list and add each one's same-harness autoregressive baseline if missing (run first): every
+    speedup has a baseline measured beside it (both, when the list has methods of both harnesses)."""
     methods = [parse_method(s) for s in specs]
     if not methods:
         raise ValueError("no methods to benchmark")
@@ -89,8 +93,8 @@ def check_verifiers(methods: list[Method], params: SamplingParams) -> None:
         return
     from tree_search import get_verifier
 
-    for m in methods:
-        if m.kind == "spec" and getattr(get_verifier(m.verifier), "greedy_only", False):
+    for m in methods:  # a verifier of None (`default`) is generate's own pick for the temperature
+        if m.kind == "spec" and m.verifier and getattr(get_verifier(m.verifier), "greedy_only", False):
             raise ValueError(f"method {m.name!r}: verifier {m.verifier!r} is greedy-only; "
                              f"use {m.name.partition('@')[0]}@sampling at temperature {params.temperature}")
 
@@ -122,7 +126,8 @@ class Pass:
 
     def __init__(self, method: Method, models: Models, cfg: BenchConfig, eos: list[int], seed: int) -> None:
         self.method, self.models, self.cfg, self.eos, self.seed = method, models, cfg, eos, seed
-        self.policy = make_tree_policy(method.tree, cfg.bandit_memory == "pass") if method.kind == "spec" else None
+        self.policy = (make_tree_policy(method.tree, next(models.target.parameters()).device,
+                                        cfg.bandit_memory == "pass") if method.kind == "spec" else None)
         self.pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
         self.outputs: list[list[int]] = []
         self.records: list[dict] = []
@@ -159,12 +164,11 @@ def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchCon
     return one.result()
 
 
-def reference_method(models: Models) -> str:
-    """What lossless methods must reproduce: `hf-ar`, the target's own greedy `generate`, except where the target's
-    row floor is above 1 (bf16/fp16 on CPU, tree_search.invariance): there transformers decodes one row per
-    forward, which rounds differently from any multi-row forward, and `ar`, plain decoding with the floor, is the
-    same-precision plain decoding that speculation reproduces token for token."""
-    return "ar" if row_floor(models.target) > 1 else "hf-ar"
+def reference_method(names) -> str:
+    """What lossless methods must reproduce: `ar`, our plain decoding on the same exact model. Only a list of hf-*
+    methods alone (resolve_methods adds `ar` to any of ours) is checked against `hf-ar`, transformers' greedy
+    decoding on the same plain copy."""
+    return "ar" if "ar" in names else "hf-ar"
 
 
 def reference_outputs(models: Models, prompt_ids, cfg: BenchConfig, eos: list[int], name: str) -> list[list[int]]:
@@ -209,14 +213,14 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     bar = tqdm(total=cfg.repeats * len(methods) * len(prompts), desc="bench", disable=not progress)
     runs = measure(methods, models, make_batches(prompt_ids, 1), cfg, eos, bar, cfg)
     bar.close()
-    references, reference = None, reference_method(models)
+    references, reference = None, reference_method(runs)
     if greedy:  # the reference method's greedy outputs: no extra pass when it ran
         references = (runs[reference][0]["outputs"] if reference in runs
                       else reference_outputs(models, prompt_ids, cfg, eos, reference))
     summaries = {m.name: summarize(m, runs, prompts, references) for m in methods}
     return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
             "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "reference": reference,
-            "references": references, "methods": summaries, "runs": runs}
+            "references": references, "baselines": baselines_of(runs), "methods": summaries, "runs": runs}
 
 
 def describe(device: torch.device) -> str:
@@ -235,23 +239,38 @@ def tau(records: list[dict]) -> float:
     return sum(r["accepted"] for r in records) / max(sum(r["rounds"] for r in records), 1)
 
 
+def baselines_of(runs: dict) -> list[str]:
+    return [base for base in BASELINES if base in runs]
+
+
+def speedups(runs: dict, name: str, rate, select=lambda records: records) -> dict[str, list[float]]:
+    """Per repeat, method `name`'s `rate` of its records (narrowed by `select`) over the faster baseline's in that
+    repeat ("speedup": against what the user has without us, never the slower of two plain decodings) and over each
+    baseline that ran ("speedup_vs_ar", "speedup_vs_hf-ar")."""
+    def rates(method):
+        return [rate(select(run["records"])) for run in runs[method]]
+
+    mine = rates(name)
+    bases = {base: rates(base) for base in baselines_of(runs)}
+    out = {"speedup": [m / max(values[i] for values in bases.values()) for i, m in enumerate(mine)]}
+    return out | {f"speedup_vs_{base}": [m / b for m, b in zip(mine, values)] for base, values in bases.items()}
+
+
 def summarize(method: Method, runs: dict, prompts: list[Prompt], references) -> dict:
-    mine, base = runs[method.name], runs[method.baseline]
+    mine = runs[method.name]
     categories = sorted({p.category for p in prompts})
 
-    def select(records, category):
-        return [r for r, p in zip(records, prompts) if p.category == category]
+    def only(category):
+        return lambda records: [r for r, p in zip(records, prompts) if p.category == category]
 
     out = {"kind": method.kind, "tree": method.tree, "verifier": method.verifier, "lossless": method.lossless,
-           "baseline": method.baseline,
            "tokens_per_s": [tokens_per_s(r["records"]) for r in mine],
            "tau": [tau(r["records"]) for r in mine],
-           "speedup": [tokens_per_s(r["records"]) / tokens_per_s(b["records"]) for r, b in zip(mine, base)],
+           **speedups(runs, method.name, tokens_per_s),
            "arms": mine[-1]["arms"],
-           "categories": {c: {"tokens_per_s": [tokens_per_s(select(r["records"], c)) for r in mine],
-                              "tau": [tau(select(r["records"], c)) for r in mine],
-                              "speedup": [tokens_per_s(select(r["records"], c)) / tokens_per_s(select(b["records"], c))
-                                          for r, b in zip(mine, base)]} for c in categories}}
+           "categories": {c: {"tokens_per_s": [tokens_per_s(only(c)(r["records"])) for r in mine],
+                              "tau": [tau(only(c)(r["records"])) for r in mine],
+                              **speedups(runs, method.name, tokens_per_s, only(c))} for c in categories}}
     drafted = [r for run in mine for r in run["records"] if "draft_time" in r]
     if drafted:
         total = sum(r["wall_time"] for r in drafted)
@@ -275,8 +294,12 @@ def equality_cell(summary: dict) -> str:
     if "equality" not in summary:
         return "n/a (sampling)"
     eq = summary["equality"]
+    if summary["lossless"] and eq["all_repeats_identical"]:
+        return "identical"
+    if summary["lossless"] and summary["kind"] in HF_KINDS:  # transformers on the plain copy: its rounding, not ours
+        return eq["summary"] + " (transformers' generate, plain model)"
     if summary["lossless"]:
-        return "identical" if eq["all_repeats_identical"] else "**" + eq["summary"] + "**"
+        return "**" + eq["summary"] + "**"
     return f"lossy: {eq['n_identical']}/{eq['n_prompts']} identical, prefix agreement {eq['prefix_agreement']:.2f}"
 
 
@@ -286,26 +309,59 @@ def state_cell(summary: dict) -> str:
 
 
 def reference_text(result: dict) -> str:
-    return {"ar": "plain decoding (ar)"}.get(result.get("reference"), "target greedy")
+    return {"ar": "plain decoding (ar)"}.get(result.get("reference"), "transformers' greedy (hf-ar)")
+
+
+def baseline_text(baselines: list[str]) -> str:
+    """What the speedups are against: "best of ar/hf-ar" when both ran, else the one that did, said so."""
+    if len(baselines) > 1:
+        return "best of " + "/".join(baselines)
+    missing = [base for base in BASELINES if base not in baselines]
+    return f"{baselines[0]} ({', '.join(missing)} not run)"
+
+
+def speedup_header(baselines: list[str]) -> list[str]:
+    """The headline speedup column, then one per baseline when there are two (each names its denominator)."""
+    return [f"speedup vs {baseline_text(baselines)}"] + ([f"vs {b}" for b in baselines] if len(baselines) > 1 else [])
+
+
+def speedup_cells(summary: dict, baselines: list[str]) -> list[str]:
+    keys = ["speedup"] + ([f"speedup_vs_{b}" for b in baselines] if len(baselines) > 1 else [])
+    return [fmt_mean_std(summary[key]) + "×" for key in keys]
+
+
+def speedups_text(baselines: list[str], where: str) -> str:
+    if len(baselines) > 1:
+        return (f" Speedups are against the faster of `ar` (our plain decoding) and `hf-ar` (transformers' generate "
+                f"on the plain model) {where}, repeat by repeat.")
+    return f" Speedups are against `{baselines[0]}` {where}: {baseline_text(baselines)}."
 
 
 def markdown_report(result: dict) -> str:
-    cfg = result["config"]
+    cfg, baselines = result["config"], result["baselines"]
     reference = reference_text(result)
-    header = ["method", "verifier", "tokens/s", "τ", "speedup", "vs", "drafter state", f"output vs {reference}"]
-    rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
-             fmt_mean_std(s["tau"]), fmt_mean_std(s["speedup"]) + "×", s["baseline"], state_cell(s), equality_cell(s)]
+    header = ["method", "verifier", "tokens/s", "τ", *speedup_header(baselines), "drafter state",
+              f"output vs {reference}"]
+    rows = [[name, (s["verifier"] or "auto") if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
+             fmt_mean_std(s["tau"]), *speedup_cells(s, baselines), state_cell(s), equality_cell(s)]
             for name, s in result["methods"].items()]
-    text = (f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, "
-            f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}.{bandit_memory_text(cfg)}\n\n"
+    text = (budget_text(result) + f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, "
+            f"{sampling_text(cfg)}, {cfg['repeats']} repeats (mean ± std), device: {result['device']}."
+            + speedups_text(baselines, "on the same prompts") + bandit_memory_text(cfg) + "\n\n"
             + markdown_table(header, rows))
     categories = list(next(iter(result["methods"].values()))["categories"])
     if len(categories) > 1:
         header = ["method"] + categories
         rows = [[name] + [f"{mean_std(s['categories'][c]['speedup'])[0]:.2f}× (τ {mean_std(s['categories'][c]['tau'])[0]:.2f})"
                           for c in categories] for name, s in result["methods"].items()]
-        text += "\nSpeedup (τ) per category:\n\n" + markdown_table(header, rows)
+        text += f"\nSpeedup vs {baseline_text(baselines)} (τ) per category:\n\n" + markdown_table(header, rows)
     return text + arm_pulls(result["methods"], "last repeat")
+
+
+def budget_text(result: dict) -> str:
+    """What a time budget cut from the measurement (the demo's), as the table's first line."""
+    budget = result.get("budget")
+    return f"**{budget['summary']}**\n\n" if budget and budget["cuts"] else ""
 
 
 def sampling_text(cfg: dict) -> str:
@@ -343,7 +399,7 @@ def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> d
     bar_plot(paths["tau_png"], names, [methods[n]["tau"] for n in names],
              "Mean accepted tokens per target forward (τ)", "τ", baseline=1.0, lossy=lossy)
     bar_plot(paths["speedup_png"], names, [methods[n]["speedup"] for n in names],
-             "Speedup vs same-harness autoregressive", "× tokens/s", baseline=1.0, lossy=lossy)
+             f"Speedup vs {baseline_text(result['baselines'])}", "× tokens/s", baseline=1.0, lossy=lossy)
     return paths
 
 
@@ -371,7 +427,7 @@ def run_batch_benchmark(models: Models, prompts: list[Prompt], methods: list[Met
         bar.set_description(f"bench batch {size}")
         runs[size] = measure(methods, models, make_batches(prompt_ids, size), cfg, eos, bar, warmup)
     bar.close()
-    references, reference = None, reference_method(models)
+    references, reference = None, reference_method([m.name for m in methods])
     if cfg.temperature == 0:  # the reference at batch size 1 is per-prompt greedy decoding: no extra pass if it ran
         lone = runs.get(1, {}).get(reference)
         references = lone[0]["outputs"] if lone else reference_outputs(models, prompt_ids, cfg, eos, reference)
@@ -379,7 +435,7 @@ def run_batch_benchmark(models: Models, prompts: list[Prompt], methods: list[Met
                for size, r in runs.items()}
     return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
             "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "reference": reference,
-            "references": references, "batches": batches}
+            "references": references, "baselines": baselines_of(runs[cfg.batch_sizes[0]]), "batches": batches}
 
 
 def throughput(records: list[dict]) -> float:
@@ -391,32 +447,27 @@ def summarize_batch(method: Method, runs: dict, references) -> dict:
     mine = runs[method.name]
     out = {"kind": method.kind, "tree": method.tree, "verifier": method.verifier, "lossless": method.lossless,
            "tokens_per_s": [throughput(r["records"]) for r in mine], "tau": [tau(r["records"]) for r in mine],
+           **speedups(runs, method.name, throughput),  # against the baselines on the same batches
            "arms": mine[-1]["arms"]}
-    for base in ("ar", "hf-ar"):  # the same batches decoded by each autoregressive baseline
-        if base in runs:
-            out["speedup_vs_" + base] = [throughput(r["records"]) / throughput(b["records"])
-                                         for r, b in zip(mine, runs[base])]
     if references is not None:
         out["equality"] = equality(references, mine)
     return out
 
 
 def batch_report(result: dict) -> str:
-    """A table per batch size (tokens/s, τ, speedup vs batched ar and hf-ar, equality), then tokens/s by size."""
-    cfg, batches = result["config"], result["batches"]
-
-    def speedup(s, base):
-        return fmt_mean_std(s["speedup_vs_" + base]) + "×" if "speedup_vs_" + base in s else "–"
-
+    """A table per batch size (tokens/s, τ, speedup vs the faster of batched ar and hf-ar and vs each, equality),
+    then tokens/s by size."""
+    cfg, batches, baselines = result["config"], result["batches"], result["baselines"]
     text = (f"{len(result['prompts'])} prompts in left-padded batches of {', '.join(batches)} (the last batch of a "
             f"size may be smaller), {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, {cfg['repeats']} "
-            f"repeats (mean ± std), device: {result['device']}. tokens/s = all new tokens / wall time of all batches; "
-            "speedups against `ar` and `hf-ar` on the same batches; outputs compared with per-prompt greedy "
+            f"repeats (mean ± std), device: {result['device']}. tokens/s = all new tokens / wall time of all batches."
+            + speedups_text(baselines, "on the same batches") + " Outputs compared with per-prompt greedy "
             f"{reference_text(result)}." + bandit_memory_text(cfg) + "\n")
-    header = ["method", "verifier", "tokens/s", "τ", "vs ar", "vs hf-ar", f"output vs {reference_text(result)}"]
+    header = ["method", "verifier", "tokens/s", "τ", *speedup_header(baselines),
+              f"output vs {reference_text(result)}"]
     for size, entry in batches.items():
-        rows = [[name, s["verifier"] if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
-                 fmt_mean_std(s["tau"]), speedup(s, "ar"), speedup(s, "hf-ar"), equality_cell(s)]
+        rows = [[name, (s["verifier"] or "auto") if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
+                 fmt_mean_std(s["tau"]), *speedup_cells(s, baselines), equality_cell(s)]
                 for name, s in entry["methods"].items()]
         text += f"\n### Batch size {size}\n\n" + markdown_table(header, rows)
         text += arm_pulls(entry["methods"], "batched rounds, last repeat")
@@ -427,8 +478,8 @@ def batch_report(result: dict) -> str:
 
 
 def write_batch_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> dict[str, Path]:
-    """JSON (everything), the markdown tables, and line plots over batch size: speedup vs batched `ar` (`hf-ar`
-    when `ar` did not run) and tokens/s, one line per method."""
+    """JSON (everything), the markdown tables, and line plots over batch size: speedup vs the faster of batched `ar`
+    and `hf-ar` and tokens/s, one line per method."""
     out_dir = Path(out_dir)
     paths = {"json": out_dir / f"{prefix}.json", "markdown": out_dir / f"{prefix}.md",
              "speedup_png": out_dir / f"{prefix}_batch_speedup.png",
@@ -436,15 +487,14 @@ def write_batch_outputs(result: dict, out_dir: str | Path, prefix: str = "bench"
     batches = result["batches"]
     sizes = [int(size) for size in batches]
     names = list(next(iter(batches.values()))["methods"])
-    base = "ar" if "ar" in names else "hf-ar"
+    base = baseline_text(result["baselines"])
 
     def series(key):
         return {n: [mean_std(batches[str(b)]["methods"][n][key])[0] for b in sizes] for n in names}
 
     write_json(paths["json"], result)
     write_text(paths["markdown"], batch_report(result))
-    line_plot(paths["speedup_png"], sizes, series("speedup_vs_" + base),
-              f"Speedup vs batched {base} ({result['device']})", "batch size",
+    line_plot(paths["speedup_png"], sizes, series("speedup"), f"Speedup vs {base} ({result['device']})", "batch size",
               f"× tokens/s of {base} on the same batches", baseline=1.0)
     line_plot(paths["tokens_png"], sizes, series("tokens_per_s"), f"Throughput ({result['device']})", "batch size",
               "tokens / s (all batches)")
@@ -463,8 +513,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
                         "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
-                        help="hf-ar hf-assisted hf-lookup ar chain[:N] tree:3,2,2,1,1 bandit[:A/B] METHOD+lookup[:K] "
-                        "METHOD@VERIFIER verifier=NAME")
+                        help="hf-ar hf-assisted hf-lookup ar default chain[:N] tree:3,2,2,1,1 bandit[:A/B] "
+                        "METHOD+lookup[:K] METHOD@VERIFIER verifier=NAME; `default` is what `generate` runs by "
+                        "default on --device, hf-* run transformers' generate on plain copies of the models")
     parser.add_argument("--assistant", help="small Transformer sharing the target's tokenizer: the assistant of "
                         "hf-assisted, and the drafter of assistant: methods in our engine")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
@@ -484,7 +535,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat-template", action="store_true", help="encode prompts as raw text")
     parser.add_argument("--system-prompt", help="system message placed before every prompt by the chat template")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                        help="dtype of every model, hf-* copies included (auto, the default: bfloat16 where the device "
+                        "has native bf16 products, else float32, as every command)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--batch-size", type=parse_batch_sizes, default=d.batch_sizes, metavar="B[,B2,...]",
                         help="1 (default): the per-prompt table; else, for each size, every method decodes the "
@@ -558,26 +611,31 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     check_device(args.device)
 
 
-def load_models(args: argparse.Namespace, methods: list[Method]) -> Models:
+def load_models(methods: list[Method], target, *, dtype: torch.dtype, device: str, tokenizer=None, drafter=None,
+                assistant=None) -> Models:
+    """Each model the methods need, once: the target as `generate` loads it (load_causal_lm's defaults), the drafter
+    and the assistant for our engine, and for hf-* methods plain copies of the target (and assistant), what a user
+    has without us (`methods.load_plain`), loaded only when one of them runs."""
     from mamba_draft.targets import load_causal_lm, load_tokenizer
 
-    dtype = parse_dtype(args.dtype)
-
-    def causal_lm(path):
-        return load_causal_lm(path, dtype=dtype, device=args.device)
-
-    models = Models(target=causal_lm(args.target), tokenizer=load_tokenizer(args.tokenizer or args.target))
+    models = Models(target=load_causal_lm(target, dtype=dtype, device=device),
+                    tokenizer=load_tokenizer(tokenizer or target))
     if any(m.kind == "spec" and m.drafter == "drafter" for m in methods):
         from mamba_draft import load_drafter
 
-        models.drafter = load_drafter(args.drafter, device=args.device, dtype=dtype,
+        models.drafter = load_drafter(drafter, device=device, dtype=dtype,
                                       embedding=models.target.get_input_embeddings().weight)
-    if any(m.kind == "hf-assisted" or m.drafter == "assistant" for m in methods):
+    if any(m.kind == "spec" and m.drafter == "assistant" for m in methods):
         from mamba_draft.checkpoint import read_draft_ids
 
-        # sdpa: the assistant only proposes, so it needs no batch-invariant attention, and sdpa is its fastest here
-        models.assistant = load_causal_lm(args.assistant, dtype=dtype, device=args.device, attn_implementation="sdpa")
-        models.assistant_draft_ids = read_draft_ids(args.assistant) if Path(args.assistant).is_dir() else None
+        # the assistant only proposes: no row blocks or batch-invariant attention needed, and sdpa is its fastest
+        models.assistant = load_causal_lm(assistant, dtype=dtype, device=device, attn_implementation="sdpa",
+                                          row_blocks=False)
+        models.assistant_draft_ids = read_draft_ids(assistant) if Path(assistant).is_dir() else None
+    if any(m.kind in HF_KINDS for m in methods):
+        models.plain_target = load_plain(target, dtype, device)
+    if any(m.kind == "hf-assisted" for m in methods):
+        models.plain_assistant = load_plain(assistant, dtype, device)
     return models
 
 
@@ -603,7 +661,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size {max(args.batch_size)} needs at least that many prompts; "
                          f"{args.prompts} gives {len(prompts)}")
     cfg = config_from_args(args, methods)
-    models = load_models(args, methods)
+    models = load_models(methods, args.target, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
+                         tokenizer=args.tokenizer, drafter=args.drafter, assistant=args.assistant)
     sweep = cfg.batch_sizes != (1,)
     result = (run_batch_benchmark if sweep else run_benchmark)(models, prompts, methods, cfg)
     result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant}

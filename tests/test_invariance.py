@@ -1,70 +1,212 @@
-"""Batch-invariant verification: in low precision on CPU, speculative output equals plain decoding of the same
-model token for token, because no target forward multiplies fewer rows than the probed row floor (dummy leaves
-pad it) and low-precision CPU targets use row-stable attention (a node behind masked siblings reduces over its
-keys exactly as the decoding step that computes it)."""
+"""Batch-invariant target forwards by construction (mamba_draft.row_blocks + row-stable attention): in low
+precision on a CPU, a position's logits are the same bits however many tokens share its forward (a decoding step,
+a tree, a batch), so speculative output equals plain decoding token for token on any CPU kind. Exactness is the
+contract: every comparison here is `torch.equal`.
+
+`scripts/kernel_sweep.sh` runs this file under every narrower kernel path a machine can force; the adversarial
+kernel below stands in for the paths no machine here can reach (AMX on an AMD CPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
 
+from mamba_draft import row_blocks
+from mamba_draft.cpu_attention import register
 from mamba_draft.heldout import is_heldout, read_spec_bench
-from mamba_draft.targets import default_attention, load_causal_lm, load_tokenizer
+from mamba_draft.row_blocks import (PREFILL_ROWS, make_row_invariant, pick_rows, prefilling, row_block,
+                                    unblocked_forward)
+from mamba_draft.targets import cache_keyword, default_attention, load_causal_lm, load_tokenizer
 from tests.helpers.tree_models import random_drafter, tiny_llama
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.invariance import padded, row_floor
 from tree_search.prompts import encode_prompt
 from tree_search.target import BatchTargetState, TargetState
-from tree_search.tree import Tree, TreeConfig
+from tree_search.tree import Tree
+
+CHUNKS = (1, 2, 3, 5, 8, 17, 64, 300)  # rows per forward: decoding, trees, lookup rounds, a long forward
 
 
-def test_padded_tree_adds_leaves_no_real_node_sees():
-    tree = TreeConfig.parse("2,1").build()
-    assert padded(tree, 2) == tree  # (cached per equal tree: not necessarily this object)
-    wide = padded(tree, 8)
-    assert len(wide) == 8 and wide.parents[: len(tree)] == tree.parents
-    assert not wide.ancestor_mask[: len(tree), len(tree):].any()  # real rows never see a dummy
+def bf16_target(seed: int = 0, vocab: int = 64, hidden: int = 64):
+    model = tiny_llama(vocab=vocab, hidden=hidden, seed=seed, head_scale=0.3).to(torch.bfloat16)
+    model.set_attn_implementation(register("row_stable"))
+    return model
 
 
-def test_row_floor_is_one_for_fp32_and_probed_for_bf16():
-    model = tiny_llama(vocab=64, hidden=32)
-    assert row_floor(model) == 1
-    model = model.to(torch.bfloat16)
-    floor = row_floor(model)
-    assert floor in (1, 2, 4, 8, 16, 32, 256)
-    # the floor's claim, checked on a fresh product: every larger row count gives the same rows
-    linear = model.model.layers[0].mlp.down_proj
-    x = torch.randn(64, linear.in_features).to(torch.bfloat16)
+@torch.no_grad()
+def chunked_logits(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Every position's logits, the sequence fed `chunk` tokens per forward through one KV cache."""
+    cache = DynamicCache(config=model.config)
+    kwargs = {cache_keyword(model): cache, "use_cache": True}
+    return torch.cat([model(input_ids=ids[:, i:i + chunk], **kwargs).logits[0] for i in range(0, ids.shape[1], chunk)])
+
+
+def assert_nodes_get_the_decoding_steps_logits(target, ids: torch.Tensor, nodes: torch.Tensor, tree: Tree) -> None:
+    """Each node's logits from one tree forward equal, bit for bit, those of plain decoding of the root, the node's
+    ancestors and the node after the same prefix."""
+    state = TargetState(target)
+    state.prefill(ids)
+    tree_logits, _ = state.tree_forward(nodes, tree)
+    for node in range(len(tree)):
+        plain = TargetState(target)
+        plain.prefill(ids)
+        for i in [0, *tree.path_to(node)]:
+            logits = plain.decode(nodes[i])
+        assert torch.equal(logits, tree_logits[node]), node
+
+
+class RowCountRounding(nn.Linear):
+    """An adversarial kernel: its rounding depends on how many rows a product has, as AMX's does, at counts a probe
+    of powers of two never sees. A power-of-two row count is one bf16 product; any other count adds the K
+    reduction in four bf16 partial sums, so the same row rounds differently in a forward of 3 or 5 rows than alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows & (rows - 1) == 0:
+            return F.linear(x, self.weight, self.bias)
+        out = None
+        for part in torch.chunk(torch.arange(self.in_features), 4):
+            piece = F.linear(x[..., part], self.weight[:, part])
+            out = piece if out is None else out + piece
+        return out if self.bias is None else out + self.bias
+
+
+def adversarial(model):
+    for layer in model.modules():
+        if type(layer) is nn.Linear:
+            layer.__class__ = RowCountRounding
+    return model
+
+
+def test_the_adversarial_kernel_rounds_by_row_count():
+    """The double is what it claims: the same row, alone and among two other rows, gives other bits."""
+    layer = adversarial(nn.Sequential(nn.Linear(64, 64))).bfloat16()[0]
+    x = torch.randn(3, 64).bfloat16()
     with torch.no_grad():
-        ref = linear(x)
-        for m in (floor, 2 * floor, 4 * floor):
-            if m <= 64:
-                assert torch.equal(torch.cat([linear(x[i:i + m]) for i in range(0, 64, m)]), ref)
-    assert default_attention(torch.bfloat16, "cpu") == "row_stable" and default_attention(torch.float32, "cpu") == "sdpa"
+        assert not torch.equal(layer(x)[:1], layer(x[:1]))
+        assert torch.equal(layer(x[:2])[:1], layer(x[:1]))  # powers of two agree: a probe of them sees nothing
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_dummy_rows_change_nothing_and_leave_the_cache_as_without_them(batch):
-    """Padding a forward with dummy leaves (min_rows) returns the same real rows and commits the same cache."""
-    torch.manual_seed(0)
+@pytest.mark.parametrize("kernel", ["library", "adversarial"])
+def test_every_row_count_gives_the_same_bits(kernel, monkeypatch, tmp_path):
+    """Logits of 300 positions fed 1, 2, 3, 5, 8, 17, 64 or 300 tokens per forward: the same bits, under this
+    machine's kernels and under a kernel whose rounding follows the row count."""
+    monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
+    model = bf16_target()
+    if kernel == "adversarial":
+        adversarial(model)
+    ids = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(0))
+    rows = make_row_invariant(model)
+    assert row_block(model) == rows
+    reference = chunked_logits(model, ids, 1)
+    for chunk in CHUNKS[1:]:
+        assert torch.equal(chunked_logits(model, ids, chunk), reference), chunk
+    with prefilling(model):  # prefills agree with each other (a prompt is prefilled in every path)
+        prefilled = chunked_logits(model, ids, PREFILL_ROWS)
+        assert torch.equal(chunked_logits(model, ids, 300), prefilled)
+        assert torch.equal(chunked_logits(model, ids, 100), prefilled)
+
+
+@pytest.mark.parametrize("tree", ["1,1", "2,2", "3,1"])
+def test_speculation_equals_plain_decoding_under_the_adversarial_kernel(tree, monkeypatch, tmp_path):
+    """The tree engine on a target whose kernel rounds by row count (trees of 3 and 5 rows, plain decoding 1):
+    every tree node's logits are the decoding step's, bit for bit, and greedy output is plain decoding's. Before
+    row blocks a probed row floor of 1 (the probe tries powers of two) let both differ."""
+    monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
+    target = adversarial(bf16_target(seed=3))
+    drafter = random_drafter(tmp_path / "drafter", vocab=64, hidden=32, layers=1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 64, (1, 9), generator=g)
+        plain = generate_autoregressive(target, ids, max_new_tokens=24, temperature=0).new_tokens[0].tolist()
+        spec = generate(target, drafter, ids, max_new_tokens=24, temperature=0, tree=tree).new_tokens[0].tolist()
+        assert spec == plain
+    assert_nodes_get_the_decoding_steps_logits(target, ids, torch.randint(0, 64, (5,), generator=g),
+                                               Tree((-1, 0, 0, 1, 2)))
+
+
+def test_a_batch_row_gets_the_logits_of_its_prompt_alone(monkeypatch, tmp_path):
+    """Left-padded prompts of different lengths in one cache: each row's tree logits equal those of its prompt in a
+    state of its own, bit for bit (other rows share every product and attention call of the forward)."""
+    monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
+    target = bf16_target(seed=5)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (7, 3, 12)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    shape = Tree((-1, 0, 0, 1))
+    nodes = torch.randint(0, 64, (len(prompts), len(shape)), generator=g)
+    batch = BatchTargetState(target)
+    batch.prefill(ids, mask)
+    batched, _ = batch.tree_forward(nodes, shape)
+    batch.commit([[1, 3], [2], []])
+    after = batch.decode(nodes[:, 0])
+    for b, prompt in enumerate(prompts):
+        alone = TargetState(target)
+        alone.prefill(prompt[None])
+        logits, _ = alone.tree_forward(nodes[b], shape)
+        assert torch.equal(logits, batched[b]), b
+        alone.commit([[1, 3], [2], []][b], len(shape))
+        assert torch.equal(alone.decode(nodes[b, 0]), after[b]), b
+
+
+def test_pick_rows_takes_the_rows_that_come_nearly_free():
+    """Costs of one block (ms) as measured on the three kinds: AMX-like flat products take 16-row blocks, a
+    memory-bound fp32 product 2 (a 4-row product costs 1.6x), emulated bf16 single rows."""
+    assert pick_rows({1: 12.3, 2: 12.4, 4: 12.6, 8: 12.8, 16: 13.1}) == 16
+    assert pick_rows({1: 20.4, 2: 21.9, 4: 34.1, 8: 42.7, 16: 46.1}) == 2
+    assert pick_rows({1: 23.5, 2: 36.5, 4: 48.4, 8: 66.0, 16: 103.9}) == 1
+
+
+class PlaceDependent(nn.Linear):
+    """A kernel whose last row of a block rounds differently: row blocks must not trust such a block size."""
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        if x.shape[0] > 1:
+            out[-1] = out[-1] + out[-1].abs() * 2 ** -7
+        return out
+
+
+def test_choose_rows_keeps_its_choice_and_refuses_blocks_a_row_is_not_free_in(monkeypatch, tmp_path):
+    monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
+    model = nn.Sequential(nn.Linear(64, 64)).bfloat16()
+    model[0].__class__ = PlaceDependent
+    monkeypatch.setattr(row_blocks, "block_costs", lambda m: {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0})
+    assert make_row_invariant(model) == 1  # every larger block fails the position check
+    assert model[0].prefill_rows == 1
+    other = nn.Sequential(nn.Linear(32, 32)).bfloat16()
+    assert make_row_invariant(other) == 16
+    assert (tmp_path / "row_blocks.json").is_file()
+    monkeypatch.setattr(row_blocks, "block_costs", lambda m: pytest.fail("the kept choice is measured again"))
+    assert make_row_invariant(nn.Sequential(nn.Linear(32, 32)).bfloat16()) == 16
+    monkeypatch.setenv(row_blocks.ROWS_ENV, "4")
+    assert make_row_invariant(nn.Sequential(nn.Linear(32, 32)).bfloat16()) == 4
+
+
+def test_blocks_leave_parameters_state_dict_and_training_alone():
+    model = tiny_llama(vocab=64, hidden=32).bfloat16()
+    keys = list(model.state_dict())
+    make_row_invariant(model, rows=4)
+    assert list(model.state_dict()) == keys and row_block(model) == 4
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, nn.Linear) and unblocked_forward(layer).__self__ is layer
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # with gradients: a plain product, differentiable
+    assert x.grad is not None
+
+
+def test_fp32_targets_are_left_as_transformers_builds_them():
+    """fp32 moves a product's last bit of 24 with the row count, far below a logit gap; blocks there would cost a
+    memory-bound product a weight pass per block, so only bf16/fp16 CPU targets get them."""
     model = tiny_llama(vocab=64, hidden=32)
-    tree = TreeConfig.parse("2,1").build()
-    prompt = torch.randint(0, 64, (batch, 6))
-    tokens = torch.randint(0, 64, (batch, len(tree)))
-    results = []
-    for min_rows in (1, 16):
-        state = BatchTargetState(model, min_rows=min_rows) if batch > 1 else TargetState(model, min_rows=min_rows)
-        state.prefill(prompt)
-        logits, hidden = state.tree_forward(tokens if batch > 1 else tokens[0], tree, want_hidden=True)
-        if batch > 1:
-            state.commit([[1, 3]] * batch)
-        else:
-            state.commit([1, 3], len(tree))
-        after = state.decode(tokens[:, 0] if batch > 1 else tokens[0, 0])
-        keys = state.cache.layers[0].keys
-        results.append((logits, hidden, after, keys))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # fp32: 1 vs 16 rows may round differently
-    assert results[0][3].shape == results[1][3].shape  # the dummies' keys were dropped
+    TargetState(model)
+    assert row_block(model) is None
+    assert default_attention(torch.bfloat16, "cpu") == "row_stable" and default_attention(torch.float32, "cpu") == "sdpa"
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +216,19 @@ def bf16_pair(tmp_path_factory):
     return target, drafter, load_tokenizer("smollm2")
 
 
+def test_the_real_target_gives_every_row_count_the_same_bits(bf16_pair):
+    """SmolLM2-135M in bf16, 70 positions fed 1, 2, 3, 5, 8, 17, 64 or 70 tokens per forward: the same bits."""
+    target, _, _ = bf16_pair
+    assert row_block(target) is not None and target.config._attn_implementation == "row_stable"
+    ids = torch.randint(100, 20000, (1, 70), generator=torch.Generator().manual_seed(0))
+    reference = chunked_logits(target, ids, 1)
+    for chunk in (2, 3, 5, 8, 17, 64, 70):
+        assert torch.equal(chunked_logits(target, ids, chunk), reference), chunk
+
+
 def test_bf16_speculation_equals_plain_decoding_on_the_real_target(bf16_pair):
-    """SmolLM2-135M in bf16: tree and chain outputs equal plain (autoregressive) decoding token for token. Without
-    the row floor, this machine's kernels made 3 of 6 such prompts drift (a one-row product rounds differently)."""
+    """SmolLM2-135M in bf16: tree and chain outputs equal plain (autoregressive) decoding token for token."""
     target, drafter, tokenizer = bf16_pair
-    assert target.config._attn_implementation == "row_stable"
-    assert row_floor(target) >= 1
     questions = [r["turns"][0] for r in read_spec_bench() if not is_heldout(r)][::80][:3]
     for text in questions:
         ids = torch.tensor([encode_prompt(tokenizer, text)])[:, -200:]
@@ -89,40 +238,14 @@ def test_bf16_speculation_equals_plain_decoding_on_the_real_target(bf16_pair):
             assert spec == plain, (text[:40], tree)
 
 
-def test_floor_pads_single_token_forwards(bf16_pair):
-    target, _, _ = bf16_pair
-    state = TargetState(target)
-    seen = []
-    hook = target.model.embed_tokens.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[-1]))
-    try:
-        state.prefill(torch.tensor([[1, 2, 3]]))
-        state.decode(torch.tensor(4))
-        state.tree_forward(torch.tensor([5]), Tree((-1,)))
-        state.commit([], 1)
-    finally:
-        hook.remove()
-    assert seen == [3, row_floor(target), row_floor(target)] and state.length == 5
-    assert state.cache.layers[0].keys.shape[-2] == 5
-
-
 @pytest.mark.parametrize("tree,tokens", [((-1, 0, 0), 3), ((-1, 0, 0, 0, 2), 5), ((-1, 0, 0, 1, 2), 5)])
 def test_a_node_behind_masked_siblings_gets_the_decoding_steps_logits(bf16_pair, tree, tokens):
     """bf16 SmolLM2: the logits of a tree node equal, bit for bit, those plain decoding computes for the same token
-    after the same context, though masked siblings sit between the node and its ancestors in the forward (eager
-    attention's reductions rounded with that layout: trees 2,1 / 3,1 left plain decoding on 2 of 13 questions)."""
+    after the same context, though masked siblings sit between the node and its ancestors in the forward."""
     target, _, tokenizer = bf16_pair
     tree = Tree(tree)
     questions = [r["turns"][0] for r in read_spec_bench() if not is_heldout(r)][5::60][:3]
     g = torch.Generator().manual_seed(0)
     for text in questions:
         ids = torch.tensor([encode_prompt(tokenizer, text)])[:, -120:]
-        nodes = torch.randint(100, 20000, (tokens,), generator=g)
-        state = TargetState(target)
-        state.prefill(ids)
-        tree_logits, _ = state.tree_forward(nodes, tree)
-        for node in range(len(tree)):
-            plain = TargetState(target)
-            plain.prefill(ids)
-            for i in [0, *tree.path_to(node)]:  # the root, then the node's ancestors and the node itself
-                logits = plain.decode(nodes[i])
-            assert torch.equal(logits, tree_logits[node]), (text[:30], node)
+        assert_nodes_get_the_decoding_steps_logits(target, ids, torch.randint(100, 20000, (tokens,), generator=g), tree)

@@ -138,7 +138,7 @@ Generate = Callable[..., list[list[int]]]
 
 
 def data_attention(device: str | torch.device) -> str:
-    """Training data needs no batch invariance (tree_search.invariance): the fastest attention for batched decoding,
+    """Training data needs no batch invariance (mamba_draft.row_blocks): the fastest attention for batched decoding,
     grouped on CPU (sdpa's copies of the repeated key heads were 55 % of a batch-64 step on 2 cores), else sdpa."""
     return "grouped" if torch.device(device).type == "cpu" else "sdpa"
 

@@ -11,7 +11,7 @@ from mamba_draft.checkpoint import check_draft_ids
 from tree_search.bandit import FixedPolicy, UCBBandit, default_policy
 from tree_search.sampling import SamplingParams
 from tree_search.target import (
-    check_batch_prompts, check_tree_support, max_positions, target_vocab_size, window_capacity,
+    check_batch_prompts, check_tree_support, local_window, max_positions, target_vocab_size, window_capacity,
 )
 from tree_search.tree import TreeConfig
 from tree_search.verifiers import Verifier
@@ -258,7 +258,7 @@ def check_prompt(
     if window is not None and tree_nodes and ids.shape[1] + max_new_tokens + tree_nodes > window:
         raise ValueError(
             f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes ({tree_nodes}) exceeds "
-            f"the {window} tokens {type(target).__name__}'s sliding-window cache holds exactly"
+            f"{_window_limit(target, window)}"
         )
     return ids.to(device=next(target.parameters()).device, dtype=torch.long)
 
@@ -316,8 +316,26 @@ def check_batch_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list
     window = window_capacity(target)
     if window is not None and ids.shape[1] + max_new_tokens + tree_nodes > window:
         raise ValueError(f"the padded prompts ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes "
-                         f"({tree_nodes}) exceed the {window} tokens {type(target).__name__}'s sliding-window cache "
-                         "holds exactly")
+                         f"({tree_nodes}) exceed {_window_limit(target, window)}")
+    # A local window has no runtime guard (nothing drops keys, BatchTargetState's slot check knows sliding caches
+    # only), so bound the slots up front: a round adds 1 + its longest accepted path (<= tree depth) to the shared
+    # slots, holes of rows that accepted less included, and a round runs only while some row has < max_new_tokens.
+    local = local_window(target)
+    slots = ids.shape[1] + (max_new_tokens - 1) * (1 + tree_depth) + tree_nodes
+    if local is not None and ids.shape[0] > 1 and tree_depth and slots > local:
+        raise ValueError(f"a batch of {ids.shape[0]} prompts may need {slots} slots (padded prompts {ids.shape[1]} + "
+                         f"up to {1 + tree_depth} per round for {max_new_tokens - 1} rounds + tree nodes "
+                         f"{tree_nodes}: shorter accepted paths leave holes) and exceed "
+                         f"{_window_limit(target, local)}; pass fewer max_new_tokens, a shallower tree or one prompt")
+
+
+def _window_limit(target: torch.nn.Module, window: int) -> str:
+    """The window a generation must fit in, named for the error message."""
+    name = type(target).__name__
+    if local_window(target) == window:
+        return (f"the {window}-token local attention window (window_size) of {name}, whose local layers hide keys "
+                "by their slot in a forward, so a draft tree is verified exactly only within it")
+    return f"the {window} tokens {name}'s sliding-window cache holds exactly"
 
 
 def check_drafter_room(drafter, batch: int, tree_rows: int, out_vocab: int, context: int) -> None:

@@ -260,7 +260,10 @@ def decode_plainly(target, prompts, attention_mask, batch: bool, max_new_tokens,
                   seed, streamer)
     rec = run.start()
     target_state = run.target_state(target, 1)
-    logits = target_state.prefill(run.ids, run.mask)
+    # each row's last prompt token goes through the first decoding step, as speculation's first root does: every
+    # position after the prefilled ones is computed by the same kind of forward in both (mamba_draft.row_blocks)
+    target_state.prefill(run.ids[:, :-1], run.mask[:, :-1])
+    logits = target_state.decode(run.ids[:, -1])
     while True:
         tokens = next_tokens(logits, run.params, run.generators)
         proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer

@@ -11,9 +11,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from mamba_draft.row_blocks import low_precision_cpu, make_row_invariant, prefilling
 from mamba_draft.targets import cache_keyword
 from tree_search.graphs import capture_graph
-from tree_search.invariance import padded, row_floor
 from tree_search.tree import Tree
 
 # Probe verdicts that passed, per model, keyed on what the probe's outcome depends on: attention implementation,
@@ -41,13 +41,34 @@ def max_positions(model: torch.nn.Module) -> int | None:
 
 
 def window_capacity(model: torch.nn.Module) -> int | None:
-    """Tokens a sliding-window cache holds before HF starts dropping its head (None = no sliding window).
+    """Tokens a forward (cache + one tree) may span while tree verification stays exact (None = no window).
 
-    Once a window is full the cache keeps only its tail and a tree forward's 4D mask would no longer describe
-    it, so generation (cache + one tree) must stay below this.
+    Sliding-window caches: the tokens one holds before HF starts dropping its head; once a window is full the cache
+    keeps only its tail and a tree forward's 4D mask would no longer describe it. Local attention windows
+    (`local_window`): the window itself. Generation (cache + one tree) must stay within this.
     """
     windows = [layer.sliding_window - 1 for layer in _cache_layers(model) if isinstance(layer, DynamicSlidingWindowLayer)]
+    local = local_window(model)
+    if local is not None:
+        windows.append(local)
     return min(windows) if windows else None
+
+
+def local_window(model: torch.nn.Module) -> int | None:
+    """The window of local attention layers that hide keys by their slot in the forward (None: no such layers).
+
+    GPT-Neo's "local" layers (config.attention_layers, window_size W) mask each query's keys with a fixed band over
+    slots (modeling_gpt_neo: bias = tril ^ tril(-W)): query slot s sees key slots (s - W, s], whatever the position
+    ids and the 4D mask say. A tree's siblings sit at different slots but one depth, so once a forward spans more
+    than W slots they lose keys their position still sees, and no mask can give them back (the band is applied
+    before it). Within W slots the band hides nothing and local attention equals global attention: the tree mask is
+    exact. Nothing drops keys from the cache itself (its layers stay DynamicLayer).
+    """
+    config = model.config
+    window = getattr(config, "window_size", None)
+    if "local" in (getattr(config, "attention_layers", None) or ()) and isinstance(window, int) and window > 0:
+        return window
+    return None
 
 
 def _cache_layers(model: torch.nn.Module) -> list:
@@ -108,7 +129,7 @@ def _probe_tree_mask(model: torch.nn.Module) -> bool:
     """Prefix a, root b, siblings c and d: d's logits must equal those of the chain b, d (a plain sequence).
 
     Both run through TargetState (a prefill of a, then one forward), so they differ only by the mask and by the
-    row count of their forward; low-precision targets may round those differently (off the row-floor path), so the
+    row count of their forward; targets without row blocks (fp32, GPU) may round those differently, so the
     tolerance scales with the dtype's epsilon (bf16: 2^-7, a few rounding steps through the layers) and the logit
     magnitude. d's logits must also be closer to the chain's than to the causal chain b, c, d that a
     mask-ignoring model computes.
@@ -133,15 +154,16 @@ def _probe_tree_mask(model: torch.nn.Module) -> bool:
 class _TreeMasks:
     """What single and batched target states share: the model, its 4D-mask convention and per-tree mask blocks."""
 
-    def __init__(self, model: torch.nn.Module, min_rows: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = None  # DynamicCache, created by prefill
         self._cache_keyword = cache_keyword(model)
         self.forwards = 0
-        # every forward after the prefill multiplies at least this many rows (tree_search.invariance): a forward of
-        # fewer tokens carries dummy leaves, so a position's logits do not depend on how many tokens it shared with
-        self.min_rows = row_floor(model) if min_rows is None else min_rows
+        # A low-precision CPU target's linear layers multiply in fixed blocks of rows (in place, once per model;
+        # mamba_draft.row_blocks), so a position's logits do not depend on how many tokens share its forward.
+        if low_precision_cpu(model):
+            make_row_invariant(model)
         # The 4D mask each attention implementation takes (masking_utils): sdpa a boolean one (True = visible),
         # eager and the rest an additive float one in the model's dtype (0 visible, dtype-min hidden); eager adds
         # the mask to the scores, so a boolean one there would hide nothing.
@@ -170,15 +192,22 @@ def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:
 
     Sliding-window layers are served by plain full-length layers as long as the window never fills (nothing is
     dropped before then, so both hold the same keys); past that HF keeps a rolling buffer our slots cannot describe.
+    Local attention layers (`local_window`) see a static cache's forward as its last slots (they take the band's
+    rows from the key count, max_len), so the band hides nothing only while max_len stays within the window.
     """
     name = type(model).__name__
     for layer in _cache_layers(model):
         if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
             return f"{name} has {type(layer).__name__} cache layers; a static KV cache holds attention layers only"
-    window = window_capacity(model)
-    if window is not None and max_len > window:
-        return (f"{name}'s sliding-window layers keep only the last {window} tokens, fewer than the {max_len} slots "
-                "asked of its static KV cache; use static=False")
+    sliding = [layer.sliding_window - 1 for layer in _cache_layers(model)
+               if isinstance(layer, DynamicSlidingWindowLayer)]
+    if sliding and max_len > min(sliding):
+        return (f"{name}'s sliding-window layers keep only the last {min(sliding)} tokens, fewer than the {max_len} "
+                "slots asked of its static KV cache; use static=False")
+    local = local_window(model)
+    if local is not None and max_len > local:
+        return (f"{name}'s local attention layers see only the last {local} slots of a forward "
+                f"(window_size={local}), fewer than the {max_len} slots asked of its static KV cache; use static=False")
     return None
 
 
@@ -267,10 +296,9 @@ class TargetState(_TreeMasks):
     """
 
     def __init__(self, model: torch.nn.Module, static: bool | None = None, max_len: int | None = None,
-                 graphs: bool = False, min_rows: int | None = None) -> None:
-        super().__init__(model, min_rows)
+                 graphs: bool = False) -> None:
+        super().__init__(model)
         self.length = 0  # P: committed tokens held in the cache
-        self._extra = 0  # dummy rows of the last tree forward (min_rows), dropped by its commit
         self.static = _use_static(model, self.device, static, max_len)
         if graphs and not (self.static and self.device.type == "cuda"):
             raise ValueError("graphs=True needs the static KV cache (static=True, max_len) on a CUDA device")
@@ -323,13 +351,14 @@ class TargetState(_TreeMasks):
             self.cache = DynamicCache(config=self.model.config)
         if length == 0:
             return None
-        if self.static:
-            self._slots[:length].copy_(self._arange[:length])
-            out = self.model(input_ids=input_ids, position_ids=self._arange[:length].view(1, length),
-                             **self._cache_arg(), use_cache=True, **last_logits_only(self.model))
-        else:
-            out = self.model(input_ids=input_ids, **self._cache_arg(), use_cache=True,
-                             **last_logits_only(self.model))
+        with prefilling(self.model):
+            if self.static:
+                self._slots[:length].copy_(self._arange[:length])
+                out = self.model(input_ids=input_ids, position_ids=self._arange[:length].view(1, length),
+                                 **self._cache_arg(), use_cache=True, **last_logits_only(self.model))
+            else:
+                out = self.model(input_ids=input_ids, **self._cache_arg(), use_cache=True,
+                                 **last_logits_only(self.model))
         self.length = length
         self.forwards += 1
         return out.logits[0, -1]
@@ -337,7 +366,7 @@ class TargetState(_TreeMasks):
     @torch.no_grad()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Append one token (shape ()) and return the logits after it (V,). Autoregressive baseline step."""
-        if self.static or self.min_rows > 1:  # a root-only tree (static: its graph is the baseline's captured step)
+        if self.static:  # a root-only tree: its graph is the baseline's captured step
             logits, _ = self.tree_forward(token.view(1), _ROOT_ONLY)
             self.commit([], 1)
             return logits[0]
@@ -357,14 +386,8 @@ class TargetState(_TreeMasks):
         Returns logits (T+1, V) and, if asked, the final hidden states (T+1, H). The cache then holds
         P + T + 1 entries until `commit` compacts it.
         """
-        n = len(tree)
-        tree = padded(tree, self.min_rows)
-        self._extra = len(tree) - n
-        if self._extra:
-            tokens = torch.cat([tokens.view(n), tokens.view(n)[:1].expand(self._extra)])
         if self.static:
-            logits, hidden = self._static_tree_forward(tokens, tree, want_hidden)
-            return logits[:n], None if hidden is None else hidden[:n]
+            return self._static_tree_forward(tokens, tree, want_hidden)
         block, depths = self._tree_inputs(tree)
         n = len(tree)
         mask = torch.empty(1, 1, n, self.length + n, dtype=self._mask_dtype, device=self.device)
@@ -379,9 +402,7 @@ class TargetState(_TreeMasks):
             output_hidden_states=want_hidden,
         )
         self.forwards += 1
-        real = n - self._extra
-        hidden = out.hidden_states[-1][0, :real] if want_hidden else None
-        return out.logits[0, :real], hidden
+        return out.logits[0], out.hidden_states[-1][0] if want_hidden else None
 
     @torch.no_grad()
     def commit(self, path: list[int], tree_size: int) -> None:
@@ -391,7 +412,6 @@ class TargetState(_TreeMasks):
         then the tail is cropped (dynamic) or left behind the mask (static): the cache's committed slots equal
         one built by encoding prefix + root + path.
         """
-        tree_size, self._extra = tree_size + self._extra, 0
         if self.static:
             return self._static_commit(path, tree_size)
         root = self.length
@@ -567,8 +587,8 @@ class BatchTargetState(_TreeMasks):
     unbatched shapes) is what single-prompt generation and the tree-mask probe rely on.
     """
 
-    def __init__(self, model: torch.nn.Module, min_rows: int | None = None) -> None:
-        super().__init__(model, min_rows)
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
         self.slots = 0  # S: cache length, common to all rows (host int, so no sync is needed to size masks)
         self.positions = None  # (B,) long on device: each row's committed tokens in the cache (its root's position)
         self._slots = None  # (B, capacity) in mask form (visible / hidden); [:, :S] is the valid slots
@@ -619,14 +639,15 @@ class BatchTargetState(_TreeMasks):
         seen = (causal & valid[:, None, :]) | eye  # (B, L, L)
         mask = torch.full(seen.shape, self._hidden, dtype=self._mask_dtype, device=self.device)
         mask = mask.masked_fill_(seen, self._visible)[:, None]
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count; theirs is never seen
-            **self._cache_arg(),
-            use_cache=True,
-            **last_logits_only(self.model),
-        )
+        with prefilling(self.model):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count; theirs is never seen
+                **self._cache_arg(),
+                use_cache=True,
+                **last_logits_only(self.model),
+            )
         self._slots[:, :length].masked_fill_(valid, self._visible)
         self.slots = length
         self.forwards += 1
@@ -644,10 +665,6 @@ class BatchTargetState(_TreeMasks):
         n, batch = len(tree), self.batch_size
         if tokens.shape != (batch, n):
             raise ValueError(f"tree_forward needs tokens of shape ({batch}, {n}), got {tuple(tokens.shape)}")
-        tree = padded(tree, -(-self.min_rows // batch))  # all rows of the batch count towards the floor
-        if len(tree) > n:
-            tokens = torch.cat([tokens, tokens[:, :1].expand(batch, len(tree) - n)], dim=1)
-        real, n = n, len(tree)
         block, depths = self._tree_inputs(tree)
         self._reserve(self.slots + n)
         mask = torch.empty(batch, 1, n, self.slots + n, dtype=self._mask_dtype, device=self.device)
@@ -663,7 +680,7 @@ class BatchTargetState(_TreeMasks):
         )
         self._pending = tree
         self.forwards += 1
-        return out.logits[:, :real], out.hidden_states[-1][:, :real] if want_hidden else None
+        return out.logits, out.hidden_states[-1] if want_hidden else None
 
     def commit(self, paths: list[list[int]]) -> None:
         """Keep each row's root + accepted `paths[b]` (node indices in depth order) of the last tree forward.

@@ -1,0 +1,306 @@
+"""Row-invariant linear layers for CPU targets: every product is computed in blocks of exactly R rows, so a row's
+result does not depend on how many rows share its forward.
+
+Why: a CPU GEMM library picks its kernel, and with it the order in which a dot product's terms are added, by the
+shape of the product, so the same row rounds differently in products of different row counts (torch 2.13, oneDNN /
+MKL; a 256-row product as reference):
+
+- Intel Xeon with AVX512 but no BF16/AMX: 1, 2, 3, 5, 17 rows differ (bf16: 1.4e-4 of the outputs by one ulp; fp32:
+  up to 90 % of them in the last bit), 4, 8, 16, 32 rows agree;
+- Intel Xeon with AMX: every row count below 256 differs (1.2e-4, then 3.4e-5 from 64 rows);
+- AMD EPYC with AVX512-BF16: only a 1-row product differs.
+
+Speculative decoding verifies a token in a forward of several rows that plain decoding computes in a forward of
+one, so such a flip can change a greedy choice: no threshold found by probing one machine holds on another. What
+holds wherever measured (all three kinds, every layer shape of SmolLM2, random permutations and a row alone among
+zero rows) is the structure of a GEMM: for a *fixed* shape, each output row is computed from its own input row and
+the weight only, by the same kernel wherever the row sits. So here every product of n rows is ⌈n/R⌉ products of
+exactly R rows (the last one zero-padded): a decoding step, a tree verification, a batch and a prefill run one
+kernel on one shape, and a position's logits are the same bits in all of them, on any CPU.
+
+R is chosen per machine by cost (`choose_rows`: the model's own layers timed at each candidate, the cheapest
+for the forwards the engine runs without making a one-token step dearer), and the one assumption above is
+checked for that R on every layer shape before it is used (`_position_free`); R = 1 (every row its own product)
+needs no assumption and is the fallback. The choice is kept per CPU, torch build, thread count and model shapes
+(a small JSON file beside the GGUF dense copies), so a machine decodes with the same R, and the same bits, every
+time.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+CANDIDATES = (1, 2, 4, 8, 16)  # block sizes tried for decoding and verification forwards
+PREFILL_ROWS = 64  # the block of a prompt's prefill: near a large product's cost per row on every kind measured
+WORKLOAD = (1, 4, 9)  # forwards the CPU engine runs most: a decoding step, a small tree, a prompt-lookup round
+STEP_SLACK = 1.2  # a block may cost at most this much more than the cheapest one (a one-token step's products)
+ROWS_ENV = "MAMBA_DRAFT_ROW_BLOCK"  # force R (tests, kernel sweeps); otherwise chosen by cost
+CACHE_ENV = "MAMBA_DRAFT_CACHE"  # same root as the GGUF dense copies; "off" keeps nothing
+
+
+class RowBlocks:
+    """Mixed into a row-wise layer's own class (nn.Linear, a prepacked one, transformers' Conv1D, any subclass):
+    its inference multiplies exactly `rows` rows per product through the layer's own forward. The parameters,
+    state dict, hooks and isinstance checks are the layer's; with gradients on (training), a plain product."""
+
+    rows: int  # the block of decoding and verification forwards
+    prefill_rows: int  # the block of prefills (PREFILL_ROWS where position-free, else `rows`)
+    block: int  # the block of the forward running now: `rows`, or PREFILL_ROWS inside `prefilling`
+    _pad: torch.Tensor | None  # (block, in_features): the last block's input, reused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = x.shape[-1]
+        n = x.numel() // features
+        block = self.block
+        if n == block:  # the common cases stay one call: a prefill's blocks, trees that fill a block
+            return super().forward(x)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return super().forward(x)
+        pad = self._pad
+        if pad is None or pad.shape[0] != block or pad.dtype != x.dtype or pad.device != x.device:
+            pad = self._pad = x.new_zeros(block, features)
+        if n < block:  # a decoding step, a small tree: one padded block (rows past n may hold an earlier call's
+            pad[:n].copy_(x.reshape(n, features))  # rows: no row of a product reads another)
+            return super().forward(pad)[:n].view(*x.shape[:-1], -1)
+        flat = x.reshape(n, features)
+        whole = n - n % block
+        blocks = [super(RowBlocks, self).forward(flat[i:i + block]) for i in range(0, whole, block)]
+        if whole < n:
+            pad[: n - whole].copy_(flat[whole:])
+            blocks.append(super(RowBlocks, self).forward(pad)[: n - whole])
+        return torch.cat(blocks).view(*x.shape[:-1], -1)
+
+    def _apply(self, fn, recurse=True):  # .to() / .float(): the padding buffer follows on the next call
+        self._pad = None
+        return super()._apply(fn, recurse)
+
+
+@functools.cache
+def _blocked(cls: type) -> type:
+    """The class `cls` with RowBlocks mixed in (one per layer class)."""
+    return type(f"RowBlocked{cls.__name__}", (RowBlocks, cls), {"__module__": __name__})
+
+
+def _row_wise(module: nn.Module) -> bool:
+    """Layers whose forward maps (..., in) to (..., out) one row at a time through a matrix product."""
+    if isinstance(module, nn.Linear):
+        return True
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+def unblocked_forward(layer: nn.Module):
+    """The layer's own product, without row blocks."""
+    return super(RowBlocks, layer).forward if isinstance(layer, RowBlocks) else layer.forward
+
+
+def row_block(model: nn.Module) -> int | None:
+    """R when every row-wise layer of `model` multiplies in blocks of R rows, else None."""
+    sizes = {m.rows if isinstance(m, RowBlocks) else None for m in model.modules() if _row_wise(m)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def low_precision_cpu(model: nn.Module) -> bool:
+    """Whether `model`'s row-wise layers are bf16/fp16 on a CPU: where a row count's rounding flips a greedy choice
+    often enough to see (bf16: 1.4e-4 of a product's outputs move by one ulp, 2^-8 of the value; fp32 moves the
+    last of 24 bits, far below any logit gap seen, and blocks there cost a memory-bound product a weight pass per
+    block: fp32 SmolLM2 on an AVX512 Xeon, one decoding step 33 -> 38 ms in blocks of 2)."""
+    layer = next((m for m in model.modules() if _row_wise(m)), None)
+    return layer is not None and layer.weight.device.type == "cpu" and layer.weight.dtype in (torch.bfloat16,
+                                                                                              torch.float16)
+
+
+def make_row_invariant(model: nn.Module, rows: int | None = None) -> int:
+    """Put every row-wise layer of a CPU `model` in blocks of R rows, in place (idempotent: a model already in
+    blocks keeps its R unless another is asked); returns R. `rows` None: $MAMBA_DRAFT_ROW_BLOCK, else
+    `choose_rows`. Models off the CPU are left as they are (returns 1: GPU kernels are another matter)."""
+    layers = [m for m in model.modules() if _row_wise(m)]
+    if not layers or next(layers[0].parameters()).device.type != "cpu":
+        return 1
+    current = row_block(model)
+    if rows is None:
+        rows = current or _forced_rows() or choose_rows(model)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"a row block needs a positive number of rows, got {rows!r}")
+    if current == rows:
+        return rows
+    prefill = PREFILL_ROWS if all(_position_free(group[0], PREFILL_ROWS) for group in _shapes(model).values()) \
+        else rows
+    for layer in layers:
+        if not isinstance(layer, RowBlocks):
+            layer.__class__ = _blocked(type(layer))
+        layer.rows = layer.block = rows
+        layer.prefill_rows, layer._pad = prefill, None
+    return rows
+
+
+@contextlib.contextmanager
+def prefilling(model: nn.Module):
+    """Inside, `model`'s row-blocked layers multiply in blocks of their `prefill_rows` instead of `rows`.
+
+    A prompt's positions are computed by a prefill in every path the engine compares (speculative or plain
+    decoding, one prompt or a batch: the prompt's last token goes through the first decoding or verification
+    forward in all of them), so a prefill only has to agree with other prefills, and large blocks keep it at a
+    large product's cost: a 300-token prefill re-reads every weight 150 times in blocks of 2 rows (fp32 on an
+    AVX512 Xeon: 1.0 s, against 0.39 s for one product and 0.4 s in blocks of 64)."""
+    layers = [m for m in model.modules() if isinstance(m, RowBlocks)]
+    for layer in layers:
+        layer.block = layer.prefill_rows
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.block = layer.rows
+
+
+def _forced_rows() -> int | None:
+    value = os.environ.get(ROWS_ENV)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ROWS_ENV} must be a positive number of rows, got {value!r}")
+    return int(value)
+
+
+def _shapes(model: nn.Module) -> dict[tuple, list[nn.Module]]:
+    """The model's row-wise layers grouped by what a product's cost and kernel depend on."""
+    groups: dict[tuple, list[nn.Module]] = {}
+    for m in model.modules():
+        if _row_wise(m):
+            weight = m.weight
+            key = (isinstance(m, nn.Linear), tuple(weight.shape), getattr(m, "bias", None) is not None,
+                   str(weight.dtype))
+            groups.setdefault(key, []).append(m)
+    return groups
+
+
+def _in_features(layer: nn.Module) -> int:
+    return layer.in_features if isinstance(layer, nn.Linear) else layer.weight.shape[0]  # Conv1D: (in, out)
+
+
+@torch.no_grad()
+def block_costs(model: nn.Module, candidates=CANDIDATES, repeats: int = 5) -> dict[int, float]:
+    """Seconds one product of R rows through every row-wise layer of `model`, in the model's order, takes per
+    candidate R: a forward's worth of products, so each weight comes from memory as in a real forward (one layer
+    timed alone stays in cache, and a 1-row product then looks dearer than it is). Candidates interleaved, the
+    fastest of `repeats` kept, so a busy machine slows every candidate alike instead of skewing the choice."""
+    layers = [(unblocked_forward(m), m) for m in model.modules() if _row_wise(m)]
+    inputs = {rows: {key: torch.randn(rows, key[0]).to(key[1])
+                     for key in {(_in_features(m), m.weight.dtype) for _, m in layers}} for rows in candidates}
+    best = dict.fromkeys(candidates, float("inf"))
+    for repeat in range(repeats + 1):  # the first round warms up (packing, first touch) and is not kept
+        for rows in candidates:
+            xs = inputs[rows]
+            start = time.perf_counter()
+            for product, m in layers:
+                product(xs[_in_features(m), m.weight.dtype])
+            if repeat:
+                best[rows] = min(best[rows], time.perf_counter() - start)
+    return best
+
+
+def pick_rows(costs: dict[int, float], workload=WORKLOAD, slack: float = STEP_SLACK) -> int:
+    """The block size with the least time over `workload` (a forward of n rows costs ⌈n/R⌉ blocks) among those
+    whose one block costs at most `slack` × the cheapest block: a one-token decoding step never gets dearer than
+    the cheapest product allows, and trees get the rows that come nearly free (AMX: 16 rows cost ~1.06x one)."""
+    cheapest = min(costs.values())
+    allowed = [r for r, c in costs.items() if c <= slack * cheapest]
+    return min(allowed, key=lambda r: (sum(-(-n // r) for n in workload) * costs[r], -r))
+
+
+@torch.no_grad()
+def _position_free(layer: nn.Module, rows: int) -> bool:
+    """Whether, in products of `rows` rows, a row's result is the same bits at every place in the block and beside
+    any other rows (random neighbours, or zeros): the assumption row blocks rest on."""
+    if rows == 1:
+        return True
+    product = unblocked_forward(layer)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, _in_features(layer), generator=g).to(layer.weight.dtype)
+    reference = product(x)
+    shifted = product(x.roll(1, 0)).roll(-1, 0)
+    others = torch.randn(rows, _in_features(layer), generator=g).to(layer.weight.dtype)
+    for place in (0, rows - 1):
+        alone = torch.zeros_like(x)
+        alone[place] = x[0]
+        beside = others.clone()
+        beside[place] = x[0]
+        if not (torch.equal(product(alone)[place], reference[0]) and torch.equal(product(beside)[place], reference[0])):
+            return False
+    return torch.equal(shifted, reference)
+
+
+def choose_rows(model: nn.Module) -> int:
+    """R for this model on this machine: kept from an earlier choice (same CPU, torch, threads and layer shapes),
+    else `pick_rows` over `block_costs`, falling back to smaller blocks where a layer's rows are not position-free
+    (R = 1 always is), and kept."""
+    groups = _shapes(model)
+    key = _machine_key(groups)
+    store = _store_path()
+    kept = _read(store).get(key)
+    if isinstance(kept, int) and kept in CANDIDATES:
+        return kept
+    costs = block_costs(model)
+    while True:
+        rows = pick_rows(costs)
+        if rows == 1 or all(_position_free(layers[0], rows) for layers in groups.values()):
+            break
+        costs.pop(rows)
+    if store is not None:
+        _write(store, key, rows)
+    return rows
+
+
+def _machine_key(groups: dict) -> str:
+    """What the choice depends on: the CPU (model name and flags), torch build, threads, and the layer shapes."""
+    cpu = platform.processor() or platform.machine()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        flags = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    identity = [cpu, flags, torch.__version__, torch.get_num_threads(), sorted(map(list, groups))]
+    for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"):
+        identity.append(os.environ.get(name, ""))
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
+
+
+def _store_path() -> Path | None:
+    root = os.environ.get(CACHE_ENV, "~/.cache/mamba-draft")
+    return None if root == "off" else Path(root).expanduser() / "row_blocks.json"
+
+
+def _read(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, key: str, rows: int) -> None:
+    """Add one choice to the store, atomically (a reader sees the old file or the new one); best effort."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**_read(path), key: rows}
+        fd, tmp = tempfile.mkstemp(prefix=".row_blocks.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
