@@ -18,6 +18,7 @@ default_attention` picks row_stable for bf16/fp16 targets on CPU).
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -133,17 +134,18 @@ def _items(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     scores differently from a copied one, and a bmm of 1 item differently from the same item among 6 (a size
     threshold picks another kernel). Fixed calls of fixed, contiguous items give a product the same bits wherever
     it sits and whatever else the forward computes (the assumption mamba_draft.row_blocks checks for linear rows)."""
-    batch = torch.broadcast_shapes(left.shape[:-2], right.shape[:-2])
+    batch = tuple(max(a, b) for a, b in zip(left.shape[:-2], right.shape[:-2]))  # same rank, sizes equal or 1
     (m, k), n = left.shape[-2:], right.shape[-1]
-    left = left.expand(*batch, m, k).reshape(-1, m, k)
-    right = right.expand(*batch, k, n).reshape(-1, k, n)
-    count = left.shape[0]
+    count = math.prod(batch)
     padded = -(-count // ITEMS) * ITEMS
-    if padded != count or not left.is_contiguous():
-        left = torch.nn.functional.pad(left, (0, 0, 0, 0, 0, padded - count))
-    if padded != count or not right.is_contiguous():
-        right = torch.nn.functional.pad(right, (0, 0, 0, 0, 0, padded - count))
-    out = torch.cat([torch.bmm(left[i:i + ITEMS], right[i:i + ITEMS]) for i in range(0, padded, ITEMS)])
+    lefts, rights = left.new_empty(padded, m, k), right.new_empty(padded, k, n)
+    lefts[:count].view(*batch, m, k).copy_(left)  # one copy each: broadcast, made contiguous, in place
+    rights[:count].view(*batch, k, n).copy_(right)
+    lefts[count:].zero_()
+    rights[count:].zero_()
+    out = left.new_empty(padded, m, n)
+    for i in range(0, padded, ITEMS):
+        torch.bmm(lefts[i:i + ITEMS], rights[i:i + ITEMS], out=out[i:i + ITEMS])
     return out[:count].view(*batch, m, n)
 
 
