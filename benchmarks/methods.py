@@ -111,14 +111,13 @@ def make_tree_policy(tree: str, device: str | torch.device, persistent: bool = F
     afresh on every `generate` call (prompts of different kinds favour different shapes, and a bandit carried across
     them keeps exploiting what suited earlier ones) or, `persistent`, learns over the whole pass, as a server keeping
     one policy would (the cost of verification is a property of the machine and the batch size). "auto" is
-    generate's own default for `device`, resolved by the same function generate calls."""
+    generate's own default for `device`, resolved by the same function generate calls, and like it restarts on every
+    call whatever `persistent` says: `default` measures exactly what `generate` runs."""
     from tree_search import UCBBandit
     from tree_search.calls import is_auto, make_policy
 
     if is_auto(tree):
-        policy = make_policy(tree, device)
-        policy.persistent = persistent
-        return policy
+        return make_policy(tree, device)
     if tree.startswith("bandit"):
         kind, _, arms = tree.partition(":")
         kwargs = {"arms": tuple(arms.split("/"))} if arms else {}
