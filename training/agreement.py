@@ -275,7 +275,7 @@ class HeldoutEval:
             from mamba_draft.targets import load_causal_lm
             from training.model import check_vocab
 
-            target = load_causal_lm(name, dtype=dtype, device=device, attn_implementation=None)
+            target = load_causal_lm(name, dtype=dtype, device=device, attn_implementation=None, row_blocks=False)
             check_vocab(target.config, tokenizer, f"eval.target {name!r}")
         self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device, self.vocab)
 

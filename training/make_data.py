@@ -553,8 +553,8 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     if args.magpie or args.magpie_tasks:
         magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
     dtype = resolve_dtype(args.dtype, args.device)
-    model = load_causal_lm(args.target, dtype=dtype, device=args.device,
-                           attn_implementation=data_attention(args.device))
+    model = load_causal_lm(args.target, dtype=dtype, device=args.device,  # data needs no row blocks: speed
+                           attn_implementation=data_attention(args.device), row_blocks=False)
     engine = Engine(model, tokenizer, generate or hf_sample)
     out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: a bad target leaves nothing behind
 

@@ -234,8 +234,8 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
         raise ValueError(f"nothing to write: all {len(records)} input records were skipped ({summary(counts)})")
 
     tokenizer = target_tokenizer(model)
-    lm = load_causal_lm(model, dtype=resolve_dtype(dtype, device), device=device,
-                        attn_implementation=data_attention(device))
+    lm = load_causal_lm(model, dtype=resolve_dtype(dtype, device), device=device,  # no row blocks: see above
+                        attn_implementation=data_attention(device), row_blocks=False)
     eos_ids = eos_token_ids(tokenizer, lm)
     torch.manual_seed(seed)
     slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]

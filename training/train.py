@@ -102,7 +102,8 @@ def total_steps(cfg: TrainConfig, n_records: int | None) -> int:
 def load_target(cfg: TrainConfig, tokenizer, device, dtype):
     if not cfg.distill.target:
         return None
-    target = load_causal_lm(cfg.distill.target, dtype=dtype, device=device)  # HF dir, hub id or .gguf
+    # HF dir, hub id or .gguf; a teacher's batched forwards need no row blocks (mamba_draft.row_blocks)
+    target = load_causal_lm(cfg.distill.target, dtype=dtype, device=device, row_blocks=False)
     check_vocab(target.config, tokenizer, f"distill.target {cfg.distill.target!r}")
     target.requires_grad_(False)
     return target
