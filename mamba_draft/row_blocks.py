@@ -56,7 +56,7 @@ class RowBlocks:
 
     rows: int  # the block of decoding and verification forwards
     prefill_rows: int  # the block of prefills (PREFILL_ROWS where position-free, else `rows`)
-    block: int  # the block of the forward running now: `rows`, or PREFILL_ROWS inside `prefilling`
+    block: int  # the block of the forward running now: `rows`, or `prefill_rows` inside `prefilling`
     _pad: torch.Tensor | None  # (block, in_features): the last block's input, reused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
