@@ -10,12 +10,12 @@ from typing import NamedTuple
 import torch
 
 from benchmarks.equality import compare_outputs
-from benchmarks.methods import (HF_KINDS, Method, Models, load_plain, make_tree_policy, parse_method, run_hf,
-                                run_ours)
+from benchmarks.methods import HF_KINDS, Method, Models, load_plain, parse_method, run_hf, run_ours
 from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES
 from mamba_draft.heldout import SPEC_BENCH
+from tree_search.policy import parse_policy
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
@@ -24,6 +24,9 @@ DEFAULT_METHODS = ("hf-ar", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit"
 # stated against the faster of those that ran
 BASELINES = ("ar", "hf-ar")
 BATCH_WARMUP_TOKENS = 8  # a batch sweep's warm-up pays one-time costs (first calls, allocations), not a full batch
+# the layout of run_benchmark's result (one entry per batch size under "batches"): cached results of another layout
+# (the demo's) are measured again
+RESULT_LAYOUT = 2
 
 
 @dataclass
@@ -41,7 +44,7 @@ class BenchConfig:
     seed: int = 0
     chat_template: bool = True
     system_prompt: str | None = None
-    # (1,): the per-prompt Spec-Bench table; anything else: the batch sweep (run_batch_benchmark)
+    # (1,): one prompt at a time, the Spec-Bench table; anything else: a sweep, a table per batch size
     batch_sizes: tuple[int, ...] = (1,)
     bandit_memory: str = "call"      # bandits restart on every generate call, or learn over a whole "pass"
 
@@ -126,8 +129,8 @@ class Pass:
 
     def __init__(self, method: Method, models: Models, cfg: BenchConfig, eos: list[int], seed: int) -> None:
         self.method, self.models, self.cfg, self.eos, self.seed = method, models, cfg, eos, seed
-        self.policy = (make_tree_policy(method.tree, next(models.target.parameters()).device,
-                                        cfg.bandit_memory == "pass") if method.kind == "spec" else None)
+        self.policy = (parse_policy(method.tree, next(models.target.parameters()).device,
+                                    persistent=cfg.bandit_memory == "pass") if method.kind == "spec" else None)
         self.pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
         self.outputs: list[list[int]] = []
         self.records: list[dict] = []
@@ -202,25 +205,42 @@ def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: Be
 
 def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], cfg: BenchConfig,
                   progress: bool = True) -> dict:
-    """Warm up, then `repeats` passes of every method over every prompt; returns the full JSON-able result."""
+    """For each of cfg.batch_sizes (by default 1 alone: one prompt at a time): every method over the same batches of
+    that many prompts (left-padded, the last may be smaller), warm-up then `repeats` passes -> the JSON-able result,
+    one entry per batch size under "batches".
+
+    Lossless outputs are checked against per-prompt greedy decoding (`reference_method`), at every batch size:
+    transformers' left-padded batched decoding may round differently from a prompt alone (its rows get the same
+    check, so the table shows whether it does)."""
     from tqdm import tqdm
 
     cfg = resolve_config(cfg, models.target, methods)
     device = next(models.target.parameters()).device
     prompt_ids = encode_prompts(models.tokenizer, prompts, cfg, device)
     eos = eos_ids(models)
-    greedy = cfg.temperature == 0
-    bar = tqdm(total=cfg.repeats * len(methods) * len(prompts), desc="bench", disable=not progress)
-    runs = measure(methods, models, make_batches(prompt_ids, 1), cfg, eos, bar, cfg)
+    warmup = cfg if per_prompt(cfg) else replace(cfg, max_new_tokens=min(cfg.max_new_tokens, BATCH_WARMUP_TOKENS))
+    total = cfg.repeats * len(methods) * len(prompts) * len(cfg.batch_sizes)
+    bar = tqdm(total=total, desc="bench", disable=not progress)
+    runs = {}
+    for size in cfg.batch_sizes:
+        bar.set_description(f"bench batch {size}")
+        runs[size] = measure(methods, models, make_batches(prompt_ids, size), cfg, eos, bar, warmup)
     bar.close()
-    references, reference = None, reference_method(runs)
-    if greedy:  # the reference method's greedy outputs: no extra pass when it ran
-        references = (runs[reference][0]["outputs"] if reference in runs
-                      else reference_outputs(models, prompt_ids, cfg, eos, reference))
-    summaries = {m.name: summarize(m, runs, prompts, references) for m in methods}
+    references, reference = None, reference_method([m.name for m in methods])
+    if cfg.temperature == 0:  # the reference's greedy outputs at batch size 1: no extra pass when it ran
+        lone = runs.get(1, {}).get(reference)
+        references = lone[0]["outputs"] if lone else reference_outputs(models, prompt_ids, cfg, eos, reference)
+    batches = {str(size): {"methods": {m.name: summarize(m, r, prompts, references, per_prompt(cfg)) for m in methods},
+                           "runs": r} for size, r in runs.items()}
     return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
             "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "reference": reference,
-            "references": references, "baselines": baselines_of(runs), "methods": summaries, "runs": runs}
+            "references": references, "baselines": baselines_of(runs[cfg.batch_sizes[0]]), "batches": batches}
+
+
+def per_prompt(cfg: BenchConfig | dict) -> bool:
+    """Batch size 1 alone: Spec-Bench's per-prompt table (rates per prompt, per category, bar plots); any other
+    `batch_sizes`: a sweep (throughput over all batches, a table per size, plots over batch size)."""
+    return tuple(cfg["batch_sizes"] if isinstance(cfg, dict) else cfg.batch_sizes) == (1,)
 
 
 def describe(device: torch.device) -> str:
@@ -256,21 +276,28 @@ def speedups(runs: dict, name: str, rate, select=lambda records: records) -> dic
     return out | {f"speedup_vs_{base}": [m / b for m, b in zip(mine, values)] for base, values in bases.items()}
 
 
-def summarize(method: Method, runs: dict, prompts: list[Prompt], references) -> dict:
+def throughput(records: list[dict]) -> float:
+    """All new tokens / the wall time of all batches (a batch's tokens share one wall time)."""
+    return sum(r["new_tokens"] for r in records) / sum(r["wall_time"] for r in records)
+
+
+def summarize(method: Method, runs: dict, prompts: list[Prompt], references, by_prompt: bool) -> dict:
+    """One method at one batch size: tokens/s (`by_prompt`: Spec-Bench's mean over prompts, and per category; else
+    all batches' throughput), τ, speedups against the baselines on the same prompts or batches, tree-shape pulls,
+    the draft / verify time split and drafter state, equality with the references."""
     mine = runs[method.name]
-    categories = sorted({p.category for p in prompts})
-
-    def only(category):
-        return lambda records: [r for r, p in zip(records, prompts) if p.category == category]
-
+    rate = tokens_per_s if by_prompt else throughput
     out = {"kind": method.kind, "tree": method.tree, "verifier": method.verifier, "lossless": method.lossless,
-           "tokens_per_s": [tokens_per_s(r["records"]) for r in mine],
-           "tau": [tau(r["records"]) for r in mine],
-           **speedups(runs, method.name, tokens_per_s),
-           "arms": mine[-1]["arms"],
-           "categories": {c: {"tokens_per_s": [tokens_per_s(only(c)(r["records"])) for r in mine],
-                              "tau": [tau(only(c)(r["records"])) for r in mine],
-                              **speedups(runs, method.name, tokens_per_s, only(c))} for c in categories}}
+           "tokens_per_s": [rate(r["records"]) for r in mine], "tau": [tau(r["records"]) for r in mine],
+           **speedups(runs, method.name, rate), "arms": mine[-1]["arms"]}
+    if by_prompt:
+        def only(category):
+            return lambda records: [r for r, p in zip(records, prompts) if p.category == category]
+
+        out["categories"] = {c: {"tokens_per_s": [tokens_per_s(only(c)(r["records"])) for r in mine],
+                                 "tau": [tau(only(c)(r["records"])) for r in mine],
+                                 **speedups(runs, method.name, tokens_per_s, only(c))}
+                             for c in sorted({p.category for p in prompts})}
     drafted = [r for run in mine for r in run["records"] if "draft_time" in r]
     if drafted:
         total = sum(r["wall_time"] for r in drafted)
@@ -338,24 +365,45 @@ def speedups_text(baselines: list[str], where: str) -> str:
 
 
 def markdown_report(result: dict) -> str:
-    cfg, baselines = result["config"], result["baselines"]
-    reference = reference_text(result)
+    """The methods' table (tokens/s, τ, speedup vs the faster of ar and hf-ar and vs each, drafter state, equality):
+    one prompt at a time with speedups per category, or for a sweep one table per batch size and tokens/s by size."""
+    cfg, batches, baselines = result["config"], result["batches"], result["baselines"]
+    sweep, reference = not per_prompt(cfg), reference_text(result)
+    prompts = f"{len(result['prompts'])} prompts" + (
+        f" in left-padded batches of {', '.join(batches)} (the last batch of a size may be smaller)" if sweep else "")
+    text = (budget_text(result) + f"{prompts}, {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, "
+            f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}."
+            + (" tokens/s = all new tokens / wall time of all batches." if sweep else "")
+            + speedups_text(baselines, "on the same batches" if sweep else "on the same prompts")
+            + (f" Outputs compared with per-prompt greedy {reference}." if sweep else "")
+            + bandit_memory_text(cfg) + "\n")
     header = ["method", "verifier", "tokens/s", "τ", *speedup_header(baselines), "drafter state",
               f"output vs {reference}"]
-    rows = [[name, (s["verifier"] or "auto") if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
-             fmt_mean_std(s["tau"]), *speedup_cells(s, baselines), state_cell(s), equality_cell(s)]
-            for name, s in result["methods"].items()]
-    text = (budget_text(result) + f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens max, "
-            f"{sampling_text(cfg)}, {cfg['repeats']} repeats (mean ± std), device: {result['device']}."
-            + speedups_text(baselines, "on the same prompts") + bandit_memory_text(cfg) + "\n\n"
-            + markdown_table(header, rows))
-    categories = list(next(iter(result["methods"].values()))["categories"])
-    if len(categories) > 1:
-        header = ["method"] + categories
-        rows = [[name] + [f"{mean_std(s['categories'][c]['speedup'])[0]:.2f}× (τ {mean_std(s['categories'][c]['tau'])[0]:.2f})"
-                          for c in categories] for name, s in result["methods"].items()]
-        text += f"\nSpeedup vs {baseline_text(baselines)} (τ) per category:\n\n" + markdown_table(header, rows)
-    return text + arm_pulls(result["methods"], "last repeat")
+    for size, entry in batches.items():
+        methods = entry["methods"]
+        rows = [[name, (s["verifier"] or "auto") if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
+                 fmt_mean_std(s["tau"]), *speedup_cells(s, baselines), state_cell(s), equality_cell(s)]
+                for name, s in methods.items()]
+        text += (f"\n### Batch size {size}\n\n" if sweep else "\n") + markdown_table(header, rows)
+        if not sweep:
+            text += categories_table(methods, baselines)
+        text += arm_pulls(methods, "batched rounds, last repeat" if sweep else "last repeat")
+    if sweep:
+        names = list(next(iter(batches.values()))["methods"])
+        rows = [[name] + [f"{mean_std(entry['methods'][name]['tokens_per_s'])[0]:.1f}" for entry in batches.values()]
+                for name in names]
+        text += "\nTokens/s by batch size:\n\n" + markdown_table(["method"] + list(batches), rows)
+    return text
+
+
+def categories_table(methods: dict, baselines: list[str]) -> str:
+    """Speedup (τ) per prompt category, when there are several."""
+    categories = list(next(iter(methods.values()))["categories"])
+    if len(categories) < 2:
+        return ""
+    rows = [[name] + [f"{mean_std(s['categories'][c]['speedup'])[0]:.2f}× (τ {mean_std(s['categories'][c]['tau'])[0]:.2f})"
+                      for c in categories] for name, s in methods.items()]
+    return f"\nSpeedup vs {baseline_text(baselines)} (τ) per category:\n\n" + markdown_table(["method"] + categories, rows)
 
 
 def budget_text(result: dict) -> str:
@@ -384,16 +432,22 @@ def arm_pulls(methods: dict, what: str) -> str:
 
 
 def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> dict[str, Path]:
-    """JSON (everything), markdown tables and PNG plots (tokens/s, τ, speedup)."""
+    """JSON (everything), the markdown tables, and PNG plots: bars of tokens/s, τ and speedup one prompt at a time;
+    for a sweep, lines over batch size of speedup (vs the faster of batched ar and hf-ar) and tokens/s."""
     out_dir = Path(out_dir)
-    paths = {"json": out_dir / f"{prefix}.json", "markdown": out_dir / f"{prefix}.md",
-             "tokens_png": out_dir / f"{prefix}_tokens_per_s.png", "tau_png": out_dir / f"{prefix}_tau.png",
-             "speedup_png": out_dir / f"{prefix}_speedup.png"}
-    methods = result["methods"]
-    names = list(methods)
-    lossy = [not methods[n]["lossless"] for n in names]
+    paths = {"json": out_dir / f"{prefix}.json", "markdown": out_dir / f"{prefix}.md"}
     write_json(paths["json"], result)
     write_text(paths["markdown"], markdown_report(result))
+    plots = bar_plots if per_prompt(result["config"]) else batch_plots
+    return paths | plots(result, out_dir, prefix)
+
+
+def bar_plots(result: dict, out_dir: Path, prefix: str) -> dict[str, Path]:
+    paths = {"tokens_png": out_dir / f"{prefix}_tokens_per_s.png", "tau_png": out_dir / f"{prefix}_tau.png",
+             "speedup_png": out_dir / f"{prefix}_speedup.png"}
+    methods = result["batches"]["1"]["methods"]
+    names = list(methods)
+    lossy = [not methods[n]["lossless"] for n in names]
     bar_plot(paths["tokens_png"], names, [methods[n]["tokens_per_s"] for n in names],
              f"Decoding throughput ({result['device']})", "tokens / s", lossy=lossy)
     bar_plot(paths["tau_png"], names, [methods[n]["tau"] for n in names],
@@ -403,86 +457,8 @@ def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> d
     return paths
 
 
-# ------------------------------------------------------------------------------------------ batch sweep
-
-def run_batch_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], cfg: BenchConfig,
-                        progress: bool = True) -> dict:
-    """For each of cfg.batch_sizes: every method over the same left-padded batches of that many prompts (the last
-    may be smaller), warm-up then `repeats` passes -> the JSON-able result, one summary per batch size.
-
-    Lossless outputs are checked against per-prompt greedy decoding (`reference_method`), not batched `hf-ar`:
-    transformers' left-padded batched decoding may round differently from a prompt alone (its rows get the same
-    check, so the table shows whether it does)."""
-    from tqdm import tqdm
-
-    cfg = resolve_config(cfg, models.target, methods)
-    device = next(models.target.parameters()).device
-    prompt_ids = encode_prompts(models.tokenizer, prompts, cfg, device)
-    eos = eos_ids(models)
-    warmup = replace(cfg, max_new_tokens=min(cfg.max_new_tokens, BATCH_WARMUP_TOKENS))
-    total = cfg.repeats * len(methods) * len(prompts) * len(cfg.batch_sizes)
-    bar = tqdm(total=total, desc="bench", disable=not progress)
-    runs = {}
-    for size in cfg.batch_sizes:
-        bar.set_description(f"bench batch {size}")
-        runs[size] = measure(methods, models, make_batches(prompt_ids, size), cfg, eos, bar, warmup)
-    bar.close()
-    references, reference = None, reference_method([m.name for m in methods])
-    if cfg.temperature == 0:  # the reference at batch size 1 is per-prompt greedy decoding: no extra pass if it ran
-        lone = runs.get(1, {}).get(reference)
-        references = lone[0]["outputs"] if lone else reference_outputs(models, prompt_ids, cfg, eos, reference)
-    batches = {str(size): {"methods": {m.name: summarize_batch(m, r, references) for m in methods}, "runs": r}
-               for size, r in runs.items()}
-    return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
-            "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "reference": reference,
-            "references": references, "baselines": baselines_of(runs[cfg.batch_sizes[0]]), "batches": batches}
-
-
-def throughput(records: list[dict]) -> float:
-    """All new tokens / the wall time of all batches (a batch's tokens share one wall time)."""
-    return sum(r["new_tokens"] for r in records) / sum(r["wall_time"] for r in records)
-
-
-def summarize_batch(method: Method, runs: dict, references) -> dict:
-    mine = runs[method.name]
-    out = {"kind": method.kind, "tree": method.tree, "verifier": method.verifier, "lossless": method.lossless,
-           "tokens_per_s": [throughput(r["records"]) for r in mine], "tau": [tau(r["records"]) for r in mine],
-           **speedups(runs, method.name, throughput),  # against the baselines on the same batches
-           "arms": mine[-1]["arms"]}
-    if references is not None:
-        out["equality"] = equality(references, mine)
-    return out
-
-
-def batch_report(result: dict) -> str:
-    """A table per batch size (tokens/s, τ, speedup vs the faster of batched ar and hf-ar and vs each, equality),
-    then tokens/s by size."""
-    cfg, batches, baselines = result["config"], result["batches"], result["baselines"]
-    text = (f"{len(result['prompts'])} prompts in left-padded batches of {', '.join(batches)} (the last batch of a "
-            f"size may be smaller), {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, {cfg['repeats']} "
-            f"repeats (mean ± std), device: {result['device']}. tokens/s = all new tokens / wall time of all batches."
-            + speedups_text(baselines, "on the same batches") + " Outputs compared with per-prompt greedy "
-            f"{reference_text(result)}." + bandit_memory_text(cfg) + "\n")
-    header = ["method", "verifier", "tokens/s", "τ", *speedup_header(baselines),
-              f"output vs {reference_text(result)}"]
-    for size, entry in batches.items():
-        rows = [[name, (s["verifier"] or "auto") if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
-                 fmt_mean_std(s["tau"]), *speedup_cells(s, baselines), equality_cell(s)]
-                for name, s in entry["methods"].items()]
-        text += f"\n### Batch size {size}\n\n" + markdown_table(header, rows)
-        text += arm_pulls(entry["methods"], "batched rounds, last repeat")
-    names = list(next(iter(batches.values()))["methods"])
-    rows = [[name] + [f"{mean_std(entry['methods'][name]['tokens_per_s'])[0]:.1f}" for entry in batches.values()]
-            for name in names]
-    return text + "\nTokens/s by batch size:\n\n" + markdown_table(["method"] + list(batches), rows)
-
-
-def write_batch_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> dict[str, Path]:
-    """JSON (everything), the markdown tables, and line plots over batch size: speedup vs the faster of batched `ar`
-    and `hf-ar` and tokens/s, one line per method."""
-    out_dir = Path(out_dir)
-    paths = {"json": out_dir / f"{prefix}.json", "markdown": out_dir / f"{prefix}.md",
-             "speedup_png": out_dir / f"{prefix}_batch_speedup.png",
+def batch_plots(result: dict, out_dir: Path, prefix: str) -> dict[str, Path]:
+    paths = {"speedup_png": out_dir / f"{prefix}_batch_speedup.png",
              "tokens_png": out_dir / f"{prefix}_batch_tokens_per_s.png"}
     batches = result["batches"]
     sizes = [int(size) for size in batches]
@@ -492,8 +468,6 @@ def write_batch_outputs(result: dict, out_dir: str | Path, prefix: str = "bench"
     def series(key):
         return {n: [mean_std(batches[str(b)]["methods"][n][key])[0] for b in sizes] for n in names}
 
-    write_json(paths["json"], result)
-    write_text(paths["markdown"], batch_report(result))
     line_plot(paths["speedup_png"], sizes, series("speedup"), f"Speedup vs {base} ({result['device']})", "batch size",
               f"× tokens/s of {base} on the same batches", baseline=1.0)
     line_plot(paths["tokens_png"], sizes, series("tokens_per_s"), f"Throughput ({result['device']})", "batch size",
@@ -507,9 +481,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     parser.add_argument("--target", required=True, help="causal LM to accelerate: HF directory, hub id or .gguf "
                         "file; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format), any HF causal LM sharing "
-                        "the target's tokenizer (a Transformer drafter), or 'smollm2' (the shipped one); needed by "
-                        "drafting methods")
+    parser.add_argument("--drafter", help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM "
+                        "sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2' (the shipped "
+                        "one); needed by drafting methods")
     parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
                         "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
@@ -663,10 +637,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, methods)
     models = load_models(methods, args.target, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
                          tokenizer=args.tokenizer, drafter=args.drafter, assistant=args.assistant)
-    sweep = cfg.batch_sizes != (1,)
-    result = (run_batch_benchmark if sweep else run_benchmark)(models, prompts, methods, cfg)
+    result = run_benchmark(models, prompts, methods, cfg)
     result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant}
-    paths = (write_batch_outputs if sweep else write_outputs)(result, args.out)
-    print((batch_report if sweep else markdown_report)(result))
+    paths = write_outputs(result, args.out)
+    print(markdown_report(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

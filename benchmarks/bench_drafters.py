@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import line_plot, markdown_table, write_json, write_text
-from mamba_draft.devices import check_device
-from mamba_draft.dtypes import DTYPES, parse_dtype
+from mamba_draft.devices import check_device, resolve_dtype
+from mamba_draft.dtypes import DTYPES, dtype_name, parse_dtype
 
 BASE_CONTEXT = 64  # ratios are reported against the step time at this context (the issue's reference point)
 PREFILL_CHUNK = 1024  # the Transformer prefills in chunks, bounding attention temporaries at long contexts
@@ -238,7 +238,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=d.steps, help="timed decoding steps per context")
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                        help="both drafters' dtype (auto, the default: bfloat16 where the device has native bf16 "
+                        "products, else float32, as every command)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON, markdown and PNG plots")
 
@@ -252,7 +254,7 @@ def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
     check_device(args.device)
     return DrafterBenchConfig(contexts=tuple(args.contexts), arch=args.arch, d_model=args.d_model, n_layer=args.n_layer,
                               vocab_size=args.vocab_size, steps=args.steps, warmup=args.warmup, device=args.device,
-                              dtype=args.dtype, seed=args.seed)
+                              dtype=dtype_name(resolve_dtype(args.dtype, args.device)), seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -194,8 +194,10 @@ def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
 def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, force: bool = False,
              rebench: bool = False, progress: bool = True) -> dict:
     """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
+    from benchmarks.bench import RESULT_LAYOUT
+
     cache = cache_dir / cfg.fingerprint()
-    measurement = {k: getattr(cfg, k) for k in ("max_new_tokens", "repeats", "methods")}
+    measurement = {**{k: getattr(cfg, k) for k in ("max_new_tokens", "repeats", "methods")}, "layout": RESULT_LAYOUT}
     out_dir, cached = open_cache(cache, out_dir, force, rebench, measurement)
     if cached is not None:
         return cached
@@ -307,7 +309,7 @@ def shipped_drafter_available() -> bool:
     return True
 
 
-def rebuild_pair(cfg, records: list[dict], cache: Path, threads: int | None) -> tuple[Path, Path]:
+def rebuild_pair(cfg, records: list[dict], cache: Path) -> tuple[Path, Path]:
     """--train: the data engine's replies (cached, resumable) -> drafter + assistant trained on them, exported."""
     from benchmarks.real_pair import make_data_args, train_config, training_prompts
     from mamba_draft.targets import SHIPPED_TARGET, load_tokenizer
@@ -322,7 +324,7 @@ def rebuild_pair(cfg, records: list[dict], cache: Path, threads: int | None) -> 
           f"task) and answers them and the even-id questions "
           f"(greedy and T = {cfg.temperature:g}, <= {cfg.reply_tokens} tokens; resumable)")
     started = time.perf_counter()
-    manifest = make_data(make_data_args(cfg, prompts, data, threads))
+    manifest = make_data(make_data_args(cfg, prompts, data))
     print(f"[demo] data: {manifest['prompts']['total']} prompts, replies "
           f"{ {t: r['tokens'] for t, r in manifest['replies'].items()} } tokens in {time.perf_counter() - started:.0f} s")
     precision = training_precision()
@@ -338,12 +340,13 @@ def rebuild_pair(cfg, records: list[dict], cache: Path, threads: int | None) -> 
 
 def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None = None, force: bool = False,
                   rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True,
-                  train: bool = False, drafter: str | None = None, threads: int | None = None,
+                  train: bool = False, drafter: str | None = None,
                   budget_minutes: float = BUDGET_MINUTES) -> dict:
     """Shipped drafter (or --drafter, or one rebuilt with --train) vs the target: greedy and sampled tables,
     measured within `budget_minutes` (after any rebuild)."""
     import torch
 
+    from benchmarks.bench import RESULT_LAYOUT
     from mamba_draft.checkpoint import SHIPPED_DRAFTER
     from mamba_draft.devices import default_dtype
     from mamba_draft.heldout import read_spec_bench
@@ -355,14 +358,14 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     drafter = None if train else (drafter or SHIPPED_DRAFTER)
     cache = cache_dir / real_fingerprint(cfg, drafter)
     measurement = {"config": asdict(cfg), "prompts": str(prompts_path), "full_sweep": full_sweep, "repeats": repeats,
-                   "budget_minutes": budget_minutes}
+                   "budget_minutes": budget_minutes, "layout": RESULT_LAYOUT}
     out_dir, cached = open_cache(cache, out_dir, force, rebench, measurement)
     if cached is not None:
         return cached
     started = time.perf_counter()
     assistant = None
     if train:
-        drafter, assistant = rebuild_pair(cfg, records, cache, threads)
+        drafter, assistant = rebuild_pair(cfg, records, cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = default_dtype(device)  # the same for every method: bf16 where native (AVX512-BF16, AMX, GPUs)
     print(f"[demo] target SmolLM2-135M-Instruct in {str(dtype).removeprefix('torch.')} on {device} "
@@ -528,15 +531,15 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
                    assistant=None) -> dict:
     """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
     (and the assistant's, as a Transformer drafter, when given), and the cost of verifying a chain of n tokens in one
-    target forward relative to one token (the cost structure speculation lives on), all through the benchmark's own
-    TargetState (row blocks included); medians, timed in turns."""
+    target forward relative to one token (the cost structure speculation lives on), all through the engine's own
+    TargetCache (row blocks included); medians, timed in turns."""
     from benchmarks.bench_drafters import time_round_robin
-    from tree_search.target import TargetState
+    from tree_search.target import TargetCache
     from tree_search.tree import Tree
 
     token = input_ids[0, -1]
-    target_state = TargetState(target)
-    target_state.prefill(input_ids)
+    target_cache = TargetCache(target)
+    target_cache.prefill(input_ids)
     _, drafter_state = drafter.prefill(input_ids)
     steps_of = {"drafter": lambda: drafter.step(token.view(1), drafter_state)}
     if assistant is not None:
@@ -544,14 +547,14 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
         steps_of["assistant"] = lambda: assistant.step(token.view(1), assistant_state)
 
     def verify(n):
-        tree, tokens = Tree(tuple(range(-1, n - 1))), token.expand(n)
+        tree, tokens = Tree(tuple(range(-1, n - 1))), token.expand(1, n)
 
-        def run():
-            target_state.tree_forward(tokens, tree)
-            target_state.commit([], n)
+        def run():  # a chain of n tokens verified, none of its drafts kept
+            target_cache.tree_forward(tokens, tree)
+            target_cache.commit([[]])
         return run
 
-    fns = {"target": lambda: target_state.decode(token), **steps_of, **{f"verify{n}": verify(n) for n in chains}}
+    fns = {"target": lambda: target_cache.decode(token.view(1)), **steps_of, **{f"verify{n}": verify(n) for n in chains}}
     seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=steps)
     out = {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
            "ratio": seconds["target"] / seconds["drafter"],
@@ -630,8 +633,7 @@ def run(args: argparse.Namespace) -> int:
                   per_category=args.per_category or (1 if args.train else cfg.per_category))
     result = run_real_demo(cfg, args.cache_dir, args.prompts or SPEC_BENCH, args.out, force=args.force,
                            rebench=args.rebench, full_sweep=args.full, repeats=args.repeats or 1, train=args.train,
-                           drafter=args.drafter, threads=getattr(args, "threads", None),
-                           budget_minutes=args.budget_minutes or BUDGET_MINUTES)
+                           drafter=args.drafter, budget_minutes=args.budget_minutes or BUDGET_MINUTES)
     print_real(result)
     return 0
 

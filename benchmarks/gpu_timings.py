@@ -147,9 +147,9 @@ def time_tree_drafting(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict
     drafts = TreeDrafter(drafter, max(len(c.build()) for c in configs), drafter.vocab_size)
     prompt = torch.randint(0, drafter.vocab_size, (1, 32), device=drafter.device)
     logits = drafts.prefill(prompt)
-    root = prompt[0, -1]
+    roots = prompt[:, -1]  # one prompt: a batch of one
     rows = [{"tree": c.branching, "nodes": len(c.build()),
-             "ms": clock.ms(lambda: drafts.draft(c, root, logits, greedy, "topk", False, None))} for c in configs]
+             "ms": clock.ms(lambda: drafts.draft(c, roots, logits, greedy, "topk", False, None))} for c in configs]
     drafts.runner.invalidate()
     drafter.set_backend("torch")
     chain5 = next(r["ms"] for r in rows if r["tree"] == CHAIN5)
@@ -168,7 +168,7 @@ def verify_modes(device: torch.device) -> dict[str, dict]:
 def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
     """A forward over the root + tree after `prefix` cached tokens and its commit (the root kept), per tree size and
     cache kind. The cache grows by one token per call: max_len leaves room for every call."""
-    from tree_search.target import TargetState
+    from tree_search.target import TargetCache
     from tree_search.tree import Tree, TreeConfig
 
     device = next(model.parameters()).device
@@ -176,15 +176,15 @@ def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
     calls = (clock.iters + clock.warmup + 2) * len(VERIFY_TREES)
     rows = []
     for mode, kwargs in verify_modes(device).items():
-        state = TargetState(model, max_len=cfg.prefix + calls + max(VERIFY_TREES) + 1, **kwargs)
+        state = TargetCache(model, max_len=cfg.prefix + calls + max(VERIFY_TREES) + 1, **kwargs)
         state.prefill(torch.randint(0, vocab, (1, cfg.prefix), device=device))
         for size, branching in VERIFY_TREES.items():
             tree = TreeConfig(branching).build() if branching else Tree((-1,))
-            tokens = torch.randint(0, vocab, (size,), device=device)
+            tokens = torch.randint(0, vocab, (1, size), device=device)
 
             def verify():
                 state.tree_forward(tokens, tree)
-                state.commit([], size)
+                state.commit([[]])
 
             rows.append({"mode": mode, "tokens": size, "ms": clock.ms(verify)})
     return rows
@@ -194,14 +194,14 @@ def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dic
     """B prompts: one plain decoding step of every row vs drafting B trees + verifying them in one forward."""
     from tree_search.drafting import TreeDrafter
     from tree_search.sampling import SamplingParams
-    from tree_search.target import BatchTargetState
+    from tree_search.target import TargetCache
     from tree_search.tree import TreeConfig
 
     device, batch = drafter.device, cfg.batch
     vocab = min(model.config.vocab_size, drafter.vocab_size)
     drafter.set_backend(backends(drafter)[-1])
     greedy = SamplingParams(temperature=0.0)
-    state = BatchTargetState(model)
+    state = TargetCache(model)
     prompts = torch.randint(0, vocab, (batch, cfg.prefix), device=device)
     state.prefill(prompts)
     roots = prompts[:, -1]
@@ -210,10 +210,10 @@ def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dic
         config = TreeConfig(branching)
         nodes = len(config.build())
         drafts = TreeDrafter(drafter, batch * nodes + batch, model.config.vocab_size)
-        logits = drafts.prefill_batch(prompts)
+        logits = drafts.prefill(prompts)
 
         def draft():
-            return drafts.draft_batch(config, roots, logits, greedy, "topk", False, None)
+            return drafts.draft(config, roots, logits, greedy, "topk", False, None)
 
         tokens = draft().tokens.clone()
         tree = config.build()
@@ -265,7 +265,7 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
     from tree_search.drafting import TreeDrafter
     from tree_search.generate import generate
     from tree_search.sampling import SamplingParams
-    from tree_search.target import TargetState
+    from tree_search.target import TargetCache
     from tree_search.tree import TreeConfig
 
     config = TreeConfig((3, 2, 2, 1, 1))
@@ -276,16 +276,16 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
     logits = drafts.prefill(prompt)
     greedy = SamplingParams(temperature=0.0)
     for _ in range(2):  # capture first
-        drafts.draft(config, prompt[0, -1], logits, greedy, "topk", False, None)
-    drafting = count_syncs(lambda: drafts.draft(config, prompt[0, -1], logits, greedy, "topk", False, None))
+        drafts.draft(config, prompt[:, -1], logits, greedy, "topk", False, None)
+    drafting = count_syncs(lambda: drafts.draft(config, prompt[:, -1], logits, greedy, "topk", False, None))
     tree = config.build()
-    state = TargetState(model, static=True, max_len=256, graphs=device.type == "cuda")
+    state = TargetCache(model, static=True, max_len=256, graphs=device.type == "cuda")
     state.prefill(prompt)
-    tokens = torch.randint(0, vocab, (len(tree),), device=device)
+    tokens = torch.randint(0, vocab, (1, len(tree)), device=device)
 
     def verify():
         state.tree_forward(tokens, tree)
-        state.commit([1, 4], len(tree))
+        state.commit([[1, 4]])
 
     verify()
     verifying = count_syncs(verify)

@@ -6,11 +6,13 @@
                      (hf-* methods run on plain copies of the models, `load_plain`: what a user has without us)
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
     default          what `generate` runs by default on the target's device (tree "auto" and the lookup rounds and
-                     verifier it implies: tree_search.calls.make_policy / default_lookup_tokens)
-    chain[:N]        chain drafting with the Mamba drafter, N tokens per round (default 5)
-    tree:3,2,2,1,1   a fixed tree shape
+                     verifier it implies: tree_search.policy.default_policy / calls.default_lookup_tokens)
+    chain[:N]        chain drafting with the drafter, N tokens per round (default 5)
+    tree:3,2,2,1,1   a fixed tree shape (`tree:none`: no drafting)
     bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes), paper reward (Eq. 2)
     bandit-time[:..] the same with the measured-time reward (tokens per second of each round)
+                     (the drafting part is `generate`'s tree grammar, tree_search.policy.parse_policy, with `default`
+                     for `auto`, `chain` for chain:5 and `tree:` before a shape)
     <drafting>+lookup[:K]  also prompt-lookup rounds of <= K tokens (default 8; `generate(lookup_tokens=K)`);
                      `tree:none+lookup` is prompt-lookup decoding alone in our harness
     <drafting>@V     any drafting method verified by verifier V (default `greedy`, lossless)
@@ -25,16 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
+from tree_search.calls import LOOKUP_TOKENS
+
 HF_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
 DEFAULT_CHAIN = 5
-DEFAULT_LOOKUP = 8
 
 
 @dataclass(frozen=True)
 class Method:
     name: str                 # the spec as given (table label)
     kind: str                 # hf-ar | hf-assisted | hf-lookup | ar | spec
-    tree: str = ""            # spec: "1,1,1,1,1", "3,2,2,1,1", "bandit" or "bandit-time:3,2,2,1,1/1,1,1,1"
+    tree: str = ""            # spec: its tree policy (tree_search.policy grammar): "auto", "1,1,1,1,1", "bandit:..."
     # None (`default`): generate's own choice, greedy at temperature 0, else sampling (both lossless)
     verifier: str | None = "greedy"
     # spec: the longest prompt-lookup proposal a round verifies (0: none; None: generate's default for the tree,
@@ -59,7 +62,7 @@ class Method:
 
 def parse_method(spec: str) -> Method:
     """Parse and validate one method string (unknown verifiers and bad tree shapes raise ValueError)."""
-    from tree_search import TreeConfig, available_verifiers
+    from tree_search import available_verifiers
 
     name = spec.strip()
     label, sep, rest = name.partition("=")
@@ -80,49 +83,36 @@ def parse_method(spec: str) -> Method:
     drafting, with_lookup, lookup_arg = drafting.partition("+lookup")
     lookup = None if drafting == "default" else 0
     if with_lookup:
-        lookup = DEFAULT_LOOKUP if not lookup_arg else int(lookup_arg[1:]) if lookup_arg[1:].isdigit() else -1
+        lookup = LOOKUP_TOKENS if not lookup_arg else int(lookup_arg[1:]) if lookup_arg[1:].isdigit() else -1
         if not 1 <= lookup <= 64 or (lookup_arg and not lookup_arg.startswith(":")):
             raise ValueError(f"method {spec!r}: +lookup takes a proposal length in [1, 64], e.g. +lookup:8")
     for part in (verifier or "greedy").split("+"):
         if part not in available_verifiers():
             raise ValueError(f"method {spec!r}: unknown verifier {part!r}; available: {', '.join(available_verifiers())}")
+    return Method(name, "spec", tree_policy(spec, drafting), verifier, lookup, drafter)
+
+
+def tree_policy(spec: str, drafting: str) -> str:
+    """A method's drafting part as a policy spec of `generate`'s grammar (checked here, resolved per pass by
+    `parse_policy`, which `Pass` calls with persistent=True under `--bandit-memory pass`; `auto` restarts per
+    call whatever it is told, so `default` measures exactly what `generate` runs)."""
+    from tree_search.policy import FixedShape, parse_policy, spec_of
+
     kind, _, arg = drafting.partition(":")
-    if kind == "chain":
-        depth = int(arg) if arg.isdigit() else (DEFAULT_CHAIN if not arg else -1)
-        if depth < 1:
-            raise ValueError(f"method {spec!r}: chain length must be a positive integer, got {arg!r}")
-        tree = ",".join(["1"] * depth)
-    elif kind == "tree" and arg:
-        tree = TreeConfig.parse(arg).spec
-    elif kind == "default" and not arg:
-        tree = "auto"
-    elif kind in ("bandit", "bandit-time"):
-        arms = [a for a in arg.split("/") if a] if arg else []
-        tree = f"{kind}:" + "/".join(TreeConfig.parse(a).spec for a in arms) if arms else kind
-    else:
+    if drafting == "default":
+        return "auto"
+    if kind not in ("chain", "tree", "bandit", "bandit-time") or (kind == "tree" and not arg):
         raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, ar, default, chain[:N], "
                          "tree:3,2,2,1,1, bandit[:A/B] or bandit-time[:A/B], with an optional assistant: prefix, "
                          "+lookup[:K] and @verifier, or verifier=NAME")
-    return Method(name, "spec", tree, verifier, lookup, drafter)
-
-
-def make_tree_policy(tree: str, device: str | torch.device, persistent: bool = False):
-    """A policy for one benchmark pass: a fixed shape, or a UCB bandit that (like `generate`'s default) starts
-    afresh on every `generate` call (prompts of different kinds favour different shapes, and a bandit carried across
-    them keeps exploiting what suited earlier ones) or, `persistent`, learns over the whole pass, as a server keeping
-    one policy would (the cost of verification is a property of the machine and the batch size). "auto" is
-    generate's own default for `device`, resolved by the same function generate calls, and like it restarts on every
-    call whatever `persistent` says: `default` measures exactly what `generate` runs."""
-    from tree_search import UCBBandit
-    from tree_search.calls import is_auto, make_policy
-
-    if is_auto(tree):
-        return make_policy(tree, device)
-    if tree.startswith("bandit"):
-        kind, _, arms = tree.partition(":")
-        kwargs = {"arms": tuple(arms.split("/"))} if arms else {}
-        return UCBBandit(reward="time" if kind == "bandit-time" else "paper", persistent=persistent, **kwargs)
-    return tree
+    policy = arg if kind == "tree" else f"chain:{DEFAULT_CHAIN}" if drafting == "chain" else drafting
+    try:
+        parsed = parse_policy(policy)
+        if kind == "tree" and not isinstance(parsed, FixedShape):
+            raise ValueError("tree: takes one shape")
+    except ValueError as err:
+        raise ValueError(f"method {spec!r}: {err}") from None
+    return spec_of(parsed)
 
 
 def lookup_of(method: Method, device: str | torch.device, batch: bool) -> int:
@@ -211,7 +201,7 @@ def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: in
     if method.kind == "hf-assisted":
         kwargs["assistant_model"] = assistant
     if method.kind == "hf-lookup":
-        kwargs["prompt_lookup_num_tokens"] = DEFAULT_LOOKUP
+        kwargs["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
     counter = ForwardCounter(target)
     try:
         sync(ids.device)
@@ -240,22 +230,22 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     """Our harness: `generate_autoregressive` for `ar`, tree speculative `generate` for the rest. `ids` (1, L) ->
     (new tokens, record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record), row b seeded
     seed + b. rounds counts row-rounds (a batch's τ = accepted / rounds); batch_rounds the batched rounds."""
-    from tree_search import UCBBandit
     from tree_search.generate import generate, generate_autoregressive
 
-    batch = {} if mask is None else {"attention_mask": mask}
+    # a batch goes to generate as its list of prompts (any length, even one), which it left-pads as `ids` are
+    prompts = ids if mask is None else [row[keep.bool()] for row, keep in zip(ids, mask)]
     # a persistent bandit's summary counts every call's pulls (others restart at the call): record this call's
-    kept = isinstance(policy, UCBBandit) and policy.persistent
+    kept = getattr(policy, "persistent", False)
     before = {str(a): s.pulls for a, s in zip(policy.arms, policy.stats)} if kept else {}
     sync(ids.device)
     start = time.perf_counter()
     if method.kind == "ar":
-        result = generate_autoregressive(models.target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                         seed=seed, **sampling, **batch)
+        result = generate_autoregressive(models.target, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                         seed=seed, **sampling)
     else:
-        result = generate(models.target, models.drafter_for(method), ids, max_new_tokens=max_new_tokens, tree=policy,
-                          verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
-                          lookup_tokens=lookup_of(method, ids.device, mask is not None), **sampling, **batch)
+        result = generate(models.target, models.drafter_for(method), prompts, max_new_tokens=max_new_tokens,
+                          tree=policy, verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
+                          lookup_tokens=lookup_of(method, ids.device, mask is not None), **sampling)
     sync(ids.device)
     wall = time.perf_counter() - start
     s = result.stats

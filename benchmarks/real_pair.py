@@ -76,15 +76,18 @@ class RealPairConfig:
     eval_every: int = 25
 
 
-def make_data_args(cfg: RealPairConfig, prompts_file: Path, out: Path, threads: int | None):
+def make_data_args(cfg: RealPairConfig, prompts_file: Path, out: Path):
     """The `mamba-draft make-data` arguments of the rebuild (even-id questions in `prompts_file`)."""
-    from mamba_draft.cli import build_parser
+    import argparse
 
-    argv = ["--target", "smollm2", "--out", str(out), "--magpie", str(cfg.magpie),
-            "--magpie-tasks", str(cfg.magpie_tasks), "--prompts", str(prompts_file),
-            "--temperatures", f"0,{cfg.temperature:g}", "--max-new-tokens", str(cfg.reply_tokens),
-            "--batch-size", str(cfg.data_batch)]
-    return build_parser("make-data").parse_args(argv + (["--threads", str(threads)] if threads else []))
+    from training.make_data import add_arguments
+
+    parser = argparse.ArgumentParser(prog="mamba-draft make-data")
+    add_arguments(parser)
+    return parser.parse_args(["--target", "smollm2", "--out", str(out), "--magpie", str(cfg.magpie),
+                              "--magpie-tasks", str(cfg.magpie_tasks), "--prompts", str(prompts_file),
+                              "--temperatures", f"0,{cfg.temperature:g}", "--max-new-tokens", str(cfg.reply_tokens),
+                              "--batch-size", str(cfg.data_batch)])
 
 
 def train_config(cfg: RealPairConfig, arch: str, data: Path, out: Path, precision: str):

@@ -1,4 +1,4 @@
-"""Regenerate assistant replies with the target (self-distillation data), optionally drafted by a Mamba drafter.
+"""Regenerate assistant replies with the target (self-distillation data), optionally drafted by a drafter.
 
 Without --drafter this is `python -m training.regenerate`: the same arguments, the same output. With --drafter every
 left-padded batch of replies is produced by batched tree speculative decoding (`tree_search.generate` on the batch)
@@ -6,8 +6,9 @@ instead of transformers' `generate`, so the distillation data for the next draft
 Verification is lossless by default: at --temperature 0 the replies are token-identical to the plain ones; above 0
 they follow the same law (the temperature with the target's generation_config top-k / top-p, as `model.generate`
 samples), reproducibly for a given --seed (reply n of the run draws from its own generator, seeded --seed + n).
---tree picks the draft tree: 'bandit' (UCB over tree shapes, its statistics kept across batches; --arms sets them),
-a fixed shape such as 3,2,2,1,1, or 'none' (no drafting: plain decoding on the same harness).
+--tree picks the tree policy in `generate`'s grammar: 'bandit' (the default: UCB over the paper's tree shapes, its
+statistics kept across batches; bandit:A/B/... over others), a fixed shape such as 3,2,2,1,1, or 'none' (no drafting:
+plain decoding on the same harness).
 """
 from __future__ import annotations
 
@@ -16,24 +17,28 @@ from pathlib import Path
 
 import training.regenerate as plain
 from mamba_draft.devices import check_device, resolve_dtype
+from tree_search.policy import GRAMMAR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     plain.add_arguments(parser)
-    parser.add_argument("--drafter", help="Mamba drafter directory (HF or mamba_ssm format) or hub id; without it, "
+    parser.add_argument("--drafter", help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM "
+                        "sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2'; without it, "
                         "plain batched target decoding")
-    parser.add_argument("--tree", help="with --drafter: 'bandit' (default: UCB over tree shapes), a fixed shape such "
-                        "as 3,2,2,1,1 (a chain is 1,1,1,1) or 'none' (no speculation)")
-    parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'")
+    parser.add_argument("--tree", metavar="SPEC", help=f"with --drafter, the tree policy: {GRAMMAR} (default: bandit, "
+                        "kept across batches)")
     parser.add_argument("--verifier", help="with --drafter: verifier name (default: greedy at temperature 0, else "
                         "sampling; both lossless)")
 
 
 class DraftedGenerate:
-    """`training.regenerate.Generate` by batched tree speculative decoding; sums the batches' stats."""
+    """`training.regenerate.Generate` by batched tree speculative decoding; sums the batches' stats. `load(embedding)`
+    gives the drafter, called with the target's input embedding at the first batch (a drafter shipped without its
+    own embedding reads the target's)."""
 
-    def __init__(self, drafter, tree, verifier: str | None = None) -> None:
-        self.drafter, self.tree, self.verifier = drafter, tree, verifier
+    def __init__(self, load, tree, verifier: str | None = None) -> None:
+        self.load, self.tree, self.verifier = load, tree, verifier
+        self.drafter = None
         self.batches = self.new_tokens = self.drafter_calls = self.rounds = 0
         self.accepted = self.row_rounds = 0
         self.seconds = 0.0
@@ -42,6 +47,8 @@ class DraftedGenerate:
                  eos_token_ids: list[int], seed: int | None = None) -> list[list[int]]:
         from tree_search import generate
 
+        if self.drafter is None:
+            self.drafter = self.load(model.get_input_embeddings().weight)
         # top_p / top_k None: the target's generation_config, as model.generate(do_sample=True, temperature=T)
         result = generate(model, self.drafter, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=None, top_k=None, eos_token_id=list(eos_token_ids),
@@ -67,29 +74,16 @@ class DraftedGenerate:
                 f"tau {self.mean_accepted:.2f}, {rate:.1f} tok/s, drafter calls {self.drafter_calls}")
 
 
-def make_tree(args: argparse.Namespace):
-    """--tree / --arms -> a policy for every batch: the bandit keeps its statistics across batches."""
-    from tree_search.bandit import DEFAULT_ARMS, UCBBandit
-    from tree_search.calls import make_policy
-
-    tree = args.tree or "bandit"
-    is_bandit = tree.strip().lower() == "bandit"
-    if args.arms and not is_bandit:
-        raise ValueError("--arms only applies to --tree bandit")
-    if is_bandit:
-        return UCBBandit(arms=tuple(args.arms.split(";")) if args.arms else DEFAULT_ARMS, persistent=True)
-    return make_policy(tree)
-
-
 def run(args: argparse.Namespace) -> int:
     from tree_search.calls import check_options
+    from tree_search.policy import parse_policy
     from tree_search.sampling import resolve_sampling
     from tree_search.verifiers import get_verifier
 
     plain.check_arguments(args)
     generate = None
     if not args.drafter:
-        given = [flag for flag in ("tree", "arms", "verifier") if getattr(args, flag) is not None]
+        given = [flag for flag in ("tree", "verifier") if getattr(args, flag) is not None]
         if given:
             raise ValueError(" and ".join(f"--{flag}" for flag in given) + (" need" if len(given) > 1 else " needs")
                              + " --drafter")
@@ -99,18 +93,19 @@ def run(args: argparse.Namespace) -> int:
         if (args.drafter.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
             problem = "is not a directory" if path.exists() else "does not exist"
             raise ValueError(f"--drafter {args.drafter} {problem}")
-        # what can be checked without the models, before any is loaded (the vocabularies are checked against the
-        # target before the first batch runs; nothing is written before the last one)
-        tree = make_tree(args)
+        # what can be checked without the models, before any is loaded (the drafter loads with the target's
+        # embedding at the first batch, which checks the vocabularies; nothing is written before the last batch).
+        # One policy for every batch: a bandit keeps its statistics across them.
+        tree = parse_policy("bandit" if args.tree is None else args.tree, args.device, persistent=True)
         sampling = resolve_sampling(None, args.temperature)
         verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"))
         check_options(verifier, tree, sampling, False)
 
-        from mamba_draft import MambaDrafter
+        from mamba_draft import load_drafter
 
-        drafter = MambaDrafter.from_pretrained(args.drafter, device=args.device,
-                                               dtype=resolve_dtype(args.dtype, args.device))
-        generate = DraftedGenerate(drafter, tree, args.verifier)
+        dtype = resolve_dtype(args.dtype, args.device)
+        generate = DraftedGenerate(lambda embedding: load_drafter(args.drafter, device=args.device, dtype=dtype,
+                                                                  embedding=embedding), tree, args.verifier)
     counts = plain.run(args, generate=generate)
     if generate is not None:
         print(generate.summary())

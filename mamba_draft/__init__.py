@@ -5,13 +5,13 @@ prefer_fast_mkl_paths()  # before any matrix multiply: MKL reads its dispatch se
 
 from .checkpoint import convert, load_checkpoint, save_checkpoint
 from .config import MambaConfig
-from .drafter import load_drafter
+from .drafter import Drafter, DraftState, load_drafter
 from .kernels import kernels_available
 from .model import MambaDrafter
 from .state import DrafterState
 
-__all__ = ["MambaDrafter", "TransformerDrafter", "DrafterState", "load_drafter", "MambaConfig", "convert",
-           "load_checkpoint", "save_checkpoint", "kernels_available"]
+__all__ = ["Drafter", "DraftState", "MambaDrafter", "TransformerDrafter", "DrafterState", "load_drafter", "MambaConfig",
+           "convert", "load_checkpoint", "save_checkpoint", "kernels_available"]
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""The drafter interface the tree engine drafts with, and the one loader every command uses.
+"""The drafter interface the tree engine drafts with (`Drafter`, `DraftState`), and the one loader every command uses.
 
 A drafter is an `nn.Module` with an explicit state of rows (`allocate_state(rows)`: `max_batch`, `device`, `nbytes`,
 `rows(start, stop)` views, `gather_(dst, src_rows)` forks, `reset_()`), and:
@@ -11,14 +11,85 @@ A drafter is an `nn.Module` with an explicit state of rows (`allocate_state(rows
 
 `MambaDrafter` (recurrent state, fixed size per row) and `TransformerDrafter` (any HF causal LM, a KV cache per row)
 implement it; tree drafting, resync after a commit, lossless sampling, lossy verifiers and the bandit sit above it.
+They declare it in their docstrings rather than by subclassing, since this module loads them (an import either way
+would be a cycle); tests/test_transformer_drafter.py checks both against the protocols. What the two share is
+written once in `ids.py`.
 """
 from __future__ import annotations
 
 import os
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from .checkpoint import SHIPPED_DRAFTER, detect_format, read_config, resolve_directory
+
+
+@runtime_checkable
+class DraftState(Protocol):
+    """A drafter's state: preallocated rows (`DrafterState`: conv and SSM buffers; `KVState`: KV caches)."""
+
+    @property
+    def max_batch(self) -> int:
+        """Rows this state (or view) holds."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the buffers behind it."""
+
+    def rows(self, start: int, stop: int) -> DraftState:
+        """A view of rows [start:stop] (no copy: writes go through)."""
+
+    def gather_(self, dst_start: int, src_rows: torch.Tensor) -> DraftState:
+        """rows[dst_start : dst_start + len(src_rows)] = rows[src_rows], overlap-safe: the fork of tree drafting."""
+
+    def reset_(self) -> DraftState:
+        """Empty every row (as before a prefill)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the tree engine drafts with (the module docstring); an `nn.Module` besides (`parameters()`)."""
+
+    capturable: bool  # `step` can be captured in a CUDA graph (fixed shapes, no host sync)
+    backend: str  # what runs `step`: 'torch', 'kernels' (Mamba on CUDA) or 'hf'
+    state_dtype: torch.dtype | None  # a Mamba drafter's recurrent state (None: `dtype`)
+    draft_ids: torch.Tensor | None  # logit column j scores target id draft_ids[j] (None: id j)
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (the draft vocabulary's size, if it has one)."""
+
+    @property
+    def input_vocab_size(self) -> int:
+        """Token ids the drafter reads."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def allocate_state(self, max_batch: int) -> DraftState: ...
+
+    def row_bytes(self, context: int) -> int:
+        """Bytes of one state row holding `context` tokens."""
+
+    def prefill(self, input_ids: torch.Tensor, state: DraftState | None = None,
+                max_batch: int | None = None) -> tuple[torch.Tensor, DraftState]:
+        """Encode (B, L) from scratch into rows [0:B] -> (last-position logits (B, V), state)."""
+
+    def extend(self, input_ids: torch.Tensor, state: DraftState, *, last_only: bool = False) -> torch.Tensor:
+        """Continue rows [0:B] with a (B, L) block -> logits (B, L, V), or (B, V) with last_only."""
+
+    def step(self, token_ids: torch.Tensor, state: DraftState) -> torch.Tensor:
+        """One token per row (B,) -> logits (B, V)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits (B, L, V) from an empty state."""
 
 
 def is_mamba_checkpoint(path: str | os.PathLike, revision: str | None = None) -> bool:
@@ -32,14 +103,27 @@ def is_mamba_checkpoint(path: str | os.PathLike, revision: str | None = None) ->
     return True
 
 
-def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+def load_drafter(path: str | os.PathLike, *, target: torch.nn.Module | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  embedding: torch.Tensor | None = None, revision: str | None = None,
                  state_dtype: torch.dtype | None = torch.float32):
     """A `MambaDrafter` for a Mamba checkpoint (`MambaDrafter.from_pretrained`: HF or mamba_ssm format, a hub id, or
-    `smollm2`; `embedding` is the target's, for a drafter stored without its own), else a `TransformerDrafter` of
-    the HF causal LM there. state_dtype: a Mamba drafter's recurrent state (fp32 by default whatever `dtype`: a
-    step is bound by reading the weights, which bf16 halves, while a bf16 state would round at every token; None:
-    `dtype`)."""
+    `smollm2`), else a `TransformerDrafter` of the HF causal LM there.
+
+    target: the loaded target (an HF causal LM): its input embedding serves a drafter stored without its own, and
+    device / dtype default to the target's. embedding: that embedding alone, without a target (not both). device:
+    default the target's, else cpu; dtype: default the target's, else float32. state_dtype: a Mamba drafter's
+    recurrent state (fp32 by default whatever `dtype`: a step is bound by reading the weights, which bf16 halves,
+    while a bf16 state would round at every token; None: `dtype`)."""
+    if target is not None:
+        if embedding is not None:
+            raise ValueError("load_drafter takes target= or embedding=, not both: target= already supplies "
+                             "target.get_input_embeddings().weight; drop embedding=")
+        embedding = target.get_input_embeddings().weight
+        device = embedding.device if device is None else device
+        dtype = getattr(target, "dtype", embedding.dtype) if dtype is None else dtype
+    device = "cpu" if device is None else device
+    dtype = torch.float32 if dtype is None else dtype
     if is_mamba_checkpoint(path, revision):
         from .model import MambaDrafter
 

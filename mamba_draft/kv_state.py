@@ -49,7 +49,8 @@ class KVStore:
 
 
 class KVState:
-    """Rows [start:stop] of a `KVStore`: what `MambaDrafter`'s `DrafterState` is to a Mamba drafter.
+    """Rows [start:stop] of a `KVStore`: what `MambaDrafter`'s `DrafterState` is to a Mamba drafter (both implement
+    `mamba_draft.drafter.DraftState`).
 
     `rows` gives a view (writes go through); `gather_` copies whole row caches (the fork of tree drafting)."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_attention import grouped_attention
+from .targets.cpu_attention import grouped_attention
 from .kv_state import write_rows
 from .packed_linear import PackCache
 

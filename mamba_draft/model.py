@@ -15,6 +15,7 @@ from torch import nn
 
 from .checkpoint import DRAFT_IDS, check_draft_ids
 from .config import MambaConfig
+from .ids import SharedCalls, check_batch
 from .kernels import load_kernels
 from .packed_linear import PackCache, pack_linears
 from .state import DrafterState
@@ -286,8 +287,9 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
-class MambaDrafter(nn.Module):
-    """A Mamba language model that prefills, steps one token per row on an explicit state, and forks rows."""
+class MambaDrafter(SharedCalls, nn.Module):
+    """A Mamba language model that prefills, steps one token per row on an explicit state, and forks rows:
+    implements `mamba_draft.drafter.Drafter` (its state, `DraftState`)."""
 
     capturable = True  # `step` has fixed shapes and no host sync: CUDA-graph capturable
 
@@ -420,6 +422,11 @@ class MambaDrafter(nn.Module):
         return self.config.real_vocab_size
 
     @property
+    def embedding_rows(self) -> int:
+        """Ids `prefill` / `extend` accept: every embedding row, padding rows included."""
+        return self.config.vocab_size
+
+    @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
@@ -476,34 +483,12 @@ class MambaDrafter(nn.Module):
         return F.linear(h.to(weight.dtype), weight), h
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full-sequence logits (B, L, V) from a zero state (the reference for everything else)."""
-        input_ids = _check_ids(input_ids, self.config.vocab_size, self.device)
-        state = self.allocate_state(input_ids.shape[0])
-        return self.extend(input_ids, state)
-
-    @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, state: DrafterState, *, last_only: bool = False) -> torch.Tensor:
         """Continue rows [0:B] of `state` with a (B, L) block of tokens; returns logits (B, L, V) or (B, V)."""
-        input_ids = _check_ids(input_ids, self.config.vocab_size, self.device)
-        _check_batch(input_ids.shape[0], state)
+        input_ids = self.token_ids(input_ids)
+        check_batch(input_ids.shape[0], state)
         h = self._run(input_ids, state)
         return self._logits(h[:, -1] if last_only else h)
-
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, state: DrafterState | None = None,
-                max_batch: int | None = None) -> tuple[torch.Tensor, DrafterState]:
-        """Encode a prompt (B, L) from scratch into rows [0:B]; returns last-position logits (B, V) and the state.
-
-        Without `state`, one is allocated for max(B, max_batch) rows (tree drafting needs room for every node).
-        """
-        input_ids = _check_ids(input_ids, self.config.vocab_size, self.device)
-        if input_ids.shape[1] == 0:
-            raise ValueError("prefill needs at least one token")
-        if state is None:
-            state = self.allocate_state(max(input_ids.shape[0], max_batch or 0))
-        state.rows(0, _check_batch(input_ids.shape[0], state)).reset_()
-        return self.extend(input_ids, state, last_only=True), state
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, state: DrafterState) -> torch.Tensor:
@@ -516,32 +501,9 @@ class MambaDrafter(nn.Module):
                             f"{token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
         if token_ids.dim() != 1:
             raise ValueError(f"step takes one token per row, shape (B,), got {tuple(token_ids.shape)}")
-        batch = _check_batch(token_ids.shape[0], state)
+        batch = check_batch(token_ids.shape[0], state)
         kernels = load_kernels() if self.backend == "kernels" else None
         h = self.backbone.embeddings(token_ids)
         for i, layer in enumerate(self.backbone.layers):
             h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch], kernels)
         return self._logits(h)
-
-
-def _check_ids(input_ids, vocab_rows: int, device) -> torch.Tensor:
-    if not isinstance(input_ids, torch.Tensor):
-        try:
-            input_ids = torch.as_tensor(input_ids)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"token ids must be integers, got {type(input_ids).__name__}") from err
-    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"token ids must be an integer tensor, got dtype {input_ids.dtype}")
-    if input_ids.dim() != 2:
-        raise ValueError(f"token ids must have shape (batch, length), got {tuple(input_ids.shape)}")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_rows):
-        raise ValueError(f"token ids must lie in [0, {vocab_rows}), got range "
-                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    return input_ids.to(device=device, dtype=torch.long)
-
-
-def _check_batch(batch: int, state: DrafterState) -> int:
-    if batch > state.max_batch:
-        raise ValueError(f"batch of {batch} rows exceeds the state's preallocated max_batch={state.max_batch}; "
-                         "allocate_state(max_batch) with room for every row")
-    return batch

@@ -1,8 +1,8 @@
 """The drafter's recurrent state: per-layer conv and SSM buffers, preallocated for a maximum batch.
 
 Buffers are allocated once and only ever written in place, so their addresses never change and a CUDA graph
-captured on a view of them stays valid across rounds. Row operations (`gather_`, `fork_`, `select_`) are what
-tree drafting needs: copy parent rows into child rows before stepping the children.
+captured on a view of them stays valid across rounds. `gather_` is what tree drafting needs: copy parent rows into
+child rows before stepping the children. Implements `mamba_draft.drafter.DraftState`, as `KVState` does.
 """
 from __future__ import annotations
 
@@ -54,15 +54,6 @@ class DrafterState:
         self.conv[:, dst_start:dst_start + n].copy_(self.conv.index_select(1, src_rows))
         self.ssm[:, dst_start:dst_start + n].copy_(self.ssm.index_select(1, src_rows))
         return self
-
-    def fork_(self, parent_rows: torch.Tensor) -> "DrafterState":
-        """Child row i <- copy of row parent_rows[i], for i in range(len(parent_rows))."""
-        return self.gather_(0, parent_rows)
-
-    def select_(self, row: int | torch.Tensor) -> "DrafterState":
-        """Row 0 <- row `row` (e.g. the deepest accepted tree node); `row` may be a 0-d tensor (no host sync)."""
-        index = row.reshape(1) if isinstance(row, torch.Tensor) else torch.tensor([row], device=self.conv.device)
-        return self.gather_(0, index)
 
     def reset_(self) -> "DrafterState":
         self.conv.zero_()

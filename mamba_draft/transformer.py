@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .checkpoint import check_draft_ids
+from .ids import SharedCalls, check_batch
 from .kv_state import KVState, KVStore, write_rows
 from .llama_step import LlamaBody
 from .packed_linear import PackCache
@@ -67,9 +68,9 @@ class _RowLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
-class TransformerDrafter(nn.Module):
-    """A Hugging Face causal LM as a drafter (see the module docstring). Same calls and properties as
-    `MambaDrafter` where the tree engine uses them; `capturable` is False (CUDA graphs need fixed shapes)."""
+class TransformerDrafter(SharedCalls, nn.Module):
+    """A Hugging Face causal LM as a drafter (see the module docstring): implements `mamba_draft.drafter.Drafter`
+    as `MambaDrafter` does (its state, `DraftState`); `capturable` is False (CUDA graphs need fixed shapes)."""
 
     capturable = False  # a forward's width follows the longest row: eager only
     backend = "hf"
@@ -232,11 +233,9 @@ class TransformerDrafter(nn.Module):
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, state: KVState, *, last_only: bool = False) -> torch.Tensor:
         """Continue rows [0:B] of `state` with a (B, L) block of tokens; returns logits (B, L, V) or (B, V)."""
-        ids = _check_ids(input_ids, self.input_vocab_size, self.device)
-        batch, n = ids.shape
-        if batch > state.max_batch:
-            raise ValueError(f"batch of {batch} rows exceeds the state's {state.max_batch} rows")
-        rows = state.rows(0, batch)
+        ids = self.token_ids(input_ids)
+        n = ids.shape[1]
+        rows = state.rows(0, check_batch(ids.shape[0], state))
         lengths = rows.lengths
         starts = lengths.tolist()  # each row's first new slot (a host sync: this drafter is eager)
         width = max(starts) + n  # the longest row's slots after this block
@@ -273,37 +272,8 @@ class TransformerDrafter(nn.Module):
         return out.logits[:, -1] if last_only else out.logits
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, state: KVState | None = None,
-                max_batch: int | None = None) -> tuple[torch.Tensor, KVState]:
-        """Encode a prompt (B, L) from scratch into rows [0:B]; returns last-position logits (B, V) and the state."""
-        ids = _check_ids(input_ids, self.input_vocab_size, self.device)
-        if ids.shape[1] == 0:
-            raise ValueError("prefill needs at least one token")
-        if state is None:
-            state = self.allocate_state(max(ids.shape[0], max_batch or 0))
-        state.rows(0, min(ids.shape[0], state.max_batch)).reset_()
-        return self.extend(ids, state, last_only=True), state
-
-    @torch.no_grad()
     def step(self, token_ids: torch.Tensor, state: KVState) -> torch.Tensor:
         """Feed one token per row (B,) to rows [0:B] of `state`; returns logits (B, V)."""
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
             raise ValueError("step takes one token per row: a tensor of shape (B,)")
         return self.extend(token_ids[:, None], state, last_only=True)
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full-sequence logits (B, L, V) from an empty cache (the reference for everything else)."""
-        ids = _check_ids(input_ids, self.input_vocab_size, self.device)
-        return self.extend(ids, self.allocate_state(ids.shape[0]))
-
-
-def _check_ids(input_ids, vocab_rows: int, device) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids)
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"token ids must be an integer tensor, got dtype {ids.dtype}")
-    if ids.dim() != 2:
-        raise ValueError(f"token ids must have shape (batch, length), got {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_rows):
-        raise ValueError(f"token ids must lie in [0, {vocab_rows}), got range [{int(ids.min())}, {int(ids.max())}]")
-    return ids.to(device=device, dtype=torch.long)

@@ -69,7 +69,7 @@ status=0
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 echo "tests done after $((SECONDS - start)) s"
 # shellcheck disable=SC2086
-"$python" -m mamba_draft.cli gpu-timings --out "$out" ${TIMINGS_ARGS:-} 2>&1 | tee "$out/timings.log" | tail -n 60
+"$python" -m commands.cli gpu-timings --out "$out" ${TIMINGS_ARGS:-} 2>&1 | tee "$out/timings.log" | tail -n 60
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 echo "gpu_check: exit $status after $((SECONDS - start)) s; results in $out"
 exit $status

@@ -7,7 +7,7 @@ import tempfile
 import torch
 
 torch.set_num_threads(1)
-# In-process `mamba_draft.cli.main([...])` calls re-raise a command's exception (as with --debug), so tests can
+# In-process `commands.cli.main([...])` calls re-raise a command's exception (as with --debug), so tests can
 # assert on its type; tests/test_cli_errors.py unsets it to check the one-line form users see.
 os.environ.setdefault("MAMBA_DRAFT_DEBUG", "1")
 

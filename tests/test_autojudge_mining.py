@@ -16,7 +16,7 @@ from tree_search.autojudge.answers import AnswerTask, get_task, gsm8k_answer
 from tree_search.autojudge.classifier import JudgeHead
 from tree_search.autojudge.mine import Mismatch, load_mined, mine, mine_prompt, save_prompt_record, target_greedy
 from tree_search.autojudge.train import TrainConfig, threshold_for_recall, train_judge
-from tree_search.target import TargetState
+from tree_search.target import TargetCache
 from tree_search.tree import TreeConfig
 
 VOCAB, MARKER = 64, 7  # MARKER: a token the target can never produce greedily (its head row is zeroed)
@@ -73,12 +73,14 @@ def test_mined_feature_is_the_tree_verifiers_hidden_state(target):
     response = target_greedy(target, PROMPT, 8, None)
     drafter = PlantedDrafter(target, len(PROMPT), {5: MARKER})
     (mismatch,), _ = mine_prompt(target, drafter, PROMPT, MARKER_TASK, decode, max_new_tokens=8)
-    state = TargetState(target)
+    state = TargetCache(target)
     context = PROMPT + response[:4]
     state.prefill(torch.tensor([context]))
-    logits, hidden = state.tree_forward(torch.tensor([response[4], MARKER]), TreeConfig((1,)).build(), want_hidden=True)
-    assert torch.allclose(mismatch.feature, hidden[1].float(), atol=1e-4)
-    assert torch.allclose(target.lm_head(mismatch.feature), logits[1].float(), atol=1e-4)  # what lm_head consumes
+    logits, hidden = state.tree_forward(torch.tensor([[response[4], MARKER]]), TreeConfig((1,)).build(),
+                                        want_hidden=True)
+    assert mismatch.feature.shape == (target.config.hidden_size,)
+    assert torch.allclose(mismatch.feature, hidden[0, 1].float(), atol=1e-4)
+    assert torch.allclose(target.lm_head(mismatch.feature), logits[0, 1].float(), atol=1e-4)  # what lm_head consumes
 
 
 def test_mine_writes_one_file_per_prompt_and_resumes(target, tmp_path):
@@ -154,7 +156,7 @@ def test_train_refuses_single_class():
 
 
 def test_cli_mine_and_train(tmp_path, target):
-    from mamba_draft.cli import main
+    from commands.cli import main
     from tests.helpers.training_fixtures import make_tokenizer
     from tests.helpers.tree_models import random_drafter
 
@@ -169,7 +171,7 @@ def test_cli_mine_and_train(tmp_path, target):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tom has {n} apples."}) for n in (3, 5)) + "\n")
     out = tmp_path / "mined"
-    args = ["autojudge", "mine", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+    args = ["autojudge", "mine", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "draft"),
             "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6", "--no-chat-template"]
     assert main(args) == 0
     assert sorted(p.name for p in out.glob("prompt_*")) == ["prompt_000000.safetensors", "prompt_000001.safetensors"]

@@ -5,8 +5,9 @@ import random
 import pytest
 import torch
 
-from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
-from tree_search.calls import LOOKUP_TOKENS, default_lookup_tokens, make_policy
+from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
+from tree_search.calls import LOOKUP_TOKENS, default_lookup_tokens
+from tree_search.policy import FixedShape, TreePolicy, parse_policy, spec_of
 from tree_search.tree import TreeConfig
 
 
@@ -80,13 +81,36 @@ def test_auto_lambda_gamma_is_the_measured_cost_ratio():
     assert bandit.stats[0].reward_sum == pytest.approx(tree_reward(3, 4, 0.1) + tree_reward(3, 4, 0.2))
 
 
-def test_fixed_policy_always_picks_its_tree():
-    policy = FixedPolicy("3,2,2,1,1")
+def test_fixed_shape_always_picks_its_tree():
+    policy = FixedShape("3,2,2,1,1")
     assert policy.arms == (TreeConfig((3, 2, 2, 1, 1)),)
     for n in (1, 4, 2):
         assert policy.select() == 0
         policy.update(0, n)
-    assert policy.summary()["(3,2,2,1,1)"]["pulls"] == 3
+    assert policy.summary()["(3,2,2,1,1)"] == {"pulls": 3, "mean_reward": pytest.approx(-0.875)}
+    policy.start_call()
+    assert policy.summary()["(3,2,2,1,1)"]["pulls"] == 0
+
+
+def test_one_policy_grammar():
+    """`tree_search.policy.parse_policy`: what generate, the CLI, the bench and regenerate all read."""
+    assert parse_policy("auto", "cpu").arms == CPU_ARMS
+    assert parse_policy("none").arms == (TreeConfig(()),) and parse_policy(" 3,2,1 ").arms == (TreeConfig((3, 2, 1)),)
+    assert parse_policy("chain:4").arms == (TreeConfig((1, 1, 1, 1)),)
+    assert parse_policy((2, 1)).arms == (TreeConfig((2, 1)),)
+    paper = parse_policy("bandit")
+    assert paper.arms == DEFAULT_ARMS and paper.reward == "paper" and not paper.persistent
+    timed = parse_policy("bandit-time:none/1,1/2,1", persistent=True)
+    assert timed.arms == (TreeConfig(()), TreeConfig((1, 1)), TreeConfig((2, 1))) and timed.reward == "time"
+    assert timed.persistent and parse_policy(timed) is timed
+    for spec in ("bandit-time:none/1,1/2,1", "bandit:3,2,1", "2,1", "none"):
+        assert spec_of(parse_policy(spec)) == spec
+    assert isinstance(FixedShape("1"), TreePolicy) and isinstance(paper, TreePolicy)
+    for bad in ("chain:0", "bandit:3;2", "tree", "3,,2", "bandit:"):
+        with pytest.raises(ValueError, match="expected auto, none"):
+            parse_policy(bad)
+    with pytest.raises(TypeError, match="tree must be"):
+        parse_policy(3.5)
 
 
 @pytest.mark.parametrize(
@@ -175,10 +199,10 @@ def test_time_reward_exploration_shrinks_with_an_arms_spread():
 def test_auto_policy_follows_the_device():
     """tree="auto": the CPU's measured-time bandit over small shapes and `none`; the paper's arms and reward on a
     GPU (a torch.device needs no GPU to exist)."""
-    cpu, gpu = make_policy("auto", "cpu"), make_policy(" AUTO ", torch.device("cuda"))
+    cpu, gpu = parse_policy("auto", "cpu"), parse_policy(" AUTO ", torch.device("cuda"))
     assert cpu.arms == CPU_ARMS and cpu.reward == "time" and TreeConfig(()) in cpu.arms
     assert gpu.arms == DEFAULT_ARMS and gpu.reward == "paper"
-    assert make_policy("bandit", "cpu").arms == DEFAULT_ARMS  # asked for by name: the paper's, on any device
+    assert parse_policy("bandit", "cpu").arms == DEFAULT_ARMS  # asked for by name: the paper's, on any device
     assert default_lookup_tokens("auto", "cpu", False, False) == LOOKUP_TOKENS
     assert [default_lookup_tokens(*case) for case in (("auto", "cpu", True, False), ("auto", "cpu", False, True),
                                                       ("auto", "cuda", False, False), ("1,1", "cpu", False, False))] \

@@ -1,7 +1,8 @@
-"""Batched tree drafting for B prompts (tree.Forest, TreeDrafter.prefill_batch / draft_batch / resync_batch / compact).
+"""Tree drafting for B prompts (tree.Forest, TreeDrafter.prefill / draft / resync / compact), B = 1 included.
 
-The reference is the single-prompt path: for every batch row, batched drafting must give exactly the tokens (and the
-recorded q) `TreeDrafter.draft` gives for that prompt alone, round after round, whatever each row accepted. The
+The reference is a single-prompt tree drafter (tests/helpers/drafting_reference.py, independent of TreeDrafter): for
+every batch row, the forest must give exactly the tokens (and the recorded q) that drafting that prompt's tree alone
+gives, round after round, whatever each row accepted. The
 drafters' weights are float64, so batched and single-row matmuls agree far below any top-k tie; the SSM recurrence
 and q are float32 whatever the weights, hence float32 tolerances on logits and q.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.drafting_reference import SingleTreeDrafter
 from tests.helpers.tree_models import random_drafter
 from tests.test_graph_runner import fake_graphs
 from tree_search.drafting import TreeDrafter
@@ -53,22 +55,11 @@ def accepted_node(config: TreeConfig, r: int, b: int) -> int:
     return (3 * r + 5 * b) % len(tree)
 
 
-class Single:
-    """One prompt through the single-prompt path."""
-
-    def __init__(self, drafter, prompt, generator=None) -> None:
-        self.drafts = TreeDrafter(drafter, ROWS, VOCAB)
-        self.logits = self.drafts.prefill(torch.tensor([prompt]))
-        self.root = torch.tensor(prompt[-1])
-        self.generator = generator
-
-    def draft(self, config, params, mode):
-        buf = self.drafts.draft(config, self.root, self.logits, params, mode, True, self.generator)
-        return buf.tokens.clone(), buf.probs.clone()
-
-    def resync(self, buf, node: int, token: int):
-        self.logits = self.drafts.resync(buf, buf.tree.path_to(node), token).clone()
-        self.root = self.drafts.one_token[0].clone()
+def single(drafter, prompt) -> SingleTreeDrafter:
+    """One prompt through the single-tree reference."""
+    reference = SingleTreeDrafter(drafter, ROWS, VOCAB)
+    reference.prefill(prompt)
+    return reference
 
 
 def check_walk(drafter, prompts, rounds: int = 6, params=GREEDY, mode="topk", generators=None, drop=None,
@@ -76,28 +67,29 @@ def check_walk(drafter, prompts, rounds: int = 6, params=GREEDY, mode="topk", ge
     """Draft `rounds` rounds for all prompts batched and one by one; compare every row, every round.
 
     drop: (round, rows kept) compacts the batch after that round. Accepted nodes alternate host lists and tensors."""
-    singles = [Single(drafter, p, None if generators is None else generators[0][b]) for b, p in enumerate(prompts)]
+    singles = [single(drafter, p) for p in prompts]
     batched = TreeDrafter(drafter, ROWS, VOCAB)
     if graphs:
         fake_graphs(batched.runner)
     ids, mask = left_padded(prompts)
-    logits = batched.prefill_batch(ids, mask)
+    logits = batched.prefill(ids, mask)
     alive = list(range(len(prompts)))
     for r in range(rounds):
         config = CONFIGS[r % len(CONFIGS)]
         batch = len(alive)
         gen = None if generators is None else [generators[1][b] for b in alive]
-        buf = batched.draft_batch(config, batched.roots[:batch], logits, params, mode, True, gen)
+        buf = batched.draft(config, batched.roots[:batch], logits, params, mode, True, gen)
         nodes, tokens = [], []
         for row, b in enumerate(alive):
-            want_tokens, want_probs = singles[b].draft(config, params, mode)
+            want_tokens, want_probs = singles[b].draft(config, params, mode, True,
+                                                       None if generators is None else generators[0][b])
             assert torch.equal(buf.tokens[row], want_tokens), f"round {r} row {b}"
             torch.testing.assert_close(buf.probs[row], want_probs, rtol=1e-5, atol=1e-8)  # q is float32
             nodes.append(accepted_node(config, r, b))
             tokens.append((7 * r + 3 * b + 1) % VOCAB)
-            singles[b].resync(singles[b].drafts.trees[config], nodes[-1], tokens[-1])
+            singles[b].resync(nodes[-1], tokens[-1])
         accepted = nodes if r % 2 == 0 else torch.tensor(nodes)
-        logits = batched.resync_batch(buf, accepted, tokens)
+        logits = batched.resync(buf, accepted, tokens)
         for row, b in enumerate(alive):
             torch.testing.assert_close(logits[row], singles[b].logits, **CLOSE)
             assert int(batched.roots[row]) == int(singles[b].root)
@@ -156,9 +148,9 @@ def test_sampled_drafting_with_one_generator_per_row_reproduces_each_prompt_alon
 def test_sampled_drafting_with_one_generator_draws_distinct_children_from_q(drafter):
     drafts = TreeDrafter(drafter, ROWS, VOCAB)
     ids, mask = left_padded(PROMPTS[:3])
-    logits = drafts.prefill_batch(ids, mask)
+    logits = drafts.prefill(ids, mask)
     config = TreeConfig((4, 3))
-    buf = drafts.draft_batch(config, drafts.roots[:3], logits, SAMPLED, "sample", False, torch.Generator().manual_seed(0))
+    buf = drafts.draft(config, drafts.roots[:3], logits, SAMPLED, "sample", False, torch.Generator().manual_seed(0))
     for row in range(3):
         for node, kids in enumerate(buf.tree.children):
             if kids:
@@ -166,14 +158,14 @@ def test_sampled_drafting_with_one_generator_draws_distinct_children_from_q(draf
                 assert len(set(drawn.tolist())) == len(kids)
                 assert bool((buf.probs[row, node, drawn] > 0).all())  # q is recorded in sample mode, draws in support
     with pytest.raises(ValueError, match="2 generators for a batch of 3"):
-        drafts.draft_batch(config, drafts.roots[:3], logits, SAMPLED, "sample", False, [torch.Generator()] * 2)
+        drafts.draft(config, drafts.roots[:3], logits, SAMPLED, "sample", False, [torch.Generator()] * 2)
 
 
 def test_a_draft_vocabulary_maps_every_rows_tokens_and_q(subset_drafter):
     check_walk(subset_drafter, PROMPTS[:3], rounds=4)
     drafts = TreeDrafter(subset_drafter, ROWS, VOCAB)
     ids, mask = left_padded(PROMPTS[:3])
-    buf = drafts.draft_batch(CONFIGS[0], drafts.roots[:3], drafts.prefill_batch(ids, mask), GREEDY, "topk", True, None)
+    buf = drafts.draft(CONFIGS[0], drafts.roots[:3], drafts.prefill(ids, mask), GREEDY, "topk", True, None)
     allowed = set(subset_drafter.draft_ids.tolist())
     assert set(buf.tokens[:, 1:].flatten().tolist()) <= allowed
     outside = torch.ones(VOCAB, dtype=torch.bool)
@@ -189,42 +181,42 @@ def test_left_padding_never_enters_a_rows_state(drafter):
     for pad, extra in ((0, 0), (63, 3)):
         drafts = TreeDrafter(drafter, ROWS, VOCAB)
         ids, mask = left_padded(PROMPTS, pad=pad, extra=extra)
-        logits.append(drafts.prefill_batch(ids, mask))
+        logits.append(drafts.prefill(ids, mask))
         states.append(drafts.state.rows(0, len(PROMPTS)).clone())
     assert torch.equal(logits[0], logits[1])  # other pad ids, more padding: bit for bit the same rows
     assert torch.equal(states[0].conv, states[1].conv) and torch.equal(states[0].ssm, states[1].ssm)
     for b, prompt in enumerate(PROMPTS):  # and each row is the prompt encoded alone
-        single = TreeDrafter(drafter, 1, VOCAB)
-        torch.testing.assert_close(logits[0][b], single.prefill(torch.tensor([prompt])), **CLOSE)
-        torch.testing.assert_close(states[0].ssm[:, b], single.state.ssm[:, 0], **CLOSE)
+        alone = SingleTreeDrafter(drafter, 1, VOCAB)
+        torch.testing.assert_close(logits[0][b], alone.prefill(prompt), **CLOSE)
+        torch.testing.assert_close(states[0].ssm[:, b], alone.state.ssm[:, 0], **CLOSE)
 
 
 def test_dropping_rows_keeps_the_others_identical(drafter):
     check_walk(drafter, PROMPTS, rounds=6, drop=(1, {0, 2, 3}))
     check_walk(drafter, PROMPTS[:3], rounds=5, drop=(2, {2}))  # down to one row, which was not row 0
     drafts = TreeDrafter(drafter, ROWS, VOCAB)
-    drafts.prefill_batch(*left_padded(PROMPTS[:3]))
+    drafts.prefill(*left_padded(PROMPTS[:3]))
     before = drafts.state.rows(0, 3).clone()
-    assert drafts.keep_rows(torch.tensor([False, True, True])) == [1, 2]
+    drafts.compact([1, 2])
     assert torch.equal(drafts.state.ssm[:, :2], before.ssm[:, 1:3])
     assert drafts.roots[:2].tolist() == [PROMPTS[1][-1], PROMPTS[2][-1]]
 
 
 def test_resync_steps_accepted_leaves_in_one_extra_batched_step_only_when_needed(drafter):
     drafts = TreeDrafter(drafter, ROWS, VOCAB)
-    logits = drafts.prefill_batch(*left_padded(PROMPTS[:3]))
+    logits = drafts.prefill(*left_padded(PROMPTS[:3]))
     config = TreeConfig((2, 2))
-    buf = drafts.draft_batch(config, drafts.roots[:3], logits, GREEDY, "topk", False, None)
+    buf = drafts.draft(config, drafts.roots[:3], logits, GREEDY, "topk", False, None)
     assert not buf.leaf[:3].any() and buf.leaf[3:].all()
     calls = drafts.calls
-    drafts.resync_batch(buf, [0, 1, 2], [4, 5, 6])  # no leaf: one B-row step
+    drafts.resync(buf, [0, 1, 2], [4, 5, 6])  # no leaf: one B-row step
     assert drafts.calls - calls == 1
-    buf = drafts.draft_batch(config, drafts.roots[:3], logits, GREEDY, "topk", False, None)
+    buf = drafts.draft(config, drafts.roots[:3], logits, GREEDY, "topk", False, None)
     calls = drafts.calls
-    drafts.resync_batch(buf, [0, 6, 1], [4, 5, 6])  # a leaf in row 1: the leaf step first, for all rows at once
+    drafts.resync(buf, [0, 6, 1], [4, 5, 6])  # a leaf in row 1: the leaf step first, for all rows at once
     assert drafts.calls - calls == 2
     calls = drafts.calls
-    drafts.resync_batch(buf, torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6]))  # device tensors: never a sync
+    drafts.resync(buf, torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6]))  # device tensors: never a sync
     assert drafts.calls - calls == 2
 
 
@@ -232,21 +224,21 @@ def test_bad_batched_inputs_get_one_line_errors(drafter):
     drafts = TreeDrafter(drafter, 8, VOCAB)
     ids, mask = left_padded(PROMPTS[:2])
     with pytest.raises(ValueError, match="row 1 is not left padding"):
-        drafts.prefill_batch(ids, mask.flip(1))
+        drafts.prefill(ids, mask.flip(1))
     with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 4\)"):
-        drafts.prefill_batch(ids, mask[:, 1:])
+        drafts.prefill(ids, mask[:, 1:])
     with pytest.raises(ValueError, match="shape \\(B, L\\)"):
-        drafts.prefill_batch(ids[0], None)
+        drafts.prefill(ids[0], None)
     with pytest.raises(ValueError, match="9 prompts exceeds the 8 state rows"):
-        drafts.prefill_batch(torch.ones(9, 2, dtype=torch.long))
-    logits = drafts.prefill_batch(ids, mask)
+        drafts.prefill(torch.ones(9, 2, dtype=torch.long))
+    logits = drafts.prefill(ids, mask)
     with pytest.raises(ValueError, match="2 trees \\(3,2,1\\) need 32 state rows, only 8"):
-        drafts.draft_batch(CONFIGS[0], drafts.roots[:2], logits, GREEDY, "topk", False, None)
-    buf = drafts.draft_batch(TreeConfig((2,)), drafts.roots[:2], logits, GREEDY, "topk", False, None)
+        drafts.draft(CONFIGS[0], drafts.roots[:2], logits, GREEDY, "topk", False, None)
+    buf = drafts.draft(TreeConfig((2,)), drafts.roots[:2], logits, GREEDY, "topk", False, None)
     with pytest.raises(ValueError, match=r"must lie in \[0, 3\)"):
-        drafts.resync_batch(buf, [0, 3], [1, 1])
+        drafts.resync(buf, [0, 3], [1, 1])
     with pytest.raises(ValueError, match="expected 2 values, one per batch row, got 1"):
-        drafts.resync_batch(buf, [0], [1, 1])
+        drafts.resync(buf, [0], [1, 1])
 
 
 def test_ids_a_narrow_drafter_cannot_read_are_clamped_per_row_as_in_the_single_path(tmp_path):
@@ -254,33 +246,36 @@ def test_ids_a_narrow_drafter_cannot_read_are_clamped_per_row_as_in_the_single_p
     prompts = ([50, 7, 63, 20], [5, 9])
     batched = TreeDrafter(narrow, ROWS, VOCAB)
     assert batched.read_limit == 47
-    logits = batched.prefill_batch(*left_padded(prompts))
+    logits = batched.prefill(*left_padded(prompts))
     assert batched.roots[:2].tolist() == [20, 9]
-    buf = batched.draft_batch(CONFIGS[1], batched.roots[:2], logits, GREEDY, "topk", True, None)
-    logits = batched.resync_batch(buf, [0, 6], [60, 3])
+    buf = batched.draft(CONFIGS[1], batched.roots[:2], logits, GREEDY, "topk", True, None)
+    logits = batched.resync(buf, [0, 6], [60, 3])
     assert batched.roots[:2].tolist() == [60, 3]  # the roots stay the real tokens
     for b, prompt in enumerate(prompts):
-        single = Single(narrow, prompt)
-        tokens, _ = single.draft(CONFIGS[1], GREEDY, "topk")
+        alone = single(narrow, prompt)
+        assert alone.read_limit == 47
+        tokens, _ = alone.draft(CONFIGS[1], GREEDY, "topk")
         assert torch.equal(buf.tokens[b], tokens)
-        single.resync(single.drafts.trees[CONFIGS[1]], [0, 6][b], [60, 3][b])
-        torch.testing.assert_close(logits[b], single.logits, **CLOSE)
+        alone.resync([0, 6][b], [60, 3][b])
+        torch.testing.assert_close(logits[b], alone.logits, **CLOSE)
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_root_only_tree_resync_steps_each_root_once(drafter, as_tensor):
     """A no-speculation round resyncs through the root-only tree: its root is not an unstepped leaf, so each row
-    steps its next token exactly once (host list or device tensor alike), as single `resync` with an empty path."""
+    steps its next token exactly once (host list or device tensor alike), as the reference's resync of none."""
     config = TreeConfig(())
-    singles = [Single(drafter, p) for p in PROMPTS]
+    singles = [single(drafter, p) for p in PROMPTS]
     batched = TreeDrafter(drafter, ROWS, VOCAB)
-    batched.prefill_batch(*left_padded(PROMPTS))
+    batched.prefill(*left_padded(PROMPTS))
     for r in range(3):
-        buf = batched.batch_buffers(config, len(PROMPTS))
+        buf = batched.buffers(config, len(PROMPTS))
         tokens = [(5 * r + 7 * b + 2) % VOCAB for b in range(len(PROMPTS))]
         accepted = torch.zeros(len(PROMPTS), dtype=torch.long) if as_tensor else [0] * len(PROMPTS)
-        logits = batched.resync_batch(buf, accepted, tokens)
-        for b, single in enumerate(singles):
-            single.drafts.buffers(config)
-            single.resync(single.drafts.trees[config], 0, tokens[b])
-            torch.testing.assert_close(logits[b], single.logits, **CLOSE)
+        calls = batched.calls
+        logits = batched.resync(buf, accepted, tokens)
+        assert batched.calls - calls == 1
+        for b, alone in enumerate(singles):
+            alone.draft(config, GREEDY, "topk")
+            alone.resync(0, tokens[b])
+            torch.testing.assert_close(logits[b], alone.logits, **CLOSE)

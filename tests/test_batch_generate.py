@@ -11,9 +11,10 @@ from tests.helpers.sampling_law import assert_follows, exact_first_two
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
 from tree_search.drafting import TreeDrafter
-from tree_search.generate import Run, generate, generate_autoregressive, generate_autoregressive_batch, generate_batch
+from tree_search.calls import Call
+from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import SamplingParams
-from tree_search.target import BatchTargetState
+from tree_search.target import TargetCache
 from tree_search.verifiers.greedy import GreedyVerifier
 
 VOCAB = 64
@@ -49,7 +50,7 @@ def none_and_chains():
 def test_greedy_rows_equal_the_targets_generate(greedy_setup, tree):
     target, drafter, prompts, refs = greedy_setup
     policy = none_and_chains() if tree == "none+chains" else tree
-    result = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree=policy)
+    result = generate(target, drafter, prompts, max_new_tokens=NEW, tree=policy)
     for b, (row, ref) in enumerate(zip(result.rows, refs)):
         assert torch.equal(row.tokens, ref), f"row {b} diverged"
         assert row.stats.new_tokens == NEW == sum(row.stats.accepted_lengths)
@@ -69,7 +70,7 @@ def test_padded_tensor_input_and_time_reward(greedy_setup):
     target, drafter, prompts, refs = greedy_setup
     ids, mask = left_padded(prompts)
     policy = UCBBandit(arms=("none", "1,1,1", "3,2,1"), reward="time")
-    result = generate_batch(target, drafter, ids, attention_mask=mask, max_new_tokens=NEW, tree=policy)
+    result = generate(target, drafter, ids, attention_mask=mask, max_new_tokens=NEW, tree=policy)
     assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
     assert sum(s.pulls for s in policy.stats) == result.stats.rounds
     # rewarded with every row's tokens (those a row's last round proposed past its budget included)
@@ -86,14 +87,14 @@ def test_eos_and_budget_land_mid_round_in_different_rows(greedy_setup, monkeypat
     expected = [hf_greedy(target, torch.tensor([p]), budget, eos_token_id=eos)[0, len(p):].tolist() for p in prompts]
     assert {len(e) for e in expected} != {budget} and budget in {len(e) for e in expected}
     batches = []
-    forward = BatchTargetState.tree_forward
+    forward = TargetCache.tree_forward
 
     def spy(self, tokens, tree, want_hidden=False):
         batches.append(tokens.shape[0])
         return forward(self, tokens, tree, want_hidden)
 
-    monkeypatch.setattr(BatchTargetState, "tree_forward", spy)
-    result = generate_batch(target, drafter, prompts, max_new_tokens=budget, tree="3,2,1", eos_token_id=eos)
+    monkeypatch.setattr(TargetCache, "tree_forward", spy)
+    result = generate(target, drafter, prompts, max_new_tokens=budget, tree="3,2,1", eos_token_id=eos)
     assert result.new_tokens == expected
     rounds = [row.stats.rounds for row in result.rows]
     assert len(set(rounds)) > 1  # rows finished in different rounds
@@ -111,7 +112,7 @@ def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkey
     target, drafter, prompts, refs = greedy_setup
     eos = refs[0][0, len(prompts[0]) + 9].item()
     runs, calls, prefills = [], [], []
-    start, extend, prefill = Run.start, TreeDrafter.extend_batch, TreeDrafter.prefill_batch
+    start, extend, prefill = Call.start, TreeDrafter.extend, TreeDrafter.prefill
 
     def spy_start(self):
         runs.append(self)
@@ -133,11 +134,11 @@ def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkey
         prefills.append((run.stats.rounds, [mask[row].sum().item() for row in range(len(run.active))]))
         return prefill(self, ids, mask)
 
-    monkeypatch.setattr(TreeDrafter, "prefill_batch", spy_prefill)
-    monkeypatch.setattr(Run, "start", spy_start)
-    monkeypatch.setattr(TreeDrafter, "extend_batch", spy_extend)
+    monkeypatch.setattr(TreeDrafter, "prefill", spy_prefill)
+    monkeypatch.setattr(Call, "start", spy_start)
+    monkeypatch.setattr(TreeDrafter, "extend", spy_extend)
     policy = Scripted()
-    result = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree=policy, eos_token_id=eos)
+    result = generate(target, drafter, prompts, max_new_tokens=NEW, tree=policy, eos_token_id=eos)
     assert result.new_tokens == [hf_greedy(target, torch.tensor([p]), NEW, eos_token_id=eos)[0, len(p):].tolist()
                                  for p in prompts]
     assert len({row.stats.rounds for row in result.rows}) > 1  # rows left the batch while tokens were pending
@@ -153,12 +154,12 @@ def test_none_rounds_leave_the_drafter_to_one_catch_up_call(greedy_setup, monkey
 
 def test_autoregressive_batch_is_the_targets_greedy(greedy_setup):
     target, _, prompts, refs = greedy_setup
-    result = generate_autoregressive_batch(target, prompts, max_new_tokens=NEW)
+    result = generate_autoregressive(target, prompts, max_new_tokens=NEW)
     assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
     assert result.stats.rounds == NEW and result.stats.target_forwards == NEW + 1  # prefill + NEW decodes
     assert result.mean_accepted == [1.0] * len(prompts)
     eos = refs[2][0, len(prompts[2]) + 5].item()
-    ended = generate_autoregressive_batch(target, prompts, max_new_tokens=NEW, eos_token_id=eos)
+    ended = generate_autoregressive(target, prompts, max_new_tokens=NEW, eos_token_id=eos)
     assert ended.new_tokens == [hf_greedy(target, torch.tensor([p]), NEW, eos_token_id=eos)[0, len(p):].tolist()
                                 for p in prompts]
 
@@ -189,11 +190,11 @@ def test_sampled_rows_reproduce_single_runs_with_their_seed(float64_setup, tree)
     if tree == "round-robin":
         tree = RoundRobin(arms=("none", "none", "1,1", "3,2,1"))
     if tree == "ar":
-        result = generate_autoregressive_batch(target, prompts, seed=7, **kwargs)
+        result = generate_autoregressive(target, prompts, seed=7, **kwargs)
         singles = [generate_autoregressive(target, torch.tensor([p]), seed=7 + b, **kwargs)
                    for b, p in enumerate(prompts)]
     else:
-        result = generate_batch(target, drafter, prompts, seed=7, tree=tree, **kwargs)
+        result = generate(target, drafter, prompts, seed=7, tree=tree, **kwargs)
         singles = [generate(target, drafter, torch.tensor([p]), seed=7 + b, tree=tree, **kwargs)
                    for b, p in enumerate(prompts)]
     for row, single in zip(result.rows, singles):
@@ -208,7 +209,7 @@ def test_lossy_verifiers_decide_each_row_as_alone(float64_setup, verifier, param
     target, drafter = float64_setup
     prompts = [[4, 9, 1], [33], [8, 2, 60, 17, 5, 5]]
     kwargs = dict(max_new_tokens=30, tree="3,2,1", verifier=verifier, verifier_params=params)
-    result = generate_batch(target, drafter, prompts, **kwargs)
+    result = generate(target, drafter, prompts, **kwargs)
     singles = [generate(target, drafter, torch.tensor([p]), **kwargs) for p in prompts]
     for row, single in zip(result.rows, singles):
         assert torch.equal(row.tokens, single.tokens)
@@ -232,7 +233,7 @@ class HeadCheck(GreedyVerifier):
 def test_verifiers_needing_hidden_states_get_each_rows_own(greedy_setup):
     target, drafter, prompts, refs = greedy_setup
     verifier = HeadCheck()
-    result = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree="3,2,1", verifier=verifier)
+    result = generate(target, drafter, prompts, max_new_tokens=NEW, tree="3,2,1", verifier=verifier)
     assert all(torch.equal(row.tokens, ref) for row, ref in zip(result.rows, refs))
     assert verifier.checked == sum(row.stats.rounds for row in result.rows)
 
@@ -253,7 +254,7 @@ def test_first_two_tokens_law_of_every_row(tmp_path, monkeypatch, kind):
     prompts, runs = ([3], [5, 1, 6], [2, 7, 0, 4, 4]), 2000
     params = SamplingParams(0.9, top_k=6)
     batch = [p for p in prompts for _ in range(runs)]  # grouped by prompt: the drafter prefills equal lengths at once
-    result = generate_batch(target, drafter, batch, max_new_tokens=2, tree="3,2", temperature=0.9, top_k=6, seed=0)
+    result = generate(target, drafter, batch, max_new_tokens=2, tree="3,2", temperature=0.9, top_k=6, seed=0)
     pairs = torch.tensor([tokens[0] * vocab + tokens[1] for tokens in result.new_tokens]).view(len(prompts), runs)
     accepted = sum(row.stats.cut_tokens > 0 for row in result.rows) / len(batch)
     assert 0.05 < accepted < 0.95  # both branches of the rule ran: accepted drafts and rejections
@@ -275,24 +276,24 @@ def test_bad_batches_are_refused_before_any_model_runs(greedy_setup, monkeypatch
     right = mask.flip(1)
     huge = torch.zeros(2**20, 1, dtype=torch.long)  # 2^20 trees of 585 nodes: terabytes of drafter state
     cases = [
-        (dict(prompts=ids, attention_mask=right), "prompt 0 is not left-padded"),
-        (dict(prompts=ids, attention_mask=mask[:, 1:]), "attention_mask has shape"),
-        (dict(prompts=ids, attention_mask=torch.cat([mask[:1] * 0, mask[1:]])), "prompt 0 is empty"),
-        (dict(prompts=[[1, 2], [], [3]]), "prompt 1 is empty"),
-        (dict(prompts=[]), "non-empty list"),
-        (dict(prompts=prompts, attention_mask=mask), "a list of prompts is padded here"),
-        (dict(prompts=[[1, 2], [VOCAB]]), r"must lie in \[0, 64\)"),
-        (dict(prompts=huge, tree="8,8,8"), "drafter state rows"),
-        (dict(prompts=prompts, max_new_tokens=0), "max_new_tokens must be a positive integer"),
-        (dict(prompts=prompts, seed=1.5), "seed must be an integer"),
+        (dict(input_ids=ids, attention_mask=right), "prompt 0 is not left-padded"),
+        (dict(input_ids=ids, attention_mask=mask[:, 1:]), "attention_mask has shape"),
+        (dict(input_ids=ids, attention_mask=torch.cat([mask[:1] * 0, mask[1:]])), "prompt 0 is empty"),
+        (dict(input_ids=[[1, 2], [], [3]]), "prompt 1 is empty"),
+        (dict(input_ids=[]), "non-empty list"),
+        (dict(input_ids=prompts, attention_mask=mask), "a list of prompts is padded here"),
+        (dict(input_ids=[[1, 2], [VOCAB]]), r"must lie in \[0, 64\)"),
+        (dict(input_ids=huge, tree="8,8,8"), "drafter state rows"),
+        (dict(input_ids=prompts, max_new_tokens=0), "max_new_tokens must be a positive integer"),
+        (dict(input_ids=prompts, seed=1.5), "seed must be an integer"),
     ]
     for kwargs, message in cases:
         kwargs = {"max_new_tokens": 4, **kwargs}
         with pytest.raises(ValueError, match=message) as err:
-            generate_batch(target, drafter, **kwargs)
+            generate(target, drafter, **kwargs)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="not left-padded"):
-        generate_autoregressive_batch(target, ids, attention_mask=right, max_new_tokens=4)
+        generate_autoregressive(target, ids, attention_mask=right, max_new_tokens=4)
 
 
 def test_generate_and_generate_autoregressive_take_a_batch(greedy_setup):

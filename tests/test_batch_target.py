@@ -1,16 +1,19 @@
-"""Batched target verification: B left-padded prompts in one cache give, per row, the logits and the KV cache of that
-prompt alone (single `TargetState`, re-encoding), through greedy tree rounds with ragged accepted paths, finished rows
-dropped, and the plain batched decode step; bad batches are refused before any model runs."""
+"""Batched target verification: B left-padded prompts in one `TargetCache` give, per row, the logits and the KV cache
+of that prompt alone (a cache of its own holding a batch of one, re-encoding), through greedy tree rounds with ragged
+accepted paths, finished rows dropped, and the plain batched decode step, in dynamic and static storage; bad batches
+are refused before any model runs (`calls.check_batch_prompts`)."""
 import pytest
 import torch
 
 from tests.helpers.tree_models import encoded_cache, hf_greedy, tiny_causal_lm
-from tree_search.target import BatchTargetState, TargetState, check_batch_prompts
+from tree_search.calls import check_batch_prompts
+from tree_search.target import TargetCache
 from tree_search.tree import TreeConfig
 
 VOCAB = 64
 TREES = [TreeConfig((2, 2, 1)).build(), TreeConfig((3, 1, 1)).build()]  # both depth 3, used in turn
 CLOSE = dict(atol=1e-5, rtol=1e-4)
+MAX_LEN = 96  # static storage: the widest padded prompt (9) + 15 rounds of at most 4 slots + the widest tree (11)
 
 
 def target(kind: str, attn: str):
@@ -51,7 +54,11 @@ def committed(prompt: torch.Tensor, out: list[int]) -> torch.Tensor:
     return torch.cat([prompt, torch.tensor(out[:-1], dtype=torch.long)])
 
 
-def assert_cache_is_reencoding(model, state: BatchTargetState, row: int, sequence: torch.Tensor) -> None:
+def cache(model, static: bool, max_len: int = MAX_LEN) -> TargetCache:
+    return TargetCache(model, static=True, max_len=max_len) if static else TargetCache(model)
+
+
+def assert_cache_is_reencoding(model, state: TargetCache, row: int, sequence: torch.Tensor) -> None:
     """Row `row`'s valid slots hold exactly the keys / values of encoding `sequence` alone, and nothing else."""
     assert int(state.positions[row]) == sequence.numel()
     slots = state.valid[row].nonzero().flatten()
@@ -65,20 +72,22 @@ def assert_cache_is_reencoding(model, state: BatchTargetState, row: int, sequenc
 @pytest.mark.parametrize("kind", ["llama", "neox"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("lengths", [(1, 6), (4, 9, 2), (3, 1, 7, 5)])
-def test_batched_greedy_rounds_equal_single_prompt_states(kind, attn, lengths):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_batched_greedy_rounds_equal_single_prompt_states(kind, attn, lengths, static):
     """Trees drafted from each row's own greedy continuation, cut at a random depth per row, so rows accept paths of
-    different lengths every round; rows finish at different budgets and are dropped."""
+    different lengths every round; rows finish at different budgets and are dropped. The batch runs in dynamic or
+    static storage, each prompt alone in a dynamic cache of its own."""
     model = target(kind, attn)
     prompts = random_prompts(lengths, seed=len(lengths))
     budgets = [6 + 3 * b for b in range(len(prompts))]
     depth = TREES[0].depth
     refs = [hf_greedy(model, p[None], budget + depth)[0, p.numel():].tolist() for p, budget in zip(prompts, budgets)]
     ids, mask = left_pad(prompts)
-    state = BatchTargetState(model)
+    state = cache(model, static)
     state.prefill(ids[:, :-1], mask[:, :-1])  # every row's last prompt token is its first root
     singles = []
     for p in prompts:
-        singles.append(TargetState(model))
+        singles.append(TargetCache(model))
         singles[-1].prefill(p[None, :-1])
     active = list(range(len(prompts)))  # batch row i holds prompt active[i]
     outs = [[] for _ in prompts]
@@ -97,11 +106,11 @@ def test_batched_greedy_rounds_equal_single_prompt_states(kind, attn, lengths):
         assert logits.shape == (len(active), len(tree), VOCAB)
         paths, finished = [], []
         for i, b in enumerate(active):
-            single, _ = singles[b].tree_forward(tokens[i], tree)
-            torch.testing.assert_close(logits[i], single, **CLOSE)
+            single, _ = singles[b].tree_forward(tokens[i][None], tree)
+            torch.testing.assert_close(logits[i], single[0], **CLOSE)
             path, nxt = greedy_path(tree, tokens[i], logits[i])
             paths.append(path)
-            singles[b].commit(path, len(tree))
+            singles[b].commit([path])
             outs[b] = (outs[b] + tokens[i, path].tolist() + [nxt])[: budgets[b]]
             if len(outs[b]) == budgets[b]:
                 finished.append(i)
@@ -120,42 +129,48 @@ def test_batched_greedy_rounds_equal_single_prompt_states(kind, attn, lengths):
                 assert_cache_is_reencoding(model, state, i, committed(prompts[b], outs[b]))
     assert [outs[b] for b in range(len(prompts))] == [ref[:budget] for ref, budget in zip(refs, budgets)]
     assert any(len(set(ks)) > 1 for ks in accepted_lengths)  # rows really accepted different lengths in one round
+    assert state.static == static
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("lengths", [(1, 5, 3), (1, 1)])
-def test_batched_decode_is_the_targets_greedy_per_row(kind, attn, lengths):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_batched_decode_is_the_targets_greedy_per_row(kind, attn, lengths, static):
     """The batched autoregressive step; (1, 1) prefills nothing at all (both prefixes are empty)."""
     model = target(kind, attn)
     prompts = random_prompts(lengths, seed=3)
     ids, mask = left_pad(prompts)
-    state = BatchTargetState(model)
+    state = cache(model, static)
     assert (state.prefill(ids[:, :-1], mask[:, :-1]) is None) == (max(lengths) == 1)
-    singles = [TargetState(model) for _ in prompts]
+    singles = [TargetCache(model) for _ in prompts]
     for single, p in zip(singles, prompts):
         single.prefill(p[None, :-1])
     tokens, outs = ids[:, -1], [[] for _ in prompts]
     for _ in range(8):
         logits = state.decode(tokens)
         for b, single in enumerate(singles):
-            torch.testing.assert_close(logits[b], single.decode(tokens[b]), **CLOSE)
+            torch.testing.assert_close(logits[b], single.decode(tokens[b].view(1))[0], **CLOSE)
         tokens = logits.argmax(-1)
         for b, t in enumerate(tokens.tolist()):
             outs[b].append(t)
     for p, out in zip(prompts, outs):
         assert out == hf_greedy(model, p[None], 8)[0, p.numel():].tolist()
     assert state.slots == ids.shape[1] - 1 + 8  # a root-only tree leaves no holes
+    assert state.positions.tolist() == [n - 1 + 8 for n in lengths]
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_drop_rows_keeps_the_other_rows_identical(kind):
-    """Dropping the longest prompt's row and a row with holes: the rest keep their exact cache and positions, the
-    columns no remaining row uses are compacted away, and later rounds match a state that never dropped."""
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_drop_rows_keeps_the_other_rows_identical(kind, static):
+    """Dropping the longest prompt's row and a row with holes: the rest keep their exact cache and positions, and
+    later rounds match a cache that never dropped. The dynamic cache also compacts away the columns no remaining row
+    uses; the static one moves the kept rows to the first rows of its storage and keeps its slots."""
     model = target(kind, "sdpa")
     prompts = random_prompts((9, 3, 4, 2), seed=5)
     ids, mask = left_pad(prompts)
-    states = [BatchTargetState(model), BatchTargetState(model)]
+    # the one that drops rows (static: within Mistral's 63-token window), the reference (dynamic)
+    states = [cache(model, static, max_len=48), TargetCache(model)]
     for state in states:
         state.prefill(ids[:, :-1], mask[:, :-1])
     tree = TREES[0]
@@ -165,27 +180,48 @@ def test_drop_rows_keeps_the_other_rows_identical(kind):
         for state in states:
             state.tree_forward(tokens, tree)
             state.commit(paths)
-    full, dropped = states
+    dropped, full = states
     keep = [1, 3]
     before = [(layer.keys[keep], layer.values[keep]) for layer in dropped.cache.layers]
     valid = dropped.valid[keep]
     dropped.drop_rows(keep)
-    assert dropped.positions.tolist() == full.positions[keep].tolist()
-    assert dropped.slots < full.slots  # row 0's long prompt left pad columns only rows 1 and 3 had
-    used = valid.any(dim=0)
-    assert torch.equal(dropped.valid, valid[:, used])
-    for (keys, values), layer in zip(before, dropped.cache.layers):
-        assert torch.equal(layer.keys, keys[:, :, used]) and torch.equal(layer.values, values[:, :, used])
-    for tree in TREES:
+    assert dropped.batch_size == 2 and dropped.positions.tolist() == full.positions[keep].tolist()
+    if static:
+        assert dropped.slots == full.slots and torch.equal(dropped.valid, valid)
+        for (keys, values), layer in zip(before, dropped.cache.layers, strict=True):
+            assert layer.rows == 2 and layer.keys.shape[2] == 48
+            assert torch.equal(layer.keys[:2], keys) and torch.equal(layer.values[:2], values)
+    else:
+        assert dropped.slots < full.slots  # row 0's long prompt left pad columns only rows 1 and 3 had
+        used = valid.any(dim=0)
+        assert torch.equal(dropped.valid, valid[:, used])
+        for (keys, values), layer in zip(before, dropped.cache.layers, strict=True):
+            assert torch.equal(layer.keys, keys[:, :, used]) and torch.equal(layer.values, values[:, :, used])
+    for round_, tree in enumerate(TREES * 2):
         tokens = torch.randint(0, VOCAB, (4, len(tree)), generator=g)
         ours, hidden = dropped.tree_forward(tokens[keep], tree, want_hidden=True)
         theirs, _ = full.tree_forward(tokens, tree)
         torch.testing.assert_close(ours, theirs[keep], **CLOSE)
         # the hidden states are what the head consumes (DropMatch / AutoJudge rely on it)
         torch.testing.assert_close(model.get_output_embeddings()(hidden), ours, **CLOSE)
-        path = list(tree.leaf_paths[-1][:2])
-        dropped.commit([path, []])
-        full.commit([[], path, [], []])
+        path = list(tree.leaf_paths[-1][: 1 + round_ % 3])
+        dropped.commit([path, [] if round_ % 2 else [1]])
+        full.commit([[], path, [], [] if round_ % 2 else [1]])
+        assert dropped.positions.tolist() == full.positions[keep].tolist()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_rows_dropped_before_any_forward_leave_the_others_decoding(static):
+    """One-token prompts prefill nothing (no layer holds a key yet); dropping a row then must still work, and the
+    kept rows decode as they would alone."""
+    model = target("llama", "sdpa")
+    state = cache(model, static)
+    assert state.prefill(torch.zeros(3, 0, dtype=torch.long)) is None and state.forwards == 0
+    state.drop_rows([0, 2])
+    assert state.batch_size == 2 and state.positions.tolist() == [0, 0]
+    logits = state.decode(torch.tensor([5, 9]))
+    for row, token in enumerate((5, 9)):
+        torch.testing.assert_close(logits[row], model(torch.tensor([[token]])).logits[0, -1], **CLOSE)
 
 
 def test_bad_batches_are_refused_without_a_model():
@@ -208,11 +244,12 @@ def test_bad_batches_are_refused_without_a_model():
         check_batch_prompts(ids.float(), None)
 
 
-def test_bad_calls_on_a_batch_state_are_refused():
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_bad_calls_on_a_batch_cache_are_refused(static):
+    """Out-of-order calls, wrong shapes, paths and rows are refused before they touch the cache (the prompts
+    themselves are checked by `check_batch_prompts`, before any model runs)."""
     model = target("llama", "sdpa")
-    state = BatchTargetState(model)
-    with pytest.raises(ValueError, match="prompt 0 is not left-padded"):
-        state.prefill(torch.tensor([[1, 2], [3, 4]]), torch.tensor([[1, 0], [1, 1]]))
+    state = cache(model, static)
     state.prefill(torch.tensor([[1, 2], [3, 4]]))
     tree = TREES[0]
     with pytest.raises(ValueError, match="commit needs a tree_forward first"):
@@ -227,15 +264,19 @@ def test_bad_calls_on_a_batch_state_are_refused():
     with pytest.raises(ValueError, match=r"path \[1, 5\] of row 1 is not a root-to-node path"):
         state.commit([[1, 3], [1, 5]])
     state.commit([[1, 3], [2, 5, 9]])
-    for keep in ([], [1, 0], [2], [0, 0]):
+    assert state.positions.tolist() == [5, 6] and state.slots == 6
+    with pytest.raises(ValueError, match="commit needs a tree_forward first"):
+        state.commit([[], []])  # a tree forward is committed once
+    for keep in ([], [1, 0], [2], [0, 0], [-1]):
         with pytest.raises(ValueError, match="drop_rows needs"):
             state.drop_rows(keep)
+    assert state.batch_size == 2 and state.positions.tolist() == [5, 6]  # refusals changed nothing
 
 
 def test_the_sliding_window_limit_is_enforced_in_slots():
     """Holes and pads use window slots too; past the window HF would drop the cache head the mask describes."""
     model = tiny_causal_lm("mistral", sliding_window=16)
-    state = BatchTargetState(model)
+    state = TargetCache(model)
     state.prefill(torch.ones(2, 8, dtype=torch.long))
     tree = TreeConfig((2, 1)).build()
     state.tree_forward(torch.ones(2, len(tree), dtype=torch.long), tree)  # 8 + 5 slots: fits in 15

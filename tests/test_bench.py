@@ -9,7 +9,7 @@ import torch
 from benchmarks.bench import resolve_methods
 from benchmarks.methods import parse_method
 from benchmarks.corpus import train_tokenizer
-from mamba_draft import cli
+from commands import cli
 from mamba_draft.devices import default_dtype
 
 TEXT = [
@@ -54,7 +54,8 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
                      "tree:none+lookup", "tf=assistant:tree:2,1", "assistant:chain:2+lookup:4", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "bench.json").read_text())
-    methods = result["methods"]
+    assert list(result["batches"]) == ["1"]  # one prompt at a time: a batch of one
+    methods = result["batches"]["1"]["methods"]
     # `ar` was added as the baseline of our harness; every speedup is against the faster of ar and hf-ar
     assert list(methods)[0] == "ar" and result["baselines"] == ["ar", "hf-ar"] and result["reference"] == "ar"
     for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu", "hf-lookup", "lk", "tree:none+lookup",
@@ -72,7 +73,7 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     assert parse_method("tf=assistant:tree:2,1").drafter == "assistant" and parse_method("tree:2,1").drafter == "drafter"
     assert methods["tf"]["tau"][0] >= 1.0
     # the bandit starts afresh on each prompt; the report sums its pulls over the last repeat's three prompts
-    last = result["runs"]["cpu"][-1]["records"]
+    last = result["batches"]["1"]["runs"]["cpu"][-1]["records"]
     assert sum(v["pulls"] for v in methods["cpu"]["arms"].values()) == sum(r["rounds"] for r in last)
     assert all(sum(r["arm_pulls"].values()) == r["rounds"] and len(r["arm_pulls"]) == 2 for r in last)
     md = (out / "bench.md").read_text()
@@ -261,25 +262,26 @@ def fake_runs(rates: dict[str, list[float]], categories=("a", "b")) -> dict:
 
 def test_speedups_are_against_the_faster_of_ar_and_hf_ar_repeat_by_repeat():
     """hf-ar is faster in repeat 0, ar in repeat 1: the headline speedup divides by the faster one each time (against
-    ar alone it would read 3.0x in repeat 0); single-prompt and batch summaries, per category too."""
+    ar alone it would read 3.0x in repeat 0); per-prompt and batch summaries, per category too."""
     from benchmarks import bench
     from tree_search.prompts import Prompt
 
     runs = fake_runs({"ar": [10, 20], "hf-ar": [20, 10], "chain": [30, 30]})
     prompts = [Prompt("x", "a"), Prompt("y", "b")]
-    single = bench.summarize(parse_method("chain"), runs, prompts, None)
-    batch = bench.summarize_batch(parse_method("chain"), runs, None)
+    single = bench.summarize(parse_method("chain"), runs, prompts, None, by_prompt=True)
+    batch = bench.summarize(parse_method("chain"), runs, prompts, None, by_prompt=False)
+    assert "categories" in single and "categories" not in batch  # a batch's records are not one prompt's
     for s in (single, batch, single["categories"]["a"]):
         assert s["speedup"] == [pytest.approx(1.5), pytest.approx(1.5)]
         assert s["speedup_vs_ar"] == [pytest.approx(3.0), pytest.approx(1.5)]
         assert s["speedup_vs_hf-ar"] == [pytest.approx(1.5), pytest.approx(3.0)]
-    assert bench.summarize(parse_method("ar"), runs, prompts, None)["speedup"] == [0.5, 1.0]
+    assert bench.summarize(parse_method("ar"), runs, prompts, None, by_prompt=True)["speedup"] == [0.5, 1.0]
 
     def result(runs):
-        cfg = {"max_new_tokens": 4, "temperature": 0.0, "repeats": 2, "bandit_memory": "call"}
+        cfg = {"max_new_tokens": 4, "temperature": 0.0, "repeats": 2, "bandit_memory": "call", "batch_sizes": [1]}
+        methods = {n: bench.summarize(parse_method(n), runs, prompts, None, by_prompt=True) for n in runs}
         return {"config": cfg, "prompts": prompts, "device": "CPU", "reference": "ar",
-                "baselines": bench.baselines_of(runs),
-                "methods": {n: bench.summarize(parse_method(n), runs, prompts, None) for n in runs}}
+                "baselines": bench.baselines_of(runs), "batches": {"1": {"methods": methods, "runs": runs}}}
 
     md = bench.markdown_report(result(runs))
     assert "| speedup vs best of ar/hf-ar | vs ar | vs hf-ar |" in md and "| 1.50 ± 0.00× | 2.25 ± 1.06× |" in md
@@ -319,12 +321,13 @@ def test_hf_methods_run_transformers_generate_on_a_plain_copy(tiny_pair, tmp_pat
 
 def test_default_method_is_what_generate_runs_by_default(tiny_pair, tmp_path, monkeypatch):
     """`--methods default` hands generate the policy, lookup rounds and verifier `mamba-draft generate` resolves
-    for tree "auto" (tree_search.cli: calls.make_policy / default_lookup_tokens), on a CPU and on a GPU."""
+    for tree "auto" (tree_search.cli: policy.parse_policy / calls.default_lookup_tokens), on a CPU and on a GPU."""
     import importlib
 
     from benchmarks.bench import DEFAULT_METHODS
-    from benchmarks.methods import lookup_of, make_tree_policy
-    from tree_search.calls import default_lookup_tokens, make_policy
+    from benchmarks.methods import lookup_of
+    from tree_search.calls import default_lookup_tokens
+    from tree_search.policy import default_policy, parse_policy
 
     engine = importlib.import_module("tree_search.generate")  # the module (the package exports its function)
     root, prompts = tiny_pair
@@ -334,16 +337,17 @@ def test_default_method_is_what_generate_runs_by_default(tiny_pair, tmp_path, mo
     assert cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts",
                      str(prompts), "--methods", "default", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "3",
                      "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
-    expected = make_policy("auto", "cpu")
+    expected = default_policy("cpu")
     assert len(seen) == 3 and all(kw["verifier"] is None for kw in seen)  # generate picks greedy / sampling
     for kw in seen:
         assert (kw["tree"].arms, kw["tree"].reward, kw["tree"].persistent) == (expected.arms, expected.reward, False)
         assert kw["lookup_tokens"] == default_lookup_tokens("auto", "cpu", False, False) > 0
     method = parse_method("default")
-    assert method.lossless and "default" in DEFAULT_METHODS  # measured by default
+    assert method.lossless and "default" in DEFAULT_METHODS and method.tree == "auto"  # measured by default
     for device in ("cpu", "cuda"):  # resolving a policy needs no GPU
-        ours, generates = make_tree_policy(method.tree, device), make_policy("auto", device)
-        assert (ours.arms, ours.reward) == (generates.arms, generates.reward)
+        # `auto` restarts on every call even where the bench keeps bandits over a pass, as generate's default does
+        ours, generates = parse_policy(method.tree, device, persistent=True), parse_policy("auto", device)
+        assert (ours.arms, ours.reward, ours.persistent) == (generates.arms, generates.reward, False)
         for batch in (False, True):
             assert lookup_of(method, device, batch) == default_lookup_tokens("auto", device, batch, False)
     assert parse_method("default@fly").verifier == "fly" and parse_method("default+lookup:4").lookup == 4
@@ -351,3 +355,21 @@ def test_default_method_is_what_generate_runs_by_default(tiny_pair, tmp_path, mo
 
 def test_bench_dtype_defaults_to_auto():
     assert cli.build_parser("bench").parse_args(["--target", "t", "--out", "o"]).dtype == "auto"
+
+
+def test_methods_draft_in_generates_tree_grammar():
+    """A method's drafting part is `generate --tree`'s grammar (tree_search.policy): `default` is auto, `chain` is
+    chain:5, `tree:` takes one shape; a policy's spec is what the result records."""
+    from tree_search.bandit import DEFAULT_ARMS
+    from tree_search.policy import parse_policy, spec_of
+
+    assert parse_method("default").tree == "auto" and parse_method("chain").tree == "1,1,1,1,1"
+    assert parse_method("chain:3").tree == "1,1,1" and parse_method("tree:none").tree == "none"
+    assert parse_method("bandit").tree == spec_of(parse_policy("bandit")) == "bandit:" + "/".join(
+        arm.spec for arm in DEFAULT_ARMS)
+    assert parse_method("bandit-time:none/2,1@fly").tree == "bandit-time:none/2,1"
+    for bad, message in (("chain:0", "chain:N takes a positive length"), ("tree:bandit", "tree: takes one shape"),
+                         ("bandit:2,1//1", "tree spec '' is empty"), ("tree:3,,2", "cannot parse tree spec"),
+                         ("beam", "unknown method")):
+        with pytest.raises(ValueError, match=message):
+            parse_method(bad)

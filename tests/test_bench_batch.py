@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks.methods import until_eos
-from mamba_draft import cli
+from commands import cli
 from tests.test_bench import tiny_pair  # noqa: F401  (the same tiny target / drafter / 3 prompts)
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -96,17 +96,27 @@ def test_until_eos_cuts_a_batched_rows_padding():
 def test_bandit_memory_call_or_pass(tiny_pair, tmp_path, monkeypatch, memory):  # noqa: F811
     """--bandit-memory pass: one bandit learns over a whole pass (reset once per pass, not per prompt); either way
     each record counts its own call's pulls (a persistent bandit's summary counts every call's)."""
+    import itertools
+
     from tree_search import UCBBandit
 
-    resets = []
-    reset = UCBBandit.reset
-    monkeypatch.setattr(UCBBandit, "reset", lambda self: (resets.append(self.persistent), reset(self))[1])
+    resets, used, tags = [], set(), itertools.count()
+    reset, select = UCBBandit.reset, UCBBandit.select
+
+    def tag(bandit) -> int:  # ids are reused once a bandit is freed: tag each object instead
+        if "_tag" not in vars(bandit):
+            bandit._tag = next(tags)
+        return bandit._tag
+
+    monkeypatch.setattr(UCBBandit, "reset", lambda self: (resets.append((tag(self), self.persistent)), reset(self))[1])
+    monkeypatch.setattr(UCBBandit, "select", lambda self: (used.add(tag(self)), select(self))[1])
     root, prompts = tiny_pair
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
                      "--prompts", str(prompts), "--batch-size", "1,2", "--repeats", "1", "--max-new-tokens", "6",
                      "--methods", "ar", "cpu=bandit-time:none/1,1", "--bandit-memory", memory, "--out", str(out)])
     assert code == 0
+    resets = [persistent for bandit, persistent in resets if bandit in used]  # not the one that checked the spec
     passes = 2 * 2  # per batch size: the warm-up pass and one repeat
     calls = (1 + 3) + (1 + 2)  # per batch size: the warm-up's first batch, then every batch (3 prompts, batches of 2)
     assert len(resets) == (passes if memory == "pass" else passes + calls)

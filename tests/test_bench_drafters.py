@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mamba_draft import cli
+from commands import cli
 
 
 def test_bench_drafters_writes_report(tmp_path):

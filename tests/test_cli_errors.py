@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 import tree_search.cli
-from mamba_draft import cli
+from commands import cli
 
 MAMBA_DRAFT = Path(sys.executable).parent / "mamba-draft"
 NO_MODELS = ["--target", "no-such-org/no-such-target", "--drafter", "no-such-org/no-such-drafter", "--prompt", "x"]
@@ -66,10 +66,12 @@ def test_missing_model_directories(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--tree", "3,,2"], "cannot parse tree spec '3,,2'"),
     (["--tree", "(3,2)"], "cannot parse tree spec '(3,2)'"),
-    (["--bandit", "--arms", "3,2;;1"], "tree spec '' is empty"),
+    (["--tree", "bandit:3,2//1"], "tree spec '' is empty"),
     (["--tree", ""], "tree spec '' is empty"),  # not the default bandit
     (["--tree", "  "], "is empty: expected comma-separated positive integers"),
-    (["--bandit", "--arms", ""], "tree spec '' is empty"),
+    (["--tree", "bandit-time:3,2/x"], "cannot parse tree spec 'x'"),
+    (["--tree", "chain:0"], "chain:N takes a positive length"),
+    (["--tree", "beam"], "expected auto, none, a shape like 3,2,2,1,1, chain:N, bandit[:A/B/...]"),
     (["--temperature", "inf"], "temperature must be a number >= 0: 0 for greedy, else finite and >= 0.001; got inf"),
     (["--temperature", "nan"], "got nan"),
     (["--temperature", "-0.5"], "got -0.5"),
@@ -178,9 +180,9 @@ def test_autojudge_mine_writes_nothing_when_the_target_does_not_load(tmp_path, c
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1?"}) + "\n")
     out = tmp_path / "mined"
-    fails_in_one_line(capsys, ["autojudge", "mine", "--target", str(tmp_path / "nowhere"), "--draft",
+    fails_in_one_line(capsys, ["autojudge", "mine", "--target", str(tmp_path / "nowhere"), "--drafter",
                                str(tmp_path / "nodraft"), "--prompts", str(prompts), "--out", str(out)], "nowhere")
     assert not out.exists()
-    fails_in_one_line(capsys, ["autojudge", "mine", "--target", "x", "--draft", "y", "--prompts", str(prompts),
+    fails_in_one_line(capsys, ["autojudge", "mine", "--target", "x", "--drafter", "y", "--prompts", str(prompts),
                                "--out", str(out), "--device", "cuda:99"], "--device cuda:99")
     assert not out.exists()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mamba_draft.cpu_attention import BLOCK, LOOP_SUM_MIN, _blocks_sum, grouped_attention, row_stable_attention
+from mamba_draft.targets.cpu_attention import BLOCK, LOOP_SUM_MIN, _blocks_sum, grouped_attention, row_stable_attention
 from tree_search.tree import Tree
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's attention shape
@@ -127,7 +127,7 @@ def test_a_left_padded_generate_equals_each_prompt_alone(name):
     """transformers' `generate` on a left-padded batch: a pad's query sees no key. Its attention must stay finite,
     or the NaN becomes the pad's key and value in the next layer and every row's output (row-stable attention gave
     all-NaN logits here, so `regenerate` wrote empty replies in bf16)."""
-    from mamba_draft.cpu_attention import register
+    from mamba_draft.targets.cpu_attention import register
     from tests.helpers.tree_models import tiny_llama
 
     model = tiny_llama(vocab=64, hidden=32, layers=2, seed=1)

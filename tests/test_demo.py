@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import demo
 from benchmarks.methods import parse_method
-from mamba_draft import cli
+from commands import cli
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_quick_demo_trains_exports_and_benchmarks(quick_run):
     assert not (run_dir / "runs" / "target").exists()  # DeepSpeed checkpoints are removed after export
 
     result = json.loads((run_dir / "results" / "demo.json").read_text())
-    methods = result["methods"]
+    methods = result["batches"]["1"]["methods"]
     assert {parse_method(spec).name for spec in demo.DEMO_METHODS} <= set(methods)
     assert methods["cpu-bandit"]["tree"].startswith("bandit-time:")
     assert result["baselines"] == ["ar", "hf-ar"] and result["reference"] == "ar"

@@ -10,7 +10,7 @@ import torch
 from benchmarks import demo
 from benchmarks.bench import load_models, markdown_report, resolve_methods
 from benchmarks.real_pair import RealPairConfig
-from mamba_draft import cli
+from commands import cli
 from tests.test_bench import tiny_pair  # noqa: F401  (the same tiny target / drafter)
 
 # Spec-Bench-like records: 3 categories x 4 questions, odd ids held out (the benchmark's), even ids for training

@@ -32,7 +32,7 @@ VOCAB, NEW_TOKENS = 64, 60
 def drafted(monkeypatch):
     """Spy on TreeDrafter: every drafted token and, per round, the recorded q of the nodes that had children."""
     seen = {"tokens": [], "probs": []}
-    draft, draft_lookup = TreeDrafter.draft_batch, TreeDrafter.draft_chain_lookup
+    draft, draft_lookup = TreeDrafter.draft, TreeDrafter.draft_chain_lookup
 
     def note(buf):  # a batch's trees (B, T+1) or one prompt's lookup chain (T+1,): every row's the same way
         tokens, probs = buf.tokens.view(-1, len(buf.tree)), buf.probs.view(-1, len(buf.tree), buf.probs.shape[-1])
@@ -40,7 +40,7 @@ def drafted(monkeypatch):
         seen["probs"] += list(probs[:, : buf.tree.levels[-1][0]].clone())
         return buf
 
-    monkeypatch.setattr(TreeDrafter, "draft_batch", lambda self, *a, **k: note(draft(self, *a, **k)))
+    monkeypatch.setattr(TreeDrafter, "draft", lambda self, *a, **k: note(draft(self, *a, **k)))
     monkeypatch.setattr(TreeDrafter, "draft_chain_lookup",
                         lambda self, *a, **k: (lambda out: (note(out[0]), out[1]))(draft_lookup(self, *a, **k)))
     return seen
@@ -98,13 +98,13 @@ def test_lookup_chain_equals_the_stepped_chain(subset_setup):
     for ref in refs:
         context = ref[0]
         logits = drafts.prefill(ref)
-        buf, lookup = drafts.draft_chain_lookup(config, context[-1], logits, context, record_probs=True)
+        buf, lookup = drafts.draft_chain_lookup(config, drafts.roots[:1], logits, context, record_probs=True)
         tokens, probs = buf.tokens.clone(), buf.probs.clone()
         accepted += lookup.accepted
-        buf = drafts.draft(config, context[-1], logits, SamplingParams(0.0), "topk", True, None)
+        buf = drafts.draft(config, drafts.roots[:1], logits, SamplingParams(0.0), "topk", True, None)
         assert torch.equal(tokens, buf.tokens)
         torch.testing.assert_close(probs, buf.probs, atol=1e-5, rtol=1e-4)
-        assert set(tokens[1:].tolist()) <= set(ids.tolist())
+        assert set(tokens[0, 1:].tolist()) <= set(ids.tolist())
     assert accepted > 0  # some proposals matched the drafter's mapped greedy tokens
 
 
@@ -220,18 +220,19 @@ def test_padding_ids_the_drafter_cannot_read_are_clamped(narrow_pair, drafted, s
     assert max(read) < 48
     assert set(drafted["tokens"]) <= set((ids if subset else torch.arange(48)).tolist())
 
-    drafts = TreeDrafter.for_drafter(drafter, 8, VOCAB)
+    drafts = TreeDrafter.of(drafter, 8, VOCAB)
     assert drafts.read_limit == 47
     logits = drafts.prefill(torch.tensor([[1, 2]]))
-    buf = drafts.draft(TreeConfig((1,)), torch.tensor(2), logits, SamplingParams(0.0), "topk", False, None)
-    drafts.resync(buf, [], 60)
-    assert drafts.one_token.item() == 60 and drafts.drafter_token.item() == 47  # the root stays the real token
+    buf = drafts.draft(TreeConfig((1,)), drafts.roots[:1], logits, SamplingParams(0.0), "topk", False, None)
+    after = drafts.resync(buf, [0], [60])  # a padding id past the drafter's embedding: it reads id 47 instead
+    assert drafts.roots[0].item() == 60  # the root stays the real token
+    torch.testing.assert_close(after[0], drafter.forward(torch.tensor([[1, 2, 47]]))[0, -1], atol=1e-4, rtol=1e-4)
 
 
 def test_a_drafter_that_reads_the_whole_vocabulary_keeps_the_fast_path(subset_setup):
     _, drafter, _, _, _ = subset_setup
     drafts = TreeDrafter(drafter, 4, VOCAB)
-    assert drafts.read_limit is None and drafts.drafter_token is drafts.one_token
+    assert drafts.read_limit is None
 
 
 # ---------------------------------------------------------------- bad maps: one clear line, before any work

@@ -56,7 +56,7 @@ def test_fork_equals_independent_runs(pair):
     k = 5
     continuations = torch.randint(0, 96, (k, 6), generator=gen)
     _, state = drafter.prefill(prompt, max_batch=k)
-    state.fork_(torch.zeros(k, dtype=torch.long))
+    state.gather_(0, torch.zeros(k, dtype=torch.long))  # fork: every row <- row 0
     for t in range(continuations.shape[1]):
         forked = drafter.step(continuations[:, t], state)
     for row in range(k):
@@ -81,7 +81,7 @@ def test_gather_select_and_views(pair):
     drafter.step(torch.tensor([1, 2, 3]), view)
     torch.testing.assert_close(state.ssm[:, :3], before)
     assert not torch.equal(state.ssm[:, 3:6], snapshot.ssm[:, [2, 0, 2]])
-    state.select_(torch.tensor(4))
+    state.gather_(0, torch.tensor(4).reshape(1))  # row 0 <- row 4 (a 0-d tensor's row: no host sync)
     torch.testing.assert_close(state.conv[:, 0], state.conv[:, 4])
     state.reset_()
     assert state.conv.abs().sum() == 0 and state.ssm.abs().sum() == 0
@@ -91,7 +91,7 @@ def test_step_does_not_reallocate_state(pair):
     _, _, drafter = pair
     _, state = drafter.prefill(torch.tensor([[1, 2, 3]]), max_batch=4)
     pointers = (state.conv.data_ptr(), state.ssm.data_ptr())
-    state.fork_(torch.tensor([0, 0, 0, 0]))
+    state.gather_(0, torch.tensor([0, 0, 0, 0]))
     drafter.step(torch.tensor([4, 5, 6, 7]), state)
     assert (state.conv.data_ptr(), state.ssm.data_ptr()) == pointers
 

@@ -48,7 +48,7 @@ def engine_dir(tmp_path_factory):
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about topic number {i} and why it matters."})
                                  for i in range(10)))
     out = root / "data"
-    from mamba_draft import cli
+    from commands import cli
     args = cli.build_parser("make-data").parse_args(["--target", str(target), "--out", str(out), "--prompts",
                                                      str(prompts), "--max-new-tokens", "16", "--dtype", "float32",
                                                      "--hidden"])

@@ -1,17 +1,26 @@
 """Prompt lookup: `NgramLookup` (proposals the target verifies) and FLy's multi-level acceleration (proposals
-pre-verified by the Mamba drafter)."""
+pre-verified by the Mamba drafter), alone and on the TreeDrafter's batch-of-one buffers (`LookupDrafting`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.helpers.tree_models import random_drafter
+from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
 from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup, lookup_proposal
+from tree_search.sampling import SamplingParams
+from tree_search.strategies import LookupDrafting, TreeDrafting
+from tree_search.tree import TreeConfig
+from tree_search.verifiers import VerifyResult
+
+VOCAB = 64
+GREEDY = SamplingParams(temperature=0.0)
+Q_CLOSE = dict(atol=1e-5, rtol=1e-4)  # extend and step scan the same recurrence in another order (float32)
 
 
 @pytest.fixture(scope="module")
 def drafter(tmp_path_factory):
-    return random_drafter(tmp_path_factory.mktemp("drafter"), vocab=64)
+    return random_drafter(tmp_path_factory.mktemp("drafter"), vocab=VOCAB)
 
 
 def greedy_chain(drafter, context: torch.Tensor, n: int) -> list[int]:
@@ -73,3 +82,72 @@ def test_lookup_chain_needs_a_snapshot_row(drafter):
     logits, _ = drafter.prefill(context.view(1, -1), state=state)
     with pytest.raises(ValueError, match="at least 2 rows"):
         draft_chain_with_lookup(drafter, state, logits[0], context, 5)
+
+
+def repetitive_context(drafter) -> torch.Tensor:
+    """A prompt followed by the drafter's own greedy text, which falls into a cycle: lookup has proposals to check."""
+    prompt = torch.tensor([3, 17, 9, 40])
+    return torch.cat([prompt, torch.tensor(greedy_chain(drafter, prompt, 40))])
+
+
+# ---------------------------------------------------------------- on the TreeDrafter: the batch-of-one buffers
+
+
+def test_a_lookup_chain_fills_the_same_buffers_as_draft_and_leaves_row_0_committed(drafter):
+    context = repetitive_context(drafter)
+    config = TreeConfig((1,) * 12)
+    drafts = TreeDrafter(drafter, config.num_nodes + 1, VOCAB)
+    logits = drafts.prefill(context.view(1, -1))
+    committed = drafts.state.rows(0, 1).clone()
+    calls = drafts.calls
+    buf, lookup = drafts.draft_chain_lookup(config, drafts.roots[:1], logits, context, record_probs=True)
+    assert buf is drafts.buffers(config, 1) and buf.tokens.shape == (1, 13)
+    assert drafts.calls - calls == lookup.drafter_calls < config.depth - 1 and lookup.accepted > 0
+    assert torch.equal(drafts.state.ssm[:, :1], committed.ssm) and torch.equal(drafts.state.conv[:, :1], committed.conv)
+    tokens, probs = buf.tokens.clone(), buf.probs.clone()
+    assert tokens[0].tolist() == [int(context[-1])] + greedy_chain(drafter, context, 12)
+    stepped = drafts.draft(config, drafts.roots[:1], logits, GREEDY, "topk", True, None)
+    assert torch.equal(stepped.tokens, tokens)
+    torch.testing.assert_close(stepped.probs, probs, **Q_CLOSE)
+
+
+def test_a_proposal_is_a_point_mass_chain_in_the_batch_of_one_buffers_without_a_drafter_call(drafter):
+    drafts = TreeDrafter(drafter, 8, VOCAB)
+    drafts.prefill(torch.tensor([[4, 8, 15]]))
+    calls = drafts.calls
+    buf = drafts.proposal(drafts.roots[:1], [16, 23, 42], record_probs=True)
+    assert drafts.calls == calls and buf is drafts.buffers(TreeConfig((1, 1, 1)), 1)
+    assert buf.tokens.tolist() == [[15, 16, 23, 42]]
+    assert torch.equal(buf.probs[0, :3], torch.nn.functional.one_hot(torch.tensor([16, 23, 42]), VOCAB).float())
+
+
+def test_lookup_drafting_drafts_the_tree_strategys_chains_and_counts_the_calls_it_saves(drafter):
+    """The two strategies generate picks between for one greedy prompt, round for round on the same commits (drafted
+    rounds accepting every depth, leaves included, and proposal rounds the drafter skips): the same chains and q, the
+    same root logits, and lookup's calls plus the calls it saved are the tree strategy's calls."""
+    context = repetitive_context(drafter)
+    config = TreeConfig((1,) * 8)
+    rows = config.num_nodes + 1
+    tree = TreeDrafting(TreeDrafter(drafter, rows, VOCAB), GREEDY, "topk", True)
+    lookup = LookupDrafting(TreeDrafter(drafter, max(rows, LOOKUP_ROWS), VOCAB), True, len(context) + 100)
+    strategies = (tree, lookup)
+    ids = context.view(1, -1)
+    logits = [s.prefill(ids, torch.ones_like(ids)) for s in strategies]
+    for r, accepted in enumerate((0, 8, None, 3, 8, None, 5, 1)):  # accepted nodes; None: a prompt-lookup round
+        if accepted is None:  # a given chain verified, then read when the drafter next drafts
+            drafts = [s.proposal([5, 6, 7]) for s in strategies]
+            assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist() == [[int(tree.roots(1)), 5, 6, 7]]
+            for s in strategies:
+                s.skip(torch.tensor([[5, 6, (3 * r) % VOCAB]]))
+            continue
+        logits = [s.catch_up(x) for s, x in zip(strategies, logits)]
+        drafts = [s.draft(config, x, None) for s, x in zip(strategies, logits)]
+        assert torch.equal(drafts[0].tokens, drafts[1].tokens), f"round {r}"
+        torch.testing.assert_close(drafts[0].probs[:, :-1], drafts[1].probs[:, :-1], **Q_CLOSE)
+        proposed = drafts[0].tokens[0, 1 : accepted + 1].tolist() + [(7 * r + 3) % VOCAB]
+        result = VerifyResult(list(range(1, accepted + 1)), proposed[-1])
+        logits = [s.resync(d, [result], [proposed]) for s, d in zip(strategies, drafts)]
+        torch.testing.assert_close(logits[0], logits[1], **Q_CLOSE)
+        assert int(tree.roots(1)) == int(lookup.roots(1)) == proposed[-1]
+    assert lookup.calls_saved > 0
+    assert lookup.calls + lookup.calls_saved == tree.calls

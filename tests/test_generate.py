@@ -8,7 +8,7 @@ from tests.helpers.tree_models import (
 from tree_search import UCBBandit
 from tree_search.bandit import CPU_ARMS
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.target import TargetState
+from tree_search.target import TargetCache
 
 TREES = ["1,1,1,1,1", "3,2,2,1,1", "3,3,2,1", "2,2,2,1,1,1", "4", "bandit"]
 NEW_TOKENS = 100
@@ -89,15 +89,15 @@ def test_max_new_tokens_inside_an_accepted_path(setups):
 def test_cache_is_compacted_every_round(setups, monkeypatch, temperature, verifier):
     """After every round the target cache equals the cache from re-encoding the committed sequence."""
     target, drafter, ps, _ = setups["llama"]
-    original_commit = TargetState.commit
+    original_commit = TargetCache.commit
     snapshots = []  # (path length, cache length, keys and values of every layer) after each commit
 
-    def recording_commit(self, path, tree_size):
-        original_commit(self, path, tree_size)
+    def recording_commit(self, paths):
+        original_commit(self, paths)
         layers = [(layer.keys.clone(), layer.values.clone()) for layer in self.cache.layers]
-        snapshots.append((len(path), self.length, layers))
+        snapshots.append((len(paths[0]), self.slots, layers))
 
-    monkeypatch.setattr(TargetState, "commit", recording_commit)
+    monkeypatch.setattr(TargetCache, "commit", recording_commit)
     result = generate(target, drafter, ps[1], max_new_tokens=40, tree="3,2,2,1,1", temperature=temperature,
                       verifier=verifier, seed=0)
     assert len(snapshots) == result.stats.rounds - 1 and max(s[0] for s in snapshots) >= 2
@@ -208,7 +208,7 @@ def counted(setups, monkeypatch):
         (dict(top_k=-1), ValueError, "top_k"),
         (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "empty"),
         (dict(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])),
-         ValueError, "left-padded"),  # a batch goes to generate_batch, which refuses right padding first
+         ValueError, "left-padded"),  # a mask makes a batch, which refuses right padding first
         (dict(input_ids=torch.zeros(1, 600, dtype=torch.long)), ValueError, "max positions"),
         (dict(input_ids=torch.zeros(1, 500, dtype=torch.long)), ValueError, "max positions"),
         (dict(input_ids=torch.tensor([[1, 64]])), ValueError, r"\[0, 64\)"),

@@ -1,4 +1,5 @@
 """`mamba-draft generate`: loads a saved target + tokenizer + drafter, streams text or prints JSON stats."""
+import argparse
 import json
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from mamba_draft.cli import main
+from commands.cli import main
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama
 
 WORDS = ("the cat dog sat ran on a mat log and then it was big small red blue green one two three four five six "
@@ -72,7 +73,7 @@ def test_streams_text_then_prints_stats(saved, capsys, tmp_path):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("one two three")
     code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt-file", prompt_file,
-                     "--bandit", "--arms", "2,1;1,1,1", "--max-new-tokens", 16)
+                     "--tree", "bandit:2,1/1,1,1", "--max-new-tokens", 16)
     assert code == 0
     prompt = tokenizer("one two three", return_tensors="pt").input_ids
     text = tokenizer.decode(hf_greedy(target, prompt, 16)[0, prompt.shape[1]:])
@@ -195,7 +196,7 @@ def test_verifier_params_and_prompt_lookup_are_checked_before_loading_models(ext
 def test_time_reward_bandit_from_the_command_line(saved, capsys):
     root, target, tokenizer = saved
     code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "one two three",
-                     "--bandit", "--arms", "2,1;1,1,1", "--bandit-reward", "time", "--max-new-tokens", 16, "--json")
+                     "--tree", "bandit-time:2,1/1,1,1", "--max-new-tokens", 16, "--json")
     report = json.loads(out)
     prompt = tokenizer("one two three", return_tensors="pt").input_ids
     assert code == 0 and report["tokens"] == hf_greedy(target, prompt, 16)[0, prompt.shape[1]:].tolist()
@@ -281,12 +282,12 @@ def test_gguf_file_and_shipped_alias_load_through_mamba_draft_targets(saved, cap
 
 
 def test_threads_is_one_option_of_every_command(monkeypatch):
-    from mamba_draft import cli
+    from commands import cli
 
     for name in cli.COMMANDS:
         assert "--threads" in cli.build_parser(name)._option_string_actions, name
     autojudge = cli.build_parser("autojudge")  # sub-actions take it too, and keep a command-level value
-    mine = ["mine", "--target", "t", "--draft", "d", "--prompts", "p", "--out", "o"]
+    mine = ["mine", "--target", "t", "--drafter", "d", "--prompts", "p", "--out", "o"]
     assert autojudge.parse_args([*mine, "--threads", "3"]).threads == 3
     assert autojudge.parse_args(["--threads", "2", *mine]).threads == 2
     assert autojudge.parse_args(mine).threads is None
@@ -302,6 +303,30 @@ def test_threads_is_one_option_of_every_command(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert main(["generate", "--target", "t", "--prompt", "x"]) == 0 and seen == [2, before]  # unset: untouched
+
+
+def test_one_flag_vocabulary_across_commands():
+    """--target (never --model), --drafter (never --draft), --dtype auto by default wherever a command has one; help
+    texts name a drafter, not "a Mamba tree drafter", and the demo does not claim to train a target."""
+    from commands import cli
+
+    dtypes = []
+    for name in cli.COMMANDS:
+        parser = cli.build_parser(name)
+        parsers = [parser] + [sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+                              for sub in action.choices.values()]
+        for one in parsers:
+            options = one._option_string_actions
+            assert "--model" not in options and "--draft" not in options, one.prog
+            if "--dtype" in options:
+                dtypes.append(one.prog)
+                assert options["--dtype"].default == "auto" and "auto" in options["--dtype"].choices, one.prog
+            assert "Mamba tree drafter" not in one.format_help(), one.prog
+    assert {"mamba-draft generate", "mamba-draft bench", "mamba-draft regenerate", "mamba-draft autojudge mine",
+            "mamba-draft make-data", "mamba-draft bench-drafters"} <= set(dtypes)
+    usage = cli._usage()
+    assert "Mamba tree drafter" not in usage and "train a demo target" not in usage
+    assert "train a demo target" not in cli.build_parser("demo").format_help()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -140,7 +140,7 @@ def test_the_recorder_waits_on_its_events_once_per_round(pair, monkeypatch):
             super().__init__(stats, device)
             self.events = [HostEvent() for _ in self.clock]
 
-    monkeypatch.setattr(importlib.import_module("tree_search.generate"), "Recorder", EventRecorder)
+    monkeypatch.setattr(importlib.import_module("tree_search.calls"), "Recorder", EventRecorder)
     monkeypatch.setattr(HostEvent, "waits", 0)
     target, drafter = on(pair, "cpu")
     stats = generate(target, drafter, PROMPT, max_new_tokens=NEW_TOKENS, tree="3,2,1", verifier=SlowGreedy()).stats

@@ -3,8 +3,9 @@
 - the kernel step (mamba-ssm + causal-conv1d, skipped when they are not importable) against the torch step;
 - CUDA-graph replay of tree drafting against eager drafting (tree_search/graphs.py), shared pool and output lifetime;
 - graphs dropped and lossless output after the drafter's `.to(dtype)` / backend switch;
-- the target's static verify path (tree_search/target.py): captured graphs and torch.compile(mode="reduce-overhead")
-  against the eager static path, and lossless generate through the graphs;
+- the target's static verify path (tree_search/target/cache.py, `TargetCache(static=True)`): captured graphs and
+  torch.compile(mode="reduce-overhead") against the eager static path, for one prompt and a left-padded batch with
+  ragged paths and dropped rows, and lossless generate through the graphs (the cache kept on the model);
 - greedy generate at batch 1 and 8, fp32 and bf16, token-identical to the target's own greedy `generate`;
 - no host sync inside captured drafting or a captured verify + commit.
 
@@ -24,7 +25,7 @@ from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.graphs import StepRunner
-from tree_search.target import _STATES, TargetState
+from tree_search.target import TargetCache, TargetFacts
 from tree_search.tree import Tree, TreeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -69,7 +70,11 @@ def test_graph_replay_equals_eager_tree_drafting(tmp_path, backend):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert len(graphed.runner.graphs) == 8 and graphed.runner.pool is not None  # one per (start, stop, fork)
+    # one per (start, stop, fork), as tests/test_graph_runner.py counts them with fake graphs
+    assert sorted(graphed.runner.graphs) == sorted({(1, 4, True), (4, 10, True), (4, 7, True), (1, 2, True),
+                                                    (2, 3, True), (3, 4, True), (0, 1, True), (10, 11, True),
+                                                    (7, 8, True)})
+    assert graphed.runner.pool is not None
 
 
 def test_graph_outputs_survive_replays_of_other_rows(tmp_path):
@@ -104,7 +109,7 @@ def test_graphs_are_dropped_after_to_dtype_and_output_stays_lossless(tmp_path, d
         result = generate(target, drafter, prompt, max_new_tokens=24, tree="3,2,1", temperature=0.0,
                           verifier="greedy")
         assert torch.equal(result.tokens, reference)
-        drafts = TreeDrafter.for_drafter(drafter, 2, VOCAB)
+        drafts = TreeDrafter.of(drafter, 2, VOCAB)
         assert drafts.runner.graphs and drafts.state.conv.dtype == step_dtype
         if first is None:
             first = drafts
@@ -115,72 +120,106 @@ def test_graphs_are_dropped_after_to_dtype_and_output_stays_lossless(tmp_path, d
 def test_backend_switch_drops_the_graphs(tmp_path):
     drafter = random_drafter(tmp_path, vocab=VOCAB).to("cuda")
     drafter.set_backend("torch")
-    first = TreeDrafter.for_drafter(drafter, 8, VOCAB)
-    first.draft(TreeConfig((2, 2)), torch.tensor(2), first.prefill(torch.tensor([[1, 2]], device="cuda")),
+    first = TreeDrafter.of(drafter, 8, VOCAB)
+    first.draft(TreeConfig((2, 2)), first.roots[:1], first.prefill(torch.tensor([[1, 2]], device="cuda")),
                 GREEDY, "topk", False, None)
     assert first.runner.graphs
     drafter.set_backend("kernels")
-    second = TreeDrafter.for_drafter(drafter, 8, VOCAB)
+    second = TreeDrafter.of(drafter, 8, VOCAB)
     assert second is not first and first.runner.graphs == {}
 
 
-def _static_rounds(state, prompt: torch.Tensor, rounds) -> list[torch.Tensor]:
-    """Prefill, then (tokens, tree, path) rounds: tree forward (with hidden states every other round) + commit;
-    returns every output (cloned: graph outputs are rewritten by the next replay) and the committed K slots."""
-    outs = [state.prefill(prompt).clone()]
-    for i, (tokens, tree, path) in enumerate(rounds):
-        logits, hidden = state.tree_forward(tokens, tree, want_hidden=bool(i % 2))
+def _left_padded(lengths, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of these lengths, left-padded (pads hold token 7) -> ids, mask (B, L) on CUDA."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), 7)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n:], mask[b, width - n:] = torch.randint(0, VOCAB, (n,), generator=g), 1
+    return ids.to("cuda"), mask.to("cuda")
+
+
+def _static_rounds(state, ids: torch.Tensor, mask: torch.Tensor, rounds) -> list[torch.Tensor]:
+    """Prefill, then rounds: (tokens, tree, paths) = tree forward (with hidden states every other one) + commit of
+    each row's path, or ("drop", keep) = drop_rows. Returns every output (cloned: graph outputs are rewritten by the
+    next replay) and each row's committed K slots."""
+    outs = [state.prefill(ids, mask).clone()]
+    forwards = 0
+    for item in rounds:
+        if item[0] == "drop":
+            state.drop_rows(item[1])
+            continue
+        tokens, tree, paths = item
+        logits, hidden = state.tree_forward(tokens[: state.batch_size], tree, want_hidden=bool(forwards % 2))
         outs += [logits.clone()] + ([hidden.clone()] if hidden is not None else [])
-        state.commit(path, len(tree))
-    outs += [layer.keys[:, :, : state.length].clone() for layer in state.cache.layers]
+        state.commit(paths[: state.batch_size])
+        forwards += 1
+    slots = [row.nonzero().flatten() for row in state.valid]
+    outs += [layer.keys[row][:, index].clone() for layer in state.cache.layers for row, index in enumerate(slots)]
     return outs
 
 
-def _random_rounds(count: int, seed: int = 0):
+def _random_rounds(count: int, rows: int = 1, seed: int = 0, drop_at: int | None = None):
+    """Trees of three sizes in turn (16, 7 and 1 nodes), each row accepting a path of its own length; ("drop",
+    [0, rows - 1]) before round `drop_at`."""
     g = torch.Generator().manual_seed(seed)
     trees = [TreeConfig((3, 2, 1)).build(), TreeConfig((2, 2)).build(), Tree((-1,))]
     rounds = []
     for i in range(count):
+        if i == drop_at:
+            rounds.append(("drop", [0, rows - 1]))
         tree = trees[i % 3]
-        path = list(tree.leaf_paths[i % len(tree.leaf_paths)][: 1 + i % 2]) if len(tree) > 1 else []
-        rounds.append((torch.randint(0, VOCAB, (len(tree),), generator=g).to("cuda"), tree, path))
+        leaves = tree.leaf_paths
+        paths = [list(leaves[(i + b) % len(leaves)][: 1 + (i + b) % 2]) if len(tree) > 1 else [] for b in range(rows)]
+        rounds.append((torch.randint(0, VOCAB, (rows, len(tree)), generator=g).to("cuda"), tree, paths))
     return rounds
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox", "qwen2"])
 def test_static_verify_graphs_equal_eager_and_stay_lossless(tmp_path, kind):
-    """TargetState(static=True, graphs=True): one captured forward per (tree size, want_hidden) and one commit per
-    tree size, replayed with the same outputs and cache as the eager static path; generate through it stays
-    token-identical to the target's own greedy generate."""
+    """TargetCache(static=True, graphs=True): one captured forward per (rows, tree size, want_hidden) and one commit
+    per (rows, tree size), replayed with the same outputs and cache as the eager static path, for one prompt and for
+    a left-padded batch of 3 with ragged paths and a row dropped; generate through it (the cache kept on the model)
+    stays token-identical to the target's own greedy generate."""
     target = tiny_causal_lm(kind, vocab=VOCAB).to("cuda")
     drafter = aligned_drafter(tmp_path, target).to("cuda")
     prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
-    rounds = _random_rounds(9)
-    eager = _static_rounds(TargetState(target, static=True, max_len=64), prompt, rounds)
-    graphed_state = TargetState(target, static=True, max_len=64, graphs=True)
-    graphed = _static_rounds(graphed_state, prompt, rounds)
-    for want, got in zip(eager, graphed, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert set(graphed_state._sizes) == {16, 7, 1} and graphed_state._sizes[16].graphs.keys() == {False, True, "commit"}
+    cases = [((prompt, torch.ones_like(prompt)), _random_rounds(9), {(1, 16), (1, 7), (1, 1)}),
+             (_left_padded((5, 2, 7), seed=1), _random_rounds(9, rows=3, seed=2, drop_at=5),
+              {(3, 16), (3, 7), (3, 1), (2, 16), (2, 7), (2, 1)})]
+    for (ids, mask), rounds, shapes in cases:
+        eager = _static_rounds(TargetCache(target, static=True, max_len=64), ids, mask, rounds)
+        graphed_state = TargetCache(target, static=True, max_len=64, graphs=True)
+        graphed = _static_rounds(graphed_state, ids, mask, rounds)
+        for want, got in zip(eager, graphed, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert set(graphed_state._shapes) == shapes
+        big = graphed_state._shapes[(ids.shape[0], 16)]
+        assert big.graphs.keys() == {False, True, "commit"}
     reference = hf_greedy(target, prompt, 24)
-    for tree in ("3,2,1", "2,2,1", "none"):  # generate's own state: static and captured on CUDA
+    for tree in ("3,2,1", "2,2,1", "none"):  # generate's own cache: static and captured on CUDA
         assert torch.equal(generate(target, drafter, prompt, max_new_tokens=24, tree=tree).tokens, reference)
-    state = _STATES[target]
-    assert state.use_graphs and {16, 11, 1} <= set(state._sizes) and state._sizes[16].graphs
+    state = TargetFacts.of(target).static_cache
+    assert state.static and state.use_graphs
+    assert {(1, 16), (1, 11), (1, 1)} <= set(state._shapes) and state._shapes[(1, 16)].graphs
     assert torch.equal(generate_autoregressive(target, prompt, max_new_tokens=24).tokens, reference)
+    assert TargetFacts.of(target).static_cache is state  # reused while it has room
+    assert TargetCache.for_call(target, state.max_len) is state
 
 
 def test_static_verify_compiled_with_reduce_overhead_equals_eager():
-    """The static forward has one shape per tree size, so torch.compile(mode="reduce-overhead") captures it
+    """The static forward has one shape per (rows, tree size), so torch.compile(mode="reduce-overhead") captures it
     (CUDA graphs via cudagraph trees) and gives the eager static path's outputs."""
     target = tiny_causal_lm("llama", vocab=VOCAB).to("cuda")
     prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
-    rounds = _random_rounds(9, seed=1)
-    eager = _static_rounds(TargetState(target, static=True, max_len=64), prompt, rounds)
-    compiled = TargetState(target, static=True, max_len=64)
-    compiled.forward = torch.compile(target, mode="reduce-overhead", fullgraph=True)
-    for want, got in zip(eager, _static_rounds(compiled, prompt, rounds), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (ids, mask), rounds in (((prompt, torch.ones_like(prompt)), _random_rounds(9, seed=1)),
+                                (_left_padded((5, 2, 7), seed=3), _random_rounds(9, rows=3, seed=4))):
+        eager = _static_rounds(TargetCache(target, static=True, max_len=64), ids, mask, rounds)
+        compiled = TargetCache(target, static=True, max_len=64)
+        compiled.forward = torch.compile(target, mode="reduce-overhead", fullgraph=True)
+        for want, got in zip(eager, _static_rounds(compiled, ids, mask, rounds), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox"])
@@ -208,17 +247,18 @@ def test_captured_drafting_and_verification_make_no_host_sync(tmp_path):
     drafts = TreeDrafter(drafter, len(config.build()), VOCAB)
     prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
     logits = drafts.prefill(prompt)
-    draft = lambda: drafts.draft(config, prompt[0, -1], logits, GREEDY, "topk", False, None)  # noqa: E731
+    draft = lambda: drafts.draft(config, drafts.roots[:1], logits, GREEDY, "topk", False, None)  # noqa: E731
     draft()  # captures
     assert count_syncs(draft) == 0
-    state = TargetState(target, static=True, max_len=64, graphs=True)
-    state.prefill(prompt)
     tree = config.build()
-    tokens = torch.randint(0, VOCAB, (len(tree),), device="cuda")
+    for rows, paths in ((1, [[1, 4]]), (3, [[1, 4], [], [2]])):  # one prompt; ragged paths in a batch
+        state = TargetCache(target, static=True, max_len=64, graphs=True)
+        state.prefill(prompt.expand(rows, -1))
+        tokens = torch.randint(0, VOCAB, (rows, len(tree)), device="cuda")
 
-    def verify():
-        state.tree_forward(tokens, tree)
-        state.commit([1, 4], len(tree))
+        def verify():
+            state.tree_forward(tokens, tree)
+            state.commit(paths)
 
-    verify()  # captures
-    assert count_syncs(verify) == 0
+        verify()  # captures
+        assert count_syncs(verify) == 0, rows

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.gpu_timings import CHAINS, CHAIN5, PAPER_TAU, TREES, VERIFY_TREES, run_timings, smoke_config, \
     write_outputs
-from mamba_draft.cli import main
+from commands.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The drafter's step runner (tree_search/graphs.py), the TreeDrafter cache it lives in, and Mamba-2's dt_limit.
+"""The drafter's step runner (tree_search/graphs.py), the TreeDrafter kept on the drafter, and Mamba-2's dt_limit.
 
 CUDA capture itself is tested in tests/test_gpu.py. Everything around it runs here on CPU: `fake_graphs` swaps the
 runner's capture for one whose "replay" runs the captured body eagerly, so keying, sharing across tree shapes,
@@ -6,7 +6,9 @@ static-buffer ownership, output lifetime and invalidation go through the same co
 """
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +22,7 @@ from mamba_draft.model import _conv_step
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate
-from tree_search.graphs import StepRunner, drafter_key
+from tree_search.graphs import StepRunner, drafter_key, weights_key
 from tree_search.sampling import SamplingParams
 from tree_search.tree import TreeConfig
 
@@ -80,20 +82,20 @@ def test_runner_equals_direct_fork_and_step_bit_for_bit(drafter, graphs):
 
 
 def walk(drafts: TreeDrafter, configs, rounds: int = 8):
-    """Draft and resync `rounds` rounds, alternating tree shapes and accepted path lengths (leaves included)."""
+    """Draft and resync `rounds` rounds of one prompt (a batch of one), alternating tree shapes and accepted path
+    lengths (leaves included)."""
     root_logits = drafts.prefill(torch.tensor([[1, 2, 3, 4]]))
-    root = torch.tensor(4)
     seen = []
     for r in range(rounds):
         config = configs[r % len(configs)]
-        buf = drafts.draft(config, root, root_logits, GREEDY, "topk", False, None)
+        buf = drafts.draft(config, drafts.roots[:1], root_logits, GREEDY, "topk", False, None)
         leaf = buf.tree.levels[-1][0] + r % (buf.tree.levels[-1][1] - buf.tree.levels[-1][0])
         path = buf.tree.path_to(leaf)[: r % (config.depth + 1)]
         next_token = (7 * r + 3) % VOCAB
         seen.append(buf.tokens.clone())
-        root_logits = drafts.resync(buf, path, next_token)
+        root_logits = drafts.resync(buf, [path[-1] if path else 0], [next_token])
         seen.append(root_logits.clone())
-        root = drafts.one_token[0]
+        assert drafts.roots[0] == next_token
     return seen
 
 
@@ -105,9 +107,11 @@ def test_tree_drafting_through_graphs_equals_eager_and_shares_graphs_across_shap
     want, got = walk(eager, configs), walk(graphed, configs)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     # One capture per (start, stop, fork), however many shapes and rounds use it: (3, 2, 1) and (3, 1, 1) both
-    # fork + step rows 1..3 at level 1; resync forks + steps row 0, and steps it again after an accepted leaf.
+    # fork + step rows 1..3 at level 1; resync forks + steps row 0, after an accepted leaf (rounds 3 and 7) first
+    # stepping it from its parent into the last level's first row ((3, 2, 1): row 10, (3, 1, 1): row 7).
     assert sorted(graphed.runner.graphs) == sorted({(1, 4, True), (4, 10, True), (4, 7, True), (1, 2, True),
-                                                    (2, 3, True), (3, 4, True), (0, 1, True), (0, 1, False)})
+                                                    (2, 3, True), (3, 4, True), (0, 1, True), (10, 11, True),
+                                                    (7, 8, True)})
     assert len(capture.captured) == len(graphed.runner.graphs)
 
 
@@ -153,23 +157,47 @@ def test_invalidate_drops_graphs_and_the_pool(drafter):
     assert capture.captured == [(1, 3), (1, 3)]
 
 
-# ---------------------------------------------------------------- the TreeDrafter cache
+# ---------------------------------------------------------------- the TreeDrafter kept on the drafter
 
 
-def test_cache_is_kept_while_nothing_changes(drafter):
-    first = TreeDrafter.for_drafter(drafter, 8, VOCAB)
-    assert TreeDrafter.for_drafter(drafter, 8, VOCAB) is first
-    assert TreeDrafter.for_drafter(drafter, 4, VOCAB) is first  # fewer rows fit
-    bigger = TreeDrafter.for_drafter(drafter, 9, VOCAB)
-    assert bigger is not first and bigger.state.max_batch == 9
+def test_the_drafters_tree_drafter_is_kept_while_nothing_changes(drafter):
+    first = TreeDrafter.of(drafter, 8, VOCAB)
+    assert drafter.tree_drafter is first  # visible on the drafter, no module-level cache
+    assert TreeDrafter.of(drafter, 8, VOCAB) is first
+    assert TreeDrafter.of(drafter, 4, VOCAB) is first  # fewer rows fit
+    bigger = TreeDrafter.of(drafter, 9, VOCAB)
+    assert bigger is not first and bigger.state.max_batch == 9 and drafter.tree_drafter is bigger
+    assert TreeDrafter.of(drafter, 9, VOCAB + 1) is not bigger  # another output width
 
 
-@pytest.mark.parametrize("change", ["backend", "weights", "state_dtype"])
+def test_the_kept_tree_drafter_is_no_part_of_the_module(tmp_path):
+    drafter = random_drafter(tmp_path, vocab=VOCAB)
+    keys = list(drafter.state_dict())
+    drafts = TreeDrafter.of(drafter, 4, VOCAB)
+    assert list(drafter.state_dict()) == keys  # nothing saved with the weights
+    assert "tree_drafter" not in drafter._modules and all(m is not drafts for m in drafter.modules())
+    assert copy.deepcopy(drafter).tree_drafter is None  # a copy builds its own
+    assert pickle.loads(pickle.dumps(drafter)).tree_drafter is None
+    assert TreeDrafter.of(drafter, 4, VOCAB) is drafts
+
+
+def test_weights_key_follows_every_weights_address_dtype_and_device():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    key = weights_key(module)
+    assert weights_key(module) == key and len(key) == 4 + 3  # four parameters, three buffers
+    assert key[0] == (module[0].weight.data_ptr(), torch.float32, torch.device("cpu"))
+    module[1].running_mean = module[1].running_mean.clone()  # one buffer reallocated
+    assert weights_key(module) != key
+    key = weights_key(module)
+    assert weights_key(module.to(torch.float64)) != key
+
+
+@pytest.mark.parametrize("change", ["backend", "weights", "state_dtype", "dtype"])
 def test_cache_and_graphs_are_dropped_when_the_drafter_changes(tmp_path, change):
     drafter = random_drafter(tmp_path, vocab=VOCAB)
-    first = TreeDrafter.for_drafter(drafter, 8, VOCAB)
+    first = TreeDrafter.of(drafter, 8, VOCAB)
     fake_graphs(first.runner)
-    first.draft(TreeConfig((2, 2)), torch.tensor(2), first.prefill(torch.tensor([[1, 2]])), GREEDY, "topk", False,
+    first.draft(TreeConfig((2, 2)), first.roots[:1], first.prefill(torch.tensor([[1, 2]])), GREEDY, "topk", False,
                 None)
     assert first.runner.graphs
     old = drafter.lm_head.weight
@@ -177,13 +205,15 @@ def test_cache_and_graphs_are_dropped_when_the_drafter_changes(tmp_path, change)
         drafter.backend = "kernels"  # what set_backend does on CUDA (it refuses 'kernels' on CPU)
     elif change == "weights":  # reallocated in place of the old ones (load_state_dict(assign=True), .to() round trips)
         drafter.lm_head.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+    elif change == "dtype":
+        drafter.to(torch.float64)
     else:
         drafter.state_dtype = torch.float64
     assert drafter_key(drafter) != first.runner.key
-    second = TreeDrafter.for_drafter(drafter, 8, VOCAB)
-    assert second is not first and first.runner.graphs == {}
+    second = TreeDrafter.of(drafter, 8, VOCAB)
+    assert second is not first and first.runner.graphs == {} and drafter.tree_drafter is second
     assert second.runner.key == drafter_key(drafter)
-    assert TreeDrafter.for_drafter(drafter, 8, VOCAB) is second
+    assert TreeDrafter.of(drafter, 8, VOCAB) is second
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
@@ -199,7 +229,7 @@ def test_changing_the_drafters_dtype_after_a_generate_stays_lossless(tmp_path, d
         result = generate(target, drafter, prompt, max_new_tokens=24, tree="3,2,1", temperature=0.0,
                           verifier="greedy")
         assert torch.equal(result.tokens, reference)
-        drafts = TreeDrafter.for_drafter(drafter, 2, VOCAB)
+        drafts = TreeDrafter.of(drafter, 2, VOCAB)
         assert drafts.state.conv.dtype == step_dtype
         assert result.stats.mean_accepted > 1  # the drafter really drafted, in every dtype
 

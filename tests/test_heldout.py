@@ -102,12 +102,12 @@ def test_tuning_prompt_files_drop_heldout_questions(tmp_path):
 
 def test_autojudge_mining_never_reads_heldout_prompts(tmp_path):
     """`autojudge mine` builds a classifier's training data: odd-id prompts are dropped before any model loads."""
-    from mamba_draft import cli
+    from commands import cli
 
     only_odd = tmp_path / "odd.jsonl"
     only_odd.write_text("\n".join(json.dumps(r) for r in ODD[:4]))
     with pytest.raises(ValueError, match="no train prompts"):
-        cli.main(["autojudge", "mine", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
+        cli.main(["autojudge", "mine", "--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
                   "--prompts", str(only_odd), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
@@ -137,7 +137,7 @@ def test_the_outside_path_check_sees_what_it_must():
 
 def test_bench_evaluates_on_odd_ids_and_tunes_on_even_ones():
     from benchmarks.bench import bench_prompts
-    from mamba_draft.cli import build_parser
+    from commands.cli import build_parser
 
     def ids(*extra):
         args = build_parser("bench").parse_args(["--target", "smollm2", "--out", "unused", *extra])

@@ -1,4 +1,4 @@
-"""Batch-invariant target forwards by construction (mamba_draft.row_blocks + row-stable attention): in low
+"""Batch-invariant target forwards by construction (mamba_draft.targets.row_blocks + row-stable attention): in low
 precision on a CPU, a position's logits are the same bits however many tokens share its forward (a decoding step,
 a tree, a batch), so speculative output equals plain decoding token for token on any CPU kind. Exactness is the
 contract: every comparison here is `torch.equal`.
@@ -13,16 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from mamba_draft import row_blocks
-from mamba_draft.cpu_attention import register
+from mamba_draft.targets import row_blocks
+from mamba_draft.targets.cpu_attention import register
 from mamba_draft.heldout import is_heldout, read_spec_bench
-from mamba_draft.row_blocks import (PREFILL_ROWS, make_row_invariant, pick_rows, prefilling, row_block,
+from mamba_draft.targets.row_blocks import (PREFILL_ROWS, make_row_invariant, pick_rows, prefilling, row_block,
                                     unblocked_forward)
 from mamba_draft.targets import cache_keyword, default_attention, load_causal_lm, load_tokenizer
 from tests.helpers.tree_models import random_drafter, tiny_llama
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.prompts import encode_prompt
-from tree_search.target import BatchTargetState, TargetState
+from tree_search.target import TargetCache
 from tree_search.tree import Tree
 
 CHUNKS = (1, 2, 3, 5, 8, 17, 64, 300)  # rows per forward: decoding, trees, lookup rounds, a long forward
@@ -45,15 +45,15 @@ def chunked_logits(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
 def assert_nodes_get_the_decoding_steps_logits(target, ids: torch.Tensor, nodes: torch.Tensor, tree: Tree) -> None:
     """Each node's logits from one tree forward equal, bit for bit, those of plain decoding of the root, the node's
     ancestors and the node after the same prefix."""
-    state = TargetState(target)
+    state = TargetCache(target)
     state.prefill(ids)
-    tree_logits, _ = state.tree_forward(nodes, tree)
+    tree_logits, _ = state.tree_forward(nodes[None], tree)
     for node in range(len(tree)):
-        plain = TargetState(target)
+        plain = TargetCache(target)
         plain.prefill(ids)
         for i in [0, *tree.path_to(node)]:
-            logits = plain.decode(nodes[i])
-        assert torch.equal(logits, tree_logits[node]), node
+            logits = plain.decode(nodes[i].view(1))
+        assert torch.equal(logits[0], tree_logits[0, node]), node
 
 
 class RowCountRounding(nn.Linear):
@@ -128,7 +128,8 @@ def test_speculation_equals_plain_decoding_under_the_adversarial_kernel(tree, mo
 
 def test_a_batch_row_gets_the_logits_of_its_prompt_alone(monkeypatch, tmp_path):
     """Left-padded prompts of different lengths in one cache: each row's tree logits equal those of its prompt in a
-    state of its own, bit for bit (other rows share every product and attention call of the forward)."""
+    cache of its own (a batch of one), bit for bit (other rows share every product and attention call of the
+    forward)."""
     monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
     target = bf16_target(seed=5)
     g = torch.Generator().manual_seed(2)
@@ -140,18 +141,19 @@ def test_a_batch_row_gets_the_logits_of_its_prompt_alone(monkeypatch, tmp_path):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
     shape = Tree((-1, 0, 0, 1))
     nodes = torch.randint(0, 64, (len(prompts), len(shape)), generator=g)
-    batch = BatchTargetState(target)
+    batch = TargetCache(target)
     batch.prefill(ids, mask)
     batched, _ = batch.tree_forward(nodes, shape)
-    batch.commit([[1, 3], [2], []])
+    paths = [[1, 3], [2], []]
+    batch.commit(paths)
     after = batch.decode(nodes[:, 0])
     for b, prompt in enumerate(prompts):
-        alone = TargetState(target)
+        alone = TargetCache(target)
         alone.prefill(prompt[None])
-        logits, _ = alone.tree_forward(nodes[b], shape)
-        assert torch.equal(logits, batched[b]), b
-        alone.commit([[1, 3], [2], []][b], len(shape))
-        assert torch.equal(alone.decode(nodes[b, 0]), after[b]), b
+        logits, _ = alone.tree_forward(nodes[b][None], shape)
+        assert torch.equal(logits[0], batched[b]), b
+        alone.commit([paths[b]])
+        assert torch.equal(alone.decode(nodes[b, 0].view(1))[0], after[b]), b
 
 
 def test_pick_rows_takes_the_rows_that_come_nearly_free():
@@ -200,12 +202,16 @@ def test_blocks_leave_parameters_state_dict_and_training_alone():
     assert x.grad is not None
 
 
-def test_fp32_targets_are_left_as_transformers_builds_them():
+def test_fp32_targets_are_left_as_transformers_builds_them(monkeypatch):
     """fp32 moves a product's last bit of 24 with the row count, far below a logit gap; blocks there would cost a
     memory-bound product a weight pass per block, so only bf16/fp16 CPU targets get them."""
     model = tiny_llama(vocab=64, hidden=32)
-    TargetState(model)
+    TargetCache(model)
     assert row_block(model) is None
+    monkeypatch.setenv(row_blocks.ROWS_ENV, "4")  # no block-cost measurement
+    bf16 = tiny_llama(vocab=64, hidden=32).to(torch.bfloat16)
+    TargetCache(bf16)  # a low-precision CPU target gets its row blocks from the cache that serves it
+    assert row_block(bf16) == 4
     assert default_attention(torch.bfloat16, "cpu") == "row_stable" and default_attention(torch.float32, "cpu") == "sdpa"
 
 

@@ -184,7 +184,7 @@ def drafting_run(model: MambaDrafter, backend: str) -> tuple[list[torch.Tensor],
     logits = [model.prefill(torch.randint(0, VOCAB, (3, 6), generator=g), state=state)[0]]
     logits.append(model.step(torch.randint(0, VOCAB, (3,), generator=g), state))
     for parents in LEVELS:
-        state.fork_(torch.tensor(parents))
+        state.gather_(0, torch.tensor(parents))  # fork: row i <- row parents[i]
         logits.append(model.step(torch.randint(0, VOCAB, (len(parents),), generator=g), state))
     model.backend = "torch"
     return logits, state.conv, state.ssm

@@ -1,17 +1,16 @@
 """GPT-Neo's local attention layers hide keys by their slot in a forward (modeling_gpt_neo: a fixed band of
 window_size slots), not by position, so a tree's siblings (one depth, several slots) and a batch's holes lose keys
 once a forward spans more than the window. Within it local attention equals global attention and tree verification
-is exact; a tree generation or a batch that could pass it is refused, the window named, before any model runs
-(plain one-prompt decoding is HF's own local attention, exact past the window, and goes on)."""
+is exact; a generation (one prompt is a batch of one) or a batch that could pass it is refused, the window named,
+before any model runs. One row's plain decoding through the cache is HF's own local attention, exact past the
+window."""
 import pytest
 import torch
 import transformers
 
 from tests.helpers.tree_models import hf_greedy, random_drafter
-from tree_search.generate import generate, generate_autoregressive, generate_autoregressive_batch, generate_batch
-from tree_search.target import (
-    BatchTargetState, TargetState, UnsupportedTargetError, local_window, static_cache_refusal, window_capacity,
-)
+from tree_search.generate import generate, generate_autoregressive
+from tree_search.target import TargetCache, UnsupportedTargetError, local_window, static_cache_refusal, window_capacity
 from tree_search.tree import Tree
 
 VOCAB = 8  # small, so a random drafter's siblings are often accepted (and a wrong sibling's logits show)
@@ -74,14 +73,14 @@ def test_a_tree_forward_is_exact_up_to_the_window_and_not_one_slot_past_it(neo, 
             if not exact:  # refused: a 9-slot static cache is wrong even for a forward of 8 tokens
                 with pytest.raises(UnsupportedTargetError, match=r"^GPTNeoForCausalLM's local attention layers see "
                                                                  r"only the last 8 slots .*9 slots.*static=False$"):
-                    TargetState(neo, static=True, max_len=cached + len(tree))
+                    TargetCache(neo, static=True, max_len=cached + len(tree))
                 continue
-            state = TargetState(neo, static=True, max_len=cached + len(tree))
+            state = TargetCache(neo, static=True, max_len=cached + len(tree))
         else:
-            state = TargetState(neo)
+            state = TargetCache(neo)
         state.prefill(torch.tensor([sequence[:cached]]))
-        logits, _ = state.tree_forward(torch.tensor(sequence[cached:]), tree)
-        errors = [float((logits[node] - plain_logits(neo, sequence[: cached + 1] + [sequence[cached + i]
+        logits, _ = state.tree_forward(torch.tensor([sequence[cached:]]), tree)
+        errors = [float((logits[0, node] - plain_logits(neo, sequence[: cached + 1] + [sequence[cached + i]
                                                                                     for i in tree.path_to(node)])
                          ).abs().max()) for node in range(len(tree))]  # path_to: the node's path below the root
         if exact:
@@ -108,16 +107,33 @@ def test_generation_past_the_window_is_refused_before_any_forward(neo, drafter):
     """This prompt and tree gave token 5 where the target's own generate gives 3 (new token 5) before the refusal."""
     prompt = torch.tensor([[5, 3, 4]])
     forwards, hook = count_forwards(neo)
-    with pytest.raises(ValueError, match=r"prompt \(3\) \+ max_new_tokens \(12\) \+ tree nodes \(4\) exceeds "
-                                         + WINDOW_ERROR + r", whose local layers hide keys by their slot"):
+    with pytest.raises(ValueError, match=r"^the padded prompts \(3\) \+ max_new_tokens \(12\) \+ tree nodes \(4\) "
+                                         r"exceed " + WINDOW_ERROR + r", whose local layers hide keys by their slot"):
         generate(neo, drafter, prompt, max_new_tokens=12, tree="4")
-    with pytest.raises(ValueError, match=r"\+ tree nodes \(4\) exceeds " + WINDOW_ERROR):
+    with pytest.raises(ValueError, match=r"\+ tree nodes \(4\) exceed " + WINDOW_ERROR):
         generate(neo, drafter, prompt, max_new_tokens=2, tree="4", lookup_tokens=0)  # one token past the window
+    # plain decoding is refused past the window too: generation checks one prompt as a batch of one (the padded
+    # width + max_new_tokens + tree nodes, 0 here, within every window the target has)
+    with pytest.raises(ValueError, match=r"^the padded prompts \(3\) \+ max_new_tokens \(12\) \+ tree nodes \(0\) "
+                                         r"exceed " + WINDOW_ERROR):
+        generate_autoregressive(neo, prompt, max_new_tokens=12)
     hook.remove()
     assert not forwards
-    # no tree, no sibling: plain decoding past the window is HF's own local attention, so it is not refused
-    reference = hf_greedy(neo, prompt, 12)
-    assert torch.equal(generate_autoregressive(neo, prompt, max_new_tokens=12).tokens, reference)
+    assert torch.equal(generate_autoregressive(neo, prompt, max_new_tokens=5).tokens, hf_greedy(neo, prompt, 5))
+
+
+def test_one_rows_plain_decoding_past_the_window_is_hfs_own_local_attention(neo):
+    """No tree, no sibling, no hole: one row's slots are its positions, so the band hides exactly what HF's own
+    local attention hides, past the window too (the cache itself refuses nothing here)."""
+    prompt = torch.tensor([[5, 3, 4]])
+    reference = hf_greedy(neo, prompt, 12)[0, 3:].tolist()
+    state = TargetCache(neo)
+    logits = state.prefill(prompt)
+    out = []
+    for _ in range(12):
+        out.append(int(logits[0].argmax()))
+        logits = state.decode(torch.tensor(out[-1:]))
+    assert out == reference and state.slots == 3 + 12 > 8
 
 
 def test_batch_holes_use_window_slots(neo):
@@ -125,7 +141,7 @@ def test_batch_holes_use_window_slots(neo):
     shorter paths leave push the shared slots past it, and the band then hides keys row 1 still sees."""
     chain = Tree((-1, 0, 1))
     torch.manual_seed(0)
-    state = BatchTargetState(neo)
+    state = TargetCache(neo)
     committed = [[1], [2]]
     state.prefill(torch.tensor(committed))
     errors = []
@@ -144,10 +160,10 @@ def test_batches_past_the_window_are_refused_before_any_forward(neo, drafter):
     forwards, hook = count_forwards(neo)
     # within the simple bound (2 + 3 + 2 <= 8), but rounds may add 3 slots each (the holes above): 2 + 2 * 3 + 2
     with pytest.raises(ValueError, match=r"^a batch of 2 prompts may need 10 slots .* exceed " + WINDOW_ERROR):
-        generate_batch(neo, drafter, [[1, 2], [3, 4]], max_new_tokens=3, tree="1,1")
+        generate(neo, drafter, [[1, 2], [3, 4]], max_new_tokens=3, tree="1,1")
     with pytest.raises(ValueError, match=r"padded prompts \(2\) \+ max_new_tokens \(7\) \+ tree nodes \(0\) exceed "
                                          + WINDOW_ERROR):
-        generate_autoregressive_batch(neo, [[1, 2], [3]], max_new_tokens=7)
+        generate_autoregressive(neo, [[1, 2], [3]], max_new_tokens=7)
     hook.remove()
     assert not forwards
 
@@ -155,10 +171,10 @@ def test_batches_past_the_window_are_refused_before_any_forward(neo, drafter):
 def test_batches_within_the_window_equal_the_targets_generate(drafter):
     neo16 = tiny_gpt_neo(16)
     prompts = [[5, 3], [4]]
-    result = generate_batch(neo16, drafter, prompts, max_new_tokens=7, tree="2")  # 2 + 6 * 2 + 2 = 16 slots
+    result = generate(neo16, drafter, prompts, max_new_tokens=7, tree="2")  # 2 + 6 * 2 + 2 = 16 slots
     for row, prompt in zip(result.rows, prompts):
         assert torch.equal(row.tokens, hf_greedy(neo16, torch.tensor([prompt]), 7))
     neo8 = tiny_gpt_neo(8)
     # one row leaves no holes: its slots are its sequence (2 + 4 + 2 <= 8)
-    result = generate_batch(neo8, drafter, [[5, 3]], max_new_tokens=4, tree="1,1")
+    result = generate(neo8, drafter, [[5, 3]], max_new_tokens=4, tree="1,1")
     assert torch.equal(result.rows[0].tokens, hf_greedy(neo8, torch.tensor([[5, 3]]), 4))

@@ -96,23 +96,22 @@ def run_scripted(pair, prompt, max_new_tokens, eos=None, prompt_lookup=False, sc
     target, drafter = pair
     policy = Scripted(script, arms)
     drafted, extended = [], []  # (round, root token, root logits) per drafted round; tokens fed per catch-up call
-    # one prompt is a batch of one: trees draft through draft_batch and catch up through extend_batch; prompt lookup
-    # drafts its chains with draft_chain_lookup and reads committed tokens through resync_extend
-    draft_name, extend_name = ("draft_chain_lookup", "resync_extend") if prompt_lookup else ("draft_batch", "extend_batch")
-    draft, extend = getattr(TreeDrafter, draft_name), getattr(TreeDrafter, extend_name)
+    # one prompt is a batch of one: trees draft through draft and catch up through extend; prompt lookup drafts its
+    # chains with draft_chain_lookup and reads committed tokens through extend too
+    draft_name = "draft_chain_lookup" if prompt_lookup else "draft"
+    draft, extend = getattr(TreeDrafter, draft_name), TreeDrafter.extend
 
     def recording_draft(self, config, root, root_logits, *args):
-        row = (lambda t: t) if prompt_lookup else (lambda t: t[0])
-        drafted.append((len(policy.pulled) - 1, int(row(root)), row(root_logits).clone()))
+        drafted.append((len(policy.pulled) - 1, int(root[0]), root_logits[0].clone()))
         return draft(self, config, root, root_logits, *args)
 
     def recording_extend(self, tokens):
-        extended.append((tokens if prompt_lookup else tokens[0]).tolist())
+        extended.append(tokens[0].tolist())
         return extend(self, tokens)
 
     patch = pytest.MonkeyPatch()
     patch.setattr(TreeDrafter, draft_name, recording_draft)
-    patch.setattr(TreeDrafter, extend_name, recording_extend)
+    patch.setattr(TreeDrafter, "extend", recording_extend)
     try:
         result = generate(target, drafter, prompt, max_new_tokens=max_new_tokens, tree=policy, eos_token_id=eos,
                           prompt_lookup=prompt_lookup)
@@ -145,7 +144,7 @@ def test_switching_between_none_and_speculation_stays_greedy_with_the_drafter_ca
             assert torch.equal(result.tokens, hf_greedy(target, prompt, max_new, eos_token_id=eos))
             ended[ARMS[policy.pulled[-1]] == "none"] += 1
             check_drafter_in_sync(pair, prompt, result, drafted)
-            # deferred catch-up: one resync_extend per drafted round after none rounds, with all their tokens
+            # deferred catch-up: one extend per drafted round after none rounds, with all their tokens
             arms = [ARMS[a] for a in policy.pulled]
             expected, behind, start = [], [], prompt.shape[1]
             for arm, n in zip(arms, result.stats.accepted_lengths):
@@ -276,7 +275,7 @@ def test_cli_tree_none_and_a_none_arm(saved, capsys):  # noqa: F811
     report = json.loads(out)
     assert code == 0 and report["tokens"] == expected and set(report["arms"]) == {"none"}
     assert report["drafter_calls"] == 0
-    code, out = _run(capsys, *common, "--arms", "none;1,1;1,1,1", "--bandit-reward", "time")
+    code, out = _run(capsys, *common, "--tree", "bandit-time:none/1,1/1,1,1")
     assert code == 0 and out.startswith(tokenizer.decode(expected))
     assert "tree none:" in out and "tree (1,1):" in out and "tree (1,1,1):" in out
     from tree_search.cli import add_arguments
@@ -284,7 +283,7 @@ def test_cli_tree_none_and_a_none_arm(saved, capsys):  # noqa: F811
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     helps = {action.dest: action.help for action in parser._actions}
-    assert "'none'" in helps["tree"] and "'none'" in helps["arms"]
+    assert "'none' drafts nothing" in helps["tree"] and "an arm 'none'" in helps["tree"]
 
 
 def test_spec_round_trips_through_parse_and_bench_methods():

@@ -10,7 +10,7 @@ import torch
 from benchmarks import demo
 from benchmarks.real_pair import heldout_prompts, training_prompts
 from mamba_draft.heldout import SPEC_BENCH, is_heldout, read_spec_bench
-from mamba_draft import cli
+from commands import cli
 from mamba_draft.devices import default_dtype
 
 
@@ -66,7 +66,7 @@ def test_quick_rebuild_makes_data_trains_the_pair_and_benchmarks_it(quick_train)
     specs = demo.real_methods(result["dtype"], assistant=True, full_sweep=False)
     assert "hf-assisted" in specs["greedy"]
     for table in ("greedy", "sampled"):
-        methods = result[table]["methods"]
+        methods = result[table]["batches"]["1"]["methods"]
         assert len(methods) == len(specs[table])
         assert len(result[table]["prompts"]) == quick.bench_prompts
         assert all(int(p["question_id"]) % 2 == 1 for p in result[table]["prompts"])

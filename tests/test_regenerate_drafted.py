@@ -2,7 +2,6 @@
 speculative decoding (token-identical at temperature 0, reproducible when sampling), one-line errors on bad input."""
 from __future__ import annotations
 
-import importlib
 import json
 from collections import Counter
 
@@ -10,8 +9,7 @@ import pytest
 import torch
 import transformers
 
-import importlib
-from mamba_draft import cli
+from commands import cli
 from tests.helpers.training_fixtures import FIXTURES, make_tokenizer
 from tests.helpers.tree_models import aligned_drafter, random_drafter
 from training import regenerate as plain
@@ -59,7 +57,7 @@ def pair(tmp_path_factory):
 
 
 def regenerate_cli(target_dir, output, *extra) -> int:
-    return cli.main(["regenerate", "--model", str(target_dir), "--input", SOURCE, "--output", str(output),
+    return cli.main(["regenerate", "--target", str(target_dir), "--input", SOURCE, "--output", str(output),
                      "--max-new-tokens", str(MAX_NEW), "--batch-size", "3", *extra])
 
 
@@ -74,17 +72,17 @@ def drafted_line(out: str) -> dict:
 @pytest.mark.parametrize("tree", ["bandit", "3,2,1"])
 def test_greedy_drafted_replies_equal_the_plain_ones(pair, tmp_path, capsys, monkeypatch, tree):
     target_dir, drafter_dir = pair
-    assert plain.main(["--model", str(target_dir), "--input", SOURCE, "--output", str(tmp_path / "plain.json"),
+    assert plain.main(["--target", str(target_dir), "--input", SOURCE, "--output", str(tmp_path / "plain.json"),
                        "--max-new-tokens", str(MAX_NEW), "--batch-size", "3"]) == 0
     want = json.loads((tmp_path / "plain.json").read_text())
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert 0 < sum("truncated" in r for r in want) < len(want)  # some replies end at an EOS, others are cut off
 
-    engine = importlib.import_module("tree_search.generate")  # the package re-exports a function of that name
-    batches, real = [], engine.speculate
-    monkeypatch.setattr(engine, "speculate",
-                        lambda target, drafter, prompts, *args: batches.append((drafter, prompts, args))
-                        or real(target, drafter, prompts, *args))
+    import tree_search
+
+    batches, real = [], tree_search.generate  # what DraftedGenerate calls, once per batch of prompts
+    monkeypatch.setattr(tree_search, "generate", lambda target, drafter, prompts, **kw:
+                        batches.append((drafter, prompts, kw)) or real(target, drafter, prompts, **kw))
     assert regenerate_cli(target_dir, tmp_path / "drafted.json", "--drafter", str(drafter_dir), "--tree", tree) == 0
     assert json.loads((tmp_path / "drafted.json").read_text()) == want
     out = capsys.readouterr().out.strip().splitlines()
@@ -128,7 +126,7 @@ def test_bad_drafter_or_tree_is_a_one_line_error_and_writes_nothing(pair, tmp_pa
         (["--drafter", str(tmp_path / "nowhere")], f"--drafter {tmp_path / 'nowhere'} does not exist"),
         (["--drafter", str(not_a_dir)], f"--drafter {not_a_dir} is not a directory"),
         (["--drafter", str(drafter_dir), "--tree", "3,,2"], "cannot parse tree spec '3,,2'"),
-        (["--drafter", str(drafter_dir), "--tree", "3,2", "--arms", "1,1;2"], "--arms only applies to --tree bandit"),
+        (["--drafter", str(drafter_dir), "--tree", "bandit:1,1//2"], "tree spec '' is empty"),
         (["--drafter", str(drafter_dir), "--verifier", "greedy", "--temperature", "0.7"],
          "verifier 'greedy' is for temperature 0"),
         (["--tree", "3,2"], "--tree needs --drafter"),

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from benchmarks.methods import Models, parse_method, run_hf
-from mamba_draft.cli import main
+from commands.cli import main
 from tests.helpers.tree_models import random_drafter, tiny_llama
 from tests.test_generate_cli import cli_fp32  # noqa: F401  (fixture: the CLI in fp32 on every CPU kind)
 from tree_search.generate import generate, generate_autoregressive

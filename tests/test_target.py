@@ -1,11 +1,12 @@
-"""Target adapter: tree forward == plain forward per path, KV compaction == re-encoding, refusals name the class."""
+"""Target cache on one prompt (a batch of one): tree forward == plain forward per path, KV compaction ==
+re-encoding, refusals name the class."""
 import pytest
 import torch
 import transformers
 
 from tests.helpers.tree_models import encoded_cache, tiny_causal_lm
 from tree_search.generate import generate
-from tree_search.target import TargetState, UnsupportedTargetError, check_tree_support, window_capacity
+from tree_search.target import TargetCache, UnsupportedTargetError, check_tree_support, window_capacity
 from tree_search.tree import TreeConfig
 
 KINDS = ["llama", "neox", "mistral", "qwen2"]
@@ -21,18 +22,19 @@ def test_tree_forward_matches_plain_forward_on_every_path(target, prompt_len):
     torch.manual_seed(prompt_len)
     tree = TreeConfig((3, 2, 1)).build()
     prompt = torch.randint(0, 64, (1, prompt_len))
-    state = TargetState(target)
-    state.prefill(prompt[:, :-1])
-    tokens = torch.cat([prompt[0, -1:], torch.randint(0, 64, (len(tree) - 1,))])
+    state = TargetCache(target)
+    assert (state.prefill(prompt[:, :-1]) is None) == (prompt_len == 1)  # an empty prefix prefills nothing
+    tokens = torch.cat([prompt[0, -1:], torch.randint(0, 64, (len(tree) - 1,))])[None]
     logits, hidden = state.tree_forward(tokens, tree, want_hidden=True)
-    assert logits.shape == (len(tree), 64)
+    assert logits.shape == (1, len(tree), 64) and hidden.shape == (1, len(tree), target.config.hidden_size)
     # the hidden states are what the head consumes (DropMatch / AutoJudge rely on it)
     torch.testing.assert_close(target.get_output_embeddings()(hidden), logits, atol=1e-5, rtol=1e-5)
+    assert state.forwards == (1 if prompt_len == 1 else 2)  # an empty prefill runs no forward
     with torch.no_grad():
         for node in range(len(tree)):
-            sequence = torch.cat([prompt[0], tokens[tree.path_to(node)]])
+            sequence = torch.cat([prompt[0], tokens[0, tree.path_to(node)]])
             plain = target(sequence[None]).logits[0, -1]
-            torch.testing.assert_close(logits[node], plain, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(logits[0, node], plain, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("branching", [(2, 2, 2), (1, 1, 1)])
@@ -40,7 +42,7 @@ def test_commit_equals_reencoding_over_several_rounds(target, branching):
     torch.manual_seed(0)
     tree = TreeConfig(branching).build()
     prompt = torch.randint(0, 64, (1, 5))
-    state = TargetState(target)
+    state = TargetCache(target)
     state.prefill(prompt[:, :-1])
     committed = prompt[:, :-1]  # what the cache should hold: the prefix, then each round's root + accepted path
     root = prompt[0, -1]
@@ -49,12 +51,14 @@ def test_commit_equals_reencoding_over_several_rounds(target, branching):
         ([], list(tree.leaf_paths[5]), list(tree.leaf_paths[2][:2]), [2])
     for path in paths:
         tokens = torch.cat([root.view(1), torch.randint(0, 64, (len(tree) - 1,))])
-        state.tree_forward(tokens, tree)
-        state.commit(path, len(tree))
+        state.tree_forward(tokens[None], tree)
+        state.commit([path])
         committed = torch.cat([committed, tokens[[0] + path].view(1, -1)], dim=1)
         reference = encoded_cache(target, committed)
-        assert state.cache.get_seq_length() == state.length == committed.shape[1]
-        for ours, ref in zip(state.cache.layers, reference.layers):
+        # one unpadded row: its slots are its committed sequence, all valid, no holes
+        assert state.cache.get_seq_length() == state.slots == committed.shape[1]
+        assert state.positions.tolist() == [committed.shape[1]] and bool(state.valid.all())
+        for ours, ref in zip(state.cache.layers, reference.layers, strict=True):
             torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
         root = torch.randint(0, 64, ())

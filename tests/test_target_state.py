@@ -1,23 +1,23 @@
-"""Target adapter state: probe verdicts follow the model's attention / dtype / device, eager attention gets the additive
-mask it expects, commit keeps no token record, and bf16 targets diverge from their own greedy `generate` only at
-rounding ties."""
+"""Target cache: probe verdicts follow the model's attention / dtype / device and live on the model, eager attention
+gets the additive mask it expects, commit keeps no token record, prefills run the head on the last position only,
+and bf16 targets diverge from their own greedy `generate` only at rounding ties."""
 import pytest
 import torch
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-import tree_search.target as target_module
+import tree_search.target.tree_mask as tree_mask_module
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, tiny_causal_lm
 from tree_search.generate import generate
-from tree_search.target import TargetState, UnsupportedTargetError, check_tree_support
+from tree_search.target import TargetCache, TargetFacts, UnsupportedTargetError, check_tree_support
 from tree_search.tree import TreeConfig
 
 
 def test_probe_verdict_is_keyed_on_attention_implementation_and_dtype(monkeypatch):
     model = tiny_causal_lm("llama")
     probed = []
-    real_probe = target_module._probe_tree_mask
-    monkeypatch.setattr(target_module, "_probe_tree_mask", lambda m: probed.append(1) or real_probe(m))
+    real_probe = tree_mask_module._probe_tree_mask
+    monkeypatch.setattr(tree_mask_module, "_probe_tree_mask", lambda m: probed.append(1) or real_probe(m))
     steps = [
         (lambda: None, 1),                                   # first look: probe
         (lambda: None, 1),                                   # same state: cached
@@ -30,6 +30,11 @@ def test_probe_verdict_is_keyed_on_attention_implementation_and_dtype(monkeypatc
         change()
         check_tree_support(model)
         assert len(probed) == expected
+    # the verdicts live on the model (no module-level cache): the same weights in another model object probe again
+    assert len(TargetFacts.of(model).tree_mask_ok) == 4
+    twin = tiny_causal_lm("llama")
+    check_tree_support(twin)
+    assert len(probed) == 5 and len(TargetFacts.of(twin).tree_mask_ok) == 1
 
 
 def _unmasked_attention(module, query, key, value, attention_mask, **kwargs):
@@ -65,14 +70,14 @@ def test_commit_keeps_no_token_record(monkeypatch):
     """The committed tokens are the caller's; commit only compacts the cache (no per-round torch.cat)."""
     target = tiny_causal_lm("llama")
     tree = TreeConfig((2, 1)).build()
-    state = TargetState(target)
+    state = TargetCache(target)
     state.prefill(torch.tensor([[1, 2, 3]]))
-    state.tree_forward(torch.tensor([4, 5, 6, 7, 8]), tree)
+    state.tree_forward(torch.tensor([[4, 5, 6, 7, 8]]), tree)
     cats = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.append(1) or real_cat(*a, **k))
-    state.commit([1, 3], len(tree))
-    assert cats == [] and state.length == 6
+    state.commit([[1, 3]])
+    assert cats == [] and state.slots == 6 and state.positions.tolist() == [6]
     assert not hasattr(state, "ids")
 
 
@@ -117,8 +122,6 @@ def test_bf16_targets_diverge_only_at_rounding_ties(tmp_path, kind):
 def test_prefills_run_the_head_on_the_last_position_only(kind):
     """A prefill needs one row of logits: the head (49k x 576 on the real pair, a fifth of its prefill) must not run
     over the whole prompt; the logits are the full forward's last ones."""
-    from tree_search.target import BatchTargetState
-
     model = tiny_causal_lm(kind)
     head_rows = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[1]))
@@ -126,11 +129,12 @@ def test_prefills_run_the_head_on_the_last_position_only(kind):
     with torch.no_grad():
         full = model(ids).logits[0, -1]
         head_rows.clear()
-        single = TargetState(model).prefill(ids)
-        batch = BatchTargetState(model).prefill(torch.cat([ids, torch.tensor([[0, 0, 5, 6, 8, 2]])]),
+        single = TargetCache(model).prefill(ids)
+        batch = TargetCache(model).prefill(torch.cat([ids, torch.tensor([[0, 0, 5, 6, 8, 2]])]),
                                                 torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]]))
     hook.remove()
     assert head_rows == [1, 1]
-    torch.testing.assert_close(single, full)
+    assert single.shape == (1, 64)
+    torch.testing.assert_close(single[0], full)
     torch.testing.assert_close(batch[0], full, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(batch[1], model(torch.tensor([[5, 6, 8, 2]])).logits[0, -1], rtol=1e-4, atol=1e-5)

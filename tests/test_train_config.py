@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from commands import cli
 from tests.helpers.training_fixtures import FIXTURES, REPO, make_tokenizer
 from training.config import ConfigError, TrainConfig, load_config
 from training.distributed import deepspeed_config
@@ -113,8 +114,29 @@ def test_in_process_run_then_refuses_to_overwrite(tok_dir, tmp_path):
     assert (out / "model/config.json").is_file() and (out / "model/tokenizer.json").is_file()
     with pytest.raises(FileExistsError, match="already holds checkpoints: pass --resume"):
         train(cfg)
-    # resuming a finished run is a no-op that keeps the log
-    assert main(["--config", str(TINY / "pretrain-cpu.yaml"), f"model.tokenizer={tok_dir}", f"output_dir={out}",
-                 f"data.path={FIXTURES / 'fineweb_edu.jsonl'}", "steps=2", "checkpoint_every=1",
-                 "deepspeed=configs/deepspeed/zero1.json", "--resume"]) == 0
+    # resuming a finished run is a no-op that keeps the log (`mamba-draft train CONFIG [key=value ...]`, whose
+    # teardown ends the process group: once per process)
+    assert cli.main(["train", str(TINY / "pretrain-cpu.yaml"), f"model.tokenizer={tok_dir}", f"output_dir={out}",
+                     f"data.path={FIXTURES / 'fineweb_edu.jsonl'}", "steps=2", "checkpoint_every=1",
+                     "deepspeed=configs/deepspeed/zero1.json", "--resume"]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_train_command_reads_config_and_overrides(monkeypatch):
+    """`mamba-draft train CONFIG key=value ... [--resume]` runs training.train's main on one process; the launchers'
+    form (`--config CONFIG`) is the same command; the help says how DeepSpeed launches it."""
+    import training.train
+
+    seen = []
+    monkeypatch.setattr(training.train, "train", lambda cfg, resume_run=False: seen.append((cfg, resume_run)))
+    config = str(TINY / "pretrain-cpu.yaml")
+    assert cli.main(["train", config, "steps=3", "optim.lr=1e-4", "--resume"]) == 0
+    assert (seen[-1][0].steps, seen[-1][0].optim.lr, seen[-1][1]) == (3, 1e-4, True)
+    assert main(["--config", config, "steps=4", "optim.lr=2e-4"]) == 0
+    assert (seen[-1][0].steps, seen[-1][0].optim.lr, seen[-1][1]) == (4, 2e-4, False)
+    with pytest.raises(ValueError, match="no CONFIG given"):
+        cli.main(["train", "--resume"])
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) nonsense"):
+        cli.main(["train", config, "nonsense=1"])
+    assert len(seen) == 2
+    assert "deepspeed --num_gpus 2 --module training.train CONFIG" in cli.build_parser("train").format_help()

@@ -81,7 +81,7 @@ def expected(model, tokenizer, records: list[dict], max_new_tokens: int) -> list
 def test_regenerate_multi_turn_records_match_batch_one_greedy(target, tmp_path, capsys):
     model_dir, tokenizer, model = target
     out = tmp_path / "regen.json"
-    assert main(["--model", str(model_dir), "--input", str(FIXTURES / "sharegpt.json"), "--output", str(out),
+    assert main(["--target", str(model_dir), "--input", str(FIXTURES / "sharegpt.json"), "--output", str(out),
                  "--max-new-tokens", "6", "--batch-size", "3"]) == 0
     records = json.loads(out.read_text())
     want = expected(model, tokenizer, VALID, 6)
@@ -187,7 +187,7 @@ def test_truncated_replies_are_marked_or_dropped_and_counted(eos_target, tmp_pat
     model_dir, prompts, cut = eos_target
     source = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(prompts)])
     out = tmp_path / "out.json"
-    assert main(["--model", str(model_dir), "--input", str(source), "--output", str(out), "--max-new-tokens", "6",
+    assert main(["--target", str(model_dir), "--input", str(source), "--output", str(out), "--max-new-tokens", "6",
                  "--truncated", mode]) == 0
     records = json.loads(out.read_text())
     kept = [i for i in range(len(prompts)) if mode == "mark" or not cut[i]]
@@ -200,7 +200,7 @@ def test_truncated_replies_are_marked_or_dropped_and_counted(eos_target, tmp_pat
     if mode == "drop":  # only cut-off prompts: every record dropped -> an error and no file
         only_cut = write_jsonl(tmp_path / "cut.jsonl", [{"prompt": p} for p, c in zip(prompts, cut) if c])
         none = tmp_path / "none.json"
-        assert main(["--model", str(model_dir), "--input", str(only_cut), "--output", str(none),
+        assert main(["--target", str(model_dir), "--input", str(only_cut), "--output", str(none),
                      "--max-new-tokens", "6", "--truncated", "drop"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith(PROG + "nothing to write") and f"truncated {sum(cut)} (dropped)" in err[-1]
@@ -212,7 +212,7 @@ def test_all_records_skipped_exits_nonzero_without_output(target, tmp_path, caps
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([r for r in SHAREGPT if r["id"].startswith("bad_")] + [{"prompt": " "}, 7]))
     out = tmp_path / "out.json"
-    assert main(["--model", str(model_dir), "--input", str(bad), "--output", str(out)]) == 1
+    assert main(["--target", str(model_dir), "--input", str(bad), "--output", str(out)]) == 1
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines() == [
         PROG + "nothing to write: all 8 input records were skipped (bad_prompt 1, empty_conversation 1, empty_turn 1, "
@@ -229,14 +229,14 @@ def test_bad_input_is_a_one_line_error(target, tmp_path, capsys):
              (broken, out, f"{broken}:2: not valid JSON"),
              (FIXTURES / "sharegpt.json", tmp_path / "no_dir" / "o.json", "output directory")]
     for source, output, message in cases:
-        assert main(["--model", str(model_dir), "--input", str(source), "--output", str(output)]) == 1
+        assert main(["--target", str(model_dir), "--input", str(source), "--output", str(output)]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(PROG) and message in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.jsonl"]
     for flag, value in [("--batch-size", "0"), ("--max-new-tokens", "0"), ("--temperature", "-1"),
                         ("--truncated", "keep"), ("--dtype", "float16"), ("--threads", "0")]:
         with pytest.raises(SystemExit) as e:
-            main(["--model", str(model_dir), "--input", str(FIXTURES / "sharegpt.json"), "--output", str(out), flag, value])
+            main(["--target", str(model_dir), "--input", str(FIXTURES / "sharegpt.json"), "--output", str(out), flag, value])
         assert e.value.code == 2
     assert not out.exists()
 
@@ -247,7 +247,7 @@ def test_cli_dtype_threads_and_seeded_sampling(target, tmp_path, monkeypatch):
     real_load = regen.load_causal_lm
     monkeypatch.setattr(regen, "load_causal_lm", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
-    run = lambda name, *extra: main(["--model", str(model_dir), "--input", str(FIXTURES / "sharegpt.json"),
+    run = lambda name, *extra: main(["--target", str(model_dir), "--input", str(FIXTURES / "sharegpt.json"),
                                      "--output", str(tmp_path / name), "--max-new-tokens", "8", *extra]) == 0
     assert run("bf16.json", "--dtype", "bfloat16", "--threads", "2")
     assert threads == [2] and next(loaded[-1].parameters()).dtype == torch.bfloat16

@@ -9,11 +9,13 @@ import torch
 
 from mamba_draft import load_drafter
 from mamba_draft import transformer as transformer_module
+from mamba_draft.drafter import Drafter, DraftState
 from mamba_draft.transformer import TransformerDrafter
-from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama, tiny_neox
+from tests.helpers.drafters import lean_drafter
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama, tiny_neox
 from tree_search import UCBBandit
 from tree_search.calls import check_drafter_room
-from tree_search.generate import generate, generate_batch
+from tree_search.generate import generate
 
 VOCAB = 64
 NEW = 30
@@ -70,7 +72,7 @@ def test_greedy_is_the_targets_own_at_batch_one_and_in_batches(pair, tree):
     for prompt, ref in zip(prompts, refs):
         result = generate(target, drafter, torch.tensor([prompt]), max_new_tokens=NEW, tree=tree)
         assert torch.equal(result.tokens, ref)
-    batch = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree=tree)
+    batch = generate(target, drafter, prompts, max_new_tokens=NEW, tree=tree)
     for row, ref in zip(batch.rows, refs):
         assert torch.equal(row.tokens, ref)
 
@@ -83,7 +85,7 @@ def test_the_target_as_its_own_drafter_accepts_every_token(pair):
     result = generate(target, drafter, torch.tensor([prompts[2]]), max_new_tokens=NEW, tree="1,1,1,1")
     assert torch.equal(result.tokens, refs[2])
     assert result.stats.accepted_lengths[:-1] == [5] * (len(result.stats.accepted_lengths) - 1)
-    batch = generate_batch(target, drafter, prompts, max_new_tokens=NEW, tree="2,2,1")
+    batch = generate(target, drafter, prompts, max_new_tokens=NEW, tree="2,2,1")
     for row, ref in zip(batch.rows, refs):
         assert torch.equal(row.tokens, ref) and row.stats.accepted_lengths[:-1] == [4] * (row.stats.rounds - 1)
 
@@ -128,6 +130,48 @@ def test_load_drafter_picks_the_kind_from_the_checkpoint(pair, tmp_path):
     assert torch.equal(result.tokens, refs[1])
 
 
+def test_load_drafter_takes_the_target(tmp_path):
+    """target=: the embedding a lean drafter needs, and the default device and dtype (explicit dtype still wins)."""
+    target = tiny_llama(vocab=VOCAB)
+    weight = target.get_input_embeddings().weight
+    lean = lean_drafter(tmp_path / "lean", target)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    drafter = load_drafter(lean, target=target)
+    assert (drafter.device, drafter.dtype) == (weight.device, torch.float32)
+    assert torch.equal(drafter(ids), load_drafter(lean, embedding=weight)(ids))
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    drafter = load_drafter(lean, target=half)
+    assert drafter.dtype == torch.bfloat16 and drafter.allocate_state(1).ssm.dtype == torch.float32
+    assert load_drafter(lean, target=half, dtype=torch.float32).dtype == torch.float32
+    target.save_pretrained(tmp_path / "llama")
+    assert load_drafter(tmp_path / "llama", target=half).dtype == torch.bfloat16  # a Transformer drafter too
+    with pytest.raises(ValueError, match="target= or embedding=, not both"):
+        load_drafter(lean, target=target, embedding=weight)
+
+
+DRAFTER_MEMBERS = ("capturable", "backend", "state_dtype", "draft_ids", "vocab_size", "input_vocab_size", "device",
+                   "dtype", "allocate_state", "row_bytes", "prefill", "extend", "step", "forward")
+STATE_MEMBERS = ("max_batch", "device", "nbytes", "rows", "gather_", "reset_")
+
+
+def stub(members: tuple[str, ...], missing: str | None = None) -> object:
+    """An object with every one of `members` but `missing` (each a method: enough for a runtime protocol check)."""
+    return type("Stub", (), {name: lambda self, *args: None for name in members if name != missing})()
+
+
+def test_both_kinds_and_their_states_implement_the_protocols(pair, tmp_path):
+    _, transformer_drafter, _, _ = pair
+    for drafter in (random_drafter(tmp_path, vocab=VOCAB), transformer_drafter):
+        state = drafter.allocate_state(2)
+        assert isinstance(drafter, Drafter) and not isinstance(drafter, DraftState)
+        assert isinstance(state, DraftState) and isinstance(state.rows(0, 1), DraftState)
+    assert isinstance(stub(DRAFTER_MEMBERS), Drafter) and isinstance(stub(STATE_MEMBERS), DraftState)
+    for name in DRAFTER_MEMBERS:
+        assert not isinstance(stub(DRAFTER_MEMBERS, missing=name), Drafter), name
+    for name in STATE_MEMBERS:
+        assert not isinstance(stub(STATE_MEMBERS, missing=name), DraftState), name
+
+
 def test_load_drafter_names_a_directory_it_cannot_load(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "nonsense"}')
     with pytest.raises(ValueError, match="neither a Mamba checkpoint nor a causal LM transformers can load"):
@@ -162,7 +206,7 @@ def test_greedy_with_a_draft_vocabulary_is_the_targets_own(pair, tmp_path):
     small = TransformerDrafter(drafter.model, draft)
     for prompt, ref in zip(prompts, refs):
         assert torch.equal(generate(target, small, torch.tensor([prompt]), max_new_tokens=NEW, tree="3,2,1").tokens, ref)
-    batch = generate_batch(target, small, prompts, max_new_tokens=NEW, tree="2,1")
+    batch = generate(target, small, prompts, max_new_tokens=NEW, tree="2,1")
     assert all(torch.equal(row.tokens, ref) for row, ref in zip(batch.rows, refs))
     directory = tmp_path / "self"
     target.save_pretrained(directory)

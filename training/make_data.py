@@ -23,9 +23,10 @@ where it stopped, losing at most the batch in flight; a larger --magpie extends 
                           position too), recorded from the generating forward itself (temperature 1, whatever the
                           sampling temperature): per position K int32 ids then K float16 log-probs; a record's
                           `topk` is [first position, count]. Dense distillation targets at no extra forward.
-    hidden-T{t}.bin       with --hidden: the target's last hidden state (after its final norm: what its tied head
-                          multiplies) at the same positions, bfloat16, hidden_size values per position — targets
-                          for a feature loss (EAGLE's), from one teacher-forced forward per reply after the replies
+    hidden-T{t}.bin       with --hidden: the target's last hidden state (after its final norm: what its head
+                          multiplies) at the same positions, bfloat16, hidden_size values per position, recorded by
+                          the same hook from the generating forward; replies made without --hidden get theirs from
+                          one teacher-forced forward per batch after the replies. Read memory-mapped (`read_hidden`).
 """
 from __future__ import annotations
 
@@ -292,16 +293,21 @@ class Engine:
         self.tokens, self.seconds = 0, 0.0
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float | None,
-            seed: int, record_topk: bool = False) -> tuple[list[tuple[list[int], bool]], list[torch.Tensor] | None]:
-        """Each prompt's (reply tokens before EOS, cut) and, with `record_topk`, its top-K file rows: (positions,
-        topk_bytes()) uint8, K int32 ids then K float16 log-probs per position (None when the generator ran no
-        forward of this model, e.g. a scripted one)."""
+            seed: int, record_topk: bool = False, record_hidden: bool = False,
+            ) -> tuple[list[tuple[list[int], bool]], list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Each prompt's (reply tokens before EOS, cut), with `record_topk` its top-K file rows: (positions,
+        topk_bytes()) uint8, K int32 ids then K float16 log-probs per position, and with `record_hidden` the head's
+        input at those positions: (positions, hidden_size) bfloat16 (None when the generator ran no forward of this
+        model, e.g. a scripted one)."""
         torch.manual_seed(seed)
         steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        states: list[torch.Tensor] = []
 
         def record(module, inputs, output):  # each decoding step's head output: (B, 1, V) (prefill: last position)
             values, ids = torch.log_softmax(output[:, -1].float(), dim=-1).topk(TOPK, dim=-1)
             steps.append((ids.to(torch.int32), values.to(torch.float16)))
+            if record_hidden:
+                states.append(inputs[0][:, -1].to(torch.bfloat16).cpu())
 
         hook = self.model.get_output_embeddings().register_forward_hook(record) if record_topk else None
         start = time.perf_counter()
@@ -318,12 +324,17 @@ class Engine:
         self.tokens += sum(len(ids) + (not cut) for ids, cut in out)  # the EOS is a generated token too
         needed = max(len(ids) + (not cut) for ids, cut in out)
         if not record_topk or len(steps) < needed:
-            return out, None
+            return out, None, None
+        counts = [len(r) + (not c) for r, c in out]
         ids = torch.stack([i for i, _ in steps[:needed]], dim=1)  # (B, positions, K)
         values = torch.stack([v for _, v in steps[:needed]], dim=1)
         packed = [torch.cat([ids[b, :n].view(torch.uint8).reshape(n, -1), values[b, :n].view(torch.uint8)
-                             .reshape(n, -1)], dim=1) for b, n in enumerate(len(r) + (not c) for r, c in out)]
-        return out, packed
+                             .reshape(n, -1)], dim=1) for b, n in enumerate(counts)]
+        hidden = None
+        if record_hidden:
+            stacked = torch.stack(states[:needed], dim=1)  # (B, positions, hidden_size)
+            hidden = [stacked[b, :n] for b, n in enumerate(counts)]
+        return out, packed, hidden
 
     def rate(self) -> str:
         return f"{self.tokens / self.seconds:.0f} tok/s" if self.seconds else "-"
@@ -347,7 +358,7 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
         task = tasks[b % len(tasks)] if tasks else None
         n = min(batch_size, count - b * batch_size)
         prefix = magpie_prefix(engine.tokenizer, task.system if task else None)
-        rows, _ = engine.run([prefix] * n, task.tokens if task else MAGPIE_TOKENS, MAGPIE_TEMPERATURE,
+        rows, _, _ = engine.run([prefix] * n, task.tokens if task else MAGPIE_TOKENS, MAGPIE_TEMPERATURE,
                              MAGPIE_TOP_P, seed + b + (TASK_SEED if task else 0))
         kept, dropped = [], Counter()
         for row, (ids, cut) in enumerate(rows):
@@ -389,12 +400,16 @@ def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_RO
 
 
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
-                  batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None]) -> None:
-    """Answer every prompt at every temperature it lacks a reply for, longest prompts first."""
-    todo, next_position, encoded = {}, {}, {}
+                  batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None],
+                  hidden: bool = False) -> None:
+    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. With `hidden`, the
+    generating forward's hidden states are appended too while the hidden file is level with the top-K file (else
+    `hidden_states` fills them in afterwards)."""
+    todo, next_position, encoded, level = {}, {}, {}, {}
     for t in temperatures:
         records = read_shard(reply_path(out, t))
         next_position[t] = repair_topk(out, t, records)
+        level[t] = hidden and align_hidden(out, t, records, engine.model.config.hidden_size) == next_position[t]
         have = {r["id"] for r in records}
         todo[t] = [p for p in prompts if p["id"] not in have]
         for p in todo[t]:  # only what is still to answer: a late round re-reads every prompt but encodes few
@@ -409,8 +424,8 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
     for t, batch in jobs:
         # the seed depends on the batch's content, not its position: a resumed run draws the same way per batch
         batch_seed = seed + sum(map(ord, batch[0]["id"])) * 1009 + int(t * 1000)
-        rows, topk = engine.run([encoded[p["id"]] for p in batch], max_new_tokens, t, None, batch_seed,
-                                record_topk=True)
+        rows, topk, states = engine.run([encoded[p["id"]] for p in batch], max_new_tokens, t, None, batch_seed,
+                                        record_topk=True, record_hidden=level[t])
         records = []
         for b, (p, (ids, cut)) in enumerate(zip(batch, rows)):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -421,6 +436,10 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
             records.append({"id": p["id"], "source": p["source"], "temperature": t, "truncated": cut,
                             "reply_ids": ids, "topk": span, "conversations": [
                                 {"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": text}]})
+        if states is not None:  # hidden, then top-K, then the reply lines: a kill leaves only a tail to cut
+            append_bytes(hidden_path(out, t), torch.cat(states).view(torch.uint8).numpy().tobytes())
+        else:
+            level[t] = False  # a scripted generator ran no forward: hidden_states fills these in
         if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
             append_bytes(topk_path(out, t), b"".join(row.numpy().tobytes() for row in topk))
         append_shard(reply_path(out, t), records)
@@ -428,6 +447,19 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
         bar.update(len(batch))
         bar.set_postfix(speed=engine.rate())
     bar.close()
+
+
+def align_hidden(out: Path, temperature: float, records: list[dict], width: int) -> int:
+    """Cut the hidden-state file back to the last whole reply it holds (a kill mid-append, or a reply whose top-K
+    rows were cut); returns the positions it covers."""
+    path = hidden_path(out, temperature)
+    size = path.stat().st_size if path.exists() else 0
+    ends = [r["topk"][0] + r["topk"][1] for r in records if r.get("topk")]
+    done = max((e for e in ends if e * width * 2 <= size), default=0)
+    if size != done * width * 2:
+        with open(path, "r+b") as f:
+            f.truncate(done * width * 2)
+    return done
 
 
 HIDDEN_PAIR_BUDGET = 1 << 22  # rows x length^2 of one teacher forward: bounds its attention scores (~150 MB)
@@ -443,13 +475,7 @@ def hidden_states(engine: Engine, out: Path, prompts: dict[str, str], temperatur
     order, so hidden-T{t}.bin stays aligned with topk-T{t}.bin; a torn tail is cut back to the last whole reply."""
     records = [r for r in read_shard(reply_path(out, temperature)) if r.get("topk")]
     path, width = hidden_path(out, temperature), engine.model.config.hidden_size
-    row = width * 2
-    size = path.stat().st_size if path.exists() else 0
-    ends = [r["topk"][0] + r["topk"][1] for r in records]
-    done = max((e for e in ends if e * row <= size), default=0)
-    if size != done * row:
-        with open(path, "r+b") as f:
-            f.truncate(done * row)
+    done = align_hidden(out, temperature, records, width)
     todo = [r for r in records if r["topk"][0] >= done]
     if todo and todo[0]["topk"][0] != done:
         raise ValueError(f"{path} ends at position {done}, inside a reply: the file was changed by hand")
@@ -574,7 +600,7 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
             magpie_batches(engine, out, min(count, round_ * step), args.batch_size, args.seed, seen, prompts_path,
                            progress, manifest, tasks)
         reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
-                      args.seed, progress, manifest)
+                      args.seed, progress, manifest, args.hidden)
     if args.hidden:
         prompts = {p["id"]: p["prompt"] for p in read_shard(prompts_path)}
         for t in temperatures:
@@ -607,8 +633,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", action="store_true",
-                        help="also cache the target's final hidden state at every reply position (feature-loss "
-                        "targets: hidden_size bf16 values per position, one teacher-forced forward per reply)")
+                        help="also cache the target's final hidden state at every reply position (hidden_size bf16 "
+                        "values per position, from the generating forward; replies made before get one teacher-forced "
+                        "forward): what a target-aware drafter reads, and feature-loss targets")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")

@@ -1,6 +1,6 @@
 """Regenerate assistant replies with the target model (self-distillation data).
 
-    python -m training.regenerate --model TARGET --input conversations.json --output regenerated.json
+    python -m training.regenerate --target TARGET --input conversations.json --output regenerated.json
 
 TARGET: an HF directory, a hub id, a .gguf file, or `smollm2` (the shipped SmolLM2 GGUF). Input: a ShareGPT JSON
 array, or JSONL with one record per line: ShareGPT (`conversations`), `{"messages": [...]}`, `{"prompt": str}`, or
@@ -138,7 +138,7 @@ Generate = Callable[..., list[list[int]]]
 
 
 def data_attention(device: str | torch.device) -> str:
-    """Training data needs no batch invariance (mamba_draft.row_blocks): the fastest attention for batched decoding,
+    """Training data needs no batch invariance (mamba_draft.targets.row_blocks): the fastest attention for batched decoding,
     grouped on CPU (sdpa's copies of the repeated key heads were 55 % of a batch-64 step on 2 cores), else sdpa."""
     return "grouped" if torch.device(device).type == "cpu" else "sdpa"
 
@@ -292,7 +292,7 @@ def summary(counts: Counter, truncated: str | None = None) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments (without --threads), shared with `mamba-draft regenerate`."""
-    parser.add_argument("--model", required=True, help="target: HF dir, hub id, .gguf file or 'smollm2'")
+    parser.add_argument("--target", required=True, help="target: HF dir, hub id, .gguf file or 'smollm2'")
     parser.add_argument("--input", required=True, help="ShareGPT JSON array, or JSONL of conversations or prompts")
     parser.add_argument("--output", required=True, help="where to write the regenerated ShareGPT JSON")
     parser.add_argument("--max-new-tokens", type=int, default=512)
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace, generate: Generate | None = None) -> Counter:
     (nothing written). generate: as in `regenerate`."""
     check_arguments(args)
     check_device(args.device)
-    return regenerate(args.model, args.input, args.output, max_new_tokens=args.max_new_tokens,
+    return regenerate(args.target, args.input, args.output, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, batch_size=args.batch_size, truncated=args.truncated,
                       limit=args.limit, seed=args.seed, device=args.device, dtype=args.dtype, generate=generate)
 

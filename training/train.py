@@ -1,7 +1,12 @@
-"""Train a Mamba drafter (or a small Llama target) with DeepSpeed: pretraining, SFT or distillation.
+"""Train a drafter (Mamba, or a small Llama: a Transformer drafter or a toy target) with DeepSpeed: pretraining,
+SFT or distillation.
 
-    python -m training.train --config configs/tiny/pretrain-cpu.yaml [key=value ...] [--resume]
-    deepspeed --num_gpus 2 --module training.train --config ...      (or torchrun -m training.train ...)
+    mamba-draft train configs/tiny/pretrain-cpu.yaml [key=value ...] [--resume]      one process
+    deepspeed --num_gpus 2 --module training.train CONFIG [key=value ...] [--resume]   several (DeepSpeed's launcher)
+    torchrun --nproc_per_node 2 -m training.train CONFIG [key=value ...] [--resume]    several (torch's launcher)
+
+`python -m training.train` is the same command; the launchers run it once per process. CONFIG may also be given as
+`--config CONFIG`.
 
 Output directory layout:
     config.yaml          the resolved TrainConfig
@@ -102,7 +107,7 @@ def total_steps(cfg: TrainConfig, n_records: int | None) -> int:
 def load_target(cfg: TrainConfig, tokenizer, device, dtype):
     if not cfg.distill.target:
         return None
-    # HF dir, hub id or .gguf; a teacher's batched forwards need no row blocks (mamba_draft.row_blocks)
+    # HF dir, hub id or .gguf; a teacher's batched forwards need no row blocks (mamba_draft.targets.row_blocks)
     target = load_causal_lm(cfg.distill.target, dtype=dtype, device=device, row_blocks=False)
     check_vocab(target.config, tokenizer, f"distill.target {cfg.distill.target!r}")
     target.requires_grad_(False)
@@ -313,20 +318,36 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML file of TrainConfig fields")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`mamba-draft train` / `python -m training.train`: CONFIG [key=value ...] [--resume]."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file of TrainConfig fields")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="overrides of CONFIG's fields, e.g. optim.lr=1e-3 data.seq_len=512")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG", help="CONFIG as an option")
     parser.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/latest")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 data.seq_len=512")
-    args = parser.parse_args(argv)
-    train(load_config(args.config, args.overrides), resume_run=args.resume)
+
+
+def run(args: argparse.Namespace) -> int:
+    config, overrides = args.config, list(args.overrides)
+    if args.config_option is not None:  # `--config FILE a=1 b=2`: argparse read a=1 as the positional CONFIG
+        config, overrides = args.config_option, ([config] if config is not None else []) + overrides
+    if config is None:
+        raise ValueError("no CONFIG given: train CONFIG [key=value ...] (a YAML file of TrainConfig fields)")
+    train(load_config(config, overrides), resume_run=args.resume)
     if torch.distributed.is_initialized():
         # a clean teardown: a process that exits with the gloo group alive can die in std::terminate on its way out
         # ("terminate called without an active exception", exit -6 under the launcher) after a finished run
         torch.distributed.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """What the launchers run in each process (`python -m training.train`)."""
+    parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Tree-structured speculative decoding with a Mamba drafter: topology, drafting, verification, bandit, generate."""
-from tree_search.bandit import DEFAULT_ARMS, FixedPolicy, UCBBandit, time_reward, tree_reward
+from tree_search.bandit import DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
 from tree_search.calls import BatchGenerateResult, GenerateResult, GenerateStats
-from tree_search.generate import generate, generate_autoregressive, generate_autoregressive_batch, generate_batch
+from tree_search.generate import SpeculativeDecoder, generate, generate_autoregressive
+from tree_search.policy import FixedShape, TreePolicy, parse_policy
 from tree_search.sampling import SamplingParams
 from tree_search.target import UnsupportedTargetError
 from tree_search.tree import Tree, TreeConfig
@@ -10,12 +11,14 @@ from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, available
 __all__ = [
     "BatchGenerateResult",
     "DEFAULT_ARMS",
-    "FixedPolicy",
+    "FixedShape",
     "GenerateResult",
     "GenerateStats",
     "SamplingParams",
+    "SpeculativeDecoder",
     "Tree",
     "TreeConfig",
+    "TreePolicy",
     "UCBBandit",
     "UnsupportedTargetError",
     "Verifier",
@@ -24,9 +27,8 @@ __all__ = [
     "available_verifiers",
     "generate",
     "generate_autoregressive",
-    "generate_autoregressive_batch",
-    "generate_batch",
     "get_verifier",
+    "parse_policy",
     "register_verifier",
     "time_reward",
     "tree_reward",

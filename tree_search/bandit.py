@@ -1,4 +1,4 @@
-"""Tree-shape policies: UCB over a set of `TreeConfig` arms (paper Eq. 1-2) and a fixed single shape.
+"""UCB over a set of `TreeConfig` arms (paper Eq. 1-2): the tree policy that learns which shape pays.
 
 An arm may be `none` (`TreeConfig(())`, no speculation: a plain decoding step, γ = 0, so its Eq. 2 reward is -1 and
 its time reward the target's own throughput), the fallback when drafting costs more than it saves.
@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
 
 from tree_search.tree import TreeConfig
 
@@ -175,20 +173,3 @@ class UCBBandit:
     def summary(self) -> dict[str, dict[str, float]]:
         """Per-arm pulls and value (mean reward), keyed by the arm's shape string."""
         return {str(a): {"pulls": s.pulls, "mean_reward": v} for a, s, v in zip(self.arms, self.stats, self.values())}
-
-
-def default_policy(device) -> UCBBandit:
-    """`tree="auto"`: on a CPU the measured-time bandit over `CPU_ARMS`; elsewhere the paper's arms and reward."""
-    if torch.device(device).type == "cpu":
-        return UCBBandit(arms=CPU_ARMS, reward="time")
-    return UCBBandit()
-
-
-class FixedPolicy(UCBBandit):
-    """Always the same tree; keeps the same statistics so reports look alike."""
-
-    def __init__(self, tree: TreeConfig | str | tuple[int, ...], lambda_gamma: float = 0.1) -> None:
-        super().__init__(arms=(TreeConfig.parse(tree),), lambda_ucb=0.0, lambda_gamma=lambda_gamma)
-
-    def select(self) -> int:
-        return 0

@@ -8,13 +8,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mamba_draft.checkpoint import check_draft_ids
-from tree_search.bandit import FixedPolicy, UCBBandit, default_policy
+from tree_search.policy import TreePolicy, is_auto
 from tree_search.sampling import SamplingParams
-from tree_search.target import (
-    check_batch_prompts, check_tree_support, local_window, max_positions, target_vocab_size, window_capacity,
-)
+from tree_search.target import check_tree_support, local_window, max_positions, target_vocab_size, window_capacity
 from tree_search.tree import TreeConfig
-from tree_search.verifiers import Verifier
+from tree_search.recorder import Recorder
+from tree_search.verifiers import Verifier, VerifyResult
 
 LOOKUP_TOKENS = 8  # the default prompt-lookup proposal length (`default_lookup_tokens`)
 
@@ -89,7 +88,95 @@ class BatchGenerateResult:
         return [row.stats.mean_accepted for row in self.rows]
 
 
-def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: UCBBandit) -> None:
+@dataclass
+class Call:
+    """One generate call: its validated inputs, options, per-row committed tokens and stats (what both loops share)."""
+
+    ids: torch.Tensor  # (B, L) left-padded prompts on the target's device
+    mask: torch.Tensor  # (B, L) 1 on prompt tokens, 0 on the padding
+    lengths: list[int]
+    batched: bool  # the caller passed a batch (-> BatchGenerateResult), even of one
+    max_new_tokens: int
+    params: SamplingParams
+    eos: set[int]
+    stats: GenerateStats
+    row_stats: list[GenerateStats]
+    generators: list[torch.Generator] | None  # active rows' generators (None: torch's global RNG)
+    streamer: object = None
+    verifier: Verifier | None = None
+    lookup_tokens: int = 0  # prompt-lookup proposal length of this call (0: none)
+    out: list[list[int]] = field(default_factory=list)  # committed new tokens per prompt
+    active: list[int] = field(default_factory=list)  # batch row i holds prompt active[i]
+    recorder: Recorder | None = None
+    counters: list[Recorder] = field(default_factory=list)  # per prompt; only their `count` is used
+
+    @property
+    def batch(self) -> int:
+        return self.ids.shape[0]
+
+    def start(self) -> Recorder:
+        """Start the clock, stream the prompt; returns the batch's recorder (phase times, rounds)."""
+        self.out = [[] for _ in self.lengths]
+        self.active = list(range(self.batch))
+        self.counters = [Recorder(stats, torch.device("cpu")) for stats in self.row_stats]
+        self.recorder = Recorder(self.stats, self.ids.device)
+        if self.streamer is not None:
+            self.streamer.put(self.ids[0].cpu())
+        return self.recorder
+
+    def emit(self, proposed: list[list[int]], results: list[VerifyResult], name: str
+             ) -> tuple[list[list[int]], list[bool]]:
+        """Commit each active row's round up to its first EOS (kept) or its budget -> (committed, which finished)."""
+        committed, finished = [], []
+        for prompt, tokens, result in zip(self.active, proposed, results):
+            out = self.out[prompt]
+            kept, done = truncate(tokens, self.max_new_tokens - len(out), self.eos)
+            out.extend(kept)
+            self.counters[prompt].count(name, result, len(kept), len(tokens))
+            committed.append(kept)
+            finished.append(done)
+        self.stats.rounds += 1
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(committed[0]))
+        return committed, finished
+
+    def keep(self, rows: list[int]) -> None:
+        """Only batch rows `rows` go on (finished rows dropped)."""
+        self.active = [self.active[b] for b in rows]
+        if self.generators is not None:
+            self.generators = [self.generators[b] for b in rows]
+
+    def finish(self, target_state, **stats) -> GenerateResult | BatchGenerateResult:
+        """Fill the batch's and the rows' stats (the total waits for the device), end the stream -> the committed
+        sequences: one GenerateResult for one prompt, else a BatchGenerateResult."""
+        total = self.stats
+        total.total_time = self.recorder.total_time()
+        total.target_forwards = target_state.forwards
+        for name, value in stats.items():
+            setattr(total, name, value)
+        rows = []
+        width = self.ids.shape[1]
+        for b, (length, out, row) in enumerate(zip(self.lengths, self.out, self.row_stats)):
+            row.new_tokens = len(out)
+            total.new_tokens += row.new_tokens
+            total.accepted_lengths += row.accepted_lengths
+            total.cut_tokens += row.cut_tokens
+            total.lossy_accepts += row.lossy_accepts
+            total.round_info += row.round_info
+            for rule, n in row.lossy_accepts_by.items():
+                total.lossy_accepts_by[rule] = total.lossy_accepts_by.get(rule, 0) + n
+            tokens = torch.cat([self.ids[b, width - length:], torch.tensor(out, dtype=torch.long,
+                                                                           device=self.ids.device)])
+            rows.append(GenerateResult(tokens[None], row))
+        if self.streamer is not None:
+            self.streamer.end()
+        if self.batched:
+            return BatchGenerateResult(rows, total)
+        return GenerateResult(rows[0].tokens, total)
+
+
+
+def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: TreePolicy) -> None:
     """Refuse a drafter / tree / verifier the target cannot be decoded with (vocabularies, tree width, attention)."""
     vocab = check_vocab(target, drafter, tokenizer)
     widest = max((n for a in policy.arms for n in a.branching), default=0)  # "none" has no level
@@ -99,7 +186,7 @@ def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifie
     check_tree_support(target)
 
 
-def check_options(verifier: Verifier, policy: UCBBandit, params: SamplingParams, prompt_lookup: bool,
+def check_options(verifier: Verifier, policy: TreePolicy, params: SamplingParams, prompt_lookup: bool,
                   lookup_tokens: int = 0) -> None:
     """Refuse verifier / tree / sampling / prompt-lookup combinations that cannot work (no model needed)."""
     if verifier.greedy_only and not params.greedy:
@@ -137,31 +224,12 @@ def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], 
     return kept, len(kept) >= budget
 
 
-def is_auto(tree) -> bool:
-    return isinstance(tree, str) and tree.strip().lower() == "auto"
-
-
 def default_lookup_tokens(tree, device: str | torch.device, batch: bool, prompt_lookup: bool) -> int:
     """`lookup_tokens=None`: with `tree="auto"`, prompt-lookup rounds of up to `LOOKUP_TOKENS` for one prompt on a
     CPU, as the default policy's arms were chosen with (SmolLM2-135M, even-id Spec-Bench questions, both CPU kinds);
     none for a batch, with `prompt_lookup` (the other use of lookup), on other devices or for a tree given."""
     cpu = torch.device(device).type == "cpu"
     return LOOKUP_TOKENS if is_auto(tree) and cpu and not batch and not prompt_lookup else 0
-
-
-def make_policy(tree, device: str | torch.device = "cpu") -> UCBBandit:
-    """'auto' -> the device's default (`bandit.default_policy`); 'bandit' -> a fresh UCBBandit over the paper's arms;
-    a UCBBandit passes through; anything else is one shape."""
-    if isinstance(tree, UCBBandit):
-        return tree
-    if is_auto(tree):
-        return default_policy(device)
-    if isinstance(tree, str) and tree.strip().lower() == "bandit":
-        return UCBBandit()
-    if isinstance(tree, (TreeConfig, str, tuple, list)):
-        return FixedPolicy(TreeConfig.parse(tree))
-    raise TypeError(f"tree must be a TreeConfig, a spec like '3,2,2,1,1', 'none', 'auto', 'bandit' or a UCBBandit; "
-                    f"got {type(tree).__name__}")
 
 
 def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
@@ -224,54 +292,23 @@ def is_batch(input_ids, attention_mask) -> bool:
     return isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 1
 
 
-def check_prompt(
-    target: torch.nn.Module, input_ids, max_new_tokens: int, tree_depth: int = 0, tree_nodes: int = 0
-) -> torch.Tensor:
-    """Validate the prompt (batch 1, non-empty, in-vocabulary, within the position and sliding-window limits)
-    -> (1, L) on the target device. A tree reaches `tree_depth` positions and `tree_nodes` cache slots past the end."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    ids = torch.as_tensor(input_ids)
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (1, L), got {tuple(ids.shape)}")
-    if ids.shape[0] != 1:
-        raise ValueError(f"only batch size 1 is supported, got a batch of {ids.shape[0]} prompts")
-    if ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: input_ids needs at least one token")
-    vocab = target_vocab_size(target)
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
-    limit = max_positions(target)
-    if limit is not None:
-        if ids.shape[1] > limit:
-            raise ValueError(f"the prompt has {ids.shape[1]} tokens, beyond the target's {limit} max positions")
-        if ids.shape[1] + max_new_tokens + tree_depth > limit:
-            raise ValueError(
-                f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree depth ({tree_depth}) "
-                f"exceeds the target's {limit} max positions"
-            )
-    window = window_capacity(target)
-    if window is not None and tree_nodes and ids.shape[1] + max_new_tokens + tree_nodes > window:
-        raise ValueError(
-            f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes ({tree_nodes}) exceeds "
-            f"{_window_limit(target, window)}"
-        )
-    return ids.to(device=next(target.parameters()).device, dtype=torch.long)
-
-
 def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """A list of prompts (left-padded here) or left-padded ids (B, L) + attention_mask -> (ids, mask, lengths)."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2:
-            raise ValueError(f"batched input_ids must have shape (B, L), got {tuple(prompts.shape)}; "
-                             "or pass a list of prompts")
-        lengths = check_batch_prompts(prompts, attention_mask)  # shapes, 0/1, left padding, no empty prompt
-        mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
-        return prompts.long(), mask.to(device=prompts.device, dtype=torch.long), lengths
+    """One prompt ((L,) / (1, L) ids or a list of ints), a list of prompts (left-padded here) or left-padded ids
+    (B, L) + attention_mask -> (ids (B, L), mask (B, L), lengths), checked before any model runs."""
+    if isinstance(prompts, torch.Tensor) or (isinstance(prompts, (list, tuple)) and prompts
+                                             and isinstance(prompts[0], int)):
+        ids = torch.as_tensor(prompts)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (L,), (1, L) or left-padded (B, L), got {tuple(ids.shape)}")
+        if ids.shape[1] == 0:
+            raise ValueError("the prompt is empty: input_ids needs at least one token")
+        lengths = check_batch_prompts(ids, attention_mask)  # shapes, 0/1, left padding, no empty prompt
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+        return ids.long(), mask.to(device=ids.device, dtype=torch.long), lengths
     if attention_mask is not None:
         raise ValueError("attention_mask goes with left-padded (B, L) input_ids; a list of prompts is padded here")
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -279,7 +316,7 @@ def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, 
     rows = []
     for b, prompt in enumerate(prompts):
         row = torch.as_tensor(prompt)
-        if row.dim() == 2 and row.shape[0] == 1:  # a (1, L) prompt, as `generate` takes it
+        if row.dim() == 2 and row.shape[0] == 1:  # a (1, L) prompt, as one prompt is given
             row = row[0]
         if row.numel() == 0:  # first: torch reads [] as float
             raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
@@ -297,9 +334,38 @@ def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, 
     return ids, mask, lengths
 
 
-def check_batch_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int,
+def check_batch_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Refuse what a batch prefill cannot take (no model needed): ids not (B, L), a mask of another shape, values
+    other than 0/1, right padding, empty prompts. Returns each prompt's length (its tokens, pads excluded)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"batched input_ids must be a (B, L) tensor, got {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[0] == 0:
+        raise ValueError("the batch is empty: input_ids has no rows")
+    if attention_mask is None:
+        return [input_ids.shape[1]] * input_ids.shape[0]
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a (B, L) tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} "
+                         f"but input_ids has shape {tuple(input_ids.shape)}")
+    if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+    mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+    late = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1).nonzero()  # a pad after a token: right (or inner) padding
+    if late.numel():
+        raise ValueError(f"prompt {int(late[0])} is not left-padded (a pad follows a token): pad prompts on the left")
+    lengths = mask.sum(dim=1).tolist()
+    if 0 in lengths:
+        raise ValueError(f"prompt {lengths.index(0)} is empty (its attention_mask row is all zeros)")
+    return lengths
+
+
+def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int,
                        tree_depth: int = 0, tree_nodes: int = 0) -> None:
-    """`check_prompt`'s limits for a batch: budget, token ids (pads too: the target embeds them), positions per row,
+    """A call's limits: budget, token ids (pads too: the target embeds them), positions per row,
     and the sliding window, which the batch cache's shared slots (the padded width, then every round's longest
     path) fill at least as fast as the longest row."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

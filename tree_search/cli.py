@@ -1,4 +1,5 @@
-"""Generate text with a target model and a Mamba tree drafter (tree speculative decoding), then print stats."""
+"""Generate text with a target model by tree speculative decoding with a drafter (Mamba or Transformer), or plainly
+(--autoregressive), then print stats."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from mamba_draft.devices import check_device, default_dtype
+from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES
+from tree_search.policy import GRAMMAR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,19 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--tree", help="fixed tree shape, e.g. 3,2,2,1,1 (a chain is 1,1,1,1); 'none' drafts nothing "
-                       "(plain target decoding, on the same harness)")
-    shape.add_argument("--bandit", action="store_true", help="UCB over the paper's tree shapes (3,3,2,1; 3,2,2,1,1; "
-                       "2,2,2,1,1,1; or --arms). Default without --tree / --bandit / --arms: the device's own, on a "
-                       "CPU the measured-time bandit over none;1,1;1,1,1;2,1 with prompt-lookup rounds of <= 8 tokens, "
-                       "on a GPU the paper's bandit")
+    shape.add_argument("--tree", metavar="SPEC", help=f"the tree policy: {GRAMMAR}. A shape such as 3,2,2,1,1 is "
+                       "fixed (a chain is 1,1,1,1 or chain:4; 'none' drafts nothing: plain decoding on the same "
+                       "harness); bandit is UCB over the paper's shapes (3,3,2,1 / 3,2,2,1,1 / 2,2,2,1,1,1) or the arms "
+                       "given, e.g. bandit:2,1/1,1,1, with the paper's reward (Eq. 2), bandit-time with each round's "
+                       "measured tokens per second (an arm 'none' is a plain round, the fallback when drafting does not "
+                       "pay). Default auto: the device's own, on a CPU bandit-time:none/1,1/1,1,1/2,1 with "
+                       "prompt-lookup rounds of <= 8 tokens, elsewhere the paper's bandit")
     shape.add_argument("--autoregressive", action="store_true", help="plain target decoding (baseline; no drafter)")
-    parser.add_argument("--arms", help="bandit arms separated by ';', e.g. '3,3,2,1;3,2,2,1,1;1,1,1,1'; an arm "
-                        "'none' is a round without speculation (one plain target step), e.g. 'none;1,1;1,1,1', the "
-                        "fallback when drafting does not pay (with --bandit-reward time)")
-    parser.add_argument("--bandit-reward", choices=("paper", "time"),
-                        help="bandit reward: paper Eq. 2 (acceptance and depth, the default with --bandit / --arms) "
-                        "or measured tokens per second per round")
     parser.add_argument("--verifier", help="verifier name, or lossy ones joined by '+' to accept a token if any accepts "
                         "it, e.g. autojudge+dropmatch (default: greedy at temperature 0, else sampling)")
     parser.add_argument("--verifier-param", action="append", default=[], metavar="KEY=VALUE",
@@ -59,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="target and drafter dtype (default: bfloat16 where the device has native bf16 products, "
-                        "else float32)")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                        help="target and drafter dtype (auto, the default: bfloat16 where the device has native bf16 "
+                        "products, else float32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
 
 
@@ -70,17 +67,15 @@ def run(args: argparse.Namespace) -> int:
 
     from mamba_draft import load_drafter
     from mamba_draft.targets import load_causal_lm, load_tokenizer
-    from tree_search.bandit import DEFAULT_ARMS, UCBBandit
-    from tree_search.calls import check_options, default_lookup_tokens, make_policy
+    from tree_search.calls import check_options, default_lookup_tokens
     from tree_search.generate import generate, generate_autoregressive
+    from tree_search.policy import parse_policy
     from tree_search.prompts import encode_prompt
     from tree_search.sampling import resolve_sampling
     from tree_search.verifiers import get_verifier
 
     if not args.autoregressive and not args.drafter:
         fail("--drafter is required (or pass --autoregressive for the baseline)")
-    if args.arms is not None and (args.tree is not None or args.autoregressive):
-        fail("--arms only applies to the bandit")
     if args.autoregressive and (args.verifier or args.verifier_param or args.prompt_lookup or args.lookup_tokens):
         fail("--autoregressive uses no drafter, so no --verifier, --verifier-param, --prompt-lookup or "
              "--lookup-tokens")
@@ -100,18 +95,11 @@ def run(args: argparse.Namespace) -> int:
     # everything checkable without the models is checked before loading them; sampling left unset is only known
     # from the target's generation_config, so the checks run again once it is loaded
     sampling = resolve_sampling(None, args.temperature, args.top_p, args.top_k)
-    # `is not None`: an empty --tree / --arms is a malformed spec (refused by the parser), not an absent one
-    if args.tree is not None:
-        shape = args.tree
-    elif args.bandit or args.arms is not None or args.bandit_reward is not None:
-        arms = tuple(args.arms.split(";")) if args.arms is not None else DEFAULT_ARMS
-        shape = UCBBandit(arms=arms, reward=args.bandit_reward or "paper")
-    else:
-        shape = "auto"
-    tree = make_policy(shape, args.device)
+    spec = "auto" if args.tree is None else args.tree  # an empty --tree is a malformed spec, not an absent one
+    tree = parse_policy(spec, args.device)
     lookup_tokens = args.lookup_tokens
     if lookup_tokens is None:
-        lookup_tokens = default_lookup_tokens(shape, args.device, False, args.prompt_lookup)
+        lookup_tokens = default_lookup_tokens(spec, args.device, False, args.prompt_lookup)
     verifier_params = parse_verifier_params(args.verifier_param)
 
     def default_verifier(params):  # lossless either way
@@ -120,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     verifier = get_verifier(args.verifier or default_verifier(sampling), **verifier_params)
     check_options(verifier, tree, sampling, args.prompt_lookup, lookup_tokens)
 
-    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(args.device)
+    dtype = resolve_dtype(args.dtype, args.device)
     tokenizer = load_tokenizer(args.target)
     target = load_causal_lm(args.target, dtype=dtype, device=args.device)
     sampling = resolve_sampling(target, args.temperature, args.top_p, args.top_k)

@@ -1,21 +1,19 @@
-"""Batched tree drafting on the drafter's state (Mamba or Transformer): one drafter step per level over all of that
-level's rows.
-
-Node i's drafter state lives in state row i (row 0 = root = state after the last committed token). A level
-forks its parents' rows into its own rows (`gather_`) and steps them together, so the drafter holds the
-state after every non-leaf node; leaves are never stepped (their state is only needed if one is accepted,
-and then `resync` steps it). Every fork + step goes through a `graphs.StepRunner`: on CUDA each row range is a
-captured graph reused across rounds, calls and tree shapes.
+"""Tree drafting on the drafter's state (Mamba or Transformer) for B prompts at once, B = 1 included: one drafter
+step per level over all of that level's rows.
 
 B prompts draft together in a forest (`tree.Forest`: B copies of one tree, level-major, so each level of all B trees
-is one contiguous row range and still one step): `prefill_batch` (left-padded prompts, each row encoded without its
-padding) -> `draft_batch` -> `resync_batch` -> ...; `compact` drops finished rows. `generate` drafts this way for
-every batch size, one prompt included; per row, the same tokens and q as the single-tree `draft` / `resync` on that
-prompt alone (kept as the reference `tests/test_batch_drafting.py` checks the forest against). One prompt's
-prompt-lookup proposals (`proposal`) and lookup chains (below) use the single-tree buffers.
+is one contiguous row range and one step). Node i of batch row b lives in state row `rows[b, i]`; rows 0..B-1 are the
+roots (each row's state after its last committed token). A level forks its parents' rows into its own rows
+(`gather_`) and steps them together, so the drafter holds the state after every non-leaf node; leaves are never
+stepped (their state is only needed if one is accepted, and then `resync` steps it). Every fork + step goes through a
+`graphs.StepRunner`: on CUDA each row range is a captured graph reused across rounds, calls and tree shapes.
 
-Chains at temperature 0 can instead be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven): it
-drafts on scratch rows 1-2 and leaves row 0 committed, so `resync_extend` continues row 0 in one call.
+A call reads `prefill` (left-padded prompts, each row encoded without its padding) -> `draft` -> `resync` -> ...;
+`extend` feeds rows committed tokens they missed, `compact` drops finished rows. Per row, the forest gives the same
+tokens and q as drafting that prompt's tree alone (`tests/test_batch_drafting.py` checks it against a single-tree
+reference). One prompt's prompt-lookup proposals (`proposal`) and lookup chains fill the same buffers as a batch of
+one: chains at temperature 0 can be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven), on scratch
+rows 1-2, leaving row 0 committed so `extend` continues it in one call.
 
 A drafter with a draft vocabulary (`drafter.draft_ids`, EAGLE-3's d2t) scores only those target ids: logit column j
 is target id draft_ids[j]. Everything leaving this module is in target ids: drafted tokens are mapped through
@@ -25,14 +23,13 @@ outside the subset), which is all the lossless rejection sampling needs.
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tree_search.graphs import StepRunner, drafter_key
-from tree_search.prompt_lookup import LookupDraft, advance, draft_chain_with_lookup
+from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
 from tree_search.tree import Forest, Tree, TreeConfig
 
@@ -42,21 +39,10 @@ LOOKUP_ROWS = 3  # row 0 committed, rows 1-2 the lookup drafter's live + snapsho
 
 @dataclass
 class DraftTree:
-    """Preallocated buffers of one tree shape, refilled every round."""
-
-    config: TreeConfig
-    tree: Tree
-    parent_rows: list[torch.Tensor]  # per level 1..γ: (B_i,) state row of each node's parent
-    tokens: torch.Tensor  # (T+1,) token at each node; tokens[0] = root
-    probs: torch.Tensor  # (T+1, V_target) draft distribution each node's children came from (when recorded)
-
-
-@dataclass
-class BatchDraftTree:
     """Buffers of one tree shape for B prompts, refilled every round.
 
-    tokens / probs are per batch row in the single tree's node order (what the target verifies, row by row);
-    the drafter state follows the forest layout: node i of batch row b lives in state row rows[b, i].
+    tokens / probs are per batch row in the tree's node order (what the target verifies, row by row); the drafter
+    state follows the forest layout: node i of batch row b lives in state row rows[b, i].
     """
 
     config: TreeConfig
@@ -76,7 +62,7 @@ class BatchDraftTree:
 
 
 class TreeDrafter:
-    """Owns the drafter's state (one row per tree node) and the per-shape buffers; reuse it across calls."""
+    """Owns the drafter's state (one row per forest node) and the per-shape buffers; reuse it across calls (`of`)."""
 
     def __init__(self, drafter, max_rows: int, out_vocab: int) -> None:
         self.drafter = drafter
@@ -101,170 +87,69 @@ class TreeDrafter:
         readable = int(drafter.input_vocab_size)
         self.read_limit = readable - 1 if readable < out_vocab else None
         self.state = drafter.allocate_state(max_rows)
-        self.row_index = torch.arange(max_rows, device=self.device)
-        self.one_token = torch.zeros(1, dtype=torch.long, device=self.device)  # last committed token (next root)
-        # What the drafter reads of it: the same buffer unless padding ids must be clamped.
-        self.drafter_token = self.one_token if self.read_limit is None else torch.zeros_like(self.one_token)
-        self.trees: dict[TreeConfig, DraftTree] = {}
-        # Batched mode: row b's root token, and per-shape buffers. Token/probs storage is per shape, sized for the
-        # largest batch seen; smaller batches (after `compact`) view its first rows instead of allocating again.
-        self.roots = torch.zeros(max_rows, dtype=torch.long, device=self.device)
-        self.batch_trees: dict[tuple[TreeConfig, int], BatchDraftTree] = {}
-        self.batch_storage: dict[TreeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.roots = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # row b's root (its last token)
+        self.first_row = torch.zeros(1, dtype=torch.long, device=self.device)  # row 0's index (the lookup's fork)
+        # Per-shape buffers. Token/probs storage is per shape, sized for the largest batch seen; smaller batches
+        # (after `compact`) view its first rows instead of allocating again.
+        self.trees: dict[tuple[TreeConfig, int], DraftTree] = {}
+        self.storage: dict[TreeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
         self.runner = StepRunner(drafter, self.state)  # runner.use_graphs: the CUDA-graph switch
         self.calls = 0  # sequential drafter invocations (prefill, step, extend) since construction
 
     @classmethod
-    def for_drafter(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
-        """The cached TreeDrafter of `drafter` (state, buffers and graphs survive across generate calls).
+    def of(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
+        """The drafter's own TreeDrafter, kept on it as `drafter.tree_drafter` (state, buffers and graphs survive
+        across generate calls; a plain attribute: no submodule, nothing in the state dict, a copy starts without).
 
         Rebuilt, graphs dropped, when the drafter moved, changed dtype or backend, reallocated its weights
         (`drafter_key`), got a new vocabulary map, or when more rows or another output width are needed.
         """
-        cached = _CACHE.get(drafter)
-        if (cached is None or cached.state.max_batch < max_rows or cached.out_vocab != out_vocab
-                or cached.draft_ids is not drafter.draft_ids or cached.runner.key != drafter_key(drafter)):
-            if cached is not None:
-                cached.runner.invalidate()  # its graphs read the old weights / state / kernels
-            cached = cls(drafter, max_rows, out_vocab)
-            _CACHE[drafter] = cached
-        return cached
+        kept = getattr(drafter, "tree_drafter", None)
+        if (kept is None or kept.state.max_batch < max_rows or kept.out_vocab != out_vocab
+                or kept.draft_ids is not drafter.draft_ids or kept.runner.key != drafter_key(drafter)):
+            if kept is not None:
+                kept.runner.invalidate()  # its graphs read the old weights / state / kernels
+            kept = cls(drafter, max_rows, out_vocab)
+            drafter.tree_drafter = kept  # not a Module: nn.Module.__setattr__ stores it as a plain attribute
+        return kept
 
-    def buffers(self, config: TreeConfig) -> DraftTree:
-        if config not in self.trees:
-            tree = config.build()
-            if len(tree) > self.state.max_batch:
-                raise ValueError(f"tree {config} needs {len(tree)} state rows, only {self.state.max_batch} allocated")
-            parents = torch.tensor(tree.parents, device=self.device)
-            rows = [parents[start:stop] for start, stop in tree.levels[1:]]
-            self.trees[config] = DraftTree(
-                config=config,
-                tree=tree,
-                parent_rows=rows,
-                tokens=torch.zeros(len(tree), dtype=torch.long, device=self.device),
-                probs=torch.zeros(len(tree), self.out_vocab, dtype=torch.float32, device=self.device),
-            )
-        return self.trees[config]
+    def __reduce__(self):
+        """Copying or pickling the drafter it is kept on gives `tree_drafter = None` (state and graphs are rebuilt)."""
+        return type(None), ()
 
-    @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Encode the prompt (1, L) into row 0; returns the logits for the next token (V,)."""
-        if self.read_limit is not None:
-            input_ids = input_ids.clamp(max=self.read_limit)  # padding ids the drafter cannot read (see __init__)
-        logits, _ = self.drafter.prefill(input_ids, state=self.state)
-        self.calls += 1
-        return logits[0]
-
-    @torch.no_grad()
-    def draft(
-        self,
-        config: TreeConfig,
-        root_token: torch.Tensor,
-        root_logits: torch.Tensor,
-        params: SamplingParams,
-        mode: str,
-        record_probs: bool,
-        generator: torch.Generator | None,
-    ) -> DraftTree:
-        """Fill the tree's tokens level by level (and, if recorded, each node's draft distribution).
-
-        mode "topk": the N most likely distinct tokens per node. mode "sample" (temperature > 0): N draws without
-        replacement from the processed draft distribution q, which is then always recorded. With a draft vocabulary
-        both happen in draft space (temperature / top-k / top-p over the subset) and are then mapped to target ids.
-        """
-        buf = self.buffers(config)
-        tree, vocab = buf.tree, self.vocab
-        sampled = mode == "sample" and not params.greedy
-        buf.tokens[0] = root_token
-        logits = root_logits.view(1, -1)
-        for level, n in enumerate(config.branching, start=1):
-            (prev_start, prev_stop), (start, stop) = tree.levels[level - 1], tree.levels[level]
-            logits = logits[:, :vocab]
-            if sampled or record_probs:
-                q = logits_to_probs(logits, params if not params.greedy else _SOFTMAX)
-                self._record(buf.probs[prev_start:prev_stop], q)
-            kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
-            buf.tokens[start:stop] = self._to_target(kids).reshape(-1)
-            if level < config.depth:
-                logits = self._step(buf.tokens[start:stop], start, stop, buf.parent_rows[level - 1])
-        return buf
-
-    @torch.no_grad()
-    def proposal(self, root_token: torch.Tensor, tokens: list[int], record_probs: bool) -> DraftTree:
-        """A chain of given tokens (a prompt-lookup proposal) in the buffers of its length, no drafter call. With
-        `record_probs` each node's draft distribution is a point mass on its token: a deterministic proposal, which
-        lossless sampling accepts with the target's probability of it."""
-        buf = self.buffers(TreeConfig((1,) * len(tokens)))
-        buf.tokens[0] = root_token
-        buf.tokens[1:] = torch.tensor(tokens, device=self.device)
-        if record_probs:
-            buf.probs[:-1].zero_()
-            buf.probs[:-1].scatter_(1, buf.tokens[1:, None], 1.0)
-        return buf
-
-    def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
-        """Draft logit columns -> target token ids (a gather, no sync)."""
-        return columns if self.draft_ids is None else self.draft_ids[columns]
-
-    def _record(self, rows: torch.Tensor, q: torch.Tensor) -> None:
-        """Write draft distributions q (..., vocab) into probs rows (..., V_target); other columns stay zero."""
-        if self.draft_ids is None:
-            rows[..., : self.vocab] = q
-        else:
-            rows.index_copy_(rows.dim() - 1, self.draft_ids, q)
-
-    @torch.no_grad()
-    def resync(self, buf: DraftTree, path: list[int], next_token: int) -> torch.Tensor:
-        """Move the deepest accepted node's state to row 0 and step the next token; returns the next logits (V,).
-
-        No re-encoding: non-leaf nodes already have their state; an accepted leaf is stepped from its parent's row.
-        The logits stay valid until the next `resync` (the next step over row 0).
-        """
-        node = path[-1] if path else 0
-        token = int(next_token)
-        self.one_token.fill_(token)
-        if self.drafter_token is not self.one_token:
-            self.drafter_token.fill_(min(token, self.read_limit))  # a padding id it cannot read (see __init__)
-        if node and not buf.tree.children[node] and buf.tree.depths[node] == buf.config.depth:
-            parent = buf.tree.parents[node]  # a drafted token: always readable
-            self._step(buf.tokens[node : node + 1], 0, 1, self.row_index[parent : parent + 1])
-            return self._step(self.drafter_token, 0, 1)[0]
-        return self._step(self.drafter_token, 0, 1, self.row_index[node : node + 1])[0]
-
-    # ---------------------------------------------------------------- B prompts at once (forest layout)
-
-    def batch_buffers(self, config: TreeConfig, batch: int) -> BatchDraftTree:
+    def buffers(self, config: TreeConfig, batch: int) -> DraftTree:
         """The buffers and index tensors of `batch` trees of shape `config`, built once per (config, batch)."""
         key = (config, batch)
-        if key not in self.batch_trees:
+        if key not in self.trees:
             tree = config.build()
             forest = Forest(tree, batch)
             if len(forest) > self.state.max_batch:
                 raise ValueError(f"{batch} trees {config} need {len(forest)} state rows, only "
                                  f"{self.state.max_batch} allocated")
-            tokens, probs = self.batch_storage.get(config, (None, None))
+            tokens, probs = self.storage.get(config, (None, None))
             if tokens is None or tokens.shape[0] < batch:
                 tokens = torch.zeros(batch, len(tree), dtype=torch.long, device=self.device)
                 probs = torch.zeros(batch, len(tree), self.out_vocab, dtype=torch.float32, device=self.device)
-                self.batch_storage[config] = tokens, probs
-                self.batch_trees = {k: v for k, v in self.batch_trees.items() if k[0] != config}  # views of the old
+                self.storage[config] = tokens, probs
+                self.trees = {k: v for k, v in self.trees.items() if k[0] != config}  # views of the old storage
             device, scratch = self.device, forest.levels[-1][0]
-            self.batch_trees[key] = BatchDraftTree(
+            self.trees[key] = DraftTree(
                 config=config,
                 tree=tree,
                 forest=forest,
                 rows=forest.rows.to(device),
                 parent_rows=[p.to(device) for p in forest.parent_rows],
                 parents=torch.tensor((0,) + tree.parents[1:], device=device),
-                leaf=(torch.tensor(tree.depths, device=device) == config.depth) & (config.depth > 0),  # a root is never one
+                # a root is never a leaf
+                leaf=(torch.tensor(tree.depths, device=device) == config.depth) & (config.depth > 0),
                 scratch=torch.arange(scratch, scratch + batch, device=device),
                 tokens=tokens[:batch],
                 probs=probs[:batch],
             )
-        return self.batch_trees[key]
+        return self.trees[key]
 
     @torch.no_grad()
-    def prefill_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Encode B left-padded prompts (B, L) into state rows 0..B-1; returns each row's next-token logits (B, V).
 
         attention_mask (B, L): 1 on prompt tokens, 0 on the left padding (None: no padding). A Mamba state has no
@@ -273,8 +158,7 @@ class TreeDrafter:
         """
         ids = torch.as_tensor(input_ids)
         if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"prefill_batch takes integer token ids of shape (B, L), got {ids.dtype} "
-                             f"{tuple(ids.shape)}")
+            raise ValueError(f"prefill takes integer token ids of shape (B, L), got {ids.dtype} {tuple(ids.shape)}")
         batch, width = ids.shape
         if batch > self.roots.shape[0]:
             raise ValueError(f"a batch of {batch} prompts exceeds the {self.roots.shape[0]} state rows allocated")
@@ -292,7 +176,7 @@ class TreeDrafter:
         return torch.cat(logits)
 
     @torch.no_grad()
-    def draft_batch(
+    def draft(
         self,
         config: TreeConfig,
         roots: torch.Tensor,
@@ -301,19 +185,23 @@ class TreeDrafter:
         mode: str,
         record_probs: bool,
         generator: torch.Generator | Sequence[torch.Generator] | None,
-    ) -> BatchDraftTree:
-        """`draft` for B prompts whose root states are state rows 0..B-1 (`prefill_batch` / `resync_batch`).
+    ) -> DraftTree:
+        """Fill B trees' tokens level by level (and, if recorded, each node's draft distribution), one drafter step
+        per level over all B trees' nodes of that level. Their root states are state rows 0..B-1 (`prefill` /
+        `resync` / `extend`); roots (B,), root_logits (B, V).
 
-        roots (B,), root_logits (B, V). Each level is one drafter step over all B trees' nodes of that level. Per row,
-        the same tokens and q as `draft` on that prompt alone. generator: one for the whole batch, or B of them, row b
-        drawing from generator b exactly as `draft` would alone (so a batch can reproduce B single-prompt runs).
+        mode "topk": the N most likely distinct tokens per node. mode "sample" (temperature > 0): N draws without
+        replacement from the processed draft distribution q, which is then always recorded. With a draft vocabulary
+        both happen in draft space (temperature / top-k / top-p over the subset) and are then mapped to target ids.
+        generator: one for the whole batch, or B of them, row b drawing from generator b exactly as it would alone
+        (so a batch can reproduce B single-prompt runs).
         """
         batch = roots.shape[0]
-        buf = self.batch_buffers(config, batch)
+        buf = self.buffers(config, batch)
         tree, vocab = buf.tree, self.vocab
         sampled = mode == "sample" and not params.greedy
         if sampled and isinstance(generator, Sequence) and len(generator) != batch:
-            raise ValueError(f"draft_batch got {len(generator)} generators for a batch of {batch} prompts")
+            raise ValueError(f"draft got {len(generator)} generators for a batch of {batch} prompts")
         buf.tokens[:, 0] = roots
         logits = root_logits
         for level, n in enumerate(config.branching, start=1):
@@ -330,11 +218,63 @@ class TreeDrafter:
         return buf
 
     @torch.no_grad()
-    def resync_batch(self, buf: BatchDraftTree, accepted, next_tokens) -> torch.Tensor:
-        """`resync` for every row at once; returns the next root logits (B, V), valid until the next step of rows 0..B-1.
+    def proposal(self, roots: torch.Tensor, tokens: list[int], record_probs: bool) -> DraftTree:
+        """One prompt's chain of given tokens (a prompt-lookup proposal) after its root (roots: (1,)), in the buffers of
+        its length for a batch of one; no drafter call. With `record_probs` each node's draft distribution is a point
+        mass on its token: a deterministic proposal, which lossless sampling accepts with the target's probability."""
+        buf = self.buffers(TreeConfig((1,) * len(tokens)), 1)
+        buf.tokens[:, 0] = roots
+        buf.tokens[0, 1:] = torch.tensor(tokens, device=self.device)
+        if record_probs:
+            probs = buf.probs[0, :-1]
+            probs.zero_()
+            probs.scatter_(1, buf.tokens[0, 1:, None], 1.0)
+        return buf
 
-        accepted (B,): each row's deepest accepted node (single-tree numbering, 0 = none); next_tokens (B,): the token
-        after it (the new root, kept in `roots`). Either a device tensor or a host sequence of ints.
+    @torch.no_grad()
+    def draft_chain_lookup(
+        self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor, context: torch.Tensor,
+        record_probs: bool,
+    ) -> tuple[DraftTree, LookupDraft]:
+        """One prompt's chain (batch of one: roots (1,), root_logits (1, V)) of the drafter's greedy tokens, skipping
+        steps with prompt lookup (temperature 0 only).
+
+        context: (L,) committed tokens up to the root. Row 0 (the committed state) is copied to scratch row 1 and
+        left untouched; follow with `extend`. Same tokens (and recorded probs) as `draft` on a chain.
+        """
+        buf = self.buffers(config, 1)
+        self.state.gather_(1, self.first_row)
+        if self.read_limit is not None:  # look up in what the drafter read, so proposals are readable (see __init__)
+            context = context.clamp(max=self.read_limit)
+        lookup = draft_chain_with_lookup(self.drafter, self.state.rows(1, LOOKUP_ROWS), root_logits[0], context,
+                                         config.depth, vocab=self.vocab, keep_logits=record_probs,
+                                         draft_ids=self.draft_ids)
+        self.calls += lookup.drafter_calls
+        buf.tokens[:, 0] = roots
+        buf.tokens[0, 1:] = lookup.tokens
+        if record_probs:
+            self._record(buf.probs[0, : config.depth], logits_to_probs(lookup.logits[:, : self.vocab], _SOFTMAX))
+        return buf, lookup
+
+    def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
+        """Draft logit columns -> target token ids (a gather, no sync)."""
+        return columns if self.draft_ids is None else self.draft_ids[columns]
+
+    def _record(self, rows: torch.Tensor, q: torch.Tensor) -> None:
+        """Write draft distributions q (..., vocab) into probs rows (..., V_target); other columns stay zero."""
+        if self.draft_ids is None:
+            rows[..., : self.vocab] = q
+        else:
+            rows.index_copy_(rows.dim() - 1, self.draft_ids, q)
+
+    @torch.no_grad()
+    def resync(self, buf: DraftTree, accepted, next_tokens) -> torch.Tensor:
+        """Move each row's deepest accepted node's state to its root row and step the next token; returns the next
+        root logits (B, V), valid until the next step of rows 0..B-1. No re-encoding: non-leaf nodes already have
+        their state.
+
+        accepted (B,): each row's deepest accepted node (tree numbering, 0 = none); next_tokens (B,): the token after
+        it (the new root, kept in `roots`). Either a device tensor or a host sequence of ints.
         Row b's root row <- its accepted node's row, then all rows step their next token: one B-row step. An accepted
         last-level node was never stepped: first all B rows step from their node's parent row with its token into
         the last level's first B rows (free: drafting never uses them), and leaf rows fork from there. That step runs
@@ -355,10 +295,11 @@ class TreeDrafter:
         return self._step(nxt, 0, batch, source)
 
     @torch.no_grad()
-    def extend_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rows 0..B-1, each the state after its row's last read token, read their next (B, k) committed tokens in one
-        drafter call (the catch-up after k no-speculation rounds); returns the logits after them (B, V), valid until
-        the next step of these rows. `roots[:B]` <- the last column (each row's next root)."""
+        drafter call (the catch-up after k no-speculation rounds, or a lookup chain's accepted tokens + next token);
+        returns the logits after them (B, V), valid until the next step of these rows. `roots[:B]` <- the last column
+        (each row's next root)."""
         batch = tokens.shape[0]
         self.roots[:batch] = tokens[:, -1]
         if self.read_limit is not None:
@@ -376,12 +317,6 @@ class TreeDrafter:
         self.state.gather_(0, index)
         self.roots[: len(rows)] = self.roots[index]
 
-    def keep_rows(self, mask) -> list[int]:
-        """`compact` to the rows where `mask` (B bools, host or device) is true; returns their indices."""
-        rows = [i for i, keep in enumerate(torch.as_tensor(mask).tolist()) if keep]
-        self.compact(rows)
-        return rows
-
     def _as_rows(self, values, batch: int, limit: int | None = None) -> torch.Tensor:
         """(batch,) int64 on the device from a tensor (no check of the values: no sync) or a host sequence (checked
         against [0, limit))."""
@@ -396,42 +331,6 @@ class TreeDrafter:
             raise ValueError(f"values must lie in [0, {limit}), got {values}")
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    @torch.no_grad()
-    def draft_chain_lookup(
-        self, config: TreeConfig, root_token: torch.Tensor, root_logits: torch.Tensor, context: torch.Tensor,
-        record_probs: bool,
-    ) -> tuple[DraftTree, LookupDraft]:
-        """Fill a chain with the drafter's greedy tokens, skipping steps with prompt lookup (temperature 0 only).
-
-        context: (L,) committed tokens up to the root. Row 0 (the committed state) is copied to scratch row 1 and
-        left untouched; follow with `resync_extend`. Same tokens (and recorded probs) as `draft` on a chain.
-        """
-        buf = self.buffers(config)
-        self.state.gather_(1, self.row_index[:1])
-        if self.read_limit is not None:  # look up in what the drafter read, so proposals are readable (see __init__)
-            context = context.clamp(max=self.read_limit)
-        lookup = draft_chain_with_lookup(self.drafter, self.state.rows(1, LOOKUP_ROWS), root_logits, context,
-                                         config.depth, vocab=self.vocab, keep_logits=record_probs,
-                                         draft_ids=self.draft_ids)
-        self.calls += lookup.drafter_calls
-        buf.tokens[0] = root_token
-        buf.tokens[1:] = lookup.tokens
-        if record_probs:
-            self._record(buf.probs[: config.depth], logits_to_probs(lookup.logits[:, : self.vocab], _SOFTMAX))
-        return buf, lookup
-
-    @torch.no_grad()
-    def resync_extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Row 0 holds the state after the root: extend it by the accepted tokens + next token (1-D) in one call.
-
-        Returns the next logits (V,); `one_token` holds the next token (the new root).
-        """
-        self.one_token.copy_(tokens[-1:])
-        self.calls += 1
-        if self.read_limit is not None:
-            tokens = tokens.clamp(max=self.read_limit)  # the committed next token may be a padding id (see __init__)
-        return advance(self.drafter, tokens, self.state.rows(0, 1))
-
     def _step(self, tokens: torch.Tensor, start: int, stop: int, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start:stop] <- rows `parents` (if given), then one drafter step with `tokens` (stop - start,).
 
@@ -442,7 +341,7 @@ class TreeDrafter:
 
 def _draw(q: torch.Tensor, n: int, generator, batch: int) -> torch.Tensor:
     """`sample_without_replacement` of q (B·m, V); with B generators, batch row b's m rows draw their noise from
-    generator b, as `draft` draws it for that prompt alone."""
+    generator b, as that prompt alone would draw it."""
     if generator is None or isinstance(generator, torch.Generator):
         return sample_without_replacement(q, n, generator)
     noise = torch.empty_like(q)
@@ -462,6 +361,3 @@ def _left_padded_lengths(mask, shape: torch.Size) -> list[int]:
         raise ValueError(f"attention_mask row {int(bad.nonzero()[0])} is not left padding: expected 0s (padding) "
                          "then 1s (the prompt, at least one token)")
     return mask.sum(1).tolist()
-
-
-_CACHE: "weakref.WeakKeyDictionary[object, TreeDrafter]" = weakref.WeakKeyDictionary()

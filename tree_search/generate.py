@@ -1,285 +1,259 @@
-"""Speculative generation, one engine for any number of prompts: draft -> verify -> commit -> resync, plus the plain
-autoregressive loop on the same harness (the fair baseline).
+"""Speculative generation, one engine for any number of prompts: draft -> verify -> commit -> resync, and plain
+autoregressive decoding on the same harness (the fair baseline).
 
-A call decodes B prompts (one prompt is a batch of one) in rounds: **draft** one tree per row (`strategies`: one
-drafter step per tree level for all rows, with a Mamba or a Transformer drafter) -> **verify** every row in one target
-forward (one prompt: `target.TargetState` through `target.OneRow`, with its static cache and captured verification on
-CUDA; several: `target.BatchTargetState`, left-padded rows sharing slots), then the verifier decides each row ->
-**commit** each row's path -> **resync** the drafter. A row stops at its own EOS / max_new_tokens and leaves the batch
-(target cache and drafter state), so finished rows cost no more work. The policy picks one tree shape per round for
-the whole batch and is rewarded with the batch's tokens per second (time reward) or the paper reward on the rows'
-mean accepted length. A `none` round is one plain decoding step of every row and leaves the drafter alone: the next
-drafted round feeds it the tokens it missed in one call. One prompt may also stream, verify prompt-lookup proposals
-(`lookup_tokens`) and draft chains with prompt lookup (`prompt_lookup`).
+`SpeculativeDecoder(target, drafter, tree=..., verifier=...)` holds a pair and the tree policy; `.generate(prompts,
+...)` decodes B prompts (one prompt is a batch of one) in rounds: **draft** one tree per row (`strategies`: one
+drafter step per tree level for all rows, Mamba or Transformer drafter; or a prompt-lookup proposal) -> **verify**
+every row in one target forward (`target.TargetCache`: left-padded rows sharing slots; static cache and captured
+verification on CUDA), then the verifier decides each row -> **commit** each row's path -> **resync** the drafter. A
+row stops at its own EOS / max_new_tokens and leaves the batch (target cache and drafter state). The policy picks one
+tree shape per round for the whole batch and is rewarded with the batch's tokens per second (time reward) or the
+paper reward on the rows' mean accepted length. A `none` round is one plain decoding step of every row and leaves
+the drafter alone: the next drafted round feeds it the tokens it missed in one call.
 
-Per row the output is what `generate` gives that prompt alone: token-identical to the target's greedy decoding at
-temperature 0, and at temperature > 0 row b draws all its randomness (drafting and verification) from its own
-generator seeded `seed + b` (equal draws; outputs equal up to the batched forward's rounding). Stats bookkeeping and
-phase timing live in `recorder`, what every call shares (stats, results, input checks) in `calls`.
+Per row the output is what that prompt gives alone: token-identical to the target's greedy decoding at temperature
+0, and at temperature > 0 row b draws all its randomness (drafting and verification) from its own generator seeded
+`seed + b`. What a call is (inputs, checks, stats, results) lives in `calls`, phase timing in `recorder`; what the
+engine reuses across calls lives on the models (`TargetFacts`, the drafter's `TreeDrafter`), not in this module.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
-from tree_search.bandit import UCBBandit
 from tree_search.calls import (
-    BatchGenerateResult, GenerateResult, GenerateStats, batch_prompts, check_batch_limits, check_drafter,
-    check_drafter_room, check_options, check_prompt, default_lookup_tokens, eos_set, is_batch, make_policy,
-    truncate,
+    BatchGenerateResult, Call, GenerateResult, GenerateStats, batch_prompts, check_drafter, check_drafter_room,
+    check_limits, check_options, default_lookup_tokens, eos_set, is_batch,
 )
+from tree_search.policy import parse_policy
 from tree_search.prompt_lookup import NgramLookup
-from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY, Recorder
+from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
 from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, resolve_sampling
-from tree_search.strategies import Draft, drafting_strategy
-from tree_search.target import BatchTargetState, OneRow, TargetState, target_vocab_size
-from tree_search.tree import TreeConfig
+from tree_search.strategies import drafting_strategy
+from tree_search.target import TargetCache, target_vocab_size
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
-from tree_search.verifiers.greedy import GreedyVerifier, greedy_walk
-from tree_search.verifiers.sampling import SamplingVerifier
+from tree_search.verifiers.greedy import greedy_walk
 
-_PLAIN = VerifyResult(path=[], next_token=0)  # what a plain decoding step counts as (no lossy accepts, no info)
+PLAIN = VerifyResult(path=[], next_token=0)  # what a plain decoding step counts as (no lossy accepts, no info)
 
 
-@torch.no_grad()
-def generate(
-    target: torch.nn.Module,
-    drafter,
-    input_ids,
-    *,
-    max_new_tokens: int,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "auto",
-    verifier: str | Verifier | None = None,
-    verifier_params: dict | None = None,
-    eos_token_id: int | list[int] | None = None,
-    seed: int | None = None,
-    tokenizer=None,
-    streamer=None,
-    prompt_lookup: bool = False,
-    lookup_tokens: int | None = None,
-    attention_mask: torch.Tensor | None = None,
-) -> GenerateResult | BatchGenerateResult:
-    """Tree speculative decoding of one prompt (-> GenerateResult) or of a batch (-> BatchGenerateResult).
+@dataclass
+class CallOptions:
+    """What may change from one generate call to the next (sampling None: the target's generation_config)."""
 
-    input_ids: (1, L) / (L,) for one prompt; a list of token lists, or left-padded (B, L) ids + `attention_mask`,
-    for a batch (one tree per row, one target forward for all rows; row b seeded seed + b).
+    max_new_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    eos_token_id: int | list[int] | None = None
+    seed: int | None = None
+    streamer: object = None
+    attention_mask: torch.Tensor | None = None
 
-    tree: a TreeConfig / "3,2,2,1,1" / tuple (fixed shape), "auto" (the target device's default, reset per call:
-    on a CPU the measured-time bandit over none / 1,1 / 1,1,1 / 2,1, elsewhere the paper's), "bandit" (UCB over the
-    paper's arms) or a UCBBandit / FixedPolicy instance (persistent=True keeps its statistics across calls). "none" (as a
-    shape or a bandit arm) is no speculation: that round is one plain target decoding step, what every verifier
-    would pick on a root-only tree (the argmax, or a sample of the target's processed distribution).
-    temperature / top_p / top_k: None takes the target's generation_config, as `target.generate` does
-    (tree_search.sampling.resolve_sampling): greedy unless it sets do_sample; then its top_k (50 unless set) applies.
-    verifier: None is "greedy" when the resolved sampling is greedy, else "sampling" (both lossless).
-    eos_token_id: None takes the target's generation_config (as `target.generate` does).
-    One prompt only: `streamer`; `prompt_lookup` (FLy's multi-level acceleration for chains at temperature 0:
-    prompt-lookup n-gram proposals pre-verified by the drafter give the same greedy chain in fewer drafter calls when
-    the text repeats itself, more when proposals keep failing: stats.drafter_calls_saved); `lookup_tokens` K > 0
-    (prompt-lookup rounds: when the last 2-4 committed tokens, prompt included, occurred before, the <= K tokens that
-    followed them are verified instead of a drafted tree; the drafter reads the committed tokens when it next drafts;
-    the policy picks shapes for the other rounds. Any verifier: the proposal is deterministic, a point-mass draft
-    distribution, so lossless sampling stays exact). lookup_tokens None: 8 with tree "auto" for one prompt
-    on a CPU without `prompt_lookup`, else 0 (`calls.default_lookup_tokens`).
-    All inputs are validated before any model runs.
+
+class SpeculativeDecoder:
+    """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape.
+
+    tree: the policy grammar (`tree_search.policy`: "auto", "none", "3,2,2,1,1", "chain:5", "bandit[:A/B]",
+    "bandit-time[:A/B]"), a TreeConfig / tuple, or a policy object (a bandit with persistent=True keeps its
+    statistics across calls). verifier: None is "greedy" when a call's sampling is greedy, else "sampling" (both
+    lossless). prompt_lookup: FLy's multi-level acceleration for chains at temperature 0 (lookup proposals pre-checked
+    by the drafter). lookup_tokens K > 0: prompt-lookup rounds (when the last 2-4 committed tokens occurred before,
+    the <= K tokens that followed them are verified instead of a draft; any verifier, one prompt only); None: 8 with
+    tree "auto" for one prompt on a CPU, else 0 (`calls.default_lookup_tokens`).
     """
-    if drafter is None:
-        raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
-    batch = is_batch(input_ids, attention_mask)
-    if lookup_tokens is None:
-        lookup_tokens = default_lookup_tokens(tree, next(target.parameters()).device, batch, prompt_lookup)
-    if batch and (streamer is not None or prompt_lookup or lookup_tokens):
-        raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one prompt "
-                         "for those")
-    return speculate(target, drafter, input_ids, attention_mask, batch, max_new_tokens, temperature, top_p, top_k,
-                     tree, verifier, verifier_params, eos_token_id, seed, tokenizer, streamer, prompt_lookup,
-                     lookup_tokens)
 
+    def __init__(self, target: torch.nn.Module, drafter=None, *, tree="auto", verifier: str | Verifier | None = None,
+                 verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
+                 lookup_tokens: int | None = None) -> None:
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.device = next(target.parameters()).device
+        self.tree, self.prompt_lookup, self.lookup_tokens = tree, prompt_lookup, lookup_tokens
+        self.policy = parse_policy(tree, self.device) if drafter is not None else None
+        self.verifier, self.verifier_params = verifier, verifier_params
 
-@torch.no_grad()
-def generate_batch(target: torch.nn.Module, drafter, prompts, *, attention_mask: torch.Tensor | None = None,
-                   max_new_tokens: int, temperature: float | None = None, top_p: float | None = None,
-                   top_k: int | None = None, tree: TreeConfig | str | tuple[int, ...] | UCBBandit = "auto",
-                   verifier: str | Verifier | None = None, verifier_params: dict | None = None,
-                   eos_token_id: int | list[int] | None = None, seed: int | None = None,
-                   tokenizer=None) -> BatchGenerateResult:
-    """`generate` for B prompts, always as a batch (even of one): a list of token-id lists / 1-D tensors (left-padded
-    here), or left-padded input_ids (B, L) with their attention_mask (None: no padding). Stats: `result.stats` for the
-    batch (its `accepted_lengths` are every row-round's, so its τ is the batch's), `result.rows[b].stats` per row
-    (times and target forwards are batch-level only)."""
-    if drafter is None:
-        raise TypeError("generate_batch needs a drafter; generate_autoregressive_batch is the baseline without one")
-    return speculate(target, drafter, prompts, attention_mask, True, max_new_tokens, temperature, top_p, top_k, tree,
-                     verifier, verifier_params, eos_token_id, seed, tokenizer, None, False, 0)
+    @torch.no_grad()
+    def generate(self, input_ids, **options) -> GenerateResult | BatchGenerateResult:
+        """input_ids: one prompt ((1, L) / (L,) ids -> GenerateResult) or a batch (a list of token lists, or
+        left-padded (B, L) ids + attention_mask -> BatchGenerateResult). options: `CallOptions`. Every input is
+        checked before any model runs."""
+        call = self.prepare(input_ids, CallOptions(**options))
+        return self.speculate(call) if self.drafter is not None else self.decode_plainly(call)
 
+    def prepare(self, prompts, options: CallOptions) -> Call:
+        """Validate a call's inputs before any model runs -> its Call."""
+        seed = options.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer (row b uses seed + b) or None, got {seed!r}")
+        m = options.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {m!r}")
+        batched = is_batch(prompts, options.attention_mask)
+        params = resolve_sampling(self.target, options.temperature, options.top_p, options.top_k)
+        verifier, lookup, arms = None, 0, ()
+        if self.drafter is not None:
+            verifier = get_verifier(self.verifier or ("greedy" if params.greedy else "sampling"),
+                                    **(self.verifier_params or {}))
+            lookup = self.lookup_tokens
+            if lookup is None:
+                lookup = default_lookup_tokens(self.tree, self.device, batched, self.prompt_lookup)
+            if batched and (options.streamer is not None or self.prompt_lookup or lookup):
+                raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one "
+                                 "prompt for those")
+            check_options(verifier, self.policy, params, self.prompt_lookup, lookup)
+            arms = self.policy.arms
+        elif batched and options.streamer is not None:
+            raise ValueError("a batch of prompts takes no streamer; pass one prompt to stream")
+        depth = max(lookup, *(a.depth for a in arms), 0)
+        nodes = max(lookup, *(a.num_nodes for a in arms), 0)
+        ids, mask, lengths = batch_prompts(prompts, options.attention_mask)
+        check_limits(self.target, ids, lengths, m, tree_depth=depth, tree_nodes=nodes)
+        if self.drafter is not None:
+            check_drafter_room(self.drafter, len(lengths), nodes + 1, target_vocab_size(self.target),
+                               max(lengths) + m + depth)
+            check_drafter(self.target, self.drafter, self.tokenizer, verifier, self.policy)
+        name, lossless = (verifier.name, verifier.lossless) if verifier is not None else ("autoregressive", True)
+        stats = [GenerateStats(prompt_tokens=n, verifier=name, lossless=lossless, sampling=asdict(params))
+                 for n in [sum(lengths), *lengths]]
+        generators = None if seed is None else [make_generator(seed + b, self.device) for b in range(len(lengths))]
+        return Call(ids.to(self.device), mask.to(self.device), lengths, batched, m, params,
+                    eos_set(self.target, options.eos_token_id), stats[0], stats[1:], generators, options.streamer,
+                    verifier, lookup)
 
-def speculate(target, drafter, prompts, attention_mask, batch: bool, max_new_tokens, temperature, top_p, top_k, tree,
-              verifier, verifier_params, eos_token_id, seed, tokenizer, streamer, prompt_lookup: bool,
-              lookup_tokens: int) -> GenerateResult | BatchGenerateResult:
-    """The engine: one round after another for all rows until each has finished (see the module docstring)."""
-    run = prepare(target, prompts, attention_mask, batch, max_new_tokens, temperature, top_p, top_k, eos_token_id,
-                  seed, streamer, drafter=drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
-                  tokenizer=tokenizer, prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens)
-    params, verifier, policy = run.params, run.verifier, run.policy
-    mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
-    record_probs = not params.greedy or verifier.needs_draft_probs
-    # Greedy decisions need only each node's argmax: one batched argmax and one host copy instead of B verifier calls.
-    walk = params.greedy and type(verifier) in (GreedyVerifier, SamplingVerifier)
-    lm_head = target.get_output_embeddings() if verifier.needs_hidden else None
-    speculates = any(arm.depth for arm in policy.arms)  # tree="none" never needs the drafter
-    widest = max(lookup_tokens, *(a.num_nodes for a in policy.arms)) + 1
-    policy.start_call()
-    rec = run.start()
-    target_state = run.target_state(target, widest)
-    target_state.prefill(run.ids[:, :-1], run.mask[:, :-1])  # each row's last prompt token is its first root
-    strategy = drafting_strategy(drafter, prompt_lookup, run.batch * widest, target_vocab_size(target), params, mode,
-                                 record_probs, max_tokens=run.ids.shape[1] + max_new_tokens)
-    strategy.skip(run.ids[:, -1:], catch_up=False)  # the roots; the drafter reads the prompts when it first drafts
-    lookup = NgramLookup(run.ids[0].tolist(), lookup_tokens) if lookup_tokens else None
-    logits = None  # the drafter's logits after each root (None until its prefill; never, if only none runs)
-    while True:
-        rows, gens = len(run.active), run.generators
-        proposal = lookup.propose() if lookup is not None else None
-        arm = None if proposal else policy.select()  # a lookup round is no arm's: the policy learns from its own
-        drafts = arm is not None and policy.arms[arm].depth > 0
-        if drafts and logits is None:  # once per call: not charged to this round's arm
-            logits = strategy.prefill(run.ids[run.active], run.mask[run.active])
-        rec.mark(DRAFT)
-        if proposal or drafts:
+    def start(self, call: Call, widest: int) -> TargetCache:
+        """Start the clock and the stream; the target cache with every prompt but its last token prefilled (that
+        token goes through the first round, as a plain decoding step feeds it: mamba_draft.targets.row_blocks)."""
+        call.start()
+        target = TargetCache.for_call(self.target, max_len=call.ids.shape[1] + call.max_new_tokens + widest)
+        target.prefill(call.ids[:, :-1], call.mask[:, :-1])
+        return target
+
+    def speculate(self, call: Call) -> GenerateResult | BatchGenerateResult:
+        """Rounds of draft -> verify -> commit -> resync for all rows until each has finished."""
+        policy = self.policy
+        widest = max(call.lookup_tokens, *(a.num_nodes for a in policy.arms)) + 1
+        policy.start_call()
+        target, rec = self.start(call, widest), call.recorder
+        drafts = self.strategy(call, widest)
+        lookup = NgramLookup(call.ids[0].tolist(), call.lookup_tokens) if call.lookup_tokens else None
+        logits = None  # the drafter's logits after each root (None until its prefill; never, if only none runs)
+        while True:
+            rows = len(call.active)
+            proposal = lookup.propose() if lookup is not None else None
+            arm = None if proposal else policy.select()  # a lookup round is no arm's: the policy learns from its own
+            tree = None if proposal or not policy.arms[arm].depth else policy.arms[arm]
+            if tree is not None and logits is None:  # once per call: not charged to this round's arm
+                logits = drafts.prefill(call.ids[call.active], call.mask[call.active])
+            rec.mark(DRAFT)
             if proposal:
-                draft = strategy.proposal(proposal)
-            else:
-                logits = strategy.catch_up(logits)  # after rounds that left the drafter alone
-                draft = strategy.draft(policy.arms[arm], logits, gens)
+                draft = drafts.proposal(proposal)
+            elif tree is not None:
+                logits = drafts.catch_up(logits)  # after rounds that left the drafter alone
+                draft = drafts.draft(tree, logits, call.generators)
             rec.mark(VERIFY)
-            results, proposed = verify(target_state, verifier, draft, params, gens, mode, record_probs, walk, lm_head)
-        else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root-only tree)
-            rec.mark(VERIFY)
-            following = next_tokens(target_state.decode(strategy.roots(rows)), params, gens)
-            results, proposed = [_PLAIN] * rows, [[t] for t in following.tolist()]  # the round's one host transfer
-        rec.mark(VERIFIED)
-        committed, finished = run.emit(proposed, results, verifier.name)
-        if lookup is not None:
-            lookup.extend(committed[0])
-            run.stats.lookup_rounds += bool(proposal)
-        tokens_out = sum(map(len, proposed))
-        # paper reward: on the rows' mean accepted length; time reward: the batch's tokens per second
-        reward_tokens = tokens_out if policy.reward == "time" else tokens_out / rows
-        if all(finished):
-            times = rec.round_times(finished=True)
-            if arm is not None:
-                policy.update(arm, reward_tokens, *times)
-            break
-        if proposal or drafts:
-            target_state.commit([r.path for r in results])
-        keep = [b for b, done in enumerate(finished) if not done]
-        if len(keep) < rows:
-            target_state.drop_rows(keep)
-        rec.mark(RESYNC)
-        if drafts:
-            logits = strategy.resync(draft, results, proposed)
-        elif proposal:  # the drafter catches up in one call when it next drafts
-            strategy.skip(torch.tensor([proposed[0]], device=run.ids.device), catch_up=speculates)
-        else:
-            strategy.skip(following[:, None], catch_up=speculates)
-        if len(keep) < rows:
-            run.keep(keep)
-            strategy.compact(keep)
-            logits = logits[keep] if logits is not None else None
-        rec.mark(DONE)
-        # The policy is charged the whole round: committing to the target cache and resyncing the drafter too.
-        times = rec.round_times(finished=False)
-        if arm is not None:
-            policy.update(arm, reward_tokens, *times)
-    return run.finish(target_state, drafter_calls=strategy.calls, drafter_calls_saved=strategy.calls_saved,
-                      drafter_state_bytes=strategy.state_bytes if logits is not None else 0, arms=policy.summary())
+            if proposal or tree is not None:
+                results, proposed = self.verify(target, draft, call)
+            else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root)
+                plain = next_tokens(target.decode(drafts.roots(rows)), call.params, call.generators)
+                results, proposed = [PLAIN] * rows, [[t] for t in plain.tolist()]  # the one host transfer
+            rec.mark(VERIFIED)
+            committed, finished = call.emit(proposed, results, call.verifier.name)
+            if lookup is not None:
+                lookup.extend(committed[0])
+                call.stats.lookup_rounds += bool(proposal)
+            if not all(finished):
+                if proposal or tree is not None:
+                    target.commit([r.path for r in results])
+                if tree is not None:
+                    resync = (draft, results, proposed)
+                else:  # the drafter reads these tokens when it next drafts
+                    resync = torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None]
+                logits = self.resync(call, target, drafts, finished, logits, resync)
+            tokens_out = sum(map(len, proposed))
+            if arm is not None:  # charged the whole round, commit and resync included
+                policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / rows,
+                              *rec.round_times(finished=all(finished)))
+            if all(finished):
+                break
+        return call.finish(target, drafter_calls=drafts.calls, drafter_calls_saved=drafts.calls_saved,
+                           drafter_state_bytes=drafts.state_bytes if logits is not None else 0,
+                           arms=policy.summary())
 
+    def strategy(self, call: Call, widest: int):
+        """The call's drafting strategy on the drafter's reusable TreeDrafter; the roots are the prompts' last
+        tokens (the drafter reads the prompts when it first drafts)."""
+        params, verifier = call.params, call.verifier
+        mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
+        record_probs = not params.greedy or verifier.needs_draft_probs
+        drafts = drafting_strategy(self.drafter, self.prompt_lookup, call.batch * widest,
+                                   target_vocab_size(self.target), params, mode, record_probs,
+                                   max_tokens=call.ids.shape[1] + call.max_new_tokens)
+        drafts.skip(call.ids[:, -1:], catch_up=False)
+        return drafts
 
-def verify(target_state, verifier: Verifier, draft: Draft, params: SamplingParams, generators, mode: str,
-           record_probs: bool, walk: bool, lm_head) -> tuple[list[VerifyResult], list[list[int]]]:
-    """One target forward over every row's tree, the verifier's decision per row -> (results, each row's proposed
-    tokens: accepted path + next token), with the round's one device -> host transfer (the trees' tokens, a few
-    dozen per row, come over at once, so no index tensor has to go the other way first)."""
-    scores, hidden = target_state.tree_forward(draft.tokens, draft.tree, want_hidden=verifier.needs_hidden)
-    if walk:
-        n = len(draft.tree)
-        host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
-        tokens = [row[:n] for row in host]
-        results = [VerifyResult(*greedy_walk(draft.tree, row[:n], row[n:])) for row in host]
-    else:
-        results = [verifier.verify(VerifyInput(
-            tree=draft.tree, tokens=draft.tokens[b], target_logits=scores[b],
-            draft_probs=draft.probs[b] if record_probs else None,
-            hidden=hidden[b] if hidden is not None else None, lm_head=lm_head, sampling=params,
-            generator=generators[b] if generators else None, draft_mode=mode)) for b in range(scores.shape[0])]
-        tokens = draft.tokens.tolist()
-    return results, [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)]
-
-
-@torch.no_grad()
-def generate_autoregressive(
-    target: torch.nn.Module,
-    input_ids,
-    *,
-    max_new_tokens: int,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    seed: int | None = None,
-    streamer=None,
-    attention_mask: torch.Tensor | None = None,
-) -> GenerateResult | BatchGenerateResult:
-    """One target forward per token (for all rows) on the same cache, sampling and stats code as `generate` (the
-    baseline). Sampling arguments left None take the target's generation_config, as in `generate`. A batch (as in
-    `generate`) decodes all rows in one forward per token, row b sampling from its own generator seeded seed + b."""
-    batch = is_batch(input_ids, attention_mask)
-    if batch and streamer is not None:
-        raise ValueError("a batch of prompts takes no streamer; pass one prompt to stream")
-    return decode_plainly(target, input_ids, attention_mask, batch, max_new_tokens, temperature, top_p, top_k,
-                          eos_token_id, seed, streamer)
-
-
-@torch.no_grad()
-def generate_autoregressive_batch(target: torch.nn.Module, prompts, *, attention_mask: torch.Tensor | None = None,
-                                  max_new_tokens: int, temperature: float | None = None, top_p: float | None = None,
-                                  top_k: int | None = None, eos_token_id: int | list[int] | None = None,
-                                  seed: int | None = None) -> BatchGenerateResult:
-    """`generate_autoregressive` for B prompts, always as a batch (the baseline of `generate_batch`)."""
-    return decode_plainly(target, prompts, attention_mask, True, max_new_tokens, temperature, top_p, top_k,
-                          eos_token_id, seed, None)
-
-
-def decode_plainly(target, prompts, attention_mask, batch: bool, max_new_tokens, temperature, top_p, top_k,
-                   eos_token_id, seed, streamer) -> GenerateResult | BatchGenerateResult:
-    run = prepare(target, prompts, attention_mask, batch, max_new_tokens, temperature, top_p, top_k, eos_token_id,
-                  seed, streamer)
-    rec = run.start()
-    target_state = run.target_state(target, 1)
-    # each row's last prompt token goes through the first decoding step, as speculation's first root does: every
-    # position after the prefilled ones is computed by the same kind of forward in both (mamba_draft.row_blocks)
-    target_state.prefill(run.ids[:, :-1], run.mask[:, :-1])
-    logits = target_state.decode(run.ids[:, -1])
-    while True:
-        tokens = next_tokens(logits, run.params, run.generators)
-        proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
-        _, finished = run.emit(proposed, [_PLAIN] * len(proposed), "autoregressive")
-        if all(finished):
-            break
+    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, resync):
+        """After a round's commit: the drafter steps a drafted round's accepted paths (`resync` = (draft, results,
+        proposed)) or keeps a lookup / plain round's tokens (`resync` (B, m)) for its next draft to catch up on;
+        finished rows leave the batch. Returns the drafter's logits after each remaining root."""
         keep = [b for b, done in enumerate(finished) if not done]
         if len(keep) < len(finished):
-            target_state.drop_rows(keep)
-            run.keep(keep)
-            tokens = tokens[keep]
-        rec.mark(VERIFY)
-        logits = target_state.decode(tokens)
-        rec.mark(VERIFIED)
-        rec.decode_time()
-    return run.finish(target_state)
+            target.drop_rows(keep)
+        call.recorder.mark(RESYNC)
+        if isinstance(resync, tuple):
+            logits = drafts.resync(*resync)
+        else:  # tree "none" alone never drafts: nothing to catch up on
+            drafts.skip(resync, catch_up=any(arm.depth for arm in self.policy.arms))
+        if len(keep) < len(finished):
+            call.keep(keep)
+            drafts.compact(keep)
+            logits = logits[keep] if logits is not None else None
+        call.recorder.mark(DONE)
+        return logits
+
+    def verify(self, target: TargetCache, draft, call: Call) -> tuple[list[VerifyResult], list[list[int]]]:
+        """One target forward over every row's tree, the verifier's decision per row -> (results, each row's
+        proposed tokens: accepted path + next token), with the round's one device -> host transfer (the trees'
+        tokens, a few dozen per row, come over at once, so no index tensor has to go the other way first)."""
+        verifier, params = call.verifier, call.params
+        scores, hidden = target.tree_forward(draft.tokens, draft.tree, want_hidden=verifier.needs_hidden)
+        if verifier.walks_argmax(params):  # one batched argmax and one host copy instead of B verifier calls
+            n = len(draft.tree)
+            host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
+            tokens = [row[:n] for row in host]
+            results = [VerifyResult(*greedy_walk(draft.tree, row[:n], row[n:])) for row in host]
+        else:
+            lm_head = self.target.get_output_embeddings() if verifier.needs_hidden else None
+            results = [verifier.verify(VerifyInput(
+                tree=draft.tree, tokens=draft.tokens[b], target_logits=scores[b],
+                draft_probs=draft.probs[b] if not params.greedy or verifier.needs_draft_probs else None,
+                hidden=hidden[b] if hidden is not None else None, lm_head=lm_head, sampling=params,
+                generator=call.generators[b] if call.generators else None,
+                draft_mode="sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"))
+                for b in range(scores.shape[0])]
+            tokens = draft.tokens.tolist()
+        return results, [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)]
+
+    def decode_plainly(self, call: Call) -> GenerateResult | BatchGenerateResult:
+        """One target forward per token for all rows, on the same cache, sampling and stats code as `speculate`."""
+        target, rec = self.start(call, 1), call.recorder
+        logits = target.decode(call.ids[:, -1])
+        while True:
+            tokens = next_tokens(logits, call.params, call.generators)
+            proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
+            _, finished = call.emit(proposed, [PLAIN] * len(proposed), "autoregressive")
+            if all(finished):
+                break
+            keep = [b for b, done in enumerate(finished) if not done]
+            if len(keep) < len(finished):
+                target.drop_rows(keep)
+                call.keep(keep)
+                tokens = tokens[keep]
+            rec.mark(VERIFY)
+            logits = target.decode(tokens)
+            rec.mark(VERIFIED)
+            rec.decode_time()
+        return call.finish(target)
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, generators: list | None) -> torch.Tensor:
@@ -297,132 +271,23 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generators: list |
     return (probs / noise).argmax(-1)
 
 
-@dataclass
-class Run:
-    """One call's validated inputs, per-row committed tokens and stats (what both loops share)."""
-
-    ids: torch.Tensor  # (B, L) left-padded prompts on the target's device
-    mask: torch.Tensor  # (B, L) 1 on prompt tokens, 0 on the padding
-    lengths: list[int]
-    batched: bool  # the caller passed a batch (-> BatchGenerateResult), even of one
-    max_new_tokens: int
-    params: SamplingParams
-    eos: set[int]
-    stats: GenerateStats
-    row_stats: list[GenerateStats]
-    generators: list[torch.Generator] | None  # active rows' generators (None: torch's global RNG)
-    streamer: object = None
-    verifier: Verifier | None = None
-    policy: UCBBandit | None = None
-    out: list[list[int]] = field(default_factory=list)  # committed new tokens per prompt
-    active: list[int] = field(default_factory=list)  # batch row i holds prompt active[i]
-    recorder: Recorder | None = None
-    counters: list[Recorder] = field(default_factory=list)  # per prompt; only their `count` is used
-
-    @property
-    def batch(self) -> int:
-        return self.ids.shape[0]
-
-    def start(self) -> Recorder:
-        """Start the clock, stream the prompt; returns the batch's recorder (phase times, rounds)."""
-        self.out = [[] for _ in self.lengths]
-        self.active = list(range(self.batch))
-        self.counters = [Recorder(stats, torch.device("cpu")) for stats in self.row_stats]
-        self.recorder = Recorder(self.stats, self.ids.device)
-        if self.streamer is not None:
-            self.streamer.put(self.ids[0].cpu())
-        return self.recorder
-
-    def target_state(self, target: torch.nn.Module, widest: int):
-        """One prompt: a TargetState (static cache and captured verification on CUDA; on CPU the dynamic cache, faster
-        there) holding prompt + max_new_tokens + the widest tree, in batched shapes. Several: a BatchTargetState."""
-        if self.batch > 1 or self.batched:
-            return BatchTargetState(target)
-        return OneRow(TargetState.for_model(target, max_len=self.ids.shape[1] + self.max_new_tokens + widest,
-                                            graphs=True))  # graphs apply only where the cache is static (CUDA)
-
-    def emit(self, proposed: list[list[int]], results: list[VerifyResult], name: str
-             ) -> tuple[list[list[int]], list[bool]]:
-        """Commit each active row's round up to its first EOS (kept) or its budget -> (committed, which finished)."""
-        committed, finished = [], []
-        for prompt, tokens, result in zip(self.active, proposed, results):
-            out = self.out[prompt]
-            kept, done = truncate(tokens, self.max_new_tokens - len(out), self.eos)
-            out.extend(kept)
-            self.counters[prompt].count(name, result, len(kept), len(tokens))
-            committed.append(kept)
-            finished.append(done)
-        self.stats.rounds += 1
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor(committed[0]))
-        return committed, finished
-
-    def keep(self, rows: list[int]) -> None:
-        """Only batch rows `rows` go on (finished rows dropped)."""
-        self.active = [self.active[b] for b in rows]
-        if self.generators is not None:
-            self.generators = [self.generators[b] for b in rows]
-
-    def finish(self, target_state, **stats) -> GenerateResult | BatchGenerateResult:
-        """Fill the batch's and the rows' stats (the total waits for the device), end the stream -> the committed
-        sequences: one GenerateResult for one prompt, else a BatchGenerateResult."""
-        total = self.stats
-        total.total_time = self.recorder.total_time()
-        total.target_forwards = target_state.forwards
-        for name, value in stats.items():
-            setattr(total, name, value)
-        rows = []
-        width = self.ids.shape[1]
-        for b, (length, out, row) in enumerate(zip(self.lengths, self.out, self.row_stats)):
-            row.new_tokens = len(out)
-            total.new_tokens += row.new_tokens
-            total.accepted_lengths += row.accepted_lengths
-            total.cut_tokens += row.cut_tokens
-            total.lossy_accepts += row.lossy_accepts
-            total.round_info += row.round_info
-            for rule, n in row.lossy_accepts_by.items():
-                total.lossy_accepts_by[rule] = total.lossy_accepts_by.get(rule, 0) + n
-            tokens = torch.cat([self.ids[b, width - length:], torch.tensor(out, dtype=torch.long,
-                                                                           device=self.ids.device)])
-            rows.append(GenerateResult(tokens[None], row))
-        if self.streamer is not None:
-            self.streamer.end()
-        if self.batched:
-            return BatchGenerateResult(rows, total)
-        return GenerateResult(rows[0].tokens, total)
+@torch.no_grad()
+def generate(target: torch.nn.Module, drafter, input_ids, *, tree="auto", verifier: str | Verifier | None = None,
+             verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
+             lookup_tokens: int | None = None, **options) -> GenerateResult | BatchGenerateResult:
+    """Tree speculative decoding of one prompt (-> GenerateResult) or a batch (-> BatchGenerateResult): the
+    `SpeculativeDecoder` of this pair for one call. options: max_new_tokens, temperature / top_p / top_k (None: the
+    target's generation_config, as `target.generate` does: greedy unless it sets do_sample), eos_token_id (None:
+    the generation_config's), seed (row b: seed + b), streamer (one prompt), attention_mask (left-padded ids)."""
+    if drafter is None:
+        raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
+    decoder = SpeculativeDecoder(target, drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
+                                 tokenizer=tokenizer, prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens)
+    return decoder.generate(input_ids, **options)
 
 
-def prepare(target: torch.nn.Module, prompts, attention_mask, batched: bool, max_new_tokens: int, temperature, top_p,
-            top_k, eos_token_id, seed, streamer, *, drafter=None, tree=None, verifier=None, verifier_params=None,
-            tokenizer=None, prompt_lookup: bool = False, lookup_tokens: int = 0) -> Run:
-    """Validate a call's inputs, before any model runs -> its Run. drafter None: the autoregressive baseline."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an integer (row b uses seed + b) or None, got {seed!r}")
-    params = resolve_sampling(target, temperature, top_p, top_k)
-    device = next(target.parameters()).device
-    policy = None
-    if drafter is not None:
-        if verifier is None:
-            verifier = "greedy" if params.greedy else "sampling"
-        verifier = get_verifier(verifier, **(verifier_params or {}))
-        policy = make_policy(tree, device)
-        check_options(verifier, policy, params, prompt_lookup, lookup_tokens)
-    arms = policy.arms if policy is not None else ()
-    depth = max(lookup_tokens, *(a.depth for a in arms), 0)
-    nodes = max(lookup_tokens, *(a.num_nodes for a in arms), 0)
-    if batched:
-        ids, mask, lengths = batch_prompts(prompts, attention_mask)
-        check_batch_limits(target, ids, lengths, max_new_tokens, tree_depth=depth, tree_nodes=nodes)
-    else:
-        ids = check_prompt(target, prompts, max_new_tokens, tree_depth=depth, tree_nodes=nodes)
-        mask, lengths = torch.ones_like(ids), [ids.shape[1]]
-    if drafter is not None:
-        check_drafter_room(drafter, len(lengths), nodes + 1, target_vocab_size(target),
-                           max(lengths) + max_new_tokens + depth)
-        check_drafter(target, drafter, tokenizer, verifier, policy)
-    name, lossless = (verifier.name, verifier.lossless) if verifier is not None else ("autoregressive", True)
-    stats = GenerateStats(prompt_tokens=sum(lengths), verifier=name, lossless=lossless, sampling=asdict(params))
-    rows = [GenerateStats(prompt_tokens=n, verifier=name, lossless=lossless, sampling=asdict(params)) for n in lengths]
-    generators = None if seed is None else [make_generator(seed + b, device) for b in range(len(lengths))]
-    return Run(ids.to(device), mask.to(device), lengths, batched, max_new_tokens, params, eos_set(target, eos_token_id),
-               stats, rows, generators, streamer, verifier, policy)
+@torch.no_grad()
+def generate_autoregressive(target: torch.nn.Module, input_ids, **options) -> GenerateResult | BatchGenerateResult:
+    """One target forward per token (for all rows) on the same cache, sampling and stats code as `generate` (the
+    baseline); the same inputs and options, no drafter."""
+    return SpeculativeDecoder(target).generate(input_ids, **options)

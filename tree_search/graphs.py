@@ -21,13 +21,16 @@ import itertools
 import torch
 
 
-def drafter_key(drafter) -> tuple:
-    """What a drafter's state and captured graphs depend on: device, dtype, state dtype, backend, weight addresses.
+def weights_key(module: torch.nn.Module) -> tuple:
+    """Address, dtype and device of every parameter and buffer: what state, buffers and graphs built on a module's
+    weights depend on. Addresses catch what dtype and device alone miss: `.to(bfloat16).to(float32)` or
+    `load_state_dict(assign=True)` reallocate the weights and leave graphs reading freed memory."""
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in itertools.chain(module.parameters(), module.buffers()))
 
-    The addresses catch what dtype and device alone miss: `.to(bfloat16).to(float32)` or `load_state_dict(assign=True)`
-    reallocate the weights and leave graphs reading freed memory."""
-    addresses = tuple(t.data_ptr() for t in itertools.chain(drafter.parameters(), drafter.buffers()))
-    return drafter.device, drafter.dtype, drafter.state_dtype, drafter.backend, addresses
+
+def drafter_key(drafter) -> tuple:
+    """What a drafter's state and captured graphs depend on: its weights (`weights_key`), state dtype and backend."""
+    return weights_key(drafter), drafter.state_dtype, drafter.backend
 
 
 class StepRunner:

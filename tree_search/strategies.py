@@ -1,6 +1,6 @@
 """Drafting strategies: how `generate` fills a round's drafts for its B rows and resyncs the drafter after it.
 
-`TreeDrafting` drafts one tree per row, level by level (`TreeDrafter.draft_batch`: one drafter step per level for all
+`TreeDrafting` drafts one tree per row, level by level (`TreeDrafter.draft`: one drafter step per level for all
 rows); `LookupDrafting` drafts one prompt's chains at temperature 0 with prompt lookup (FLy's multi-level
 acceleration: the same greedy chain in fewer drafter calls when the text repeats). Both have
 `prefill(ids, mask) -> root logits (B, V)`, `draft(config, logits) -> Draft`, `resync(draft, results, proposed) ->
@@ -9,38 +9,23 @@ committed (B, m) tokens without the drafter), `catch_up(logits)`, `compact(rows)
 the device), `calls` (drafter calls since construction) and `calls_saved` (vs drafting every chain step by step).
 
 No-speculation rounds (the `none` arm) and prompt-lookup rounds leave the drafter alone: the tokens they commit wait
-in `behind` and the next drafted round feeds them in one drafter call (`TreeDrafter.extend_batch`: rows 0..B-1 still
+in `behind` and the next drafted round feeds them in one drafter call (`TreeDrafter.extend`: rows 0..B-1 still
 hold the state after the last token each read, since drafting forks other rows and only resync / extend move them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
-from tree_search.tree import Tree, TreeConfig
+from tree_search.drafting import LOOKUP_ROWS, DraftTree, TreeDrafter
+from tree_search.tree import TreeConfig
 
 if TYPE_CHECKING:
-    from tree_search.drafting import DraftTree
     from tree_search.sampling import SamplingParams
     from tree_search.verifiers import VerifyResult
 
-
-@dataclass
-class Draft:
-    """A round's drafts in batch shape: what the target verifies (`BatchDraftTree` has the same fields)."""
-
-    config: TreeConfig
-    tree: Tree
-    tokens: torch.Tensor  # (B, T+1), tokens[:, 0] the roots
-    probs: torch.Tensor  # (B, T+1, V_target) draft distributions (when recorded)
-
-    @classmethod
-    def of(cls, buf: DraftTree) -> Draft:
-        """One prompt's DraftTree as a batch of one (views, no copy)."""
-        return cls(buf.config, buf.tree, buf.tokens[None], buf.probs[None])
+Draft = DraftTree  # a round's drafts, what the target verifies: .config, .tree, .tokens (B, T+1), .probs (B, T+1, V)
 
 
 class TreeDrafting:
@@ -66,7 +51,7 @@ class TreeDrafting:
         return self.drafts.roots[:batch]
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.drafts.prefill_batch(ids, mask)
+        return self.drafts.prefill(ids, mask)
 
     def catch_up(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafter's logits after each root: `logits`, or, after rounds that left the drafter alone, those of
@@ -77,21 +62,20 @@ class TreeDrafting:
         return self.extend(tokens)
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.drafts.extend_batch(tokens)
+        return self.drafts.extend(tokens)
 
     def draft(self, config: TreeConfig, logits: torch.Tensor, generators: list[torch.Generator] | None) -> Draft:
         """Every row's tree; row b draws its samples from generators[b] (None: torch's global RNG)."""
         batch = logits.shape[0]
-        return self.drafts.draft_batch(config, self.roots(batch), logits, self.params, self.mode, self.record_probs,
-                                       generators)
+        return self.drafts.draft(config, self.roots(batch), logits, self.params, self.mode, self.record_probs,
+                                 generators)
 
     def proposal(self, tokens: list[int]) -> Draft:
         """One prompt's chain of given tokens (prompt lookup) to verify instead of a draft; then `skip`."""
-        return Draft.of(self.drafts.proposal(self.drafts.roots[0], tokens, self.record_probs))
+        return self.drafts.proposal(self.roots(1), tokens, self.record_probs)
 
     def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]]) -> torch.Tensor:
-        return self.drafts.resync_batch(draft, [r.path[-1] if r.path else 0 for r in results],
-                                        [p[-1] for p in proposed])
+        return self.drafts.resync(draft, [r.path[-1] if r.path else 0 for r in results], [p[-1] for p in proposed])
 
     def skip(self, tokens: torch.Tensor, catch_up: bool = True) -> None:
         """A round committed `tokens` (B, m) without drafting; the drafter reads them when it next drafts (if
@@ -125,13 +109,13 @@ class LookupDrafting(TreeDrafting):
         return super().prefill(ids, mask)
 
     def draft(self, config: TreeConfig, logits: torch.Tensor, generators=None) -> Draft:
-        buf, lookup = self.drafts.draft_chain_lookup(config, self.drafts.roots[0], logits[0],
-                                                     self.context[: self.length], self.record_probs)
+        buf, lookup = self.drafts.draft_chain_lookup(config, self.roots(1), logits, self.context[: self.length],
+                                                     self.record_probs)
         self.calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
-        return Draft.of(buf)
+        return buf
 
     def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]]) -> torch.Tensor:
-        self.calls_saved += len(results[0].path) == draft.config.depth  # `resync_batch` steps an accepted leaf too
+        self.calls_saved += len(results[0].path) == draft.config.depth  # a tree's resync steps an accepted leaf too
         return self.extend(torch.tensor([proposed[0]], device=self.context.device))
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -139,15 +123,13 @@ class LookupDrafting(TreeDrafting):
         row = tokens[0]
         self.context[self.length : self.length + len(row)] = row
         self.length += len(row)
-        self.drafts.roots[:1] = row[-1:]
-        return self.drafts.resync_extend(row)[None]
+        return super().extend(tokens)
 
 
 def drafting_strategy(drafter, prompt_lookup: bool, rows: int, out_vocab: int, params: SamplingParams, mode: str,
                       record_probs: bool, max_tokens: int) -> TreeDrafting:
-    """The call's strategy on the drafter's cached TreeDrafter. rows: state rows the batch's largest trees need;
-    max_tokens: prompt + max_new_tokens (the longest committed text; prompt lookup only)."""
+    """The call's strategy on the drafter's own TreeDrafter (`TreeDrafter.of`). rows: state rows the batch's largest
+    trees need; max_tokens: prompt + max_new_tokens (the longest committed text; prompt lookup only)."""
     if prompt_lookup:
-        return LookupDrafting(TreeDrafter.for_drafter(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs,
-                              max_tokens)
-    return TreeDrafting(TreeDrafter.for_drafter(drafter, rows, out_vocab), params, mode, record_probs)
+        return LookupDrafting(TreeDrafter.of(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs, max_tokens)
+    return TreeDrafting(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)

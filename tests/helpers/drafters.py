@@ -32,3 +32,19 @@ def tiny_hf_mamba(arch: str = "mamba1", vocab_size: int = 96, seed: int = 0, **o
 def save_tiny_hf_mamba(directory: Path, arch: str = "mamba1", **kwargs) -> Path:
     tiny_hf_mamba(arch, **kwargs).save_pretrained(directory)
     return Path(directory)
+
+
+def lean_drafter(directory: Path, target, seed: int = 0) -> Path:
+    """A tied Mamba-1 drafter on `target`'s input embedding, saved without it: `target_embedding.json` names a target
+    that does not exist, so it loads only with the embedding handed over (`embedding=` or `target=`)."""
+    from mamba_draft import MambaConfig, MambaDrafter
+    from mamba_draft.checkpoint import save_checkpoint
+
+    weight = target.get_input_embeddings().weight
+    hf = tiny_hf_mamba("mamba1", vocab_size=weight.shape[0], seed=seed, hidden_size=weight.shape[1],
+                       tie_word_embeddings=True)
+    drafter = MambaDrafter.from_state_dict(MambaConfig.from_hf_dict(hf.config.to_dict()), hf.state_dict())
+    with torch.no_grad():
+        drafter.backbone.embeddings.weight.copy_(weight)
+    return save_checkpoint(drafter.config, drafter.checkpoint_tensors(), directory,
+                           embedding_from=str(Path(directory) / "no-such-target"))

@@ -12,7 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{mine,train}")
     mine = actions.add_parser("mine", help="label mismatches important/unimportant (AutoJudge Algorithm 1)")
     mine.add_argument("--target", required=True, help="target causal LM (HF directory, hub id, .gguf file or smollm2)")
-    mine.add_argument("--draft", required=True, help="Mamba drafter (HF-format directory, hub id or 'smollm2')")
+    mine.add_argument("--drafter", required=True, help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF "
+                      "causal LM sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2'")
     mine.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (or Spec-Bench 'turns')")
     mine.add_argument("--task", default="gsm8k", help="answer extraction: gsm8k (final number) or exact (whole text)")
     mine.add_argument("--out", required=True, help="output directory (one file per prompt; reruns resume)")
@@ -21,8 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mine.add_argument("--limit", type=int, default=None, help="mine only the first N prompts")
     mine.add_argument("--no-chat-template", action="store_true", help="encode prompts as raw text")
     mine.add_argument("--device", default="cpu")
-    mine.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                      help="float32 recommended: half-precision features drift between sequential and parallel passes")
+    mine.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                      help="target and drafter dtype (auto, the default: bfloat16 where the device has native bf16 "
+                      "products, else float32; float32 keeps the mined features exact: half-precision ones drift "
+                      "between sequential and parallel passes)")
     train = actions.add_parser("train", help="fit the logistic-regression judge on mined mismatches")
     train.add_argument("--data", required=True, help="directory written by `autojudge mine`")
     train.add_argument("--out", required=True, help="judge file to write (.safetensors)")
@@ -36,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _mine(args: argparse.Namespace) -> int:
-    from mamba_draft import MambaDrafter
-    from mamba_draft.devices import check_device
+    from mamba_draft import load_drafter
+    from mamba_draft.devices import check_device, resolve_dtype
     from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.autojudge.answers import get_task
     from tree_search.autojudge.mine import check_or_write_manifest, mine
@@ -47,13 +50,14 @@ def _mine(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = load_prompts(args.prompts, limit=args.limit, split="train")  # a classifier's training data: no held-out
-    manifest = {"target": str(args.target), "draft": str(args.draft), "task": args.task,
+    # "draft": the key directories mined so far hold (a resumed run must match them)
+    manifest = {"target": str(args.target), "draft": str(args.drafter), "task": args.task,
                 "prompts": str(Path(args.prompts).resolve()), "chat_template": not args.no_chat_template}
     check_device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = resolve_dtype(args.dtype, args.device)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     target = load_causal_lm(args.target, dtype=dtype, device=args.device)
-    drafter = MambaDrafter.from_pretrained(args.draft, device=args.device, dtype=dtype, embedding=target.get_input_embeddings().weight)
+    drafter = load_drafter(args.drafter, device=args.device, dtype=dtype, embedding=target.get_input_embeddings().weight)
     # --out is created only once both models loaded, so a bad path or corrupt weights leave nothing behind
     check_or_write_manifest(Path(args.out), {**manifest, "hidden_size": target.config.hidden_size,
                                              "max_new_tokens": args.max_new_tokens})

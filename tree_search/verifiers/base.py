@@ -56,6 +56,12 @@ class Verifier(abc.ABC):
     def check_target(self, target: torch.nn.Module) -> None:
         """Refuse a target this verifier cannot judge; `generate` calls it before any model runs (default: any)."""
 
+    def walks_argmax(self, sampling: SamplingParams) -> bool:
+        """Whether, at these sampling settings, `verify` is the greedy walk over each node's target argmax
+        (`greedy.greedy_walk`): then the engine decides every row with one batched argmax and one host copy
+        instead of a `verify` call per row. Default: no."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, lossless={self.lossless}, draft_mode={self.draft_mode!r})"
 

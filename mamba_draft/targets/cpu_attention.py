@@ -9,7 +9,7 @@ Row-stable attention adds one guarantee: a query's output does not depend on wha
 Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a
 probability-weighted sum of values rounds with the positions of the terms: a tree node whose ancestors sit behind
 masked siblings rounded differently from the decoding step that computes the same token after the same context,
-and speculative output in bf16 drifted from plain decoding (mamba_draft.row_blocks). Here each row reduces over its
+and speculative output in bf16 drifted from plain decoding (mamba_draft.targets.row_blocks). Here each row reduces over its
 visible keys in position order, in fixed blocks added one after another (`row_stable_attention`), so a tree node,
 a decoding step and a prefill row compute the same bits for the same context.
 
@@ -133,7 +133,7 @@ def _items(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     and so its rounding, by the whole call: on an AVX512 Xeon a transposed key block read in place rounded the same
     scores differently from a copied one, and a bmm of 1 item differently from the same item among 6 (a size
     threshold picks another kernel). Fixed calls of fixed, contiguous items give a product the same bits wherever
-    it sits and whatever else the forward computes (the assumption mamba_draft.row_blocks checks for linear rows)."""
+    it sits and whatever else the forward computes (the assumption mamba_draft.targets.row_blocks checks for linear rows)."""
     batch = tuple(max(a, b) for a, b in zip(left.shape[:-2], right.shape[:-2]))  # same rank, sizes equal or 1
     (m, k), n = left.shape[-2:], right.shape[-1]
     count = math.prod(batch)

@@ -1,0 +1,116 @@
+"""Tree policies: what picks each round's tree shape, and the one grammar every command writes them in.
+
+    auto                        the device's default (`default_policy`): on a CPU the measured-time bandit over
+                                none / 1,1 / 1,1,1 / 2,1 (with prompt-lookup rounds, `calls.default_lookup_tokens`),
+                                elsewhere the paper's bandit
+    none | 3,2,2,1,1 | chain:5  one fixed shape (`none`: no speculation, a plain decoding step per round;
+                                chain:N is N ones)
+    bandit[:A/B/...]            UCB over the arms A, B, ... (default: the paper's three), the paper's reward (Eq. 2)
+    bandit-time[:A/B/...]       the same with the measured-time reward (tokens per second of each round)
+
+`parse_policy` reads it for `generate(tree=...)`, `mamba-draft generate --tree`, the bench's methods, the demo and
+`regenerate`. A policy is any object with the `TreePolicy` surface: `UCBBandit` and `FixedShape` are the two here.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit, tree_reward
+from tree_search.tree import TreeConfig
+
+GRAMMAR = "auto, none, a shape like 3,2,2,1,1, chain:N, bandit[:A/B/...] or bandit-time[:A/B/...]"
+
+
+@runtime_checkable
+class TreePolicy(Protocol):
+    """Picks one arm (tree shape) per round and learns from what each round committed and cost."""
+
+    arms: tuple[TreeConfig, ...]
+    reward: str  # "time": rewarded with the round's tokens (its seconds given); "paper": tokens per row
+
+    def start_call(self) -> None: ...
+
+    def select(self) -> int: ...
+
+    def update(self, arm: int, n_accept: float, draft_time: float | None = None,
+               verify_time: float | None = None) -> float: ...
+
+    def summary(self) -> dict[str, dict[str, float]]: ...
+
+
+class FixedShape:
+    """Always the same tree shape; scores its rounds with the paper's reward (Eq. 2, λ_γ 0.1) so that reports read
+    like a bandit's."""
+
+    reward = "paper"
+
+    def __init__(self, tree: TreeConfig | str | tuple[int, ...]) -> None:
+        self.arms = (TreeConfig.parse(tree),)
+        self.pulls, self.reward_sum = 0, 0.0
+
+    def start_call(self) -> None:
+        self.pulls, self.reward_sum = 0, 0.0
+
+    def select(self) -> int:
+        return 0
+
+    def update(self, arm: int, n_accept: float, draft_time: float | None = None,
+               verify_time: float | None = None) -> float:
+        self.pulls += 1
+        self.reward_sum += tree_reward(n_accept, self.arms[0].depth, 0.1)
+        return self.reward_sum / self.pulls
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        mean = self.reward_sum / self.pulls if self.pulls else float("nan")
+        return {str(self.arms[0]): {"pulls": self.pulls, "mean_reward": mean}}
+
+
+def default_policy(device: str | torch.device) -> UCBBandit:
+    """`auto`: on a CPU the measured-time bandit over `CPU_ARMS`; elsewhere the paper's arms and reward."""
+    if torch.device(device).type == "cpu":
+        return UCBBandit(arms=CPU_ARMS, reward="time")
+    return UCBBandit()
+
+
+def is_auto(spec) -> bool:
+    return isinstance(spec, str) and spec.strip().lower() == "auto"
+
+
+def parse_policy(spec, device: str | torch.device = "cpu", persistent: bool = False) -> TreePolicy:
+    """A policy from the grammar above, or a TreeConfig / tuple shape; a policy object passes through unchanged.
+    `persistent` keeps a bandit's statistics across generate calls (`auto` always restarts per call, as generate's
+    own default does). Raises ValueError naming the grammar on anything else."""
+    if isinstance(spec, TreePolicy):
+        return spec
+    if isinstance(spec, (TreeConfig, tuple, list)):
+        return FixedShape(TreeConfig.parse(spec))
+    if not isinstance(spec, str):
+        raise TypeError(f"tree must be a policy spec ({GRAMMAR}), a TreeConfig or a policy object; "
+                        f"got {type(spec).__name__}")
+    text = spec.strip().lower()
+    if text == "auto":
+        return default_policy(device)
+    kind, colon, arg = text.partition(":")
+    try:
+        if kind in ("bandit", "bandit-time"):
+            if colon and not arg:
+                raise ValueError("arms follow the colon, separated by '/'")
+            arms = tuple(TreeConfig.parse(a) for a in arg.split("/")) if arg else DEFAULT_ARMS
+            return UCBBandit(arms=arms, reward="time" if kind == "bandit-time" else "paper", persistent=persistent)
+        if kind == "chain":
+            if not arg.isdigit() or int(arg) < 1:
+                raise ValueError(f"chain:N takes a positive length, got {arg!r}")
+            return FixedShape(TreeConfig((1,) * int(arg)))
+        return FixedShape(TreeConfig.parse(text))
+    except ValueError as err:
+        raise ValueError(f"tree policy {spec!r}: {err} (expected {GRAMMAR})") from None
+
+
+def spec_of(policy: TreePolicy) -> str:
+    """The grammar's text for a policy (what reports print): the inverse of `parse_policy`."""
+    if isinstance(policy, FixedShape):
+        return policy.arms[0].spec
+    kind = "bandit-time" if policy.reward == "time" else "bandit"
+    return f"{kind}:" + "/".join(a.spec for a in policy.arms)

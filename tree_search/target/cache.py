@@ -1,0 +1,421 @@
+"""The target's side of a round: one KV cache for B left-padded prompts, a tree forward over every row's draft tree
+(4D ancestor mask, depth positions) returning logits and final hidden states, and the commit of each row's accepted
+path. One prompt is a batch of one.
+
+All rows share the cache's slots; `valid` (B, slots) says which slot holds a token of a row: left pads and the
+holes a shorter accepted path leaves stay invalid (masked for every later query). RoPE positions are per row
+(`positions`: pads and holes do not count), so each row's keys equal those of encoding that row alone.
+
+Two storages, the same tokens:
+- dynamic (HF DynamicCache; the default on CPU): a forward appends its keys, commit moves the accepted rows and
+  crops the tail. It attends over the slots in use only.
+- static (`max_len` slots per layer preallocated; the default on CUDA): a forward of n tokens writes slots [S, S+n)
+  and attends through a (B, 1, n, max_len) mask; commit moves the accepted rows in place. Every input lives in
+  per-(B, n) buffers (`_Shape`), so `graphs=True` (CUDA) captures one graph per (B, n, want_hidden) forward and per
+  (B, n) commit, and the only host -> device copy of a round is the accepted paths.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLayer
+
+from mamba_draft.targets import cache_keyword
+from mamba_draft.targets.row_blocks import low_precision_cpu, make_row_invariant, prefilling
+from tree_search.graphs import capture_graph, weights_key
+from tree_search.target.facts import (
+    MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows,
+    static_cache_refusal,
+)
+from tree_search.tree import Tree
+
+ROOT_ONLY = Tree((-1,))
+
+
+class _SlotLayer(StaticLayer):
+    """A preallocated KV layer (HF's StaticLayer storage, (B, heads, max_len, head_dim)) written at the slots its
+    TargetCache chose: all layers read one shared index buffer, filled once per forward, so a captured graph reads
+    the slots from a fixed address. `rows`: the batch rows in use (finished rows are compacted out of the first)."""
+
+    def __init__(self, max_cache_len: int, slots: torch.Tensor) -> None:
+        super().__init__(max_cache_len)
+        self.slots, self.rows = slots, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        index = self.slots[: key_states.shape[-2]]
+        keys, values = self.keys[: self.rows], self.values[: self.rows]
+        keys.index_copy_(2, index, key_states)
+        values.index_copy_(2, index, value_states)
+        return keys, values
+
+
+class _Shape:
+    """The static path's fixed-shape buffers for B rows of trees of n tokens: every input of their forward and
+    commit, so one captured graph per (B, n) reads them all from fixed addresses."""
+
+    def __init__(self, batch: int, n: int, max_len: int, style: MaskStyle, device: torch.device) -> None:
+        self.ids = torch.zeros(batch, n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
+        self.mask = style.full((batch, 1, n, max_len), False, device)
+        self.src = torch.zeros(batch, 1, max(n - 1, 1), 1, dtype=torch.long, device=device)  # commit: sources
+        self.dst = torch.zeros(max(n - 1, 1), dtype=torch.long, device=device)  # commit: slots S+1 ... S+n-1
+        self.scratch: dict[tuple, torch.Tensor] = {}  # commit: rows gathered per cache-layer shape
+        self.outputs: dict[bool, tuple] = {}  # graphs: (logits, hidden) copied out, per want_hidden
+        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}  # want_hidden -> forward graph, "commit" -> commit
+
+
+class TargetCache:
+    """The target model plus one KV cache for B prompts, each row holding its committed sequence minus its root.
+
+    prefill(ids, mask) -> tree_forward(tokens, tree) -> commit(paths) -> ...; decode(tokens) is a root-only round;
+    drop_rows(keep) lets finished rows go. `static=None` picks static storage on CUDA when `max_len` is given and
+    the model allows it (`static_cache_refusal`), else dynamic: on a CPU the dynamic cache is as fast or faster
+    (it attends over the slots in use, not max_len). `max_len` must cover every forward of a static cache: the
+    padded prompts + max_new_tokens + the widest tree; a forward beyond it is refused before it runs.
+    """
+
+    def __init__(self, model: torch.nn.Module, static: bool | None = None, max_len: int | None = None,
+                 graphs: bool = False) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        # A low-precision CPU target's linear layers multiply in fixed blocks of rows (in place, once per model;
+        # mamba_draft.targets.row_blocks), so a position's logits do not depend on how many tokens share its forward.
+        if low_precision_cpu(model):
+            make_row_invariant(model)
+        self.style = MaskStyle(model)
+        self._cache_keyword = cache_keyword(model)
+        self.static = use_static(model, self.device, static, max_len)
+        if graphs and not (self.static and self.device.type == "cuda"):
+            raise ValueError("graphs=True needs the static KV cache (static=True, max_len) on a CUDA device")
+        self.use_graphs, self.max_len = graphs, (max_len if self.static else None)
+        windows = sliding_windows(model)
+        self._window = min(windows) if windows else None
+        self.forwards = 0
+        self.cache = None
+        self.slots = 0  # S: slots in use, common to all rows (a host int: masks are sized without a sync)
+        self.positions = None  # (B,) long on device: each row's committed tokens in the cache (its root's position)
+        self._valid = None  # (B, capacity) in mask form (visible / hidden); [:, :S] the valid slots
+        self._pending = None  # the tree of the last tree forward, awaiting its commit
+        self._dense = True  # every slot in use holds a token of every row (no pads, no holes): a host flag
+        self._trees: dict[Tree, tuple[torch.Tensor, torch.Tensor]] = {}  # per tree: (mask block, depths) on device
+        self.forward = model  # the static forward's model call (replaceable by a torch.compile'd forward)
+        if self.static:
+            self.key = weights_key(model), probe_key(model)
+            self._arange = torch.arange(max_len, device=self.device)
+            self._write = torch.zeros(max_len, dtype=torch.long, device=self.device)  # slots the next forward writes
+            self.cache = Cache(layers=[_SlotLayer(max_len, self._write) for _ in TargetFacts.of(model).layers])
+            self._shapes: dict[tuple[int, int], _Shape] = {}
+            self._pool = None  # one memory pool for all graphs
+
+    @classmethod
+    def for_call(cls, model: torch.nn.Module, max_len: int, graphs: bool = True) -> TargetCache:
+        """The cache of one generate call: a fresh dynamic one where static storage does not apply (any CPU), else
+        the model's static one, kept on it (`TargetFacts.static_cache`: buffers and graphs survive across calls)
+        while it has room and the model's weights, attention, dtype and device are unchanged."""
+        device = next(model.parameters()).device
+        if not use_static(model, device, None, max_len):
+            return cls(model, static=False)
+        facts = TargetFacts.of(model)
+        cached = facts.static_cache
+        if (cached is None or cached.max_len < max_len or cached.use_graphs != graphs
+                or cached.key != (weights_key(model), probe_key(model))):
+            cached = facts.static_cache = cls(model, static=True, max_len=max_len, graphs=graphs)
+        return cached
+
+    @property
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, slots) bool: slot j holds a committed token of row b."""
+        return self._valid[:, : self.slots] == self.style.visible
+
+    def _tree_inputs(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree's own mask block and depths, moved to the device once per tree, not per round."""
+        if tree not in self._trees:
+            self._trees[tree] = self.style.block(tree, self.device), torch.tensor(tree.depths, device=self.device)
+        return self._trees[tree]
+
+    def _reserve(self, slots: int) -> None:
+        """Room for `slots` columns: the static storage's bound, or the dynamic validity buffer, grown
+        geometrically so rounds rarely allocate; a sliding-window cache must not fill its window."""
+        if self.static:
+            if slots > self.max_len:
+                raise ValueError(f"the static KV cache holds {self.max_len} tokens but this forward needs {slots}: "
+                                 "pass max_len >= padded prompt + max_new_tokens + the widest tree's node count + 1")
+        elif slots > self._valid.shape[1]:
+            grown = self.style.full((self._valid.shape[0], max(slots, 2 * self._valid.shape[1])), False, self.device)
+            grown[:, : self.slots] = self._valid[:, : self.slots]
+            self._valid = grown
+        if self._window is not None and slots > self._window:
+            raise ValueError(f"the batch cache needs {slots} slots, beyond the {self._window} that "
+                             f"{type(self.model).__name__}'s sliding-window cache holds exactly")
+
+    # ---------------------------------------------------------------------------------------------- the round
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Encode left-padded prefixes (B, L) into a fresh cache -> the last column's logits (B, V) (None if L = 0).
+
+        A row may be all pads (the prefix of a one-token prompt): its cache starts empty and its logits here are
+        meaningless. Every query also sees itself, so pad rows attend to something and stay finite.
+        """
+        input_ids = input_ids.to(self.device)
+        batch, length = input_ids.shape
+        valid = (torch.ones(input_ids.shape, dtype=torch.bool, device=self.device) if attention_mask is None
+                 else attention_mask.to(device=self.device, dtype=torch.bool))
+        self.positions = valid.sum(dim=1)
+        self.slots, self._pending = 0, None
+        if self.static:
+            self._start_static(batch)
+            self._valid = self.style.full((batch, self.max_len), False, self.device)
+        else:
+            self.cache = DynamicCache(config=self.model.config)
+            self._valid = self.style.full((batch, max(length, 1)), False, self.device)
+        if length == 0:
+            return None
+        self._reserve(length)
+        # Without pads a dynamic cache's forwards need no mask but the causal one transformers builds itself (and
+        # skips where it can, as its own generate does: sdpa's causal path over no mask is the faster one).
+        self._dense = attention_mask is None or bool(valid.all())  # the call's one sync, before any round
+        mask = None if self._dense and not self.static else self._prefill_mask(valid)
+        if self.static:
+            self._write[:length].copy_(self._arange[:length])
+        with prefilling(self.model):
+            out = self.model(input_ids=input_ids, attention_mask=mask,
+                             position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count
+                             **{self._cache_keyword: self.cache}, use_cache=True, **last_logits_only(self.model))
+        self._valid[:, :length].masked_fill_(valid, self.style.visible)
+        self.slots = length
+        self.forwards += 1
+        return out.logits[:, -1]
+
+    def _prefill_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """(B, 1, L, width): each row's causal mask over its own tokens; width max_len for a static storage."""
+        batch, length = valid.shape
+        seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
+        seen |= torch.eye(length, dtype=torch.bool, device=self.device)
+        mask = self.style.full((batch, 1, length, self.max_len if self.static else length), False, self.device)
+        mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
+        return mask
+
+    @torch.no_grad()
+    def tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward of every row's tree: tokens (B, T+1), node order as in `tree`, tokens[:, 0] the roots.
+
+        Row b's node i sees row b's valid slots plus its own ancestors, at position positions[b] + depth(i).
+        Returns logits (B, T+1, V) and, if asked, final hidden states (B, T+1, H); then `commit`.
+        """
+        n, batch = len(tree), self.batch_size
+        if tokens.shape != (batch, n):
+            raise ValueError(f"tree_forward needs tokens of shape ({batch}, {n}), got {tuple(tokens.shape)}")
+        self._reserve(self.slots + n)
+        self._pending = tree
+        self.forwards += 1
+        if self.static:
+            return self._static_forward(tokens, tree, want_hidden)
+        block, depths = self._tree_inputs(tree)
+        mask = None  # a decoding step over a cache without pads or holes sees every slot: the causal default
+        if n > 1 or not self._dense:
+            mask = torch.empty(batch, 1, n, self.slots + n, dtype=self.style.dtype, device=self.device)
+            mask[:, 0, :, : self.slots] = self._valid[:, None, : self.slots]
+            mask[:, 0, :, self.slots :] = block
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=self.positions[:, None] + depths,
+                         **{self._cache_keyword: self.cache}, use_cache=True, output_hidden_states=want_hidden)
+        return out.logits, out.hidden_states[-1] if want_hidden else None
+
+    def commit(self, paths: list[list[int]]) -> None:
+        """Keep each row's root + accepted `paths[b]` (node indices in depth order) of the last tree forward.
+
+        Row b's path nodes move to the slots right after its root; slots past them up to the longest path are
+        holes (invalid for that row). Each row's valid slots then equal encoding its committed sequence alone; its
+        position advances by 1 + len(path). A round whose paths are all chains from node 1 moves nothing.
+        """
+        tree, root = self._pending, self.slots
+        if tree is None:
+            raise ValueError("commit needs a tree_forward first")
+        if len(paths) != self.batch_size:
+            raise ValueError(f"commit needs one path per row ({self.batch_size}), got {len(paths)}")
+        for b, path in enumerate(paths):
+            if any(not 0 < node < len(tree) or tree.parents[node] != parent
+                   for parent, node in zip([0, *path], path)):
+                raise ValueError(f"path {list(path)} of row {b} is not a root-to-node path of the tree")
+        self._pending = None
+        n, longest = len(tree), max(map(len, paths))
+        self._dense = self._dense and all(len(path) == longest for path in paths)  # shorter paths leave holes
+        self._valid[:, root] = self.style.visible
+        if not longest:  # a root-only round (decode), or nothing accepted: no slot to move, no copy to the device
+            self.positions += 1
+            if not self.static and n > 1:
+                self.cache.crop(-(n - 1))
+            self.slots = root + 1
+            return
+        span = n - 1 if self.static else longest  # static: fixed shapes per tree size (self-copies beyond a path)
+        # One host -> device copy: each row's source slots (the path's, then each slot itself), then its path length.
+        # From pinned memory and non-blocking, so the host does not wait for the device (a pageable copy syncs).
+        index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + span))
+                              + [len(path)] for path in paths])
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        kept = index[:, -1]
+        if any(path != list(range(1, len(path) + 1)) for path in paths):  # chains from node 1 are in place
+            self._move(index[:, :-1], root, n)
+        holes = torch.arange(span, device=self.device) >= kept[:, None]
+        self._valid[:, root + 1 : root + 1 + span] = self.style.visible
+        self._valid[:, root + 1 : root + 1 + span].masked_fill_(holes, self.style.hidden)
+        self.positions += 1 + kept
+        if not self.static and n - 1 - longest:
+            self.cache.crop(-(n - 1 - longest))
+        self.slots = root + 1 + longest
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (B,) and return the logits after it (B, V): the batched autoregressive step,
+        a root-only tree forward and its commit."""
+        logits, _ = self.tree_forward(tokens.view(-1, 1), ROOT_ONLY)
+        self.commit([[]] * self.batch_size)
+        return logits[:, 0]
+
+    def drop_rows(self, keep) -> None:
+        """Keep only rows `keep` (increasing row indices) in the cache and every per-row buffer, so finished rows
+        cost no more target work. A dynamic cache also drops the slots no remaining row uses (pads of a dropped
+        longer prompt, holes): it is copied here anyway."""
+        keep = torch.as_tensor(keep, dtype=torch.long).flatten()
+        if keep.numel() == 0:
+            raise ValueError("drop_rows needs at least one row to keep")
+        if (keep < 0).any() or (keep >= self.batch_size).any() or (keep[1:] <= keep[:-1]).any():
+            raise ValueError(f"drop_rows needs increasing row indices in [0, {self.batch_size}), got {keep.tolist()}")
+        if self._pending is not None:
+            raise ValueError("drop_rows after a tree_forward needs its commit first")
+        keep = keep.to(self.device)
+        self._valid, self.positions = self._valid[keep], self.positions[keep]
+        if self.static:  # the kept rows move to the first rows of the storage (index_select reads before the copy)
+            for layer in self.cache.layers:
+                if layer.is_initialized:  # not before a first forward (an empty prefill): nothing stored yet
+                    layer.keys[: keep.numel()].copy_(layer.keys.index_select(0, keep))
+                    layer.values[: keep.numel()].copy_(layer.values.index_select(0, keep))
+                layer.rows = keep.numel()
+            return
+        used = self.valid.any(dim=0)
+        cols = None if bool(used.all()) else used.nonzero().flatten()
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            if cols is not None:
+                layer.keys, layer.values = layer.keys[:, :, cols], layer.values[:, :, cols]
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    layer.cumulative_length = layer.keys.shape[-2]
+        if cols is not None:
+            self.slots = cols.numel()
+            self._valid[:, : self.slots] = self._valid[:, cols]
+        self._dense = bool(self.valid.all())  # dropped rows may have taken every pad and hole with them
+
+    # ---------------------------------------------------------------------------------------------- storage
+
+    def _move(self, sources: torch.Tensor, root: int, n: int) -> None:
+        """Slots root+1 ... of every row take that row's `sources` (B, span): in every layer, gather the sources
+        first, then write them (alias-safe: every source is at or after its destination)."""
+        span = sources.shape[1]
+        if not self.static:
+            src = sources[:, None, :, None]
+            for layer in self.cache.layers:
+                layer.keys[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(layer.keys, src, dim=2)
+                layer.values[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(layer.values, src, dim=2)
+            return
+        shape = self._shape(n)
+        shape.src.view(shape.src.shape[0], -1).copy_(sources)
+        torch.add(self._arange[1:n], root, out=shape.dst)
+        if not self.use_graphs:
+            return self._static_move(shape)
+        if "commit" not in shape.graphs:
+            sources = shape.src.clone()
+            shape.src.copy_(shape.dst.view(1, 1, -1, 1).expand_as(shape.src))  # warm-up runs must move nothing
+            shape.graphs["commit"] = self._capture(lambda: self._static_move(shape))
+            shape.src.copy_(sources)
+        shape.graphs["commit"].replay()
+
+    def _static_move(self, shape: _Shape) -> None:
+        for layer in self.cache.layers:
+            for kv in (layer.keys[: layer.rows], layer.values[: layer.rows]):
+                key = (kv.shape[1], kv.shape[3], kv.dtype)
+                if key not in shape.scratch:
+                    shape.scratch[key] = kv.new_empty(kv.shape[0], kv.shape[1], shape.dst.numel(), kv.shape[3])
+                index = shape.src.expand(-1, kv.shape[1], -1, kv.shape[3])
+                torch.gather(kv, 2, index, out=shape.scratch[key])
+                kv.index_copy_(2, shape.dst, shape.scratch[key])
+
+    def _start_static(self, batch: int) -> None:
+        """A new sequence in the static storage: re-allocated (graphs dropped) when the batch outgrows it."""
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.shape[0] < batch:
+                layer.is_initialized = False
+                self._shapes.clear()
+            layer.rows = batch
+
+    def _shape(self, n: int) -> _Shape:
+        key = (self.batch_size, n)
+        if key not in self._shapes:
+            self._shapes[key] = _Shape(self.batch_size, n, self.max_len, self.style, self.device)
+        return self._shapes[key]
+
+    def _static_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool):
+        """Fill the (B, n) buffers (ids, positions, write slots [S, S+n), mask), then run its forward (eager, or
+        its graph)."""
+        n, start = len(tree), self.slots
+        shape = self._shape(n)
+        block, depths = self._tree_inputs(tree)
+        shape.ids.copy_(tokens)
+        torch.add(self.positions[:, None], depths, out=shape.positions)
+        torch.add(self._arange[:n], start, out=self._write[:n])
+        shape.mask[:, 0] = self._valid[:, None, :]
+        shape.mask[:, 0, :, start : start + n] = block
+        if not self.use_graphs:
+            return self._static_call(shape, want_hidden)
+        if want_hidden not in shape.graphs:
+            shape.graphs[want_hidden] = self._capture(lambda: self._static_call_into(shape, want_hidden))
+        shape.graphs[want_hidden].replay()
+        return shape.outputs[want_hidden]
+
+    def _static_call(self, shape: _Shape, want_hidden: bool):
+        out = self.forward(input_ids=shape.ids, attention_mask=shape.mask, position_ids=shape.positions,
+                           **{self._cache_keyword: self.cache}, use_cache=True, output_hidden_states=want_hidden)
+        return out.logits, out.hidden_states[-1] if want_hidden else None
+
+    def _static_call_into(self, shape: _Shape, want_hidden: bool) -> None:
+        """The captured forward: outputs copied into buffers of their own (allocated at the first, eager warm-up),
+        so another graph's replay in the shared pool cannot overwrite them."""
+        logits, hidden = self._static_call(shape, want_hidden)
+        if want_hidden not in shape.outputs:
+            shape.outputs[want_hidden] = torch.empty_like(logits), None if hidden is None else torch.empty_like(hidden)
+        logits_out, hidden_out = shape.outputs[want_hidden]
+        logits_out.copy_(logits)
+        if hidden_out is not None:
+            hidden_out.copy_(hidden)
+
+    def _capture(self, body) -> torch.cuda.CUDAGraph:
+        """Capture `body` into the shared pool after warm-up runs on a side stream (cuBLAS workspaces, buffer
+        allocation); the caller makes those runs harmless (a forward rewrites the slots the replay writes)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return capture_graph(body, self._pool, self.device)
+
+
+def use_static(model: torch.nn.Module, device: torch.device, static: bool | None, max_len: int | None) -> bool:
+    """Resolve TargetCache's `static` argument; refuse a bad `max_len` or a static cache the model cannot use."""
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int (KV slots to preallocate), got {max_len!r}")
+    if static is None:  # auto: static on CUDA (capturable); on CPU the dynamic cache is as fast or faster
+        return device.type == "cuda" and max_len is not None and static_cache_refusal(model, max_len) is None
+    if static:
+        if max_len is None:
+            raise ValueError("static=True needs max_len: prompt + max_new_tokens + the widest tree's node count + 1")
+        reason = static_cache_refusal(model, max_len)
+        if reason is not None:
+            raise UnsupportedTargetError(reason)
+    return bool(static)

@@ -1,0 +1,158 @@
+"""What the engine needs to know of a Hugging Face causal LM, read once per model and kept on it (`TargetFacts.of`):
+its logits width, position and window limits, the cache layers HF builds for it, whether its forward takes
+`logits_to_keep`, its 4D-mask convention, the tree-mask verdicts that passed, and a reusable static cache."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from tree_search.tree import Tree
+
+ATTRIBUTE = "_tree_search_facts"  # where TargetFacts lives on the model (a plain attribute, not a submodule)
+
+
+class TargetFacts:
+    """Per-model facts that cost something to find out; `of(model)` builds them once and keeps them on the model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers = list(DynamicCache(config=model.config).layers)  # the cache layer objects HF builds for it
+        try:
+            self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):  # a forward without an inspectable signature: keep every position
+            self.takes_logits_to_keep = False
+        self.tree_mask_ok: set[tuple] = set()  # probe keys (`probe_key`) whose tree-mask probe passed
+        self.static_cache = None  # a static TargetCache reused across calls (CUDA: its buffers and graphs)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> TargetFacts:
+        facts = model.__dict__.get(ATTRIBUTE)
+        if facts is None:
+            facts = cls(model)
+            object.__setattr__(model, ATTRIBUTE, facts)  # not an nn.Module attribute: no state dict, no hooks
+        return facts
+
+
+def target_vocab_size(model: torch.nn.Module) -> int:
+    """Width of the target's logits (its output embedding rows)."""
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "weight"):
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The target's position-embedding limit (None if the config does not state one)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return int(limit) if limit is not None else None
+
+
+def sliding_windows(model: torch.nn.Module) -> list[int]:
+    """Tokens each sliding-window cache layer holds before HF starts dropping its head."""
+    return [layer.sliding_window - 1 for layer in TargetFacts.of(model).layers
+            if isinstance(layer, DynamicSlidingWindowLayer)]
+
+
+def window_capacity(model: torch.nn.Module) -> int | None:
+    """Tokens a forward (cache + one tree) may span while tree verification stays exact (None = no window).
+
+    Sliding-window caches: the tokens one holds before HF starts dropping its head; once a window is full the cache
+    keeps only its tail and a tree forward's 4D mask would no longer describe it. Local attention windows
+    (`local_window`): the window itself. Generation (cache + one tree) must stay within this.
+    """
+    windows = sliding_windows(model)
+    local = local_window(model)
+    if local is not None:
+        windows.append(local)
+    return min(windows) if windows else None
+
+
+def local_window(model: torch.nn.Module) -> int | None:
+    """The window of local attention layers that hide keys by their slot in the forward (None: no such layers).
+
+    GPT-Neo's "local" layers (config.attention_layers, window_size W) mask each query's keys with a fixed band over
+    slots (modeling_gpt_neo: bias = tril ^ tril(-W)): query slot s sees key slots (s - W, s], whatever the position
+    ids and the 4D mask say. A tree's siblings sit at different slots but one depth, so once a forward spans more
+    than W slots they lose keys their position still sees, and no mask can give them back (the band is applied
+    before it). Within W slots the band hides nothing and local attention equals global attention: the tree mask is
+    exact. Nothing drops keys from the cache itself (its layers stay DynamicLayer).
+    """
+    config = model.config
+    window = getattr(config, "window_size", None)
+    if "local" in (getattr(config, "attention_layers", None) or ()) and isinstance(window, int) and window > 0:
+        return window
+    return None
+
+
+def attn_implementation(model: torch.nn.Module) -> str:
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
+def probe_key(model: torch.nn.Module) -> tuple:
+    """What the tree-mask probe's outcome depends on: attention implementation, dtype and device."""
+    param = next(model.parameters())
+    return attn_implementation(model), getattr(model, "dtype", param.dtype), param.device
+
+
+def foreign_cache_layer(model: torch.nn.Module) -> str | None:
+    """The name of a cache layer type the engine cannot compact (None: all are attention KV layers)."""
+    for layer in TargetFacts.of(model).layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            return type(layer).__name__
+    return None
+
+
+def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:
+    """Why a preallocated KV cache of `max_len` slots per layer cannot serve `model` (None: it can).
+
+    Sliding-window layers are served by plain full-length layers as long as the window never fills (nothing is
+    dropped before then, so both hold the same keys); past that HF keeps a rolling buffer our slots cannot describe.
+    Local attention layers (`local_window`) see a static cache's forward as its last slots (they take the band's
+    rows from the key count, max_len), so the band hides nothing only while max_len stays within the window.
+    """
+    name = type(model).__name__
+    foreign = foreign_cache_layer(model)
+    if foreign is not None:
+        return f"{name} has {foreign} cache layers; a static KV cache holds attention layers only"
+    sliding = sliding_windows(model)
+    if sliding and max_len > min(sliding):
+        return (f"{name}'s sliding-window layers keep only the last {min(sliding)} tokens, fewer than the {max_len} "
+                "slots asked of its static KV cache; use static=False")
+    local = local_window(model)
+    if local is not None and max_len > local:
+        return (f"{name}'s local attention layers see only the last {local} slots of a forward "
+                f"(window_size={local}), fewer than the {max_len} slots asked of its static KV cache; use static=False")
+    return None
+
+
+def last_logits_only(model: torch.nn.Module) -> dict:
+    """`logits_to_keep=1` where the model's forward takes it (transformers' causal LMs, as their own `generate`
+    prefills): a prefill needs the last position's logits only, and the head over every prompt token is a fifth of a
+    135M model's prefill (49k x 576 head) and B x L x V floats of memory."""
+    return {"logits_to_keep": 1} if TargetFacts.of(model).takes_logits_to_keep else {}
+
+
+class UnsupportedTargetError(TypeError):
+    """The target model cannot verify a tree (no 4D attention masks, or a cache we cannot compact)."""
+
+
+class MaskStyle:
+    """The 4D mask each attention implementation takes (masking_utils): sdpa a boolean one (True = visible), eager
+    and the rest an additive float one in the model's dtype (0 visible, dtype-min hidden); eager adds the mask to
+    the scores, so a boolean one there would hide nothing."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if attn_implementation(model) == "sdpa":
+            self.dtype, self.visible, self.hidden = torch.bool, True, False
+        else:
+            self.dtype = getattr(model, "dtype", next(model.parameters()).dtype)
+            self.visible, self.hidden = 0.0, torch.finfo(self.dtype).min
+
+    def full(self, shape, fill_visible: bool, device) -> torch.Tensor:
+        return torch.full(shape, self.visible if fill_visible else self.hidden, dtype=self.dtype, device=device)
+
+    def block(self, tree: Tree, device) -> torch.Tensor:
+        """The tree's own (T+1, T+1) block: node i sees node j iff j is i or an ancestor of i."""
+        return self.full((len(tree), len(tree)), False, "cpu").masked_fill_(tree.ancestor_mask, self.visible).to(device)
