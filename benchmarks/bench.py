@@ -549,11 +549,14 @@ def model_type(path: str) -> str:
 
 def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     """Every argument problem is reported here, before any model is loaded."""
-    from tree_search.cli import check_target_path
+    from tree_search.generator import check_model_name
 
     for flag in ("target", "assistant", "tokenizer"):  # HF causal LMs and tokenizers: a directory, hub id or .gguf
         if getattr(args, flag):
-            check_target_path(getattr(args, flag), "--" + flag, command="bench")
+            try:
+                check_model_name(getattr(args, flag), "target")
+            except ValueError as err:
+                raise SystemExit(f"mamba-draft bench: error: --{flag}{str(err).removeprefix('target')}") from None
     check_model_dir(args.drafter, "--drafter")
     if any(m.kind == "spec" and m.drafter == "drafter" for m in methods) and not args.drafter:
         raise ValueError("drafting methods need --drafter PATH")

@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers.tree_models import random_drafter
 from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
-from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup, lookup_proposal
+from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams
 from tree_search.strategies import LookupDrafting, TreeDrafting
 from tree_search.tree import TreeConfig
@@ -50,15 +50,6 @@ def test_ngram_lookup_proposes_after_the_latest_occurrence_of_the_longest_ngram(
     assert NgramLookup([7, 5, 8, 5], num_tokens=2, min_ngram=1).propose() == [8, 5]
     with pytest.raises(ValueError, match="min_ngram"):
         NgramLookup([1], num_tokens=0)
-
-
-def test_lookup_proposal_takes_earliest_longest_ngram_match():
-    context = torch.tensor([1, 2, 3, 4, 9, 1, 2, 3])
-    assert lookup_proposal(context, max_ngram=4, num_tokens=6).tolist() == [4, 9, 1, 2, 3]
-    assert lookup_proposal(context, max_ngram=4, num_tokens=2).tolist() == [4, 9]
-    assert lookup_proposal(torch.tensor([5, 6, 7, 8]), max_ngram=4).numel() == 0
-    with pytest.raises(ValueError, match="must be >= 1"):
-        lookup_proposal(context, max_ngram=0)
 
 
 def test_lookup_chain_is_the_drafters_greedy_chain(drafter):

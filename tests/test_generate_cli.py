@@ -98,7 +98,7 @@ def test_bad_arguments_fail_clearly(saved, tmp_path):
               "--prompt-file", str(tmp_path / "missing.txt")])
     with pytest.raises(SystemExit, match="--drafter is required"):
         main(["generate", "--target", str(root / "target"), "--prompt", "the"])
-    with pytest.raises(SystemExit, match="^mamba-draft generate: error: --target .*nowhere does not exist$"):
+    with pytest.raises(SystemExit, match="^mamba-draft generate: error: --target .*nowhere does not exist: give an HF model directory"):
         main(["generate", "--target", str(tmp_path / "nowhere"), "--drafter", str(root / "drafter"), "--prompt", "x"])
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(SystemExit, match="weights.bin is a file but not a .gguf model"):

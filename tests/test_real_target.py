@@ -187,3 +187,25 @@ def test_a_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch)
         with pytest.raises(ImportError, match=r"needs gguf \(pip install gguf accelerate\)"):
             load(tmp_path / "m.gguf")
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_readmes_python_example_prints_what_the_cli_generates(capsys):
+    """README's "From Python" block, run verbatim on the real pair, prints what `mamba-draft generate` with the same
+    arguments generates, token for token, in at most three lines after its import."""
+    import re
+    from pathlib import Path
+
+    section = (Path(__file__).resolve().parents[1] / "README.md").read_text().split("## From Python", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len([line for line in code.splitlines() if line.strip() and not line.startswith(("from ", "import "))]) <= 3
+    namespace: dict = {}
+    exec(code, namespace)
+    printed = capsys.readouterr().out
+    prompt, budget = re.search(r'generate\("([^"]+)", max_new_tokens=(\d+)\)', code).groups()
+    assert cli(["generate", "--target", "smollm2", "--drafter", "smollm2", "--prompt", prompt, "--max-new-tokens",
+                budget, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # (ends with: a library imported for the first time in this test process may log a line to stdout first)
+    assert report["tokens"]
+    assert printed == report["text"] + "\n" or printed.endswith("\n" + report["text"] + "\n")
+    assert namespace["generator"].generate(prompt, max_new_tokens=int(budget)).token_ids == report["tokens"]

@@ -2,6 +2,7 @@
 from tree_search.bandit import DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
 from tree_search.calls import BatchGenerateResult, GenerateResult, GenerateStats
 from tree_search.generate import SpeculativeDecoder, generate, generate_autoregressive
+from tree_search.generator import RunDefaults, SpeculativeGenerator, TextResult, run_defaults
 from tree_search.policy import FixedShape, TreePolicy, parse_policy
 from tree_search.sampling import SamplingParams
 from tree_search.target import UnsupportedTargetError
@@ -15,7 +16,10 @@ __all__ = [
     "GenerateResult",
     "GenerateStats",
     "SamplingParams",
+    "RunDefaults",
     "SpeculativeDecoder",
+    "SpeculativeGenerator",
+    "TextResult",
     "Tree",
     "TreeConfig",
     "TreePolicy",
@@ -30,6 +34,7 @@ __all__ = [
     "get_verifier",
     "parse_policy",
     "register_verifier",
+    "run_defaults",
     "time_reward",
     "tree_reward",
 ]

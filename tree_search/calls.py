@@ -10,9 +10,8 @@ import torch
 from mamba_draft.checkpoint import check_draft_ids
 from tree_search.policy import TreePolicy, is_auto
 from tree_search.sampling import SamplingParams
-from tree_search.target import check_tree_support, local_window, max_positions, target_vocab_size, window_capacity
-from tree_search.tree import TreeConfig
 from tree_search.recorder import Recorder
+from tree_search.target import check_tree_support, local_window, max_positions, target_vocab_size, window_capacity
 from tree_search.verifiers import Verifier, VerifyResult
 
 LOOKUP_TOKENS = 8  # the default prompt-lookup proposal length (`default_lookup_tokens`)

@@ -7,12 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import yaml
 
-from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES
-from tree_search.policy import GRAMMAR
+from tree_search.calls import check_options, default_lookup_tokens
+from tree_search.policy import GRAMMAR, parse_policy
+from tree_search.sampling import resolve_sampling
+from tree_search.verifiers import get_verifier
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-prompt", help="system message placed before the prompt by the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="target and drafter dtype (auto, the default: bfloat16 where the device has native bf16 "
                         "products, else float32)")
@@ -65,14 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
-    from mamba_draft import load_drafter
-    from mamba_draft.targets import load_causal_lm, load_tokenizer
-    from tree_search.calls import check_options, default_lookup_tokens
-    from tree_search.generate import generate, generate_autoregressive
-    from tree_search.policy import parse_policy
-    from tree_search.prompts import encode_prompt
-    from tree_search.sampling import resolve_sampling
-    from tree_search.verifiers import get_verifier
+    from tree_search.generator import SpeculativeGenerator, check_model_name, run_defaults
 
     if not args.autoregressive and not args.drafter:
         fail("--drafter is required (or pass --autoregressive for the baseline)")
@@ -87,51 +81,37 @@ def run(args: argparse.Namespace) -> int:
         text = args.prompt_file.read_text()
     else:
         text = args.prompt
-    check_target_path(args.target, "--target")
-    check_device(args.device)
-    if args.drafter and (args.drafter.startswith((".", "/")) or Path(args.drafter).exists()) \
-            and not Path(args.drafter).is_dir():
-        fail(f"--drafter {args.drafter} " + ("is not a directory" if Path(args.drafter).exists() else "does not exist"))
+    for name, what in ((args.target, "target"), (None if args.autoregressive else args.drafter, "drafter")):
+        if name is not None:
+            try:
+                check_model_name(name, what)
+            except ValueError as err:
+                fail(f"--{err}")
+    defaults = run_defaults(args.device, args.dtype)  # what Python's SpeculativeGenerator picks too
     # everything checkable without the models is checked before loading them; sampling left unset is only known
-    # from the target's generation_config, so the checks run again once it is loaded
+    # from the target's generation_config, so the engine checks it again once the target is loaded
     sampling = resolve_sampling(None, args.temperature, args.top_p, args.top_k)
-    spec = "auto" if args.tree is None else args.tree  # an empty --tree is a malformed spec, not an absent one
-    tree = parse_policy(spec, args.device)
+    spec = defaults.tree if args.tree is None else args.tree  # an empty --tree is a malformed spec, not an absent one
     lookup_tokens = args.lookup_tokens
-    if lookup_tokens is None:
-        lookup_tokens = default_lookup_tokens(spec, args.device, False, args.prompt_lookup)
+    if lookup_tokens is None and not args.autoregressive:
+        lookup_tokens = default_lookup_tokens(spec, defaults.device, False, args.prompt_lookup)
     verifier_params = parse_verifier_params(args.verifier_param)
+    verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"), **verifier_params)
+    check_options(verifier, parse_policy(spec, defaults.device), sampling, args.prompt_lookup, lookup_tokens or 0)
 
-    def default_verifier(params):  # lossless either way
-        return "greedy" if params.greedy else "sampling"
-
-    verifier = get_verifier(args.verifier or default_verifier(sampling), **verifier_params)
-    check_options(verifier, tree, sampling, args.prompt_lookup, lookup_tokens)
-
-    dtype = resolve_dtype(args.dtype, args.device)
-    tokenizer = load_tokenizer(args.target)
-    target = load_causal_lm(args.target, dtype=dtype, device=args.device)
-    sampling = resolve_sampling(target, args.temperature, args.top_p, args.top_k)
-    if not args.verifier:
-        verifier = get_verifier(default_verifier(sampling), **verifier_params)
-    check_options(verifier, tree, sampling, args.prompt_lookup, lookup_tokens)
-    ids = encode_prompt(tokenizer, text, use_chat_template=not args.no_chat_template, system_prompt=args.system_prompt)
-    input_ids = torch.tensor([ids], dtype=torch.long)
+    generator = SpeculativeGenerator(args.target, None if args.autoregressive else args.drafter, device=defaults.device,
+                                     dtype=args.dtype, tree=spec, verifier=args.verifier,
+                                     verifier_params=verifier_params, prompt_lookup=args.prompt_lookup,
+                                     lookup_tokens=lookup_tokens)
+    tokenizer, dtype = generator.tokenizer, generator.target.dtype
+    sampling = resolve_sampling(generator.target, args.temperature, args.top_p, args.top_k)
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
-    # the resolved values, passed explicitly so the printed stats and the run cannot disagree
-    kwargs = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=args.seed,
-                  max_new_tokens=args.max_new_tokens, streamer=streamer)
-    if args.autoregressive:
-        result = generate_autoregressive(target, input_ids, **kwargs)
-    else:
-        drafter = load_drafter(args.drafter, device=args.device, dtype=dtype,
-                               embedding=target.get_input_embeddings().weight)
-        result = generate(target, drafter, input_ids, tree=tree, verifier=verifier, tokenizer=tokenizer,
-                          prompt_lookup=args.prompt_lookup, lookup_tokens=lookup_tokens, **kwargs)
+    result = generator.generate(text, max_new_tokens=args.max_new_tokens, system_prompt=args.system_prompt,
+                                chat_template=not args.no_chat_template, seed=args.seed, streamer=streamer,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     stats = result.stats
     if args.json:
-        report = {"text": tokenizer.decode(result.new_tokens[0], skip_special_tokens=True),
-                  "tokens": result.new_tokens[0].tolist(), "target_dtype": str(dtype).removeprefix("torch."),
+        report = {"text": result.text, "tokens": result.token_ids, "target_dtype": str(dtype).removeprefix("torch."),
                   **stats.to_dict()}
         print(json.dumps(report))
         return 0
@@ -158,20 +138,6 @@ def run(args: argparse.Namespace) -> int:
 def fail(message: str):
     """A one-line usage error for `mamba-draft generate` (exit status 1)."""
     raise SystemExit(f"mamba-draft generate: error: {message}")
-
-
-def check_target_path(path: str, flag: str, command: str = "generate") -> None:
-    """Refuse a target that cannot load, before loading anything: a local path must be a model directory or a .gguf
-    file; 'smollm2' needs its wheel; any other name is left to the hub."""
-    from mamba_draft.targets import SHIPPED_TARGET, resolve_gguf
-
-    local = Path(path).expanduser()
-    if path != SHIPPED_TARGET and path.startswith((".", "/", "~")) and not local.exists():
-        raise SystemExit(f"mamba-draft {command}: error: {flag} {path} does not exist")
-    try:
-        resolve_gguf(path)
-    except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"mamba-draft {command}: error: {flag} {path}: {err}") from None
 
 
 def parse_verifier_params(items: list[str]) -> dict:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tree_search.calls import check_batch_prompts
 from tree_search.graphs import StepRunner, drafter_key
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
@@ -157,12 +158,10 @@ class TreeDrafter:
         equal length together (one drafter call per run of equal lengths). `roots[:B]` <- the last prompt tokens.
         """
         ids = torch.as_tensor(input_ids)
-        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"prefill takes integer token ids of shape (B, L), got {ids.dtype} {tuple(ids.shape)}")
+        lengths = check_batch_prompts(ids, attention_mask)  # (B, L) integer ids, left padding, no empty prompt
         batch, width = ids.shape
         if batch > self.roots.shape[0]:
             raise ValueError(f"a batch of {batch} prompts exceeds the {self.roots.shape[0]} state rows allocated")
-        lengths = [width] * batch if attention_mask is None else _left_padded_lengths(attention_mask, ids.shape)
         ids = ids.to(device=self.device, dtype=torch.long)
         readable = ids if self.read_limit is None else ids.clamp(max=self.read_limit)  # see __init__
         logits, start = [], 0
@@ -348,16 +347,3 @@ def _draw(q: torch.Tensor, n: int, generator, batch: int) -> torch.Tensor:
     for rows, gen in zip(noise.view(batch, -1, q.shape[-1]), generator):
         rows.exponential_(generator=gen)
     return torch.topk(q / noise, n, dim=-1).indices
-
-
-def _left_padded_lengths(mask, shape: torch.Size) -> list[int]:
-    """Each row's prompt length from a left-padding attention mask (0s then 1s, at least one 1), checked."""
-    mask = torch.as_tensor(mask)
-    if mask.shape != shape:
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(shape)}")
-    mask = mask.cpu().long()
-    bad = ((mask != 0) & (mask != 1)).any(1) | (mask[:, 1:] < mask[:, :-1]).any(1) | (mask[:, -1] != 1)
-    if bad.any():
-        raise ValueError(f"attention_mask row {int(bad.nonzero()[0])} is not left padding: expected 0s (padding) "
-                         "then 1s (the prompt, at least one token)")
-    return mask.sum(1).tolist()

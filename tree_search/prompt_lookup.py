@@ -6,8 +6,8 @@ Saxena 2023): a round whose context's last 2-4 tokens occurred before (in the pr
 the drafter's own greedy chain and only saves drafter calls:
 
 Long chains (K up to ~25, which lossy verifiers such as FLy can use) make the drafter's sequential steps the
-bottleneck. Prompt lookup proposes the tokens that followed the most recent n-gram (n = max_ngram..1) earlier in
-the context; the drafter checks a whole proposal in one `extend` call and keeps the prefix equal to its own greedy
+bottleneck. The same `NgramLookup` (here n = max_ngram..1) proposes the tokens that followed the latest earlier
+occurrence of the context's last n-gram; the drafter checks a whole proposal in one `extend` call and keeps the prefix equal to its own greedy
 choices, plus its next greedy token. The drafted chain is therefore exactly the drafter's greedy chain; only the
 number of drafter calls changes.
 """
@@ -16,23 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
-
-_NO_LENGTH_LIMIT = 2**62
-
-
-def lookup_proposal(context: torch.Tensor, max_ngram: int = 4, num_tokens: int = 6) -> torch.Tensor:
-    """Tokens that followed the earliest earlier occurrence of the context's last n-gram (n = max_ngram..1).
-
-    context: (L,) token ids. Returns (m,) with 0 <= m <= num_tokens (empty when no n-gram recurs).
-    """
-    if max_ngram < 1 or num_tokens < 1:
-        raise ValueError(f"max_ngram and num_tokens must be >= 1, got {max_ngram} and {num_tokens}")
-    lookup = PromptLookupCandidateGenerator(
-        num_output_tokens=num_tokens, max_matching_ngram_size=max_ngram, max_length=_NO_LENGTH_LIMIT
-    )
-    candidates, _ = lookup.get_candidates(context.view(1, -1))
-    return candidates[0, context.numel():]
 
 
 class NgramLookup:
@@ -117,24 +100,27 @@ def draft_chain_with_lookup(
 
     chooser = [logits.view(1, -1)]  # chooser[i]: the logits token i was the argmax of
     tokens = [int(greedy_ids(logits))]
+    history = NgramLookup(context.tolist() + tokens, num_proposed, max_ngram, min_ngram=1)
     calls = proposed = accepted = 0
     while len(tokens) < num_tokens:
         last = torch.tensor([tokens[-1]], device=context.device)
-        history = torch.cat([context, torch.tensor(tokens, device=context.device)])
-        proposal = lookup_proposal(history, max_ngram, num_proposed)[: num_tokens - len(tokens)]
-        if proposal.numel() == 0:
+        found = history.propose()[: num_tokens - len(tokens)]
+        if not found:
             step_logits = drafter.step(last, live)
             tokens.append(int(greedy_ids(step_logits[0])))
+            history.extend(tokens[-1:])
             chooser.append(step_logits)
             calls += 1
             continue
+        proposal = torch.tensor(found, device=context.device)
         state.gather_(1, snapshot_row)  # keep the pre-proposal state in case the drafter disagrees
         block = drafter.extend(torch.cat([last, proposal]).view(1, -1), live)[0]
         greedy = greedy_ids(block)
         calls += 1
         agree = int((proposal == greedy[:-1]).long().cumprod(0).sum())
         proposed, accepted = proposed + proposal.numel(), accepted + agree
-        tokens += proposal[:agree].tolist() + [int(greedy[agree])]
+        tokens += found[:agree] + [int(greedy[agree])]
+        history.extend(tokens[-agree - 1:])
         chooser.append(block[: agree + 1])
         if agree < proposal.numel() and len(tokens) < num_tokens:  # live row ran past the agreed prefix: rebuild
             state.gather_(0, restore_row)

@@ -1,0 +1,175 @@
+"""The Python entry point: a target and a drafter by name, text or chat messages in, text out.
+
+    from tree_search import SpeculativeGenerator
+    generator = SpeculativeGenerator("smollm2", drafter="smollm2")
+    print(generator.generate("What is a state-space model?", max_new_tokens=64).text)
+
+Names are what `mamba-draft generate` takes (an HF directory, a hub id, a .gguf file, `smollm2`), or already-loaded
+models. Device, dtype, attention and tree policy default to what the command chooses on this machine: one function,
+`run_defaults`, decides them for both. A prompt is a string (the tokenizer's chat template applied, as the command
+does) or a list of chat messages; a list of prompts is a batch. `stream` yields the text as rounds commit
+(transformers' `TextIteratorStreamer`). `tree_search.generate(target, drafter, input_ids)` stays the low-level call.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mamba_draft.devices import check_device, resolve_dtype
+from mamba_draft.targets import default_attention
+from tree_search.calls import GenerateStats
+from tree_search.generate import SpeculativeDecoder
+from tree_search.prompts import encode_prompt
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class RunDefaults:
+    """What a run uses when the caller names nothing else."""
+
+    device: str
+    dtype: torch.dtype
+    attention: str
+    tree: str  # a policy spec (`tree_search.policy`)
+
+
+def run_defaults(device: str | None = None, dtype: str | torch.dtype = "auto") -> RunDefaults:
+    """The defaults of `mamba-draft generate` and `SpeculativeGenerator`: CUDA when available, else the CPU; bf16
+    where the device multiplies it natively, else fp32 (`resolve_dtype`); the attention that keeps speculative output
+    equal to plain decoding in that dtype (`default_attention`); the device's own tree policy ("auto")."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
+    dtype = resolve_dtype(dtype, device)
+    return RunDefaults(device, dtype, default_attention(dtype, device), "auto")
+
+
+def check_model_name(name, what: str) -> None:
+    """Refuse a model name that cannot load, before anything loads: a local path must exist (a directory, or a
+    .gguf file for a target); `smollm2` needs its wheel; any other name is left to the hub."""
+    from mamba_draft.targets import SHIPPED_TARGET, resolve_gguf
+
+    text = str(name)
+    local = Path(text).expanduser()
+    if text != SHIPPED_TARGET and (text.startswith((".", "/", "~")) or isinstance(name, os.PathLike)) \
+            and not local.exists():
+        raise ValueError(f"{what} {text} does not exist: give an HF model directory, a hub id, a .gguf file or "
+                         "'smollm2'")
+    if what == "drafter" and local.exists() and not local.is_dir():
+        raise ValueError(f"drafter {text} is not a directory: give a drafter checkpoint directory, a hub id or "
+                         "'smollm2'")
+    if what == "target":
+        try:
+            resolve_gguf(text)
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"target {text}: {err}") from None
+
+
+@dataclass
+class TextResult:
+    text: str  # the new tokens, decoded without special tokens
+    token_ids: list[int]  # the new tokens
+    stats: GenerateStats
+
+
+class SpeculativeGenerator:
+    """A target and a drafter (names, paths, hub ids, GGUF files or loaded models) with their tokenizer and the
+    engine (`SpeculativeDecoder`) that decodes with them; drafter None decodes plainly.
+
+    device / dtype: `run_defaults` unless given (dtype "auto", float32, bfloat16, ...; a loaded target keeps its
+    own). tree, verifier, verifier_params, prompt_lookup, lookup_tokens: as `tree_search.generate` takes them.
+    """
+
+    def __init__(self, target, drafter=None, *, tokenizer=None, device: str | None = None,
+                 dtype: str | torch.dtype = "auto", tree=None, verifier=None, verifier_params: dict | None = None,
+                 prompt_lookup: bool = False, lookup_tokens: int | None = None) -> None:
+        from mamba_draft import load_drafter
+        from mamba_draft.targets import load_causal_lm, load_tokenizer
+
+        named = isinstance(target, (str, os.PathLike))
+        if named:
+            check_model_name(target, "target")
+        elif tokenizer is None:
+            raise ValueError("an already-loaded target needs its tokenizer: pass tokenizer=")
+        if isinstance(drafter, (str, os.PathLike)):
+            check_model_name(drafter, "drafter")
+        defaults = run_defaults(device, dtype)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
+        if named:
+            target = load_causal_lm(target, dtype=defaults.dtype, device=defaults.device)
+        if isinstance(drafter, (str, os.PathLike)):
+            drafter = load_drafter(drafter, target=target)  # refuses a drafter made for another target
+        self.target, self.drafter, self.defaults = target, drafter, defaults
+        self.decoder = SpeculativeDecoder(target, drafter, tree=defaults.tree if tree is None else tree,
+                                          verifier=verifier, verifier_params=verifier_params, tokenizer=self.tokenizer,
+                                          prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens)
+
+    def encode(self, prompt, system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
+        """Token ids of one prompt: a string (the chat template's user turn, after `system_prompt`, unless
+        chat_template=False) or a list of {"role", "content"} messages (the chat template)."""
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt, use_chat_template=chat_template, system_prompt=system_prompt)
+        check_messages(prompt)
+        if system_prompt is not None:
+            raise ValueError("system_prompt goes with a string prompt; put a system message in the messages instead")
+        if not chat_template or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat messages need the tokenizer's chat template; pass a string prompt instead")
+        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def generate(self, prompt, *, max_new_tokens: int = 128, system_prompt: str | None = None,
+                 chat_template: bool = True, **options) -> TextResult | list[TextResult]:
+        """One prompt -> TextResult; a list of prompts (strings or message lists) -> one TextResult each, decoded
+        as a batch. options: temperature, top_p, top_k, seed, eos_token_id, streamer (one prompt), as
+        `tree_search.generate` takes them (sampling None: the target's generation_config)."""
+        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and not _is_message(prompt[0])
+        prompts = list(prompt) if batch else [prompt]
+        ids = [self.encode(p, system_prompt, chat_template) for p in prompts]
+        result = self.decoder.generate(ids if batch else torch.tensor([ids[0]]), max_new_tokens=max_new_tokens,
+                                       **options)
+        rows = result.rows if batch else [result]
+        texts = [TextResult(self.tokenizer.decode(row.new_tokens[0], skip_special_tokens=True),
+                            row.new_tokens[0].tolist(), row.stats) for row in rows]
+        return texts if batch else texts[0]
+
+    def stream(self, prompt, **options) -> Iterator[str]:
+        """`generate` for one prompt, yielding its text as rounds commit (transformers' TextIteratorStreamer)."""
+        from transformers import TextIteratorStreamer
+
+        if isinstance(prompt, (list, tuple)) and prompt and not _is_message(prompt[0]):
+            raise ValueError("stream takes one prompt; generate decodes a list of prompts as a batch")
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        failure = []
+
+        def work():
+            try:
+                self.generate(prompt, streamer=streamer, **options)
+            except BaseException as err:  # re-raised in the caller's thread once the stream ends
+                failure.append(err)
+                streamer.end()
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        yield from streamer
+        thread.join()
+        if failure:
+            raise failure[0]
+
+
+def _is_message(item) -> bool:
+    return isinstance(item, dict)
+
+
+def check_messages(messages) -> None:
+    """A chat is a non-empty list of {"role": system/user/assistant, "content": str} dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError('a prompt is a string or a list of chat messages like [{"role": "user", "content": "..."}]')
+    for i, message in enumerate(messages):
+        if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+            raise ValueError(f'message {i} must be {{"role": one of {", ".join(ROLES)}, "content": a string}}, '
+                             f"got {message!r}")
