@@ -32,6 +32,9 @@ class MambaConfig:
     residual_in_fp32: bool = True
     tie_embeddings: bool = True
     pad_vocab_size_multiple: int = 1
+    # > 0: a drafter that reads the target (its final hidden state, this wide, fused with each token's embedding);
+    # 0: an external drafter (token ids only)
+    target_hidden_size: int = 0
     extra: dict = field(default_factory=dict)  # HF config fields we do not interpret (eos ids, ...)
 
     def __post_init__(self) -> None:
@@ -49,6 +52,8 @@ class MambaConfig:
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.target_hidden_size < 0:
+            raise ValueError(f"target_hidden_size must be >= 0 (0: an external drafter), got {self.target_hidden_size}")
         if self.arch == "mamba2" and self.d_inner % self.headdim:
             raise ValueError(f"d_inner {self.d_inner} (expand*d_model) is not a multiple of headdim {self.headdim}")
         if self.arch == "mamba2" and self.nheads % self.ngroups:
@@ -108,6 +113,8 @@ class MambaConfig:
         # Kept so a padded checkpoint can still tell its tokenizer's size (transformers ignores these keys).
         hf["real_vocab_size"] = self.real_vocab_size
         hf["pad_vocab_size_multiple"] = self.pad_vocab_size_multiple
+        if self.target_hidden_size:  # what plain transformers cannot run: it ignores the key and the fusion weights
+            hf["target_hidden_size"] = self.target_hidden_size
         return {**self.extra, **hf}
 
     @classmethod
@@ -135,6 +142,7 @@ class MambaConfig:
             residual_in_fp32=pop("residual_in_fp32", True),
             tie_embeddings=pop("tie_word_embeddings", model_type == "mamba"),
             pad_vocab_size_multiple=pop("pad_vocab_size_multiple", 1),
+            target_hidden_size=pop("target_hidden_size", 0),
         )
         rank = pop("time_step_rank", "auto")
         kwargs["dt_rank"] = None if rank == "auto" else int(rank)
@@ -157,6 +165,9 @@ class MambaConfig:
     # ---- mamba_ssm (MambaLMHeadModel config.json) ----
 
     def to_mamba_ssm_dict(self) -> dict:
+        if self.target_hidden_size:
+            raise ValueError("a drafter that reads the target has no mamba_ssm format (mamba_ssm has no input "
+                             "fusion); save it in HF format")
         ssm_cfg: dict = dict(d_state=self.d_state, d_conv=self.d_conv, expand=self.expand,
                              bias=self.bias, conv_bias=self.conv_bias)
         if self.arch == "mamba1":

@@ -68,6 +68,10 @@ class Drafter(Protocol):
         """Token ids the drafter reads."""
 
     @property
+    def reads_target(self) -> bool:
+        """Whether `extend` / `step` take `features`: the target's final hidden state before each token."""
+
+    @property
     def device(self) -> torch.device: ...
 
     @property

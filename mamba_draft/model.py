@@ -285,6 +285,9 @@ class Backbone(nn.Module):
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if cfg.target_hidden_size:  # a drafter that reads the target: see `MambaDrafter.embed`
+            self.fuse = nn.Linear(cfg.d_model + cfg.target_hidden_size, cfg.d_model, bias=False)
+            self.stand_in = nn.Parameter(torch.zeros(cfg.target_hidden_size))
 
 
 class MambaDrafter(SharedCalls, nn.Module):
@@ -460,15 +463,40 @@ class MambaDrafter(SharedCalls, nn.Module):
             weight = self.lm_head.weight[: self.config.real_vocab_size]  # skip padded vocabulary rows entirely
         return self.head_cache.linear(h.to(weight.dtype), weight)
 
-    def _run(self, input_ids: torch.Tensor, state: DrafterState | None) -> torch.Tensor:
-        """Hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (None: from zero, kept nowhere)."""
+    @property
+    def reads_target(self) -> bool:
+        """Whether this drafter reads the target's final hidden state beside each token (`embed`)."""
+        return self.config.target_hidden_size > 0
+
+    def embed(self, input_ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input for tokens (B, L) or (B,). A drafter that reads the target fuses each token's
+        embedding with the target's final hidden state at the position before it (what the target's head read to
+        score that token), `features` (B, L, H) / (B, H), in one linear map (EAGLE's fusion); where the target has
+        not computed that state (the prompt, and drafted tokens inside a round), with the learned `stand_in`
+        (features None: every position). An external drafter takes no features."""
         h = self.backbone.embeddings(input_ids)
+        if not self.reads_target:
+            if features is not None:
+                raise ValueError("this drafter reads token ids only (target_hidden_size 0): pass no features")
+            return h
+        if features is None:
+            features = self.backbone.stand_in.expand(*input_ids.shape, -1)
+        elif features.shape != (*input_ids.shape, self.config.target_hidden_size):
+            raise ValueError(f"features must have shape {(*input_ids.shape, self.config.target_hidden_size)} (one "
+                             f"target state per token), got {tuple(features.shape)}")
+        return self.backbone.fuse(torch.cat([h, features.to(h.dtype)], dim=-1))
+
+    def _run(self, input_ids: torch.Tensor, state: DrafterState | None,
+             features: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (None: from zero, kept nowhere)."""
+        h = self.embed(input_ids, features)
         rows = input_ids.shape[0]
         for i, layer in enumerate(self.backbone.layers):
             h = layer(h, None if state is None else state.conv[i, :rows], None if state is None else state.ssm[i, :rows])
         return h
 
-    def train_forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable full-sequence logits (B, L, vocab_size) from a zero state, and the final-norm hidden
         states (B, L, d_model) they come from: the training forward.
 
@@ -477,22 +505,26 @@ class MambaDrafter(SharedCalls, nn.Module):
         (possibly tied) full-vocabulary weights.
         """
         ids = input_ids.to(device=self.device, dtype=torch.long)
-        h = self.backbone.norm_f(self._run(ids, None))
+        h = self.backbone.norm_f(self._run(ids, None, features))
         weight = self.lm_head.weight[self.draft_ids] if self.draft_ids is not None \
             else self.lm_head.weight[: self.config.real_vocab_size]
         return F.linear(h.to(weight.dtype), weight), h
 
     @torch.no_grad()
-    def extend(self, input_ids: torch.Tensor, state: DrafterState, *, last_only: bool = False) -> torch.Tensor:
-        """Continue rows [0:B] of `state` with a (B, L) block of tokens; returns logits (B, L, V) or (B, V)."""
+    def extend(self, input_ids: torch.Tensor, state: DrafterState, *, last_only: bool = False,
+               features: torch.Tensor | None = None) -> torch.Tensor:
+        """Continue rows [0:B] of `state` with a (B, L) block of tokens (and, reading the target, their `features`,
+        `embed`); returns logits (B, L, V) or (B, V)."""
         input_ids = self.token_ids(input_ids)
         check_batch(input_ids.shape[0], state)
-        h = self._run(input_ids, state)
+        h = self._run(input_ids, state, features)
         return self._logits(h[:, -1] if last_only else h)
 
     @torch.no_grad()
-    def step(self, token_ids: torch.Tensor, state: DrafterState) -> torch.Tensor:
-        """Feed one token per row (B,) to rows [0:B] of `state` (in place); returns logits (B, V).
+    def step(self, token_ids: torch.Tensor, state: DrafterState, features: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Feed one token per row (B,) (and, reading the target, its feature (B, H), `embed`) to rows [0:B] of
+        `state` (in place); returns logits (B, V).
 
         No allocation outside temporaries, no host sync, no data-dependent branching: CUDA-graph capturable.
         """
@@ -503,7 +535,7 @@ class MambaDrafter(SharedCalls, nn.Module):
             raise ValueError(f"step takes one token per row, shape (B,), got {tuple(token_ids.shape)}")
         batch = check_batch(token_ids.shape[0], state)
         kernels = load_kernels() if self.backend == "kernels" else None
-        h = self.backbone.embeddings(token_ids)
+        h = self.embed(token_ids, features)
         for i, layer in enumerate(self.backbone.layers):
             h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch], kernels)
         return self._logits(h)

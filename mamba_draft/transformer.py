@@ -73,6 +73,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
     as `MambaDrafter` does (its state, `DraftState`); `capturable` is False (CUDA graphs need fixed shapes)."""
 
     capturable = False  # a forward's width follows the longest row: eager only
+    reads_target = False  # token ids only
     backend = "hf"
     state_dtype = None
 

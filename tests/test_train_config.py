@@ -65,6 +65,19 @@ def test_shipped_configs_load(path):
     assert ds["train_batch_size"] == cfg.global_batch_size
 
 
+def test_the_target_aware_recipe_is_the_shipped_one_reading_the_target():
+    from training.config import to_dict
+
+    shipped = to_dict(load_config(REPO / "configs/distill/smollm2-engine.yaml"))
+    aware = to_dict(load_config(REPO / "configs/distill/smollm2-target-aware.yaml"))
+    assert (aware["model"]["target_hidden_size"], aware["distill"]["draft_windows"],
+            aware["distill"]["window_rate"], aware["data"]["path"]) == (576, 5, 0.15, "data/engine-smollm2")
+    shipped["output_dir"] = aware["output_dir"]
+    shipped["model"]["target_hidden_size"] = 576
+    shipped["distill"].update(draft_windows=5, window_rate=0.15)
+    assert aware == shipped
+
+
 def test_paper_configs_match_appendix_a3():
     pre = load_config(REPO / "configs/pretrain/mamba-130m-fineweb-edu.yaml")
     assert (pre.steps, pre.global_batch_size, pre.data.seq_len) == (5000, 4096, 2048)

@@ -150,7 +150,7 @@ def test_load_drafter_takes_the_target(tmp_path):
 
 
 DRAFTER_MEMBERS = ("capturable", "backend", "state_dtype", "draft_ids", "vocab_size", "input_vocab_size", "device",
-                   "dtype", "allocate_state", "row_bytes", "prefill", "extend", "step", "forward")
+                   "dtype", "reads_target", "allocate_state", "row_bytes", "prefill", "extend", "step", "forward")
 STATE_MEMBERS = ("max_batch", "device", "nbytes", "rows", "gather_", "reset_")
 
 

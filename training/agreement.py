@@ -30,6 +30,7 @@ import torch
 
 from training import data as data_lib
 from training.config import DataConfig, TrainConfig
+from training.target_features import fed_features
 
 Row = tuple[list[int], list[bool]]  # token ids, and which tokens are scored
 ENGINE_EVAL_LEN = 2048  # held-out make-data replies are scored up to this many tokens (prompt included)
@@ -172,8 +173,9 @@ def pad_batch(rows: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def hf_logits(model) -> LogitsFn:
-    """Logits of a Hugging Face causal LM (or anything called like one, e.g. a DeepSpeed engine)."""
-    return lambda ids, attention: model(input_ids=ids, attention_mask=attention).logits
+    """Logits of a Hugging Face causal LM (or anything called like one, e.g. a DeepSpeed engine); keywords (a
+    drafter that reads the target: features, known) go to its forward."""
+    return lambda ids, attention, **kw: model(input_ids=ids, attention_mask=attention, **kw).logits
 
 
 @torch.no_grad()
@@ -194,11 +196,14 @@ def greedy_ids(logits_fn: LogitsFn, rows: Sequence[Row], batch_size: int, pad_id
 @torch.no_grad()
 def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.Tensor], *, gammas: Sequence[int],
           batch_size: int, pad_id: int, device: str | torch.device = "cpu", draft_ids: torch.Tensor | None = None,
-          vocab: int | None = None, batches: int | None = None) -> Agreement:
+          vocab: int | None = None, batches: int | None = None,
+          features: Sequence[torch.Tensor] | None = None) -> Agreement:
     """The drafter's agreement over `rows` against the cached target argmax ids.
 
     `vocab` slices the drafter's logits to the real vocabulary when it has no draft map. `batches` > the batches
     the rows need runs 1-token dummy forwards after them: under ZeRO-3 every rank must call forward equally often.
+    `features` (a drafter that reads the target): per row, the target's state before each token (L, H); its
+    scored rows are read (`known`), the others get the stand-in, as after a verification (make-data replies).
     """
     gammas = check_gammas(gammas)
     total = Agreement(gammas)
@@ -207,10 +212,18 @@ def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.T
         chunk = rows[b * batch_size:(b + 1) * batch_size]
         if not chunk:
             dummy = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
-            logits_fn(dummy, torch.ones_like(dummy))
+            extra = {} if features is None else {
+                "features": torch.zeros(1, 1, features[0].shape[-1], device=device),
+                "known": torch.zeros(1, 1, dtype=torch.bool, device=device)}
+            logits_fn(dummy, torch.ones_like(dummy), **extra)
             continue
         ids, attention, scored = pad_batch(chunk, pad_id)
-        logits = logits_fn(ids.to(device), attention.to(device))
+        extra = {}
+        if features is not None:
+            extra = {"features": torch.nn.utils.rnn.pad_sequence(
+                [f.float() for f in features[b * batch_size:(b + 1) * batch_size]], batch_first=True).to(device),
+                "known": scored.to(device)}
+        logits = logits_fn(ids.to(device), attention.to(device), **extra)
         if draft_ids is None and vocab:
             logits = logits[..., :vocab]
         target = torch.nn.utils.rnn.pad_sequence(list(target_ids[b * batch_size:(b + 1) * batch_size]),
@@ -240,6 +253,9 @@ def check_eval_config(cfg: TrainConfig) -> None:
     check_gammas(e.gammas)
     if not (engine or e.target or cfg.distill.target):
         raise ValueError("held-out agreement needs a target: set eval.target (or distill.target)")
+    if cfg.model.target_hidden_size and not engine:
+        raise ValueError("model.target_hidden_size: eval.data must be a make-data directory with cached hidden "
+                         "states (the drafter reads the target's), not a file")
 
 
 class HeldoutEval:
@@ -248,7 +264,11 @@ class HeldoutEval:
 
     `eval.data` may be a make-data directory: then the rows are its held-out replies (`engine_data.HELDOUT`), the
     target's choices come from its cached top-K (no target forward), and 3- and 4-gram tables fitted on its
-    training replies are scored on the same rows once, logged beside the drafter (`ngram3_agreement`, ...)."""
+    training replies are scored on the same rows once, logged beside the drafter (`ngram3_agreement`, ...).
+
+    A drafter that reads the target (model.target_hidden_size; eval.data a make-data directory with cached states)
+    is scored with the target's states on reply rows, and its per-depth acceptance (`depth_acceptance`) is logged
+    too: heldout_depth1 .. heldout_depth5, heldout_chain_tau, heldout_depth_roots."""
 
     def __init__(self, cfg: TrainConfig, tokenizer, rank: int, world: int, device, dtype: torch.dtype,
                  target=None):
@@ -256,16 +276,22 @@ class HeldoutEval:
         self.gammas, self.batch_size, self.device = tuple(e.gammas), cfg.micro_batch_size, device
         self.pad_id, self.vocab = tokenizer.pad_token_id, len(tokenizer)
         self.baselines: dict = {}
+        self.features = self.examples = None  # a drafter that reads the target: states per row, replies to draft
+        self.seed = cfg.seed
         if Path(e.data).expanduser().is_dir():
             from training.engine_data import engine_rows, load_engine
 
+            width = cfg.model.target_hidden_size or None
             # whole replies (packed training windows may be short; a reply's prompt alone can fill one)
-            rows, target_ids = engine_rows(load_engine(e.data, tokenizer, split="heldout")[:e.max_sequences],
-                                           ENGINE_EVAL_LEN)
+            held = load_engine(e.data, tokenizer, split="heldout", hidden_size=width)[:e.max_sequences]
+            rows, target_ids = engine_rows(held, ENGINE_EVAL_LEN)
             train_rows, _ = engine_rows(load_engine(e.data, tokenizer, split="train"), ENGINE_EVAL_LEN)
             self.baselines = ngram_baselines(train_rows, rows, target_ids, self.gammas)
             self.rows, self.target_ids = rows[rank::world], target_ids[rank::world]
             self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)
+            if width:
+                self.features = [x.hidden[:len(ids)] for x, (ids, _) in zip(held, rows)][rank::world]
+                self.examples = held[rank::world]
             return
         rows, _ = load_heldout(e.data, tokenizer, cfg.data.seq_len, e.max_sequences)
         self.rows = rows[rank::world]
@@ -284,17 +310,173 @@ class HeldoutEval:
         """{'heldout_agreement', 'heldout_tau<g>', ...} of the model being trained (a collective: every rank)."""
         was_training = engine.module.training
         engine.eval()
+        depth = None
         try:
             stats = score(hf_logits(engine), self.rows, self.target_ids, gammas=self.gammas,
                           batch_size=self.batch_size, pad_id=self.pad_id, device=self.device,
                           draft_ids=getattr(engine.module, "draft_ids", None), vocab=self.vocab,
-                          batches=self.batches)
+                          batches=self.batches, features=self.features)
+            if self.examples is not None:
+                depth = depth_acceptance(inference_copy(engine.module), self.examples, seed=self.seed)
         finally:
             engine.train(was_training)
-        counts = torch.tensor(stats.counts(), dtype=torch.long, device=self.device)
+        counts = torch.tensor(stats.counts() + (depth.counts() if depth is not None else []), dtype=torch.long,
+                              device=self.device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts)
-        return Agreement.from_counts(self.gammas, counts.tolist()).as_dict("heldout_") | self.baselines
+        counts = counts.tolist()
+        out = Agreement.from_counts(self.gammas, counts[:len(stats.counts())]).as_dict("heldout_")
+        if depth is not None:
+            out |= DepthAcceptance.from_counts(counts[len(stats.counts()):]).as_dict("heldout_")
+        return out | self.baselines
+
+
+# ---------------------------------------------------------------------------------- acceptance per depth
+
+DEPTHS = 5          # chain of 5 drafts
+ROOTS_PER_REPLY = 16
+
+
+@dataclass(frozen=True)
+class DepthAcceptance:
+    """Free-running greedy chains from sampled roots: `accepted[d-1]` roots whose first d drafts all equal the
+    target's greedy tokens; `a + b` pools replies or ranks."""
+    roots: int = 0
+    accepted: tuple[int, ...] = (0,) * DEPTHS
+
+    def __add__(self, other: "DepthAcceptance") -> "DepthAcceptance":
+        if len(self.accepted) != len(other.accepted):
+            raise ValueError(f"cannot pool acceptance to depth {len(self.accepted)} and {len(other.accepted)}")
+        return DepthAcceptance(self.roots + other.roots, tuple(a + b for a, b in zip(self.accepted, other.accepted)))
+
+    @property
+    def rates(self) -> list[float]:
+        """P(the first d drafts all match), d = 1 .. depth."""
+        return [a / self.roots if self.roots else math.nan for a in self.accepted]
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward of a chain as deep: its accepted drafts plus the target's own token."""
+        return 1 + sum(self.rates)
+
+    def as_dict(self, prefix: str = "") -> dict:
+        """{depth1, ..., depth5, chain_tau, depth_roots}, keys prefixed (e.g. 'heldout_')."""
+        out = {f"{prefix}depth{d}": p for d, p in enumerate(self.rates, 1)}
+        return out | {f"{prefix}chain_tau": self.tau, f"{prefix}depth_roots": self.roots}
+
+    def counts(self) -> list[int]:
+        return [self.roots, *self.accepted]
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[int]) -> "DepthAcceptance":
+        return cls(int(counts[0]), tuple(map(int, counts[1:])))
+
+
+def inference_copy(module):
+    """A plain `MambaDrafter` holding the trained drafter's weights as they are now (a collective under ZeRO-3,
+    which gathers them: its hooks would release parameters that `step` reads outside their modules' forwards)."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    from mamba_draft import MambaDrafter
+
+    with GatheredParameters(list(module.parameters())):
+        return MambaDrafter.from_state_dict(module.config, module.checkpoint_tensors(), device=module.device,
+                                            dtype=module.dtype, backend="torch", state_dtype=torch.float32)
+
+
+def chain_roots(example, depths: int, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
+    """The rows of a make-data reply a chain of `depths` drafts can start after (its roots: the last committed
+    token), where the target's greedy continuation is known: the next `depths` rows are reply rows (their cached
+    top-1 is the target's greedy choice there) and the reply follows that choice for the first depths-1 of them (a
+    sampled reply that leaves the greedy path no longer says what the target would choose after a matching
+    draft). Every reply row of a greedy reply with `depths` rows after it qualifies."""
+    n = min(max_len, example.input_ids.numel())
+    reply = example.labels[:n] != data_lib.IGNORE_INDEX
+    greedy = reply & (example.input_ids[:n] == example.soft_ids[:n, 0].long())
+    ok = reply[:n - depths].clone() if n > depths else torch.zeros(0, dtype=torch.bool)
+    for j in range(1, depths + 1):
+        ok &= reply[j:n - depths + j] & (greedy[j:n - depths + j] if j < depths else True)
+    return torch.nonzero(ok).flatten()
+
+
+@torch.no_grad()
+def depth_acceptance(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_reply: int = ROOTS_PER_REPLY,
+                     seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> DepthAcceptance:
+    """Per-depth acceptance of greedy chains on make-data replies (`engine_data.EngineExample`s), as the engine
+    drafts them: for up to `roots_per_reply` roots per reply (`chain_roots`, drawn with `seed`), read the committed
+    prefix (prompt and reply up to the root), then draft `depths` tokens greedily, each fed back; count the roots
+    whose first d drafts all equal the target's greedy tokens (the cached top-1 of the rows after the root).
+
+    A drafter that reads the target (`reads_target`; the examples need `hidden`, load_engine(hidden_size=...))
+    reads the prompt with its stand-in, the committed reply with the target's cached states, and its own drafts
+    with the stand-in (the target has not run on them); an external drafter reads token ids only. Any drafter with
+    `allocate_state` / `prefill` / `extend` / `step` (`mamba_draft.drafter.Drafter`) works."""
+    if depths < 1 or roots_per_reply < 1:
+        raise ValueError(f"depths and roots_per_reply must be >= 1, got {depths} and {roots_per_reply}")
+    reads = getattr(drafter, "reads_target", False)
+    total = DepthAcceptance(accepted=(0,) * depths)
+    for index, example in enumerate(examples):
+        roots = chain_roots(example, depths, max_len)
+        if reads and example.hidden is None:
+            raise ValueError("this drafter reads the target: load the replies with their hidden states "
+                             "(load_engine(..., hidden_size=...))")
+        if not roots.numel():
+            continue
+        pick = torch.randperm(roots.numel(), generator=torch.Generator().manual_seed(seed * 1_000_003 + index))
+        roots = roots[pick[:roots_per_reply]].sort().values.tolist()
+        total = total + chains(drafter, example, roots, depths, reads)
+    return total
+
+
+def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> DepthAcceptance:
+    """Greedy chains of `depths` drafts after each of `roots` (ascending) of one reply: the committed prefix runs
+    once in row 0 of the state, forked into row 1 + i at root i; the chains then step together."""
+    device = drafter.device
+    ids = example.input_ids.to(device)
+    top1 = example.soft_ids[:, 0].long()
+    start = int(torch.nonzero(example.labels != data_lib.IGNORE_INDEX)[0])  # the prompt: rows [0, start)
+    state = drafter.allocate_state(1 + len(roots))
+    head = state.rows(0, 1)
+    drafter.prefill(ids[None, :start], head)  # prompt tokens: no target state (the stand-in)
+    first, pos = [], start
+    for i, root in enumerate(roots):
+        extra = {"features": example.hidden[None, pos:root + 1].to(device)} if reads else {}
+        first.append(drafter.extend(ids[None, pos:root + 1], head, last_only=True, **extra))
+        state.gather_(1 + i, torch.tensor([0], device=device))
+        pos = root + 1
+    rows, logits = state.rows(1, 1 + len(roots)), torch.cat(first)
+    at = torch.tensor(roots)
+    alive = torch.ones(len(roots), dtype=torch.bool)
+    accepted = []
+    for d in range(1, depths + 1):
+        draft = logits.argmax(-1)
+        if drafter.draft_ids is not None:
+            draft = drafter.draft_ids[draft]
+        alive &= draft.cpu() == top1[at + d]
+        accepted.append(int(alive.sum()))
+        if d < depths:
+            logits = drafter.step(draft, rows)  # a drafted token: no target state yet (the stand-in)
+    return DepthAcceptance(len(roots), tuple(accepted))
+
+
+def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "heldout", depths: int = DEPTHS,
+                            roots_per_reply: int = ROOTS_PER_REPLY, max_replies: int | None = None,
+                            temperatures: list[float] | None = None, seed: int = 0, device: str = "cpu") -> dict:
+    """`depth_acceptance` of a saved drafter (`mamba_draft.load_drafter`) on a make-data directory's `split`
+    replies, rendered with the tokenizer of the target that made them (its manifest); the drafter's embedding, if
+    it ships without one, comes from that target by digest. {depth1 .. depth5, chain_tau, depth_roots, replies}."""
+    from mamba_draft import load_drafter
+    from training.engine_data import load_engine
+    from training.regenerate import target_tokenizer
+
+    manifest = Path(data_dir) / "manifest.json"
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{data_dir} has no manifest.json (not a make-data directory?)")
+    tokenizer = target_tokenizer(json.loads(manifest.read_text())["settings"]["target"])
+    drafter = load_drafter(drafter_path, device=device)
+    width = drafter.config.target_hidden_size if getattr(drafter, "reads_target", False) else None
+    examples = load_engine(data_dir, tokenizer, temperatures, split=split, hidden_size=width)[:max_replies]
+    stats = depth_acceptance(drafter, examples, depths=depths, roots_per_reply=roots_per_reply, seed=seed)
+    return stats.as_dict() | {"replies": len(examples)}
 
 
 def ngram_baselines(train_rows: Sequence[Row], rows: Sequence[Row], target_ids: Sequence[torch.Tensor],
@@ -353,7 +535,8 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
                       device: str = "cpu") -> dict:
     """Agreement and tau of a saved drafter (`mamba_draft.load_drafter`: a Mamba checkpoint or any small causal
     LM, with its draft vocabulary) with a target (HF directory, hub id, .gguf or 'smollm2'), on a held-out file
-    rendered with the target's tokenizer."""
+    rendered with the target's tokenizer. A drafter that reads the target is given the target's final hidden state
+    (its head's input, from the same forward) before each scored token, and its stand-in before the others."""
     from mamba_draft import load_drafter
     from mamba_draft.targets import load_causal_lm, load_tokenizer
 
@@ -369,10 +552,29 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
                          f"{drafter.input_vocab_size}: drafter and target must share a tokenizer")
     pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     vocab = len(tokenizer)  # as training scores them: ids past the tokenizer are padding rows, never real tokens
-    target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
+    states: list[torch.Tensor] = []  # the head's input per batch (B, L, H): a drafter that reads the target's
+    hook = target.get_output_embeddings().register_forward_hook(
+        lambda module, inputs, output: states.append(inputs[0].detach().float().cpu())) if drafter.reads_target \
+        else None
+    try:
+        target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
+    finally:
+        if hook is not None:
+            hook.remove()
     del target
-    stats = score(lambda ids, _: drafter(ids), rows, target_ids, gammas=gammas, batch_size=batch_size, pad_id=pad_id,
-                  device=device, draft_ids=drafter.draft_ids, vocab=vocab)
+    features = None
+    if states:  # row t's feature: the state at t - 1 (what token t's distribution came from); row 0 has none
+        per_row = [batch[i, :len(ids)] for batch, start in zip(states, range(0, len(rows), batch_size))
+                   for i, (ids, _) in enumerate(rows[start:start + batch_size])]
+        features = [torch.cat([torch.zeros_like(h[:1]), h[:-1]]) for h in per_row]
+
+    def drafter_logits(ids, _, features=None, known=None):
+        if features is None:
+            return drafter(ids)
+        return drafter.train_forward(ids, fed_features(features.to(drafter.dtype), known, drafter.backbone.stand_in))[0]
+
+    stats = score(drafter_logits, rows, target_ids, gammas=gammas, batch_size=batch_size, pad_id=pad_id,
+                  device=device, draft_ids=drafter.draft_ids, vocab=vocab, features=features)
     return {**stats.as_dict(), "sequences": len(rows), "skipped": sum(skipped.values())}
 
 

@@ -33,6 +33,9 @@ class ModelConfig:
     draft_vocab: str | None = None        # or a draft_vocab.safetensors file / drafter directory to reuse
     init_embeddings_from: str | None = None  # target whose input embedding initialises the drafter's (same width)
     freeze_embeddings: bool = False
+    target_hidden_size: int = 0           # > 0: a drafter that reads the target (its final hidden state, this wide,
+                                          # fused with each token's embedding); needs data.kind engine with the
+                                          # target's hidden states cached (make-data --hidden). 0: token ids only
 
 
 @dataclass
@@ -68,6 +71,11 @@ class DistillConfig:
     feature_weight: float = 0.0           # + feature_weight * SmoothL1(drafter state, target's) (engine data cached
                                           # with make-data --hidden; the drafter must share the target's width)
     temperature: float = 1.0
+    draft_windows: int = 0                # K > 1: a drafter that reads the target trains on simulated draft windows
+                                          # (HASS / EAGLE-3's training-time test): a window of 1..K-1 reply
+                                          # positions after a root reads the stand-in, as drafted tokens do in a
+                                          # round of depth <= K; 0: off
+    window_rate: float = 0.15             # with draft_windows: the probability that a reply position opens one
 
 
 @dataclass

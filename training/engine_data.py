@@ -55,13 +55,9 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
     directory = Path(directory)
     prompts = {p["id"]: p["prompt"] for p in read_shard(directory / "prompts.jsonl")}
     held = heldout_ids(prompts)
-    files = sorted(directory.glob("replies-T*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"{directory} holds no replies-T*.jsonl (not a make-data directory?)")
     eos = tokenizer.eos_token_id
     examples = []
-    for path in files:
-        temperature = float(path.stem.split("-T", 1)[1])
+    for path, temperature in reply_files(directory):
         if temperatures is not None and temperature not in temperatures:
             continue
         if hidden_size:
@@ -92,17 +88,34 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
     return examples
 
 
-def check_hidden(directory: Path, temperature: float, width: int) -> None:
-    """The hidden-state file must cover every top-K position, `width` values each (the drafter's width, which must
-    be the target's: its head is the target's embedding)."""
+def check_hidden(directory: Path, temperature: float, width: int, name: str = "the drafter's width") -> None:
+    """The hidden-state file must cover every top-K position, `width` values each (`name`: what asks for that
+    width — the drafter's, which must be the target's: its head is the target's embedding — or the width of the
+    target states a drafter reads)."""
     path = hidden_path(directory, temperature)
     if not path.exists():
-        raise ValueError(f"{directory}: no cached hidden states for T={temperature:g} (a feature loss needs them): "
-                         "run make-data again with --hidden")
+        raise ValueError(f"{directory}: no cached hidden states for T={temperature:g} (a feature loss, or a drafter "
+                         "that reads the target, needs them): run make-data again with --hidden")
     positions = topk_path(directory, temperature).stat().st_size // topk_bytes()
-    if path.stat().st_size != positions * width * 2:
-        raise ValueError(f"{path} holds {path.stat().st_size} bytes, not {positions} positions x {width} bf16 values: "
-                         "unfinished (rerun make-data --hidden) or made by a target of another width")
+    size = path.stat().st_size
+    if size != positions * width * 2:
+        held = f" (states {size // (2 * positions)} wide?)" if positions and size % (2 * positions) == 0 else ""
+        raise ValueError(f"{path} holds {size} bytes{held}, not {positions} positions x {width} bf16 values "
+                         f"({name}): unfinished (rerun make-data --hidden) or made by a target of another width")
+
+
+def reply_files(directory: Path) -> list[tuple[Path, float]]:
+    """The replies-T*.jsonl files of a make-data directory with their temperatures."""
+    files = sorted(directory.glob("replies-T*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no replies-T*.jsonl (not a make-data directory?)")
+    return [(path, float(path.stem.split("-T", 1)[1])) for path in files]
+
+
+def check_hidden_width(directory: str | Path, width: int, name: str) -> None:
+    """`check_hidden` at every temperature of a make-data directory (a cheap check before training starts)."""
+    for _, temperature in reply_files(Path(directory)):
+        check_hidden(Path(directory), temperature, width, name)
 
 
 @dataclass

@@ -4,6 +4,7 @@ and a drafter's held-out agreement with its target (top-1 agreement, expected ac
     mamba-draft eval MODEL_DIR --tasks hellaswag,arc_easy,piqa,perplexity:heldout.jsonl
     mamba-draft eval MODEL_DIR --tasks hellaswag:local/hellaswag.jsonl   (a local file with the hub schema)
     mamba-draft eval DRAFTER --target TARGET --agreement heldout.json [--gammas 1,3,5] [--max-sequences N]
+    mamba-draft eval DRAFTER --depths DATA_DIR [--max-sequences N]    (acceptance per depth on make-data replies)
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mamba_draft.devices import check_device
-from training.agreement import drafter_agreement
+from training.agreement import drafter_agreement, engine_depth_acceptance
 
 DEFAULT_TASKS = "hellaswag,arc_easy,piqa"
 
@@ -198,6 +199,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gammas", default="1,3,5", help="chain lengths for tau_gamma, comma separated")
     group.add_argument("--max-sequences", type=int, default=None, help="score only the file's first N records")
     group.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+    group.add_argument("--depths", metavar="DATA_DIR", default=None,
+                       help="acceptance per depth of greedy chains of 5 on a make-data directory's held-out replies "
+                            "(the target's cached greedy choices; a drafter that reads the target gets the cached "
+                            "states of the committed reply): depth1..depth5, chain_tau")
 
 
 def parse_gammas(spec: str) -> tuple[int, ...]:
@@ -216,8 +221,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_device(args.device)
         gammas = parse_gammas(args.gammas)
-        if args.tasks or not args.agreement:
+        if args.tasks or not (args.agreement or args.depths):
             results.update(evaluate(args.model_dir, args.tasks or DEFAULT_TASKS, args.limit, args.max_len, args.device))
+        if args.depths:
+            results[f"depths:{Path(args.depths).name}"] = engine_depth_acceptance(
+                args.model_dir, args.depths, max_replies=args.max_sequences, device=args.device)
         if args.agreement:
             results[f"agreement:{Path(args.agreement).name}"] = drafter_agreement(
                 args.model_dir, args.target, args.agreement, gammas=gammas, max_sequences=args.max_sequences,

@@ -43,7 +43,14 @@ def consolidated_model(run: Path, ckpt: Path, tag: str) -> torch.nn.Module:
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
     if (run / "model" / FROZEN_WEIGHTS).is_file():  # parameters frozen in training (not in the optimizer)
         state.update(load_file(str(run / "model" / FROZEN_WEIGHTS)))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run / "model"), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(run / "model")
+    if getattr(config, "target_hidden_size", 0):  # a drafter that reads the target: transformers has no fusion
+        from training.model import TrainableDrafter
+
+        model = TrainableDrafter(config)
+        model.load_hf_state_dict(state)  # strict: names every missing or unexpected key
+        return model
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tied = model.get_output_embeddings() is not None and \
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -67,9 +74,13 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", 
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     run, ckpt, tag = locate(checkpoint_dir)
-    model_type = AutoConfig.from_pretrained(run / "model").model_type
+    config = AutoConfig.from_pretrained(run / "model")
+    model_type = config.model_type
     if format == "mamba_ssm" and model_type not in ("mamba", "mamba2"):
         raise ValueError(f"--format mamba_ssm needs a Mamba model, this checkpoint is {model_type!r}")
+    if format == "mamba_ssm" and getattr(config, "target_hidden_size", 0):
+        raise ValueError("--format mamba_ssm: a drafter that reads the target has no mamba_ssm form (no input "
+                         "fusion there); export it in the hf format")
     if lean_target is not None and (format != "hf" or model_type not in ("mamba", "mamba2")):
         raise ValueError("--lean-from-target needs a Mamba drafter exported in the hf format")
 
@@ -88,7 +99,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", 
 
 
 def _write_hf(model: torch.nn.Module, run: Path, directory: Path) -> None:
-    model.save_pretrained(directory)  # safetensors by default
+    model.save_pretrained(directory)  # safetensors (a drafter that reads the target: mamba_draft's HF layout)
     AutoTokenizer.from_pretrained(run / "model").save_pretrained(directory)
     if (run / "model" / DRAFT_VOCAB).is_file():  # the draft vocabulary's id map travels with the weights
         shutil.copy2(run / "model" / DRAFT_VOCAB, directory / DRAFT_VOCAB)
@@ -98,7 +109,7 @@ def _write_lean(model: torch.nn.Module, run: Path, out: Path, target: str) -> No
     from mamba_draft.checkpoint import EMBEDDING, embedding_digest, load_checkpoint, save_checkpoint
     from mamba_draft.targets import load_causal_lm
 
-    if not getattr(model.config, "tie_word_embeddings", False):
+    if not getattr(getattr(model, "hf_config", model.config), "tie_word_embeddings", False):
         raise ValueError("--lean-from-target needs a drafter whose head is tied to its embedding")
     wanted = load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:

@@ -16,6 +16,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from mamba_draft import MambaConfig, MambaDrafter
 from mamba_draft.checkpoint import DRAFT_VOCAB, read_draft_ids
 from training.config import ModelConfig
+from training.target_features import fed_features
 
 
 class TrainableDrafter(MambaDrafter):
@@ -27,13 +28,26 @@ class TrainableDrafter(MambaDrafter):
     def __init__(self, hf_config: transformers.PretrainedConfig):
         super().__init__(MambaConfig.from_hf_dict(hf_config.to_dict()), backend="torch")
         self.hf_config = hf_config
+        if self.reads_target:  # read outside its owner's forward: ZeRO-3 must gather it for ours
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+            register_external_parameter(self, self.backbone.stand_in)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.backbone.embeddings
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> CausalLMOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                features: torch.Tensor | None = None, known: torch.Tensor | None = None, **_) -> CausalLMOutput:
+        """Logits and the final-norm state (the feature loss's input). A drafter that reads the target takes
+        `features` (B, L, H), the target's state before each token (`MambaDrafter.embed`; None: the stand-in
+        everywhere); with `known` (B, L) bool, only those rows of `features` are read and the others get the learned
+        stand-in (`training.target_features`): how training feeds it the engine's pattern."""
         # attention_mask is unused: padding sits after the real tokens (right padding) and carries no labels.
-        logits, hidden = self.train_forward(input_ids)
+        if known is not None:
+            if features is None:
+                raise ValueError("known marks rows of features: pass features too")
+            features = fed_features(features, known, self.backbone.stand_in)
+        logits, hidden = self.train_forward(input_ids, features)
         return CausalLMOutput(logits=logits, hidden_states=(hidden,))  # the final-norm state: feature-loss input
 
 
@@ -71,18 +85,21 @@ def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> transf
     vocab = cfg.vocab_size or math.ceil(len(tokenizer) / cfg.pad_vocab_multiple) * cfg.pad_vocab_multiple
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=cfg.tie_word_embeddings)
+    if cfg.target_hidden_size and cfg.arch == "llama":
+        raise ValueError("model.target_hidden_size is for a Mamba drafter (model.arch mamba1 or mamba2), not llama")
+    reads = {"target_hidden_size": cfg.target_hidden_size} if cfg.target_hidden_size else {}  # MambaConfig reads it
     if cfg.arch == "mamba1":
         return transformers.MambaConfig(
             vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
             state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
-            use_bias=False, use_conv_bias=True, **special)  # use_bias False = mamba_ssm layout
+            use_bias=False, use_conv_bias=True, **special, **reads)  # use_bias False = mamba_ssm layout
     if cfg.arch == "mamba2":
         inner = cfg.expand * cfg.hidden_size
         return transformers.Mamba2Config(
             vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
             state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
             head_dim=cfg.head_dim, num_heads=cfg.num_heads or inner // cfg.head_dim, n_groups=cfg.n_groups,
-            use_bias=False, use_conv_bias=True, **special)
+            use_bias=False, use_conv_bias=True, **special, **reads)
     if cfg.arch == "llama":
         heads = cfg.num_heads or max(1, cfg.hidden_size // 64)
         return transformers.LlamaConfig(
@@ -111,8 +128,11 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
             model.set_output_embeddings(DraftHead(model.get_output_embeddings(), draft_ids))
             model.draft_ids = draft_ids  # written next to the checkpoints (write_model_dir), exported with them
     else:
+        tensors = dict(model.state_dict())
+        if target_reading(model.config, cfg):
+            tensors = {**fusion_tensors(model.config, cfg.init_from), **tensors}
         drafter = TrainableDrafter(model.config)
-        drafter.load_hf_state_dict(model.state_dict())
+        drafter.load_hf_state_dict(tensors)
         model = drafter
     if cfg.init_embeddings_from:
         copy_target_embeddings(model, cfg.init_embeddings_from)
@@ -120,6 +140,35 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
         model.set_draft_vocab(draft_ids)
     model.get_input_embeddings().weight.requires_grad_(not cfg.freeze_embeddings)
     return model.train()
+
+
+def target_reading(config: transformers.PretrainedConfig, cfg: ModelConfig) -> bool:
+    """Whether the drafter reads the target; sets `config.target_hidden_size` (written with the model) from
+    model.target_hidden_size, which may turn an `init_from` external drafter into one that reads the target."""
+    have = getattr(config, "target_hidden_size", 0) or 0
+    if have and have != cfg.target_hidden_size:
+        raise ValueError(f"model.init_from {cfg.init_from!r} reads a target state {have} wide: set "
+                         f"model.target_hidden_size {have}, not {cfg.target_hidden_size}")
+    if cfg.target_hidden_size:
+        config.target_hidden_size = cfg.target_hidden_size
+    return bool(cfg.target_hidden_size)
+
+
+def fusion_tensors(config: transformers.PretrainedConfig, init_from: str | None) -> dict[str, torch.Tensor]:
+    """The input fusion of a drafter that reads the target: `init_from`'s own if it has one, else the identity on
+    the token embedding and zero on the target state, with a zero stand-in — the drafter starts as the external
+    one it would otherwise be, and the fusion's target half trains from there (its gradient is not zero: the
+    states are not)."""
+    if init_from and getattr(config, "target_hidden_size", 0):
+        from mamba_draft.checkpoint import load_checkpoint
+
+        _, tensors = load_checkpoint(init_from)
+        own = {k: v for k, v in tensors.items() if k.startswith(("backbone.fuse.", "backbone.stand_in"))}
+        if own:
+            return own
+    d, width = config.hidden_size, config.target_hidden_size
+    return {"backbone.fuse.weight": torch.cat([torch.eye(d), torch.zeros(d, width)], dim=1),
+            "backbone.stand_in": torch.zeros(width)}
 
 
 def copy_target_embeddings(model: torch.nn.Module, target_path: str) -> None:

@@ -45,6 +45,7 @@ from training.distributed import deepspeed_config, init_distributed, use_bf16
 from training.loss import cached_kl, cross_entropy, feature_loss, forward_kl
 from training.model import (build_model, check_vocab, frequency_ranked_vocab, load_tokenizer, read_draft_vocab,
                             weight_decay_groups)
+from training.target_features import known_rows, window_generator, window_mask
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -63,7 +64,7 @@ def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
         from training.engine_data import PackedEngine, label_lists, load_engine
 
         examples = load_engine(cfg.data.path, tokenizer, split="train",  # 1 prompt in engine_data.HELDOUT: eval
-                               hidden_size=cfg.model.hidden_size if cfg.distill.feature_weight else None)
+                               hidden_size=hidden_width(cfg))
         if rank == 0:
             print(f"engine: {len(examples)} replies, {sum(e.input_ids.numel() for e in examples)} tokens")
         return (PackedEngine(examples, cfg.data.seq_len, cfg.data.seed, rank, world), len(examples),
@@ -84,6 +85,12 @@ def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
         return (data_lib.SFTExamples(examples, tokenizer.pad_token_id, cfg.data.seed, rank, world), len(examples),
                 draft_ids)
     raise ValueError(f"data.kind must be pretrain, sft or engine, got {cfg.data.kind!r}")
+
+
+def hidden_width(cfg: TrainConfig) -> int | None:
+    """Width of the target states engine data must load: read by the drafter (model.target_hidden_size) and/or
+    matched by the feature loss (the drafter's own width, which validate checks is the same); None: not loaded."""
+    return cfg.model.target_hidden_size or (cfg.model.hidden_size if cfg.distill.feature_weight else None)
 
 
 def draft_vocab(cfg: TrainConfig, tokenizer, token_lists) -> torch.Tensor | None:
@@ -118,8 +125,15 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
                  to_draft: torch.Tensor | None = None) -> torch.Tensor:
     """CE and/or forward KL to the target. With a draft vocabulary the drafter's logits cover `draft_ids` only:
     labels map to draft columns (ids outside it are not scored) and the target's distribution is renormalised
-    over the subset (q is zero outside it, so that is the KL the drafter can reach)."""
-    out = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    over the subset (q is zero outside it, so that is the KL the drafter can reach).
+
+    A drafter that reads the target (model.target_hidden_size) is fed the batch's cached target states on reply
+    rows outside its simulated draft windows (`batch['windows']`) and its stand-in elsewhere
+    (`training.target_features`)."""
+    reads = {}
+    if cfg.model.target_hidden_size:
+        reads = {"features": batch["hidden"], "known": known_rows(batch["labels"], batch.get("windows"))}
+    out = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **reads)
     logits, labels = out.logits, batch["labels"]
     if draft_ids is not None:
         labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], labels)
@@ -216,10 +230,43 @@ def validate(cfg: TrainConfig) -> None:
                          "make-data --hidden)")
     if cfg.distill.feature_weight and cfg.model.arch == "llama":
         raise ValueError("distill.feature_weight trains a Mamba drafter's final state, not a Llama's")
+    validate_target_reading(cfg)
     use_bf16(cfg.precision)
     check_eval_config(cfg)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
+
+
+def validate_target_reading(cfg: TrainConfig) -> None:
+    """model.target_hidden_size and the draft windows: a Mamba drafter, engine data whose cached hidden states are
+    that wide (the target's width), and sane windows."""
+    m, d = cfg.model, cfg.distill
+    if m.target_hidden_size < 0:
+        raise ValueError(f"model.target_hidden_size must be >= 0 (0: token ids only), got {m.target_hidden_size}")
+    if d.draft_windows < 0 or d.draft_windows == 1:
+        raise ValueError(f"distill.draft_windows must be 0 (off) or K >= 2 (windows of 1..K-1 positions), got "
+                         f"{d.draft_windows}")
+    if not 0.0 <= d.window_rate <= 1.0:
+        raise ValueError(f"distill.window_rate must lie in [0, 1], got {d.window_rate}")
+    if d.draft_windows and not m.target_hidden_size:
+        raise ValueError("distill.draft_windows simulates drafted tokens read without a target state: it needs "
+                         "model.target_hidden_size > 0 (a drafter that reads the target)")
+    if not m.target_hidden_size:
+        return
+    if m.arch not in ("mamba1", "mamba2"):
+        raise ValueError(f"model.target_hidden_size needs a Mamba drafter (model.arch mamba1 or mamba2), got "
+                         f"{m.arch!r}")
+    if cfg.data.kind != "engine":
+        raise ValueError("model.target_hidden_size needs data.kind: engine (a make-data directory with the "
+                         "target's hidden states, make-data --hidden)")
+    if d.feature_weight and m.hidden_size != m.target_hidden_size:
+        raise ValueError(f"distill.feature_weight matches the drafter's state to the target's: model.hidden_size "
+                         f"{m.hidden_size} must equal model.target_hidden_size {m.target_hidden_size}")
+    from training.engine_data import check_hidden_width
+
+    for path in dict.fromkeys([cfg.data.path] + ([cfg.eval.data] if cfg.eval.data and Path(cfg.eval.data).is_dir()
+                                                 else [])):
+        check_hidden_width(path, m.target_hidden_size, "model.target_hidden_size")
 
 
 def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
@@ -271,12 +318,16 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
         to_draft = draft_label_map(draft_ids, max(vocab, int(draft_ids.max()) + 1), engine.device)
     else:
         to_draft = None
+    windows = bool(cfg.model.target_hidden_size and cfg.distill.draft_windows)
     bar = tqdm(total=steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in range(start + 1, steps + 1):
         t0, loss_sum, tokens = time.perf_counter(), torch.zeros((), device=engine.device), 0
         lr = scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
-        for _ in range(gas):
+        for micro in range(gas):
             batch = data.next_batch(cfg.micro_batch_size)  # built on the host: counting tokens costs no sync
+            if windows:  # seeded by the step, not the RNG's history: a resumed run draws the same windows
+                batch["windows"] = window_mask(batch["labels"] != data_lib.IGNORE_INDEX, cfg.distill.draft_windows,
+                                               cfg.distill.window_rate, window_generator(cfg.seed, rank, step, micro))
             tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
             loss = compute_loss(engine, target, batch, cfg, vocab, draft_ids, to_draft)

@@ -177,6 +177,11 @@ class Call:
 
 def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: TreePolicy) -> None:
     """Refuse a drafter / tree / verifier the target cannot be decoded with (vocabularies, tree width, attention)."""
+    width = getattr(getattr(drafter, "config", None), "target_hidden_size", 0)
+    if drafter.reads_target and width != target.config.hidden_size:
+        raise ValueError(f"the drafter reads a target's hidden state of width {width}, but "
+                         f"{type(target).__name__} has hidden_size {target.config.hidden_size}: it was trained for "
+                         "another target")
     vocab = check_vocab(target, drafter, tokenizer)
     widest = max((n for a in policy.arms for n in a.branching), default=0)  # "none" has no level
     if widest > vocab:

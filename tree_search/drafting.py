@@ -309,6 +309,24 @@ class TreeDrafter:
         return self.drafter.extend(tokens, self.state.rows(0, batch), last_only=True)
 
     @torch.no_grad()
+    def read(self, tokens: list[list[int]], features: list[torch.Tensor]) -> torch.Tensor:
+        """Rows 0..B-1 (each the state after its row's last read token) read their own committed tokens, each with
+        its target state (m_b, H) (a drafter that reads the target), in one drafter call per run of rows reading as
+        many; returns the logits after them (B, V). `roots[:B]` <- each row's last token."""
+        logits, start = [], 0
+        for length, run in itertools.groupby(len(row) for row in tokens):
+            stop = start + len(list(run))
+            ids = torch.tensor(tokens[start:stop], device=self.device)
+            if self.read_limit is not None:
+                ids = ids.clamp(max=self.read_limit)  # a committed padding id the drafter cannot read (see __init__)
+            logits.append(self.drafter.extend(ids, self.state.rows(start, stop), last_only=True,
+                                              features=torch.stack(features[start:stop])))
+            self.calls += 1
+            start = stop
+        self.roots[: len(tokens)] = torch.tensor([row[-1] for row in tokens], device=self.device)
+        return torch.cat(logits)
+
+    @torch.no_grad()
     def compact(self, rows) -> None:
         """Keep only batch rows `rows` (indices, in their new order): their root states and roots move to rows
         0..len(rows)-1, so later rounds step only those. Index the root logits the same way (`logits[rows]`)."""

@@ -32,6 +32,7 @@ from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
 from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, resolve_sampling
 from tree_search.strategies import drafting_strategy
 from tree_search.target import TargetCache, target_vocab_size
+from tree_search.target.cache import ROOT_ONLY
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
 from tree_search.verifiers.greedy import greedy_walk
 
@@ -86,9 +87,7 @@ class SpeculativeDecoder:
         seed = options.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer (row b uses seed + b) or None, got {seed!r}")
-        m = options.max_new_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {m!r}")
+        m = options.max_new_tokens  # checked with the other limits (`check_limits`)
         batched = is_batch(prompts, options.attention_mask)
         params = resolve_sampling(self.target, options.temperature, options.top_p, options.top_k)
         verifier, lookup, arms = None, 0, ()
@@ -153,9 +152,10 @@ class SpeculativeDecoder:
                 draft = drafts.draft(tree, logits, call.generators)
             rec.mark(VERIFY)
             if proposal or tree is not None:
-                results, proposed = self.verify(target, draft, call)
+                results, proposed, hidden = self.verify(target, draft, call, drafts.reads_target)
             else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root)
-                plain = next_tokens(target.decode(drafts.roots(rows)), call.params, call.generators)
+                scores, hidden = target.tree_forward(drafts.roots(rows)[:, None], ROOT_ONLY, drafts.reads_target)
+                plain = next_tokens(scores[:, 0], call.params, call.generators)
                 results, proposed = [PLAIN] * rows, [[t] for t in plain.tolist()]  # the one host transfer
             rec.mark(VERIFIED)
             committed, finished = call.emit(proposed, results, call.verifier.name)
@@ -163,13 +163,14 @@ class SpeculativeDecoder:
                 lookup.extend(committed[0])
                 call.stats.lookup_rounds += bool(proposal)
             if not all(finished):
-                if proposal or tree is not None:
-                    target.commit([r.path for r in results])
+                target.commit([r.path for r in results])
+                # a drafter that reads the target reads each committed token with the target's state before it
+                features = [hidden[b, [0, *r.path]] for b, r in enumerate(results)] if drafts.reads_target else None
                 if tree is not None:
-                    resync = (draft, results, proposed)
+                    resync = (draft, results, proposed, features)
                 else:  # the drafter reads these tokens when it next drafts
                     resync = torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None]
-                logits = self.resync(call, target, drafts, finished, logits, resync)
+                logits = self.resync(call, target, drafts, finished, logits, (resync, features))
             tokens_out = sum(map(len, proposed))
             if arm is not None:  # charged the whole round, commit and resync included
                 policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / rows,
@@ -192,10 +193,12 @@ class SpeculativeDecoder:
         drafts.skip(call.ids[:, -1:], catch_up=False)
         return drafts
 
-    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, resync):
-        """After a round's commit: the drafter steps a drafted round's accepted paths (`resync` = (draft, results,
-        proposed)) or keeps a lookup / plain round's tokens (`resync` (B, m)) for its next draft to catch up on;
-        finished rows leave the batch. Returns the drafter's logits after each remaining root."""
+    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, committed):
+        """After a round's commit: the drafter reads a drafted round's accepted paths (`committed` = ((draft,
+        results, proposed, features), features)) or keeps a lookup / plain round's tokens (((B, m) tokens,
+        features)) for its next draft to catch up on; finished rows leave the batch. Returns the drafter's logits
+        after each remaining root."""
+        resync, features = committed
         keep = [b for b, done in enumerate(finished) if not done]
         if len(keep) < len(finished):
             target.drop_rows(keep)
@@ -203,7 +206,7 @@ class SpeculativeDecoder:
         if isinstance(resync, tuple):
             logits = drafts.resync(*resync)
         else:  # tree "none" alone never drafts: nothing to catch up on
-            drafts.skip(resync, catch_up=any(arm.depth for arm in self.policy.arms))
+            drafts.skip(resync, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
         if len(keep) < len(finished):
             call.keep(keep)
             drafts.compact(keep)
@@ -211,12 +214,13 @@ class SpeculativeDecoder:
         call.recorder.mark(DONE)
         return logits
 
-    def verify(self, target: TargetCache, draft, call: Call) -> tuple[list[VerifyResult], list[list[int]]]:
+    def verify(self, target: TargetCache, draft, call: Call, want_hidden: bool = False):
         """One target forward over every row's tree, the verifier's decision per row -> (results, each row's
-        proposed tokens: accepted path + next token), with the round's one device -> host transfer (the trees'
-        tokens, a few dozen per row, come over at once, so no index tensor has to go the other way first)."""
+        proposed tokens: accepted path + next token, the final hidden states if the verifier or `want_hidden` asks),
+        with the round's one device -> host transfer (the trees' tokens, a few dozen per row, come over at once, so
+        no index tensor has to go the other way first)."""
         verifier, params = call.verifier, call.params
-        scores, hidden = target.tree_forward(draft.tokens, draft.tree, want_hidden=verifier.needs_hidden)
+        scores, hidden = target.tree_forward(draft.tokens, draft.tree, want_hidden or verifier.needs_hidden)
         if verifier.walks_argmax(params):  # one batched argmax and one host copy instead of B verifier calls
             n = len(draft.tree)
             host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
@@ -232,7 +236,7 @@ class SpeculativeDecoder:
                 draft_mode="sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"))
                 for b in range(scores.shape[0])]
             tokens = draft.tokens.tolist()
-        return results, [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)]
+        return results, [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)], hidden
 
     def decode_plainly(self, call: Call) -> GenerateResult | BatchGenerateResult:
         """One target forward per token for all rows, on the same cache, sampling and stats code as `speculate`."""

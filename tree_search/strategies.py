@@ -31,6 +31,8 @@ Draft = DraftTree  # a round's drafts, what the target verifies: .config, .tree,
 class TreeDrafting:
     """The drafter's trees: top-N (or sampled) children per node, one batched drafter step per level for all rows."""
 
+    reads_target = False  # whether resync / skip need the target's states of the committed tokens (`features`)
+
     def __init__(self, drafts: TreeDrafter, params: SamplingParams, mode: str, record_probs: bool) -> None:
         self.drafts, self.params, self.mode, self.record_probs = drafts, params, mode, record_probs
         self.first_call = drafts.calls  # the TreeDrafter is shared across calls: count this call's only
@@ -74,10 +76,13 @@ class TreeDrafting:
         """One prompt's chain of given tokens (prompt lookup) to verify instead of a draft; then `skip`."""
         return self.drafts.proposal(self.roots(1), tokens, self.record_probs)
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]]) -> torch.Tensor:
+    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+               features: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The drafter's logits after each row's committed path and next token: the accepted nodes' states are the
+        drafted rows' (`TreeDrafter.resync`). `features`: for a drafter that reads the target only."""
         return self.drafts.resync(draft, [r.path[-1] if r.path else 0 for r in results], [p[-1] for p in proposed])
 
-    def skip(self, tokens: torch.Tensor, catch_up: bool = True) -> None:
+    def skip(self, tokens: torch.Tensor, catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
         """A round committed `tokens` (B, m) without drafting; the drafter reads them when it next drafts (if
         `catch_up`: a call that never drafts keeps nothing)."""
         self.drafts.roots[: tokens.shape[0]] = tokens[:, -1]
@@ -88,6 +93,50 @@ class TreeDrafting:
         """Only rows `rows` go on (finished rows dropped)."""
         self.drafts.compact(rows)
         self.behind = [tokens[rows] for tokens in self.behind]
+
+
+class TargetAwareDrafting(TreeDrafting):
+    """Trees of a drafter that reads the target (`MambaDrafter.reads_target`): every committed token is read with
+    the target's final hidden state at the position before it, which the round's verification forward computed
+    (`features`: per row, the states at the root and the accepted nodes), while tokens drafted inside a round read
+    the drafter's learned stand-in. So a round's committed tokens are read again from each row's root state (rows
+    0..B-1, which drafting leaves alone), in one drafter call per run of rows committing as many tokens, instead of
+    keeping the drafted rows' states as `TreeDrafting.resync` does. The prompt is read with the stand-in, as in
+    training (no target state is cached for prompt positions)."""
+
+    reads_target = True
+
+    def __init__(self, drafts: TreeDrafter, params: SamplingParams, mode: str, record_probs: bool) -> None:
+        super().__init__(drafts, params, mode, record_probs)
+        self.pending: list[tuple[list[int], list[torch.Tensor]]] = []  # per row: tokens and features not yet read
+
+    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+               features: list[torch.Tensor] | None = None) -> torch.Tensor:
+        self.skip(proposed, True, features)
+        return self.catch_up(None)
+
+    def skip(self, tokens, catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
+        rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+        self.drafts.roots[: len(rows)] = torch.tensor([row[-1] for row in rows], device=self.drafts.device)
+        if not catch_up:
+            return
+        if features is None:
+            raise ValueError("a drafter that reads the target needs the target's states for committed tokens")
+        if not self.pending:
+            self.pending = [([], []) for _ in rows]
+        for (pending_tokens, pending_features), row, feature in zip(self.pending, rows, features):
+            pending_tokens += row
+            pending_features.append(feature)
+
+    def catch_up(self, logits: torch.Tensor | None) -> torch.Tensor:
+        if not self.pending:
+            return logits
+        rows, self.pending = self.pending, []
+        return self.drafts.read([tokens for tokens, _ in rows], [torch.cat(features) for _, features in rows])
+
+    def compact(self, rows: list[int]) -> None:
+        self.drafts.compact(rows)
+        self.pending = [self.pending[b] for b in rows] if self.pending else []
 
 
 class LookupDrafting(TreeDrafting):
@@ -114,7 +163,8 @@ class LookupDrafting(TreeDrafting):
         self.calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
         return buf
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]]) -> torch.Tensor:
+    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+               features: list[torch.Tensor] | None = None) -> torch.Tensor:
         self.calls_saved += len(results[0].path) == draft.config.depth  # a tree's resync steps an accepted leaf too
         return self.extend(torch.tensor([proposed[0]], device=self.context.device))
 
@@ -131,5 +181,9 @@ def drafting_strategy(drafter, prompt_lookup: bool, rows: int, out_vocab: int, p
     """The call's strategy on the drafter's own TreeDrafter (`TreeDrafter.of`). rows: state rows the batch's largest
     trees need; max_tokens: prompt + max_new_tokens (the longest committed text; prompt lookup only)."""
     if prompt_lookup:
+        if drafter.reads_target:
+            raise ValueError("prompt_lookup drafts chains on scratch rows without target states; a drafter that "
+                             "reads the target takes tree shapes (and lookup_tokens rounds) instead")
         return LookupDrafting(TreeDrafter.of(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs, max_tokens)
-    return TreeDrafting(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)
+    kind = TargetAwareDrafting if drafter.reads_target else TreeDrafting
+    return kind(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)
