@@ -1,4 +1,4 @@
-"""generate_batch / generate_autoregressive_batch: B prompts decoded together give, per row, exactly what the target's
+"""generate / generate_autoregressive on a batch: B prompts decoded together give, per row, exactly what the target's
 own `generate` (greedy) or `generate` with that row's seed (sampling) gives that prompt alone; rows stop on their own
 EOS / budget and leave the batch; the policy sees the batch; bad batches are refused before any model runs."""
 

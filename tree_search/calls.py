@@ -387,7 +387,7 @@ def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int],
     if window is not None and ids.shape[1] + max_new_tokens + tree_nodes > window:
         raise ValueError(f"the padded prompts ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes "
                          f"({tree_nodes}) exceed {_window_limit(target, window)}")
-    # A local window has no runtime guard (nothing drops keys, BatchTargetState's slot check knows sliding caches
+    # A local window has no runtime guard (nothing drops keys, TargetCache's slot check knows sliding caches
     # only), so bound the slots up front: a round adds 1 + its longest accepted path (<= tree depth) to the shared
     # slots, holes of rows that accepted less included, and a round runs only while some row has < max_new_tokens.
     local = local_window(target)
