@@ -168,6 +168,8 @@ class SpeculativeDecoder:
                 features = [hidden[b, [0, *r.path]] for b, r in enumerate(results)] if drafts.reads_target else None
                 if tree is not None:
                     resync = (draft, results, proposed, features)
+                elif drafts.reads_target:  # read with their states when it next drafts (host lists: no sync)
+                    resync = proposed
                 else:  # the drafter reads these tokens when it next drafts
                     resync = torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None]
                 logits = self.resync(call, target, drafts, finished, logits, (resync, features))

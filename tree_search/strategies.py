@@ -116,6 +116,8 @@ class TargetAwareDrafting(TreeDrafting):
         return self.catch_up(None)
 
     def skip(self, tokens, catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
+        """A round's committed tokens per row (host lists; the call's first roots come as a tensor, once) and, to
+        be read, their target states."""
         rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
         self.drafts.roots[: len(rows)] = torch.tensor([row[-1] for row in rows], device=self.drafts.device)
         if not catch_up:
