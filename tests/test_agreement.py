@@ -243,7 +243,7 @@ def test_cli_agreement_bad_input(tokenizer, tmp_path, capsys):
              ([*base, str(CHAT), "--gammas", "0"], r"gammas must be distinct integers >= 1, got \[0\]"),
              ([*base, str(CHAT), "--max-sequences", "0"], "--max-sequences must be >= 1")]
     for argv, match in cases:
-        with pytest.raises(SystemExit, match="^mamba-draft eval: " + match):
+        with pytest.raises(SystemExit, match="^mamba-draft eval: error: " + match):
             cli(argv)
     small = tmp_path / "small-tok"
     make_tokenizer(small, vocab_size=280)

@@ -113,11 +113,11 @@ def test_eval_bad_input(tokenizer, tmp_path):
 
 def test_cli_eval_bad_input_is_one_line(tokenizer, tmp_path):
     model_dir, _ = save_model(tokenizer, tmp_path / "zero", zero=True)
-    with pytest.raises(SystemExit, match="^mamba-draft eval: unknown task 'winogrande'"):
+    with pytest.raises(SystemExit, match="^mamba-draft eval: error: unknown task 'winogrande'"):
         cli(["eval", str(model_dir), "--tasks", "winogrande"])
-    with pytest.raises(SystemExit, match="^mamba-draft eval: model directory .* does not exist"):
+    with pytest.raises(SystemExit, match="^mamba-draft eval: error: model directory .* does not exist"):
         cli(["eval", str(tmp_path / "missing"), "--tasks", f"perplexity:{FIXTURES / 'heldout.jsonl'}"])
-    with pytest.raises(SystemExit, match="^mamba-draft eval: --agreement FILE and --target TARGET go together"):
+    with pytest.raises(SystemExit, match="^mamba-draft eval: error: --agreement FILE and --target TARGET go together"):
         cli(["eval", str(model_dir), "--target", str(model_dir)])
 
 

@@ -214,9 +214,9 @@ def parse_gammas(spec: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     if (args.agreement is None) != (args.target is None):
-        raise SystemExit("mamba-draft eval: --agreement FILE and --target TARGET go together")
+        raise SystemExit("mamba-draft eval: error: --agreement FILE and --target TARGET go together")
     if args.max_sequences is not None and args.max_sequences < 1:
-        raise SystemExit(f"mamba-draft eval: --max-sequences must be >= 1, got {args.max_sequences}")
+        raise SystemExit(f"mamba-draft eval: error: --max-sequences must be >= 1, got {args.max_sequences}")
     results = {}
     try:
         check_device(args.device)
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
                 args.model_dir, args.target, args.agreement, gammas=gammas, max_sequences=args.max_sequences,
                 max_len=args.max_len, batch_size=args.batch_size, device=args.device)
     except (ValueError, FileNotFoundError, ImportError) as err:
-        raise SystemExit(f"mamba-draft eval: {err}") from None
+        raise SystemExit(f"mamba-draft eval: error: {err}") from None
     text = json.dumps(results, indent=2)
     print(text)
     if args.output:
