@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # On a GPU machine (H100/H200; nothing downloadable there), from a clean checkout with .gpu/ carried
 # (scripts/gpu_prepare.sh makes it): install what is missing, build causal-conv1d for this GPU's architecture only,
-# run tests/test_gpu.py, then the timings (benchmarks/gpu_timings.py). Writes under OUT_DIR:
-#   env.txt (GPU, versions, kernels), build.log, test_gpu.log, gpu_timings.{json,md}, two plots, timings.log.
+# run tests/test_gpu.py, then the timings (benchmarks/gpu_timings.py). Writes under OUT_DIR (a call returns at
+# most 8 files): check.log (GPU, versions, kernels, the build's tail if it failed, tests, timings),
+# gpu_timings.{json,md} and two plots.
 #
 #   bash scripts/gpu_check.sh OUT_DIR        env: SKIP_KERNELS=1 (no causal-conv1d build), BUILD_TIMEOUT=300 (s),
-#                                            TIMINGS_ARGS="--targets pythia-6.9b" (passed to gpu-timings)
+#                                            TIMINGS_ARGS="--targets pythia-6.9b" (passed to gpu-timings),
+#                                            WHILE_BUILDING="command" (GPU work run while the CPUs compile, before
+#                                            the tests, e.g. bash scripts/gpu_make_data.sh OUT_DIR 200 ...)
 # Well inside one 10-minute call: the kernel build is capped at BUILD_TIMEOUT, and without it the tests and
-# timings still run (the torch step only; env.txt says so).
+# timings still run (the torch step only; check.log says so).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -34,7 +37,7 @@ conv_src=$(ls -d /tmp/causal_conv1d-*/csrc 2>/dev/null | head -1)
 if [[ ${SKIP_KERNELS:-0} != 1 && -n $conv_src ]]; then
     arch=$("$python" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
     TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} timeout "${BUILD_TIMEOUT:-300}" "$python" - "$conv_src" "$site" \
-        >"$out/build.log" 2>&1 <<'PY'
+        >/tmp/causal_conv1d_build.log 2>&1 <<'PY' &
 import shutil, sys, time
 from pathlib import Path
 from torch.utils.cpp_extension import load
@@ -54,22 +57,32 @@ module = load(name="causal_conv1d_cuda", build_directory=str(build), verbose=Tru
 shutil.copy2(module.__file__, site / Path(module.__file__).name)
 print(f"built causal_conv1d_cuda in {time.time() - started:.0f} s")
 PY
-    echo "kernel build: exit $? after $((SECONDS - start)) s (build.log)"
+    build=$!
+fi
+if [[ -n ${WHILE_BUILDING:-} ]]; then
+    bash -c "$WHILE_BUILDING"
+    echo "while building: exit $? after $((SECONDS - start)) s"
+fi
+log="$out/check.log"
+if [[ -n ${build:-} ]]; then
+    wait "$build"
+    code=$?
+    echo "kernel build: exit $code after $((SECONDS - start)) s" | tee "$log"
+    [[ $code == 0 ]] || tail -n 30 /tmp/causal_conv1d_build.log >>"$log"
 fi
 {
     nvidia-smi -L
     "$python" -c "import torch, transformers, mamba_draft; print('torch', torch.__version__, '| CUDA', torch.version.cuda, \
 '|', torch.cuda.get_device_name(), '| transformers', transformers.__version__, '| kernels', mamba_draft.kernels_available())"
-} >"$out/env.txt" 2>&1
-cat "$out/env.txt"
+} 2>&1 | tee -a "$log"
 
 # 3. the GPU tests, then 4. the timings
 status=0
-"$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -n 15
+"$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee -a "$log" | tail -n 15
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 echo "tests done after $((SECONDS - start)) s"
 # shellcheck disable=SC2086
-"$python" -m commands.cli gpu-timings --out "$out" ${TIMINGS_ARGS:-} 2>&1 | tee "$out/timings.log" | tail -n 60
+"$python" -m commands.cli gpu-timings --out "$out" ${TIMINGS_ARGS:-} 2>&1 | tee -a "$log" | tail -n 60
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 echo "gpu_check: exit $status after $((SECONDS - start)) s; results in $out"
 exit $status

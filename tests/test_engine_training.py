@@ -119,11 +119,43 @@ def test_hidden_states_resume_after_a_torn_write(engine_dir, tmp_path):
                        md.hf_sample)
     assert engine.model.config.hidden_size == 32
     prompts = {p["id"]: p["prompt"] for p in md.read_shard(copy / "prompts.jsonl")}
-    md.hidden_states(engine, copy, prompts, 0.0, progress=False, on_batch=lambda: None)
+    md.teacher_forced(engine, copy, prompts, 0.0, True, progress=False, on_batch=lambda: None)
     resumed = path.read_bytes()
     assert len(resumed) == len(whole)
     torch.testing.assert_close(torch.frombuffer(bytearray(resumed), dtype=torch.bfloat16).float(),
                                torch.frombuffer(bytearray(whole), dtype=torch.bfloat16).float(), atol=0.02, rtol=0.02)
+
+
+def test_replies_made_elsewhere_get_their_rows_from_one_teacher_forced_forward(engine_dir, tmp_path):
+    """Replies copied in without their row files (made on a GPU machine): a rerun of the same command writes the
+    top-K and hidden rows the generating forward would have recorded, aligned with the records, and makes nothing
+    new."""
+    import shutil
+
+    out, target, _ = engine_dir
+    copy = tmp_path / "data"
+    shutil.copytree(out, copy)
+    for t in (0.0, 0.7):
+        md.topk_path(copy, t).unlink()
+        md.hidden_path(copy, t).unlink()
+    from commands import cli
+    prompts = copy.parent / "p.jsonl"
+    prompts.write_text((out.parent / "p.jsonl").read_text())
+    args = cli.build_parser("make-data").parse_args(["--target", str(target), "--out", str(copy), "--prompts",
+                                                     str(prompts), "--max-new-tokens", "16", "--dtype", "float32",
+                                                     "--hidden"])
+    md.make_data(args, progress=False)
+    for t in (0.0, 0.7):
+        records = md.read_shard(md.reply_path(copy, t))
+        assert records == md.read_shard(md.reply_path(out, t))  # nothing regenerated
+        assert md.topk_path(copy, t).stat().st_size == md.topk_path(out, t).stat().st_size
+        for r in records:
+            ids, logp = md.read_topk(copy, t, r)
+            want_ids, want_logp = md.read_topk(out, t, r)
+            assert (ids[:, 0] == want_ids[:, 0]).float().mean() > 0.95  # a cached decode vs one forward: near-ties
+            torch.testing.assert_close(logp[:, 0], want_logp[:, 0], atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(md.read_hidden(copy, t, r, 32).float(), md.read_hidden(out, t, r, 32).float(),
+                                       atol=0.02, rtol=0.02)
 
 
 def test_feature_loss_pairs_the_drafters_state_at_t_with_the_targets_row_t_plus_1():

@@ -26,7 +26,9 @@ where it stopped, losing at most the batch in flight; a larger --magpie extends 
     hidden-T{t}.bin       with --hidden: the target's last hidden state (after its final norm: what its head
                           multiplies) at the same positions, bfloat16, hidden_size values per position, recorded by
                           the same hook from the generating forward; replies made without --hidden get theirs from
-                          one teacher-forced forward per batch after the replies. Read memory-mapped (`read_hidden`).
+                          one teacher-forced forward per batch. Read memory-mapped (`read_hidden`).
+Replies made elsewhere travel without their row files: copy the .jsonl files into DIR and rerun; the top-K (and with
+--hidden the hidden) rows of replies that lack them come from one teacher-forced forward before anything new is made.
 """
 from __future__ import annotations
 
@@ -404,7 +406,7 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
                   hidden: bool = False) -> None:
     """Answer every prompt at every temperature it lacks a reply for, longest prompts first. With `hidden`, the
     generating forward's hidden states are appended too while the hidden file is level with the top-K file (else
-    `hidden_states` fills them in afterwards)."""
+    `teacher_forced` fills them in afterwards)."""
     todo, next_position, encoded, level = {}, {}, {}, {}
     for t in temperatures:
         records = read_shard(reply_path(out, t))
@@ -439,7 +441,7 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
         if states is not None:  # hidden, then top-K, then the reply lines: a kill leaves only a tail to cut
             append_bytes(hidden_path(out, t), torch.cat(states).view(torch.uint8).numpy().tobytes())
         else:
-            level[t] = False  # a scripted generator ran no forward: hidden_states fills these in
+            level[t] = False  # a scripted generator ran no forward: teacher_forced fills these in
         if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
             append_bytes(topk_path(out, t), b"".join(row.numpy().tobytes() for row in topk))
         append_shard(reply_path(out, t), records)
@@ -449,38 +451,47 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
     bar.close()
 
 
-def align_hidden(out: Path, temperature: float, records: list[dict], width: int) -> int:
-    """Cut the hidden-state file back to the last whole reply it holds (a kill mid-append, or a reply whose top-K
-    rows were cut); returns the positions it covers."""
-    path = hidden_path(out, temperature)
+def cut_to_replies(path: Path, records: list[dict], row_bytes: int) -> int:
+    """Cut a per-position file (top-K or hidden rows) back to the last whole reply it holds: a kill mid-append, or
+    rows no reply owns; returns the positions it covers."""
     size = path.stat().st_size if path.exists() else 0
     ends = [r["topk"][0] + r["topk"][1] for r in records if r.get("topk")]
-    done = max((e for e in ends if e * width * 2 <= size), default=0)
-    if size != done * width * 2:
+    done = max((e for e in ends if e * row_bytes <= size), default=0)
+    if size != done * row_bytes:
         with open(path, "r+b") as f:
-            f.truncate(done * width * 2)
+            f.truncate(done * row_bytes)
     return done
+
+
+def align_hidden(out: Path, temperature: float, records: list[dict], width: int) -> int:
+    return cut_to_replies(hidden_path(out, temperature), records, width * 2)
 
 
 HIDDEN_PAIR_BUDGET = 1 << 22  # rows x length^2 of one teacher forward: bounds its attention scores (~150 MB)
 
 
 @torch.no_grad()
-def hidden_states(engine: Engine, out: Path, prompts: dict[str, str], temperature: float, progress: bool,
-                  on_batch: Callable[[], None]) -> None:
-    """Append the target's final-norm hidden state at every cached top-K position of the replies that lack it.
+def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperature: float, hidden: bool,
+                   progress: bool, on_batch: Callable[[], None]) -> None:
+    """Append the rows the generating forward would have recorded for the replies whose rows the files lack: top-K
+    rows (replies made on another machine, whose top-K file stayed there) and, with `hidden`, final-norm hidden
+    states (replies made without --hidden).
 
-    Top-K row j of a reply is the distribution its token j was drawn from, computed at sequence position
+    Row j of a reply is the distribution its token j was drawn from, computed at sequence position
     len(prompt) - 1 + j; one teacher-forced forward over prompt + reply gives all of them. Replies go in top-K
-    order, so hidden-T{t}.bin stays aligned with topk-T{t}.bin; a torn tail is cut back to the last whole reply."""
+    order, so both files stay aligned with the records' spans; a torn tail is cut back to the last whole reply."""
     records = [r for r in read_shard(reply_path(out, temperature)) if r.get("topk")]
-    path, width = hidden_path(out, temperature), engine.model.config.hidden_size
-    done = align_hidden(out, temperature, records, width)
+    width = engine.model.config.hidden_size
+    end = max((r["topk"][0] + r["topk"][1] for r in records), default=0)
+    topk_done = cut_to_replies(topk_path(out, temperature), records, topk_bytes())
+    hidden_done = align_hidden(out, temperature, records, width) if hidden else end
+    done = min(topk_done, hidden_done)
     todo = [r for r in records if r["topk"][0] >= done]
     if todo and todo[0]["topk"][0] != done:
-        raise ValueError(f"{path} ends at position {done}, inside a reply: the file was changed by hand")
-    tokenizer, base = engine.tokenizer, engine.model.base_model
-    bar = tqdm(total=len(todo), desc=f"hidden states T={temperature:g}", unit="reply", disable=not progress)
+        raise ValueError(f"the rows of {out} for T={temperature:g} end at position {done}, inside a reply: a file "
+                         "was changed by hand")
+    tokenizer, base, head = engine.tokenizer, engine.model.base_model, engine.model.get_output_embeddings()
+    bar = tqdm(total=len(todo), desc=f"teacher-forced rows T={temperature:g}", unit="reply", disable=not progress)
     encoded: dict[str, list[int]] = {}  # a reply that did not fit one batch opens the next: encode it once
     start = 0
     while start < len(todo):
@@ -500,14 +511,23 @@ def hidden_states(engine: Engine, out: Path, prompts: dict[str, str], temperatur
         for b, seq in enumerate(seqs):  # right padding: every real position keeps its own index
             input_ids[b, :len(seq)], mask[b, :len(seq)] = torch.tensor(seq), 1
         device = engine.model.device
-        hidden = base(input_ids=input_ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-        chunks = []
+        states = base(input_ids=input_ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        hidden_rows, topk_rows = [], []
         for b, (record, ids) in enumerate(batch):
-            count = record["topk"][1]
-            chunks.append(hidden[b, len(ids) - 1: len(ids) - 1 + count].to(torch.bfloat16).cpu())
-            if chunks[-1].shape[0] != count:
-                raise RuntimeError(f"reply {record['id']}: {count} top-K rows but {chunks[-1].shape[0]} positions")
-        append_bytes(path, torch.cat(chunks).view(torch.uint8).numpy().tobytes())
+            first, count = record["topk"]
+            rows = states[b, len(ids) - 1: len(ids) - 1 + count]
+            if rows.shape[0] != count:
+                raise RuntimeError(f"reply {record['id']}: {count} top-K rows but {rows.shape[0]} positions")
+            if hidden and first >= hidden_done:
+                hidden_rows.append(rows.to(torch.bfloat16).cpu())
+            if first >= topk_done:  # as Engine.run's hook packs them: K int32 ids, then K float16 log-probs
+                values, top = torch.log_softmax(head(rows).float(), dim=-1).topk(TOPK, dim=-1)
+                topk_rows.append(torch.cat([top.to(torch.int32).cpu().view(torch.uint8).reshape(count, -1),
+                                            values.to(torch.float16).cpu().view(torch.uint8).reshape(count, -1)], 1))
+        if hidden_rows:
+            append_bytes(hidden_path(out, temperature), torch.cat(hidden_rows).view(torch.uint8).numpy().tobytes())
+        if topk_rows:
+            append_bytes(topk_path(out, temperature), torch.cat(topk_rows).numpy().tobytes())
         on_batch()
         start += len(batch)
         bar.update(len(batch))
@@ -594,6 +614,8 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     def manifest():
         return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
 
+    # replies made elsewhere (a GPU machine whose top-K file stayed there) get their rows before new ones append
+    fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     step = ROUND_BATCHES * args.batch_size
     for round_ in range(1, max(1, -(-max(args.magpie, args.magpie_tasks) // step)) + 1):
         for count, tasks in ((args.magpie, ()), (args.magpie_tasks, TASKS)):
@@ -602,10 +624,15 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
         reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
                       args.seed, progress, manifest, args.hidden)
     if args.hidden:
-        prompts = {p["id"]: p["prompt"] for p in read_shard(prompts_path)}
-        for t in temperatures:
-            hidden_states(engine, out, prompts, t, progress, manifest)
+        fill_rows(engine, out, temperatures, True, progress, manifest)
     return manifest()
+
+
+def fill_rows(engine: Engine, out: Path, temperatures: list[float], hidden: bool, progress: bool,
+              on_batch: Callable[[], None]) -> None:
+    prompts = {p["id"]: p["prompt"] for p in read_shard(out / "prompts.jsonl")}
+    for t in temperatures:
+        teacher_forced(engine, out, prompts, t, hidden, progress, on_batch)
 
 
 def parse_temperatures(text: str) -> list[float]:
