@@ -127,9 +127,9 @@ def test_hidden_states_resume_after_a_torn_write(engine_dir, tmp_path):
 
 
 def test_replies_made_elsewhere_get_their_rows_from_one_teacher_forced_forward(engine_dir, tmp_path):
-    """Replies copied in without their row files (made on a GPU machine): a rerun of the same command writes the
-    top-K and hidden rows the generating forward would have recorded, aligned with the records, and makes nothing
-    new."""
+    """Replies copied in without their row files (made on a GPU machine), or recorded without spans (transformers'
+    compiled decoding on CUDA hides the forward from the hook): a rerun of the same command writes the top-K and
+    hidden rows the generating forward would have recorded, aligned with the records, and makes nothing new."""
     import shutil
 
     out, target, _ = engine_dir
@@ -138,6 +138,8 @@ def test_replies_made_elsewhere_get_their_rows_from_one_teacher_forced_forward(e
     for t in (0.0, 0.7):
         md.topk_path(copy, t).unlink()
         md.hidden_path(copy, t).unlink()
+    unrecorded = [dict(r, topk=None) for r in md.read_shard(md.reply_path(copy, 0.7))]
+    md.reply_path(copy, 0.7).write_text("".join(json.dumps(r) + "\n" for r in unrecorded))
     from commands import cli
     prompts = copy.parent / "p.jsonl"
     prompts.write_text((out.parent / "p.jsonl").read_text())
@@ -147,7 +149,7 @@ def test_replies_made_elsewhere_get_their_rows_from_one_teacher_forced_forward(e
     md.make_data(args, progress=False)
     for t in (0.0, 0.7):
         records = md.read_shard(md.reply_path(copy, t))
-        assert records == md.read_shard(md.reply_path(out, t))  # nothing regenerated
+        assert records == md.read_shard(md.reply_path(out, t))  # nothing regenerated; the same spans assigned
         assert md.topk_path(copy, t).stat().st_size == md.topk_path(out, t).stat().st_size
         for r in records:
             ids, logp = md.read_topk(copy, t, r)

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.heldout import normalize, overlaps_heldout
-from mamba_draft.io import write_json
+from mamba_draft.io import write_json, write_text
 from mamba_draft.targets import load_causal_lm
 from training.regenerate import (
     conversation, data_attention, eos_token_ids, hf_sample, prompt_ids, read_records, target_tokenizer,
@@ -441,7 +441,7 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
         if states is not None:  # hidden, then top-K, then the reply lines: a kill leaves only a tail to cut
             append_bytes(hidden_path(out, t), torch.cat(states).view(torch.uint8).numpy().tobytes())
         else:
-            level[t] = False  # a scripted generator ran no forward: teacher_forced fills these in
+            level[t] = False  # the hook saw no forward (scripted or compiled generator): teacher_forced fills these in
         if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
             append_bytes(topk_path(out, t), b"".join(row.numpy().tobytes() for row in topk))
         append_shard(reply_path(out, t), records)
@@ -470,18 +470,40 @@ def align_hidden(out: Path, temperature: float, records: list[dict], width: int)
 HIDDEN_PAIR_BUDGET = 1 << 22  # rows x length^2 of one teacher forward: bounds its attention scores (~150 MB)
 
 
+def assign_spans(out: Path, temperature: float, width: int) -> None:
+    """Give the replies recorded without rows (a generator whose forward the hook does not see: a scripted one, or
+    transformers' compiled static-cache decoding on CUDA) spans after every existing one, in file order, rewriting
+    the replies file once (atomically); `teacher_forced` then writes their rows. Rows past the last owned position
+    (a torn append) are cut first, so no new span can claim them."""
+    path = reply_path(out, temperature)
+    records = read_shard(path)
+    if all(r.get("topk") for r in records):
+        return
+    end = max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
+    for rows, row_bytes in ((topk_path(out, temperature), topk_bytes()), (hidden_path(out, temperature), width * 2)):
+        if rows.exists() and rows.stat().st_size > end * row_bytes:
+            with open(rows, "r+b") as f:
+                f.truncate(end * row_bytes)
+    for r in records:
+        if not r.get("topk"):
+            r["topk"] = [end, len(r["reply_ids"]) + (not r["truncated"])]  # the end-of-turn position too
+            end += r["topk"][1]
+    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
 @torch.no_grad()
 def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperature: float, hidden: bool,
                    progress: bool, on_batch: Callable[[], None]) -> None:
     """Append the rows the generating forward would have recorded for the replies whose rows the files lack: top-K
-    rows (replies made on another machine, whose top-K file stayed there) and, with `hidden`, final-norm hidden
-    states (replies made without --hidden).
+    rows (replies made on another machine, whose top-K file stayed there, or by a generator the hook did not see)
+    and, with `hidden`, final-norm hidden states (replies made without --hidden).
 
     Row j of a reply is the distribution its token j was drawn from, computed at sequence position
     len(prompt) - 1 + j; one teacher-forced forward over prompt + reply gives all of them. Replies go in top-K
     order, so both files stay aligned with the records' spans; a torn tail is cut back to the last whole reply."""
-    records = [r for r in read_shard(reply_path(out, temperature)) if r.get("topk")]
     width = engine.model.config.hidden_size
+    assign_spans(out, temperature, width)
+    records = sorted(read_shard(reply_path(out, temperature)), key=lambda r: r["topk"][0])
     end = max((r["topk"][0] + r["topk"][1] for r in records), default=0)
     topk_done = cut_to_replies(topk_path(out, temperature), records, topk_bytes())
     hidden_done = align_hidden(out, temperature, records, width) if hidden else end
@@ -623,8 +645,7 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
                            progress, manifest, tasks)
         reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
                       args.seed, progress, manifest, args.hidden)
-    if args.hidden:
-        fill_rows(engine, out, temperatures, True, progress, manifest)
+    fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     return manifest()
 
 
