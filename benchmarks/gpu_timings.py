@@ -242,8 +242,9 @@ class SharedVocab:
         return self.size
 
 
-def count_syncs(fn) -> int | None:
-    """Host syncs `fn` makes (torch's CUDA sync debug mode, one warning each); off CUDA `fn` runs and None."""
+def host_syncs(fn) -> list[str] | None:
+    """Where `fn` makes the host wait for the device: one "file:line" (the Python line that called the syncing op)
+    per sync, from torch's CUDA sync debug mode; off CUDA `fn` runs and None."""
     if not torch.cuda.is_available():
         fn()
         return None
@@ -255,7 +256,7 @@ def count_syncs(fn) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def sync_counts(model, drafter, device: torch.device) -> dict:
@@ -277,7 +278,7 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
     greedy = SamplingParams(temperature=0.0)
     for _ in range(2):  # capture first
         drafts.draft(config, prompt[:, -1], logits, greedy, "topk", False, None)
-    drafting = count_syncs(lambda: drafts.draft(config, prompt[:, -1], logits, greedy, "topk", False, None))
+    drafting = host_syncs(lambda: drafts.draft(config, prompt[:, -1], logits, greedy, "topk", False, None))
     tree = config.build()
     state = TargetCache(model, static=True, max_len=256, graphs=device.type == "cuda")
     state.prefill(prompt)
@@ -288,7 +289,7 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
         state.commit([[1, 4]])
 
     verify()
-    verifying = count_syncs(verify)
+    verifying = host_syncs(verify)
     rounds: list[int] = []
 
     def call():
@@ -297,9 +298,13 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
         rounds.append(result.stats.rounds)
 
     call()
-    whole = count_syncs(call)
-    return {"captured_drafting": drafting, "captured_verify_commit": verifying, "generate_syncs": whole,
-            "generate_rounds": rounds[-1], "syncs_per_round": None if whole is None else whole / max(rounds[-1], 1)}
+    whole = host_syncs(call)
+    count = lambda sites: None if sites is None else len(sites)  # noqa: E731
+    return {"captured_drafting": count(drafting), "captured_verify_commit": count(verifying),
+            "generate_syncs": count(whole), "generate_rounds": rounds[-1],
+            "syncs_per_round": None if whole is None else len(whole) / max(rounds[-1], 1),
+            "sync_sites": {"captured_drafting": drafting, "captured_verify_commit": verifying,
+                           "generate": None if whole is None else sorted(set(whole))}}
 
 
 def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
@@ -382,6 +387,9 @@ def markdown_report(result: dict) -> str:
             out += [f"host syncs — captured drafting: {entry['syncs']['captured_drafting']}, captured verify + commit:"
                     f" {entry['syncs']['captured_verify_commit']}, a whole generate call: "
                     f"{entry['syncs']['generate_syncs']} in {entry['syncs']['generate_rounds']} rounds", ""]
+            for part, sites in entry["syncs"].get("sync_sites", {}).items():
+                if sites:
+                    out += [f"- {part} syncs at: {', '.join(sites)}", ""]
     out += ["## Projected speedup = τ · T_target / T_round (batch 1)", ""]
     out += [markdown_table(["target", "tree", "τ", "T_target ms", "draft ms", "verify ms", "speedup"],
                            [[r["target"], ",".join(map(str, r["tree"])), r["tau"], fmt(r["target_ms"]),

@@ -5,7 +5,7 @@
 # most 8 files): check.log (GPU, versions, kernels, the build's tail if it failed, tests, timings),
 # gpu_timings.{json,md} and two plots.
 #
-#   bash scripts/gpu_check.sh OUT_DIR        env: SKIP_KERNELS=1 (no causal-conv1d build), BUILD_TIMEOUT=300 (s),
+#   bash scripts/gpu_check.sh OUT_DIR        env: SKIP_KERNELS=1 (no causal-conv1d build), BUILD_TIMEOUT=420 (s),
 #                                            TIMINGS_ARGS="--targets pythia-6.9b" (passed to gpu-timings),
 #                                            WHILE_BUILDING="command" (GPU work run while the CPUs compile, before
 #                                            the tests, e.g. bash scripts/gpu_make_data.sh OUT_DIR 200 ...)
@@ -36,7 +36,7 @@ done
 conv_src=$(ls -d /tmp/causal_conv1d-*/csrc 2>/dev/null | head -1)
 if [[ ${SKIP_KERNELS:-0} != 1 && -n $conv_src ]]; then
     arch=$("$python" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-    TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} timeout "${BUILD_TIMEOUT:-300}" "$python" - "$conv_src" "$site" \
+    TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-$(nproc)} timeout "${BUILD_TIMEOUT:-420}" "$python" - "$conv_src" "$site" \
         >/tmp/causal_conv1d_build.log 2>&1 <<'PY' &
 import shutil, sys, time
 from pathlib import Path

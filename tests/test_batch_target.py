@@ -72,18 +72,20 @@ def assert_cache_is_reencoding(model, state: TargetCache, row: int, sequence: to
 @pytest.mark.parametrize("kind", ["llama", "neox"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("lengths", [(1, 6), (4, 9, 2), (3, 1, 7, 5)])
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("static", [False, True, "tight"], ids=["dynamic", "static", "static-tight"])
 def test_batched_greedy_rounds_equal_single_prompt_states(kind, attn, lengths, static):
     """Trees drafted from each row's own greedy continuation, cut at a random depth per row, so rows accept paths of
     different lengths every round; rows finish at different budgets and are dropped. The batch runs in dynamic or
-    static storage, each prompt alone in a dynamic cache of its own."""
+    static storage, each prompt alone in a dynamic cache of its own. "tight": static storage of generate's size
+    (padded prompt + new tokens + widest tree + 1), which the slow rows' holes overflow unless it compacts."""
     model = target(kind, attn)
     prompts = random_prompts(lengths, seed=len(lengths))
     budgets = [6 + 3 * b for b in range(len(prompts))]
     depth = TREES[0].depth
     refs = [hf_greedy(model, p[None], budget + depth)[0, p.numel():].tolist() for p, budget in zip(prompts, budgets)]
     ids, mask = left_pad(prompts)
-    state = cache(model, static)
+    tight = ids.shape[1] + max(budgets) + depth + max(map(len, TREES)) + 1
+    state = cache(model, bool(static), tight if static == "tight" else MAX_LEN)
     state.prefill(ids[:, :-1], mask[:, :-1])  # every row's last prompt token is its first root
     singles = []
     for p in prompts:
@@ -129,7 +131,7 @@ def test_batched_greedy_rounds_equal_single_prompt_states(kind, attn, lengths, s
                 assert_cache_is_reencoding(model, state, i, committed(prompts[b], outs[b]))
     assert [outs[b] for b in range(len(prompts))] == [ref[:budget] for ref, budget in zip(refs, budgets)]
     assert any(len(set(ks)) > 1 for ks in accepted_lengths)  # rows really accepted different lengths in one round
-    assert state.static == static
+    assert state.static == bool(static)
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox"])
@@ -283,3 +285,41 @@ def test_the_sliding_window_limit_is_enforced_in_slots():
     state.commit([[1, 3], []])
     with pytest.raises(ValueError, match="needs 16 slots, beyond the 15 that MistralForCausalLM's sliding-window"):
         state.tree_forward(torch.ones(2, len(tree), dtype=torch.long), tree)
+
+
+def test_static_storage_of_generates_size_holds_rows_that_accept_at_different_rates():
+    """Row 0 accepts the whole chain every round, row 1 nothing but its root: the shared slot count grows by 4 a
+    round while row 1 gains 1, past generate's size (padded prompt + new tokens + widest tree + 1). The storage
+    squeezes out the holes when full, and every row stays equal to encoding its sequence alone."""
+    model = target("llama", "sdpa")
+    prompts = random_prompts((4, 6), seed=5)
+    budget, tree = 20, TreeConfig((1, 1, 1)).build()
+    refs = [hf_greedy(model, p[None], budget + 3)[0, p.numel():].tolist() for p in prompts]
+    ids, mask = left_pad(prompts)
+    max_len = ids.shape[1] + budget + len(tree) + 1
+    state = TargetCache(model, static=True, max_len=max_len)
+    state.prefill(ids[:, :-1], mask[:, :-1])
+    outs, active, uncompacted = [[], []], [0, 1], ids.shape[1] - 1  # slots the rounds would take without it
+    while active:
+        tokens = torch.zeros(len(active), len(tree), dtype=torch.long)
+        for i, b in enumerate(active):
+            tokens[i, 0] = prompts[b][-1] if not outs[b] else outs[b][-1]
+            chain = refs[b][len(outs[b]): len(outs[b]) + 3]
+            tokens[i, 1:] = torch.tensor(chain) if b == 0 else (torch.tensor(chain) + 1) % VOCAB
+        logits, _ = state.tree_forward(tokens, tree)
+        paths = []
+        for i, b in enumerate(active):
+            path, nxt = greedy_path(tree, tokens[i], logits[i])
+            assert len(path) == (3 if b == 0 else 0)
+            paths.append(path)
+            outs[b] = (outs[b] + tokens[i, path].tolist() + [nxt])[:budget]
+        state.commit(paths)
+        uncompacted += 1 + max(map(len, paths))
+        keep = [i for i, b in enumerate(active) if len(outs[b]) < budget]
+        for i in keep:
+            assert_cache_is_reencoding(model, state, i, committed(prompts[active[i]], outs[active[i]]))
+        if keep and len(keep) < len(active):
+            state.drop_rows(keep)
+        active = [active[i] for i in keep]
+    assert outs == [ref[:budget] for ref in refs]
+    assert uncompacted > max_len

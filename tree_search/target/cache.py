@@ -140,9 +140,12 @@ class TargetCache:
         return self._trees[tree]
 
     def _reserve(self, slots: int) -> None:
-        """Room for `slots` columns: the static storage's bound, or the dynamic validity buffer, grown
-        geometrically so rounds rarely allocate; a sliding-window cache must not fill its window."""
+        """Room for `slots` columns: the static storage's bound (squeezing out the holes when full), or the
+        dynamic validity buffer, grown geometrically so rounds rarely allocate; a sliding-window cache must not
+        fill its window."""
         if self.static:
+            if slots > self.max_len:
+                slots -= self.slots - self._compact()
             if slots > self.max_len:
                 raise ValueError(f"the static KV cache holds {self.max_len} tokens but this forward needs {slots}: "
                                  "pass max_len >= padded prompt + max_new_tokens + the widest tree's node count + 1")
@@ -317,6 +320,28 @@ class TargetCache:
         self._dense = bool(self.valid.all())  # dropped rows may have taken every pad and hole with them
 
     # ---------------------------------------------------------------------------------------------- storage
+
+    def _compact(self) -> int:
+        """Move every row's valid slots to the front of the static storage, in order; returns the new slot count
+        (the most valid slots of any row). Rows share the slot count, which a round advances by the longest
+        accepted path, so a batch's slower rows leave holes that would outgrow `max_len`, while each row holds at
+        most its prompt and its new tokens. Runs when the storage is full: one host sync, on rare rounds only;
+        the storage is rewritten in place, so captured graphs stay valid."""
+        valid = self.valid
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid slots first, in order
+        counts = valid.sum(dim=1)
+        slots = int(counts.max())
+        index = order[:, None, :slots, None]
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                for kv in (layer.keys[: layer.rows], layer.values[: layer.rows]):
+                    moved = torch.take_along_dim(kv[:, :, : self.slots], index, dim=2)  # gathered before the write
+                    kv[:, :, :slots] = moved
+        kept = self._arange[: self.slots] < counts[:, None]
+        self._valid[:, : self.slots] = self.style.hidden
+        self._valid[:, : self.slots].masked_fill_(kept, self.style.visible)
+        self.slots = slots
+        return slots
 
     def _move(self, sources: torch.Tensor, root: int, n: int) -> None:
         """Slots root+1 ... of every row take that row's `sources` (B, span): in every layer, gather the sources
