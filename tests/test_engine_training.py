@@ -126,6 +126,26 @@ def test_hidden_states_resume_after_a_torn_write(engine_dir, tmp_path):
                                torch.frombuffer(bytearray(whole), dtype=torch.bfloat16).float(), atol=0.02, rtol=0.02)
 
 
+def test_a_directory_of_make_data_directories_is_their_union(engine_dir, tmp_path):
+    import shutil
+
+    from training.engine_data import check_hidden_width
+
+    out, _, tokenizer = engine_dir
+    for name in ("a", "b"):
+        shutil.copytree(out, tmp_path / "all" / name)
+    (tmp_path / "all" / "notes").mkdir()  # not a make-data directory: ignored
+    for split in ("train", "heldout"):
+        one = load_engine(out, tokenizer, split=split, hidden_size=32)
+        both = load_engine(tmp_path / "all", tokenizer, split=split, hidden_size=32)
+        assert len(both) == 2 * len(one) and all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(both, one * 2))
+    check_hidden_width(tmp_path / "all", 32, "width")
+    with pytest.raises(ValueError, match="states 32 wide"):
+        check_hidden_width(tmp_path / "all", 33, "width")
+    with pytest.raises(FileNotFoundError, match="neither a make-data directory"):
+        load_engine(tmp_path / "all" / "notes", tokenizer)
+
+
 def test_replies_made_elsewhere_get_their_rows_from_one_teacher_forced_forward(engine_dir, tmp_path):
     """Replies copied in without their row files (made on a GPU machine), or recorded without spans (transformers'
     compiled decoding on CUDA hides the forward from the hook): a rerun of the same command writes the top-K and

@@ -1,7 +1,8 @@
 """Distillation data from the data engine (`mamba-draft make-data`): packed token windows with the target's cached
 top-K next-token distribution at every reply position, so distillation needs no target forward.
 
-    data: {kind: engine, path: DIR, seq_len: 512}        # DIR: a make-data output directory
+    data: {kind: engine, path: DIR, seq_len: 512}        # DIR: a make-data output directory, or a directory of
+                                                         # them (data made in several runs or on several machines)
 
 Each reply becomes the target's chat-template prompt ids + its reply ids (+ the end-of-turn id unless cut), scored
 on the reply; replies are shuffled per epoch (seeded), concatenated and cut into `seq_len` windows, like packed
@@ -45,14 +46,36 @@ def heldout_ids(prompt_ids) -> set[str]:
     return held or ({min(ids, key=lambda i: (zlib.crc32(i.encode()), i))} if ids else set())
 
 
+def engine_dirs(directory: str | Path) -> list[Path]:
+    """The make-data directories `directory` names: itself, or else the make-data directories directly inside it
+    (sorted by name)."""
+    directory = Path(directory).expanduser()
+    if (directory / "prompts.jsonl").is_file() or not directory.is_dir():
+        return [directory]
+    found = sorted(d for d in directory.iterdir() if (d / "prompts.jsonl").is_file())
+    if not found:
+        raise FileNotFoundError(f"{directory} is neither a make-data directory nor holds any")
+    return found
+
+
 def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | None = None,
                 split: str = "all", hidden_size: int | None = None) -> list[EngineExample]:
-    """The replies of a make-data directory (the given temperatures, else all; of its `split`) as EngineExamples;
-    every reply to a prompt is on the same side of the split. `hidden_size`: also read the cached hidden states
-    (make-data --hidden), of that width."""
+    """The replies of a make-data directory, or of every one inside `directory` (the given temperatures, else all;
+    of its `split`) as EngineExamples; every reply to a prompt is on the same side of the split. `hidden_size`:
+    also read the cached hidden states (make-data --hidden), of that width."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    directory = Path(directory)
+    examples = []
+    for part in engine_dirs(directory):
+        examples += _load_one(part, tokenizer, temperatures, split, hidden_size)
+    if not examples:
+        raise ValueError(f"{directory}: no usable replies (with cached top-K) at temperatures {temperatures}")
+
+    return examples
+
+
+def _load_one(directory: Path, tokenizer, temperatures: list[float] | None, split: str,
+              hidden_size: int | None) -> list[EngineExample]:
     prompts = {p["id"]: p["prompt"] for p in read_shard(directory / "prompts.jsonl")}
     held = heldout_ids(prompts)
     eos = tokenizer.eos_token_id
@@ -82,9 +105,6 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
                 hidden = torch.zeros(n, hidden_size, dtype=torch.bfloat16)
                 hidden[len(prompt):] = read_hidden(directory, temperature, record, hidden_size)
             examples.append(EngineExample(torch.tensor(prompt + reply), labels, soft_ids, soft_logp, hidden))
-    if not examples:
-        raise ValueError(f"{directory}: no usable replies (with cached top-K) at temperatures {temperatures}")
-
     return examples
 
 
@@ -113,9 +133,10 @@ def reply_files(directory: Path) -> list[tuple[Path, float]]:
 
 
 def check_hidden_width(directory: str | Path, width: int, name: str) -> None:
-    """`check_hidden` at every temperature of a make-data directory (a cheap check before training starts)."""
-    for _, temperature in reply_files(Path(directory)):
-        check_hidden(Path(directory), temperature, width, name)
+    """`check_hidden` at every temperature of each make-data directory (a cheap check before training starts)."""
+    for part in engine_dirs(directory):
+        for _, temperature in reply_files(part):
+            check_hidden(part, temperature, width, name)
 
 
 @dataclass
