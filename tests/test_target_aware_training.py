@@ -314,6 +314,11 @@ def test_a_target_aware_drafter_trains_on_the_engines_pattern_and_loads_for_infe
     # the script's acceptance of the export is the training's last held-out evaluation (same replies, same roots)
     again = engine_depth_acceptance(str(whole), str(out))
     assert all(again[f"depth{d}"] == pytest.approx(final[f"heldout_depth{d}"]) for d in range(1, 6))
+    import shutil  # a directory of make-data directories: the union of theirs
+    for name in ("a", "b"):
+        shutil.copytree(out, tmp_path / "both" / name)
+    twice = engine_depth_acceptance(str(whole), str(tmp_path / "both"))
+    assert twice["replies"] == 2 * again["replies"] and twice["depth_roots"] == 2 * again["depth_roots"]
     capsys.readouterr()
     assert cli(["eval", str(whole), "--depths", str(out)]) == 0
     assert json.loads(capsys.readouterr().out) == {f"depths:{out.name}": again}

@@ -461,14 +461,14 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> Dept
 def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "heldout", depths: int = DEPTHS,
                             roots_per_reply: int = ROOTS_PER_REPLY, max_replies: int | None = None,
                             temperatures: list[float] | None = None, seed: int = 0, device: str = "cpu") -> dict:
-    """`depth_acceptance` of a saved drafter (`mamba_draft.load_drafter`) on a make-data directory's `split`
-    replies, rendered with the tokenizer of the target that made them (its manifest); the drafter's embedding, if
+    """`depth_acceptance` of a saved drafter (`mamba_draft.load_drafter`) on a make-data directory's (or a directory
+    of them: `engine_data.engine_dirs`) `split` replies, rendered with the tokenizer of the target that made them (its manifest); the drafter's embedding, if
     it ships without one, comes from that target by digest. {depth1 .. depth5, chain_tau, depth_roots, replies}."""
     from mamba_draft import load_drafter
-    from training.engine_data import load_engine
+    from training.engine_data import engine_dirs, load_engine
     from training.regenerate import target_tokenizer
 
-    manifest = Path(data_dir) / "manifest.json"
+    manifest = engine_dirs(data_dir)[0] / "manifest.json"
     if not manifest.is_file():
         raise FileNotFoundError(f"{data_dir} has no manifest.json (not a make-data directory?)")
     tokenizer = target_tokenizer(json.loads(manifest.read_text())["settings"]["target"])
