@@ -288,6 +288,7 @@ class Backbone(nn.Module):
         if cfg.target_hidden_size:  # a drafter that reads the target: see `MambaDrafter.embed`
             self.fuse = nn.Linear(cfg.d_model + cfg.target_hidden_size, cfg.d_model, bias=False)
             self.stand_in = nn.Parameter(torch.zeros(cfg.target_hidden_size))
+            self.feature_norm = RMSNorm(cfg.target_hidden_size, cfg.norm_eps)
 
 
 class MambaDrafter(SharedCalls, nn.Module):
@@ -473,7 +474,10 @@ class MambaDrafter(SharedCalls, nn.Module):
         embedding with the target's final hidden state at the position before it (what the target's head read to
         score that token), `features` (B, L, H) / (B, H), in one linear map (EAGLE's fusion); where the target has
         not computed that state (the prompt, and drafted tokens inside a round), with the learned `stand_in`
-        (features None: every position). An external drafter takes no features."""
+        (features None: every position). The state is RMS-normalised first (`feature_norm`, which training starts
+        at the embedding's scale): a target's final-norm state runs ~15x the size of its embedding rows (SmolLM2:
+        RMS 2.0, single dimensions to 20, against 0.14), and unnormalised it swamps the token in the fused input.
+        An external drafter takes no features."""
         h = self.backbone.embeddings(input_ids)
         if not self.reads_target:
             if features is not None:
@@ -484,7 +488,7 @@ class MambaDrafter(SharedCalls, nn.Module):
         elif features.shape != (*input_ids.shape, self.config.target_hidden_size):
             raise ValueError(f"features must have shape {(*input_ids.shape, self.config.target_hidden_size)} (one "
                              f"target state per token), got {tuple(features.shape)}")
-        return self.backbone.fuse(torch.cat([h, features.to(h.dtype)], dim=-1))
+        return self.backbone.fuse(torch.cat([h, self.backbone.feature_norm(features.to(h.dtype))], dim=-1))
 
     def _run(self, input_ids: torch.Tensor, state: DrafterState | None,
              features: torch.Tensor | None = None) -> torch.Tensor:

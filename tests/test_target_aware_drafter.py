@@ -27,6 +27,7 @@ def target_aware(target, seed: int = 1) -> MambaDrafter:
             p.copy_(0.1 * torch.randn_like(p))
         drafter.backbone.embeddings.weight.copy_(target.get_input_embeddings().weight)
         drafter.lm_head.weight.copy_(target.get_output_embeddings().weight)
+        drafter.backbone.feature_norm.weight.fill_(1.0)
     return drafter.eval().requires_grad_(False)
 
 
@@ -47,6 +48,8 @@ def test_the_fusion_reads_features_and_the_stand_in_fills_the_gaps(pair, tmp_pat
     stand_in = drafter.backbone.stand_in.expand(2, 6, -1)
     torch.testing.assert_close(drafter.train_forward(ids)[0], drafter.train_forward(ids, stand_in)[0])
     assert not torch.allclose(drafter.train_forward(ids)[0], logits)  # the features matter
+    # ... by direction: a target state 15x its embedding's scale does not swamp the token (`feature_norm`)
+    torch.testing.assert_close(drafter.train_forward(ids, 15 * features)[0], logits, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="features must have shape"):
         drafter.train_forward(ids, features[:, :, :5])
     drafter.save_pretrained(tmp_path / "d")

@@ -247,6 +247,24 @@ def test_bad_target_reading_configs_fail_in_one_line(engine_dir, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_fresh_fusion_starts_as_the_external_drafter_with_states_at_the_embeddings_scale(engine_dir, tmp_path):
+    """The identity on the token, zero on the state, and `feature_norm` at the embedding's RMS: the first forward is
+    the external drafter's whatever the states, and the states' half of the fusion trains at the tokens' scale."""
+    from training.model import build_model
+    from training.regenerate import target_tokenizer
+
+    out, target, _ = engine_dir
+    tiny = REPO / "configs" / "tiny" / "distill-cpu.yaml"
+    cfg = load_config(tiny, tiny_overrides(out, target, tmp_path, "model.target_hidden_size=32",
+                                           f"model.init_embeddings_from={target}", "model.hidden_size=32"))
+    model = build_model(cfg.model, target_tokenizer(str(target)), seed=0)
+    embedding = model.get_input_embeddings().weight.detach()
+    norm = model.backbone.feature_norm.weight.detach()
+    torch.testing.assert_close(norm, torch.full_like(norm, float(embedding.pow(2).mean().sqrt())))
+    ids = torch.randint(0, embedding.shape[0], (1, 8))
+    torch.testing.assert_close(model.train_forward(ids, 20 * torch.randn(1, 8, 32))[0], model.train_forward(ids)[0])
+
+
 # --------------------------------------------------------------------------------------------- end to end
 
 def test_a_target_aware_drafter_trains_on_the_engines_pattern_and_loads_for_inference(engine_dir, tmp_path,

@@ -117,6 +117,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
     Mamba models come back as a TrainableDrafter (initialised as transformers initialises them), with the draft
     vocabulary `draft_ids` if given and the embedding copied from `init_embeddings_from` if set.
     """
+    fresh_fusion = False
     if cfg.init_from:
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     else:
@@ -129,13 +130,17 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
             model.draft_ids = draft_ids  # written next to the checkpoints (write_model_dir), exported with them
     else:
         tensors = dict(model.state_dict())
+        fusion = {}
         if target_reading(model.config, cfg):
-            tensors = {**fusion_tensors(model.config, cfg.init_from), **tensors}
+            fusion, fresh_fusion = fusion_tensors(model.config, cfg.init_from)
         drafter = TrainableDrafter(model.config)
-        drafter.load_hf_state_dict(tensors)
+        drafter.load_hf_state_dict({**fusion, **tensors})
         model = drafter
     if cfg.init_embeddings_from:
         copy_target_embeddings(model, cfg.init_embeddings_from)
+    if fresh_fusion:  # target states enter at the scale of the token embeddings they join
+        embedding = model.get_input_embeddings().weight
+        model.backbone.feature_norm.weight.data.fill_(float(embedding.detach().float().pow(2).mean().sqrt()))
     if isinstance(model, MambaDrafter):
         model.set_draft_vocab(draft_ids)
     model.get_input_embeddings().weight.requires_grad_(not cfg.freeze_embeddings)
@@ -154,21 +159,24 @@ def target_reading(config: transformers.PretrainedConfig, cfg: ModelConfig) -> b
     return bool(cfg.target_hidden_size)
 
 
-def fusion_tensors(config: transformers.PretrainedConfig, init_from: str | None) -> dict[str, torch.Tensor]:
+def fusion_tensors(config: transformers.PretrainedConfig,
+                   init_from: str | None) -> tuple[dict[str, torch.Tensor], bool]:
     """The input fusion of a drafter that reads the target: `init_from`'s own if it has one, else the identity on
     the token embedding and zero on the target state, with a zero stand-in — the drafter starts as the external
     one it would otherwise be, and the fusion's target half trains from there (its gradient is not zero: the
-    states are not)."""
+    states are not); and whether it is that fresh one (`build_model` then scales `feature_norm` to the
+    embedding's RMS)."""
     if init_from and getattr(config, "target_hidden_size", 0):
         from mamba_draft.checkpoint import load_checkpoint
 
         _, tensors = load_checkpoint(init_from)
-        own = {k: v for k, v in tensors.items() if k.startswith(("backbone.fuse.", "backbone.stand_in"))}
+        own = {k: v for k, v in tensors.items()
+               if k.startswith(("backbone.fuse.", "backbone.stand_in", "backbone.feature_norm."))}
         if own:
-            return own
+            return own, False
     d, width = config.hidden_size, config.target_hidden_size
     return {"backbone.fuse.weight": torch.cat([torch.eye(d), torch.zeros(d, width)], dim=1),
-            "backbone.stand_in": torch.zeros(width)}
+            "backbone.stand_in": torch.zeros(width), "backbone.feature_norm.weight": torch.ones(width)}, True
 
 
 def copy_target_embeddings(model: torch.nn.Module, target_path: str) -> None:
