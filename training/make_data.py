@@ -479,11 +479,9 @@ def assign_spans(out: Path, temperature: float, width: int) -> None:
     records = read_shard(path)
     if all(r.get("topk") for r in records):
         return
+    cut_to_replies(topk_path(out, temperature), records, topk_bytes())
+    align_hidden(out, temperature, records, width)
     end = max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
-    for rows, row_bytes in ((topk_path(out, temperature), topk_bytes()), (hidden_path(out, temperature), width * 2)):
-        if rows.exists() and rows.stat().st_size > end * row_bytes:
-            with open(rows, "r+b") as f:
-                f.truncate(end * row_bytes)
     for r in records:
         if not r.get("topk"):
             r["topk"] = [end, len(r["reply_ids"]) + (not r["truncated"])]  # the end-of-turn position too
