@@ -9,8 +9,8 @@ import pytest
 
 from tests.helpers.training_fixtures import FIXTURES, make_tokenizer
 from training.config import DataConfig
-from training.data import (FALLBACK_CHAT_TEMPLATE, IGNORE_INDEX, PackedSequences, SFTExamples, load_records,
-                           normalize_conversation, prepare_sft, render_sft)
+from training.chat import FALLBACK_CHAT_TEMPLATE, normalize_conversation
+from training.data import IGNORE_INDEX, PackedSequences, SFTExamples, load_records, prepare_sft, render_sft
 from training.model import load_tokenizer
 
 

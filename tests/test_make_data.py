@@ -310,3 +310,9 @@ def test_the_sampler_draws_from_transformers_top_k_top_p_distribution():
     freq = torch.bincount(tokens, minlength=40).float() / n
     assert set(tokens.tolist()) <= set(want.nonzero().flatten().tolist())  # nothing outside top-k / top-p
     assert (freq - want).abs().max() < 4 * (want * (1 - want) / n).sqrt().max() + 1e-3
+
+
+def test_the_data_engine_runs_without_datasets():
+    """A GPU machine's image may hold torch and transformers but not `datasets`: make-data never imports it."""
+    code = "import sys, training.make_data; sys.exit('datasets' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env()).returncode == 0

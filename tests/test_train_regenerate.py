@@ -11,7 +11,8 @@ import transformers
 import training.regenerate as regen
 from tests.helpers.training_fixtures import FIXTURES, tiny_chat_target
 from training.config import DataConfig
-from training.data import FALLBACK_CHAT_TEMPLATE, load_records, prepare_sft
+from training.chat import FALLBACK_CHAT_TEMPLATE
+from training.data import load_records, prepare_sft
 from training.regenerate import main, regenerate
 
 ROLE = {"human": "user", "gpt": "assistant", "system": "system"}

@@ -35,7 +35,7 @@ from transformers import LogitsProcessorList
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.io import write_json
 from mamba_draft.targets import load_causal_lm, load_tokenizer
-from training.data import FALLBACK_CHAT_TEMPLATE, ROLES, normalize_conversation
+from training.chat import FALLBACK_CHAT_TEMPLATE, ROLES, normalize_conversation
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # auto: bfloat16 where native (devices.default_dtype)
