@@ -135,6 +135,46 @@ def time_drafter_steps(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict
     return rows
 
 
+def kernel_profile(drafter, cfg: GpuTimingConfig, steps: int = 20) -> list[dict] | None:
+    """Per backend and batch (smallest, largest), the kernels one graph-replayed drafter step launches and their
+    summed device time beside the step's wall time: kernels summing far below the step mean a launch-bound step
+    (the gaps between ~N small kernels), not a compute- or memory-bound one. None off CUDA."""
+    if drafter.device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from tree_search.graphs import StepRunner
+
+    rows = []
+    state = drafter.allocate_state(max(cfg.batches))
+    for backend in backends(drafter):
+        drafter.set_backend(backend)
+        runner = StepRunner(drafter, state, use_graphs=True)
+        for batch in (min(cfg.batches), max(cfg.batches)):
+            tokens = torch.randint(0, drafter.vocab_size, (batch,), device=drafter.device)
+            for _ in range(3):
+                runner.run(0, batch, tokens)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    runner.run(0, batch, tokens)
+                torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - started) * 1e3 / steps
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            by_name: dict[str, float] = {}
+            for e in kernels:
+                by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3 / steps
+            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
+            rows.append({"backend": backend, "batch": batch, "kernels_per_step": len(kernels) / steps,
+                         "kernel_ms_per_step": sum(by_name.values()), "profiled_wall_ms": wall_ms,
+                         "top_kernels": [{"name": n[:80], "ms": ms} for n, ms in top]})
+        runner.invalidate()
+    drafter.set_backend("torch")
+    return rows
+
+
 def time_tree_drafting(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
     """Drafting a whole tree from the root's logits (graphs on CUDA, the drafter's best backend), per shape."""
     from tree_search.drafting import TreeDrafter
@@ -201,7 +241,11 @@ def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dic
     vocab = min(model.config.vocab_size, drafter.vocab_size)
     drafter.set_backend(backends(drafter)[-1])
     greedy = SamplingParams(temperature=0.0)
-    state = TargetCache(model)
+    # every timed call grows the cache by one token (the root kept); on CUDA the storage the engine uses there
+    calls = (clock.iters + clock.warmup + 2) * (1 + len(PAPER_TAU))
+    nodes = max(len(TreeConfig(b).build()) for b in PAPER_TAU)
+    state = TargetCache(model, max_len=cfg.prefix + calls + nodes + 1, **verify_modes(device)["captured" if
+                        device.type == "cuda" else "dynamic"])
     prompts = torch.randint(0, vocab, (batch, cfg.prefix), device=device)
     state.prefill(prompts)
     roots = prompts[:, -1]
@@ -242,6 +286,11 @@ class SharedVocab:
         return self.size
 
 
+# what torch's sync debug mode warns at each synchronizing op (c10 warn_or_error_on_sync); other warnings that
+# mention synchronization (the mode's own once-per-process notice on being switched on) are not syncs
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def host_syncs(fn) -> list[str] | None:
     """Where `fn` makes the host wait for the device: one "file:line" (the Python line that called the syncing op)
     per sync, from torch's CUDA sync debug mode; off CUDA `fn` runs and None."""
@@ -256,7 +305,7 @@ def host_syncs(fn) -> list[str] | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return [f"{w.filename}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]
 
 
 def sync_counts(model, drafter, device: torch.device) -> dict:
@@ -316,6 +365,11 @@ def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
               "torch": torch.__version__, "config": asdict(cfg), "backends": backends(drafter)}
     progress("drafter steps")
     result["drafter_steps"] = time_drafter_steps(drafter, cfg, clock)
+    progress("kernel profile")
+    try:  # a profiler that cannot see graph kernels must not cost the timings after it
+        result["kernel_profile"] = kernel_profile(drafter, cfg)
+    except Exception as error:  # noqa: BLE001
+        result["kernel_profile"] = {"error": f"{type(error).__name__}: {error}"}
     progress("tree drafting")
     result["tree_drafting"] = time_tree_drafting(drafter, cfg, clock)
     result["targets"] = {}
@@ -368,6 +422,16 @@ def markdown_report(result: dict) -> str:
             ms = {r["batch"]: r["ms"] for r in steps if r["backend"] == backend and r["graphs"] == graphs}
             rows.append([backend, "graph" if graphs else "eager"] + [fmt(ms[b]) for b in batches])
     out += [markdown_table(["backend", "mode"] + [f"B={b}" for b in batches], rows)]
+    profile = result.get("kernel_profile")
+    if isinstance(profile, list):
+        out += ["## Drafter step, graph replay: kernels launched and their summed device time", ""]
+        out += [markdown_table(["backend", "batch", "kernels/step", "kernel ms/step", "wall ms/step", "top kernels"],
+                               [[r["backend"], r["batch"], f"{r['kernels_per_step']:.0f}",
+                                 fmt(r["kernel_ms_per_step"]), fmt(r["profiled_wall_ms"]),
+                                 "; ".join(f"{k['name'][:40]} {k['ms']:.3f}" for k in r["top_kernels"][:3])]
+                                for r in profile])]
+    elif profile:
+        out += [f"kernel profile failed: {profile['error']}", ""]
     out += ["## Tree drafting (ms, whole tree)", ""]
     out += [markdown_table(["tree", "nodes", "ms", "vs 5-chain"],
                            [[",".join(map(str, r["tree"])), r["nodes"], fmt(r["ms"]), f"{r['vs_chain5']:.2f}"]
@@ -379,7 +443,8 @@ def markdown_report(result: dict) -> str:
         out += [f"## {name}: verify + commit (ms) by tree size", ""]
         out += [markdown_table(["mode"] + [f"{s} tokens" for s in sizes],
                                [[m] + [fmt(ms[m, s]) for s in sizes] for m in modes])]
-        out += [f"## {name}: batch {result['config']['batch']}, trees vs plain decoding", ""]
+        out += [f"## {name}: batch {result['config']['batch']}, trees vs plain decoding (on CUDA: static storage, "
+                "captured)", ""]
         out += [markdown_table(["tree", "verify ms", "draft ms", "τ", "projected speedup"],
                                [[",".join(map(str, r["tree"])) or "plain", fmt(r["ms"]), fmt(r["draft_ms"]),
                                  r.get("tau", 1.0), f"{r.get('projected_speedup', 1.0):.2f}"] for r in entry["batched"]])]

@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_make_data.sh OUT_DIR SECONDS [make-data arguments, --target and --out excepted]
 #
-# make-data is resumable, so whatever finished within SECONDS counts. Only the .jsonl records come back
+# make-data is resumable, so whatever finished within SECONDS counts (a second call goes on in the same directory;
+# DATA_FROM=ARCHIVE.tar.xz seeds it with the .jsonl records and manifest of a make-data directory made before). Only the .jsonl records come back
 # (OUT_DIR/make-data.tgz.N, 15 MB pieces): the row files (top-K, hidden) are far larger than a call returns. Unpack
 # them into a directory here and rerun make-data with the same arguments: the rows come from one teacher-forced
 # forward per batch (training.make_data.teacher_forced) before anything new is made.
@@ -24,6 +25,10 @@ cat .gpu-target-a/part .gpu-target-b/part | "$python" -c "import lzma, shutil, s
 [[ $(sha256sum "$gguf" | cut -d' ' -f1) == $(cat .gpu-target-b/sha256) ]] || { echo "gpu_make_data: target sha256 mismatch"; exit 1; }
 export PYTHONPATH="/tmp/mamba-draft-target:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MAMBA_DRAFT_CACHE=off
 data=/tmp/mamba-draft-data
+# DATA_FROM=archive.tar.xz: records made before (prompts, replies, manifest; no rows) to go on from
+if [[ -n ${DATA_FROM:-} && ! -f $data/manifest.json ]]; then
+    mkdir -p "$data" && tar xJf "$DATA_FROM" -C "$data" || exit 1
+fi
 start=$SECONDS
 timeout "$seconds" "$python" -m commands.cli make-data --target smollm2 --out "$data" "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -n 20
 echo "gpu_make_data: make-data stopped (exit ${PIPESTATUS[0]}) after $((SECONDS - start)) s"

@@ -7,7 +7,8 @@
   torch.compile(mode="reduce-overhead") against the eager static path, for one prompt and a left-padded batch with
   ragged paths and dropped rows, and lossless generate through the graphs (the cache kept on the model);
 - greedy generate at batch 1 and 8, fp32 and bf16, token-identical to the target's own greedy `generate`;
-- no host sync inside captured drafting or a captured verify + commit.
+- no host sync inside captured drafting or a captured verify + commit;
+- make-data's hook records top-K and hidden rows on CUDA as on CPU.
 
 `scripts/gpu_check.sh` runs this file and the timings (`benchmarks/gpu_timings.py`) on a GPU machine.
 """
@@ -266,3 +267,39 @@ def test_captured_drafting_and_verification_make_no_host_sync(tmp_path):
 
         verify()  # captures
         assert host_syncs(verify) == [], rows
+
+
+def test_make_data_records_rows_on_cuda_like_on_cpu(tmp_path):
+    """make-data --hidden on CUDA: the generating forward's hook records every reply's top-K and hidden rows (the
+    static-cache forward transformers would compile, and CUDA-graph, runs eager while it records), equal to the
+    CPU run's up to float noise."""
+    import json
+
+    from commands import cli
+    from tests.helpers.training_fixtures import CHATML, tiny_chat_target
+    from training import make_data as md
+
+    target = tmp_path / "target"
+    tiny_chat_target(target, CHATML)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about topic number {i}."}) for i in range(6)))
+    outs = {}
+    for device in ("cuda", "cpu"):
+        outs[device] = tmp_path / device
+        args = cli.build_parser("make-data").parse_args(
+            ["--target", str(target), "--out", str(outs[device]), "--prompts", str(prompts), "--max-new-tokens", "12",
+             "--dtype", "float32", "--device", device, "--temperatures", "0", "--hidden"])
+        md.make_data(args, progress=False)
+    gpu, cpu = (md.read_shard(md.reply_path(outs[d], 0.0)) for d in ("cuda", "cpu"))
+    assert len(gpu) == 6 and all(r["topk"] is not None for r in gpu)  # recorded by the hook, not filled in after
+    matched = 0
+    for g, c in zip(sorted(gpu, key=lambda r: r["id"]), sorted(cpu, key=lambda r: r["id"]), strict=True):
+        if g["reply_ids"] != c["reply_ids"]:  # a near-tie may flip a greedy token between devices
+            continue
+        matched += 1
+        (ids, logp), (want_ids, want_logp) = md.read_topk(outs["cuda"], 0.0, g), md.read_topk(outs["cpu"], 0.0, c)
+        assert torch.equal(ids[:, 0], want_ids[:, 0])
+        torch.testing.assert_close(logp[:, 0], want_logp[:, 0], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(md.read_hidden(outs["cuda"], 0.0, g, 32).float(),
+                                   md.read_hidden(outs["cpu"], 0.0, c, 32).float(), atol=0.02, rtol=0.02)
+    assert matched >= 4

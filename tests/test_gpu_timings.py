@@ -61,3 +61,27 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys, monkeypatch):
         "mamba-draft gpu-timings: error: unknown --targets ['nope']; choose from ['tiny-neox']"
     assert main(["gpu-timings", "--smoke", "--device", "cpu", "--iters", "0", "--out", str(tmp_path)]) == 1
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_host_syncs_counts_sync_warnings_only(monkeypatch):
+    """Each synchronizing op is one site; the debug mode's own notices (also about synchronization) are not."""
+    import warnings
+
+    import torch
+
+    from benchmarks import gpu_timings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def fn():
+        warnings.warn("Synchronization debug mode is a prototype feature")
+        warnings.warn(gpu_timings.SYNC_WARNING)
+        warnings.warn("an unrelated warning")
+        warnings.warn(gpu_timings.SYNC_WARNING)
+
+    sites = gpu_timings.host_syncs(fn)
+    assert [site.rsplit(":", 1)[0] for site in sites] == [__file__] * 2  # file:line of each syncing call
+    assert modes == ["warn", 0]  # the mode is switched on around fn and restored

@@ -316,3 +316,23 @@ def test_the_data_engine_runs_without_datasets():
     """A GPU machine's image may hold torch and transformers but not `datasets`: make-data never imports it."""
     code = "import sys, training.make_data; sys.exit('datasets' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env()).returncode == 0
+
+
+def test_rows_are_recorded_from_an_eager_forward(target):
+    """While the hook records, transformers must not compile the static-cache forward (on CUDA it would CUDA-graph
+    it: the hook would read overwritten buffers and recompile per batch); the model's own setting comes back."""
+    path, tokenizer = target
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    seen = []
+
+    def generate(model, tokenizer, prompts, **kwargs):
+        seen.append(model.generation_config.disable_compile)
+        return md.hf_sample(model, tokenizer, prompts, **kwargs)
+
+    own = model.generation_config.disable_compile
+    engine = md.Engine(model, tokenizer, generate)
+    prompt = md.prompt_ids(tokenizer, [{"role": "user", "content": "Name a colour."}])
+    rows, topk, _ = engine.run([prompt], 4, 0.0, None, seed=0, record_topk=True)
+    assert topk is not None and topk[0].shape[0] == len(rows[0][0]) + (not rows[0][1])
+    engine.run([prompt], 4, 0.0, None, seed=0)
+    assert seen == [True, own] and not own and model.generation_config.disable_compile == own

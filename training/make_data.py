@@ -309,14 +309,21 @@ class Engine:
             values, ids = torch.log_softmax(output[:, -1].float(), dim=-1).topk(TOPK, dim=-1)
             steps.append((ids.to(torch.int32), values.to(torch.float16)))
             if record_hidden:
-                states.append(inputs[0][:, -1].to(torch.bfloat16).cpu())
+                states.append(inputs[0][:, -1].to(torch.bfloat16))
 
         hook = self.model.get_output_embeddings().register_forward_hook(record) if record_topk else None
+        # transformers compiles a static-cache forward on CUDA: a hook inside a CUDA-graphed forward reads buffers
+        # the next replay overwrites, and each batch's new hook recompiles it. Rows come from an eager forward.
+        config = self.model.generation_config
+        own_setting = config.disable_compile
+        if record_topk:
+            config.disable_compile = True
         start = time.perf_counter()
         try:
             rows = self.generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_p=top_p, eos_token_ids=self.eos_ids)
         finally:
+            config.disable_compile = own_setting
             if hook is not None:
                 hook.remove()
         self.seconds += time.perf_counter() - start
@@ -328,13 +335,13 @@ class Engine:
         if not record_topk or len(steps) < needed:
             return out, None, None
         counts = [len(r) + (not c) for r, c in out]
-        ids = torch.stack([i for i, _ in steps[:needed]], dim=1)  # (B, positions, K)
-        values = torch.stack([v for _, v in steps[:needed]], dim=1)
+        ids = torch.stack([i for i, _ in steps[:needed]], dim=1).cpu()  # (B, positions, K); one copy to the host
+        values = torch.stack([v for _, v in steps[:needed]], dim=1).cpu()
         packed = [torch.cat([ids[b, :n].view(torch.uint8).reshape(n, -1), values[b, :n].view(torch.uint8)
                              .reshape(n, -1)], dim=1) for b, n in enumerate(counts)]
         hidden = None
         if record_hidden:
-            stacked = torch.stack(states[:needed], dim=1)  # (B, positions, hidden_size)
+            stacked = torch.stack(states[:needed], dim=1).cpu()  # (B, positions, hidden_size)
             hidden = [stacked[b, :n] for b, n in enumerate(counts)]
         return out, packed, hidden
 
