@@ -1,12 +1,13 @@
-"""Optional CUDA kernels (mamba-ssm's Triton `selective_state_update`, causal-conv1d's `causal_conv1d_update`).
+"""Optional CUDA kernels of the drafter's step: mamba-ssm's Triton `selective_state_update` and `rms_norm_fn` (the
+residual add fused into the RMSNorm, as mamba-ssm's own blocks run it), causal-conv1d's `causal_conv1d_update`.
 
 Both packages fail to import without CUDA (they import `selective_scan_cuda` / `causal_conv1d_cuda` eagerly), so
 they are looked up lazily and any import failure means "not available" — never a hard dependency.
 
-Decoding needs only mamba-ssm's Triton step, which compiles nothing at install time; but `import mamba_ssm` runs a
+Decoding needs only mamba-ssm's Triton modules, which compile nothing at install time; but `import mamba_ssm` runs a
 package `__init__` that imports the compiled prefill scan (and Mamba-3's extra dependencies). A Triton-only install
-(`MAMBA_SKIP_CUDA_BUILD=TRUE pip install mamba-ssm`) therefore fails that import, and the step module is then loaded
-from the installed files without running the package's `__init__`.
+(`MAMBA_SKIP_CUDA_BUILD=TRUE pip install mamba-ssm`) therefore fails that import, and the Triton modules are then
+loaded from the installed files without running the package's `__init__`.
 """
 from __future__ import annotations
 
@@ -16,27 +17,35 @@ import importlib.util
 import os
 import sys
 import types
+from typing import Callable, NamedTuple
 
 STEP_MODULE = "mamba_ssm.ops.triton.selective_state_update"
+NORM_MODULE = "mamba_ssm.ops.triton.layer_norm"
 
 
-def _selective_state_update():
+class Kernels(NamedTuple):
+    selective_state_update: Callable  # one SSM step (dt bias, softplus, D and the z gate inside)
+    causal_conv1d_update: Callable  # one conv step on the rolling conv state
+    rms_norm: Callable  # rms_norm_fn: RMSNorm(x + residual), returning the new residual too (prenorm=True)
+
+
+def _triton_function(module: str, name: str):
+    """`name` from mamba-ssm's Triton `module`, loaded past the package's `__init__` when that fails."""
     try:
-        return importlib.import_module(STEP_MODULE).selective_state_update
+        return getattr(importlib.import_module(module), name)
     except Exception:  # the package __init__ (compiled scan, Mamba-3) failed: try the Triton module alone
         pass
     spec = importlib.util.find_spec("mamba_ssm")  # locates the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("mamba_ssm is not installed")
     _forget_mamba_ssm()  # what the failed attempt half-imported
-    parts = STEP_MODULE.split(".")
+    parts = module.split(".")
     for depth in range(1, len(parts) - 1):  # bare packages mamba_ssm, mamba_ssm.ops, mamba_ssm.ops.triton
-        name = ".".join(parts[:depth])
-        package = types.ModuleType(name)
+        package = types.ModuleType(".".join(parts[:depth]))
         package.__path__ = [os.path.join(root, *parts[1:depth]) for root in spec.submodule_search_locations]
-        sys.modules[name] = package
+        sys.modules[package.__name__] = package
     try:
-        return importlib.import_module(STEP_MODULE).selective_state_update
+        return getattr(importlib.import_module(module), name)
     except Exception:
         _forget_mamba_ssm()
         raise
@@ -48,15 +57,15 @@ def _forget_mamba_ssm() -> None:
 
 
 @functools.cache
-def load_kernels():
-    """Return (selective_state_update, causal_conv1d_update), or None when either cannot be imported."""
+def load_kernels() -> Kernels | None:
+    """The step's kernels, or None when any cannot be imported."""
     try:
         from causal_conv1d import causal_conv1d_update
 
-        selective_state_update = _selective_state_update()
+        return Kernels(_triton_function(STEP_MODULE, "selective_state_update"), causal_conv1d_update,
+                       _triton_function(NORM_MODULE, "rms_norm_fn"))
     except Exception:  # ImportError, or RuntimeError/TypeError from half-installed CUDA extensions
         return None
-    return selective_state_update, causal_conv1d_update
 
 
 def kernels_available() -> bool:

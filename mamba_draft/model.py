@@ -2,7 +2,7 @@
 
 Parameter names match `transformers.MambaForCausalLM` / `Mamba2ForCausalLM`, so HF checkpoints load as they are.
 The torch path is the reference; on CUDA the single-token step can use mamba-ssm's `selective_state_update` and
-causal-conv1d's `causal_conv1d_update` (see `kernels.py`). A step only writes into the state in place, has no
+fused add + RMSNorm, and causal-conv1d's `causal_conv1d_update` (see `kernels.py`). A step only writes into the state in place, has no
 host sync and no data-dependent branching, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from .checkpoint import DRAFT_IDS, check_draft_ids
 from .config import MambaConfig
 from .ids import SharedCalls, check_batch
-from .kernels import load_kernels
+from .kernels import Kernels, load_kernels
 from .packed_linear import PackCache, pack_linears
 from .state import DrafterState
 
@@ -154,12 +154,11 @@ class MambaMixer(nn.Module):
         x, z = self.in_proj(h).chunk(2, dim=-1)
         weight = self.conv1d.weight.squeeze(1)
         A = -torch.exp(self.A_log.float())
-        if kernels is not None:
-            selective_state_update, causal_conv1d_update = kernels
-            x = causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, "silu")
+        if kernels is not None:  # D and the dt bias as they are: the kernel loads every operand as fp32
+            x = kernels.causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, "silu")
             dt, B, C = self._dt_B_C(x)
-            y = selective_state_update(ssm_state, x, dt, A, B, C, self.D.float(), z=z,
-                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+            y = kernels.selective_state_update(ssm_state, x, dt, A, B, C, self.D, z=z, dt_bias=self.dt_proj.bias,
+                                               dt_softplus=True)
             return self.out_proj(y)
         x = _conv_step(x, conv_state, weight, self.conv1d.bias)
         dt, B, C = self._dt_B_C(x)
@@ -227,8 +226,7 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         A = -torch.exp(self.A_log.float())
         if kernels is not None:
-            selective_state_update, causal_conv1d_update = kernels
-            xbc = causal_conv1d_update(xbc, conv_state, weight, self.conv1d.bias, "silu")
+            xbc = kernels.causal_conv1d_update(xbc, conv_state, weight, self.conv1d.bias, "silu")
             gn = cfg.ngroups * cfg.d_state
             x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
             P, N = cfg.headdim, cfg.d_state
@@ -239,7 +237,7 @@ class Mamba2Mixer(nn.Module):
                 dt_bias, softplus = dt.new_zeros(cfg.nheads), False
                 dt = self._dt(dt)
             # Broadcast per-head scalars over headdim with zero strides: the kernel detects this (TIE_HDIM).
-            y = selective_state_update(
+            y = kernels.selective_state_update(
                 ssm_state, x.reshape(-1, cfg.nheads, P), dt[..., None].expand(-1, -1, P),
                 A[:, None, None].expand(-1, P, N), B.reshape(-1, cfg.ngroups, N), C.reshape(-1, cfg.ngroups, N),
                 self.D[:, None].expand(-1, P), z=None, dt_bias=dt_bias[:, None].expand(-1, P),
@@ -274,9 +272,17 @@ class Block(nn.Module):
         x = self.norm(h.to(self.norm.weight.dtype))
         return self._residual(h) + self.mixer(x, conv_state, ssm_state)
 
-    def step(self, h, conv_state, ssm_state, kernels):
+    def step(self, h, conv_state, ssm_state):
         x = self.norm(h.to(self.norm.weight.dtype))
-        return self._residual(h) + self.mixer.step(x, conv_state, ssm_state, kernels)
+        return self._residual(h) + self.mixer.step(x, conv_state, ssm_state, None)
+
+    def kernel_step(self, out, residual, conv_state, ssm_state, kernels: Kernels):
+        """The step with the kernels, on the previous layer's output and residual stream (None at the first
+        layer: `out` is the embedding): the residual add and this norm in one kernel, as mamba-ssm's blocks
+        (fused_add_norm) run it. Returns (this layer's output, the residual stream it was added to)."""
+        x, residual = kernels.rms_norm(out, self.norm.weight, None, residual=residual, prenorm=True,
+                                       residual_in_fp32=self.residual_in_fp32, eps=self.norm.eps)
+        return self.mixer.step(x, conv_state, ssm_state, kernels), residual
 
 
 class Backbone(nn.Module):
@@ -457,7 +463,10 @@ class MambaDrafter(SharedCalls, nn.Module):
     # ---- compute ----
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.backbone.norm_f(h)
+        return self._head(self.backbone.norm_f(h))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from the final norm's output."""
         if self.draft_head is not None:
             weight = self.draft_head
         else:
@@ -538,8 +547,14 @@ class MambaDrafter(SharedCalls, nn.Module):
         if token_ids.dim() != 1:
             raise ValueError(f"step takes one token per row, shape (B,), got {tuple(token_ids.shape)}")
         batch = check_batch(token_ids.shape[0], state)
-        kernels = load_kernels() if self.backend == "kernels" else None
         h = self.embed(token_ids, features)
+        if self.backend == "kernels":  # ~10 kernels a layer: a captured step costs its kernel count (docs/benchmarks)
+            kernels, residual = load_kernels(), None
+            for i, layer in enumerate(self.backbone.layers):
+                h, residual = layer.kernel_step(h, residual, state.conv[i, :batch], state.ssm[i, :batch], kernels)
+            norm = self.backbone.norm_f
+            return self._head(kernels.rms_norm(h, norm.weight, None, residual=residual, prenorm=False,
+                                               residual_in_fp32=self.config.residual_in_fp32, eps=norm.eps))
         for i, layer in enumerate(self.backbone.layers):
-            h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch], kernels)
+            h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch])
         return self._logits(h)

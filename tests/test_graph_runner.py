@@ -264,10 +264,21 @@ def ref_causal_conv1d_update(x, conv_state, weight, bias, activation):
     return _conv_step(x, conv_state, weight, bias)
 
 
+def ref_rms_norm(x, weight, bias, residual=None, prenorm=False, residual_in_fp32=False, eps=1e-6):
+    """mamba_ssm's `rms_norm_fn` semantics: RMSNorm of x + residual in fp32, rounded once; with prenorm, also that
+    sum, the residual stream (in the residual's dtype, else fp32 with residual_in_fp32, else x's)."""
+    assert bias is None
+    summed = x.float() if residual is None else x.float() + residual.float()
+    out = (summed * torch.rsqrt(summed.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    stream = residual.dtype if residual is not None else torch.float32 if residual_in_fp32 else x.dtype
+    return (out, summed.to(stream)) if prenorm else out
+
+
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Make backend 'kernels' run the reference kernels above (the real ones need CUDA)."""
-    monkeypatch.setattr(model_module, "load_kernels", lambda: (ref_selective_state_update, ref_causal_conv1d_update))
+    monkeypatch.setattr(model_module, "load_kernels", lambda: model_module.Kernels(
+        ref_selective_state_update, ref_causal_conv1d_update, ref_rms_norm))
 
 
 def tiny_drafter(arch: str, dt_limit=(0.0, math.inf)) -> MambaDrafter:

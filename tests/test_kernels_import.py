@@ -23,6 +23,7 @@ def _fake_packages(root, scan_builds: bool) -> None:
         def selective_state_update(x):
             return softplus(x)
     """))
+    (triton / "layer_norm.py").write_text("def rms_norm_fn(x):\n    return ('norm', x)\n")
     (root / "causal_conv1d").mkdir()
     (root / "causal_conv1d" / "__init__.py").write_text("def causal_conv1d_update(x):\n    return ('conv', x)\n")
 
@@ -46,8 +47,8 @@ def test_step_kernel_loads_with_or_without_the_compiled_scan(isolated, scan_buil
     _fake_packages(isolated, scan_builds)
     loaded = kernels.load_kernels()
     assert loaded is not None
-    step, conv = loaded
-    assert step(3) == ("softplus", 3) and conv(4) == ("conv", 4)
+    step, conv, norm = loaded
+    assert step(3) == ("softplus", 3) and conv(4) == ("conv", 4) and norm(5) == ("norm", 5)
 
 
 def test_no_kernels_without_the_step_module(isolated):

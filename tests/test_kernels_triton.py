@@ -1,6 +1,6 @@
-"""The drafter's CUDA kernel step, run without a GPU: mamba-ssm's Triton `selective_state_update` in Triton's
-interpreter (TRITON_INTERPRET=1) on CPU tensors, loaded by `mamba_draft.kernels` and called by the model's own kernel
-step, against the torch step.
+"""The drafter's CUDA kernel step, run without a GPU: mamba-ssm's Triton `selective_state_update` and fused
+add + RMSNorm (`rms_norm_fn`) in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, loaded by
+`mamba_draft.kernels` and called by the model's own kernel step, against the torch step.
 
 Before this the kernel call was only exercised through torch stand-ins (tests/test_graph_runner.py), which check the
 arguments against our reading of the kernel; the real kernel reads strides, groups, tied head dimensions and dtypes
@@ -115,7 +115,7 @@ def _causal_conv1d_reference(root: Path) -> None:
 def interpreted_kernels(monkeypatch):
     """`mamba_draft.kernels.load_kernels()` as the product calls it on CUDA, finding mamba-ssm's sdist sources first
     on sys.path (its package `__init__` fails without the compiled scan, so this is the Triton-only install's path),
-    with every Triton kernel interpreted on CPU. Yields the loaded (selective_state_update, causal_conv1d_update).
+    with every Triton kernel interpreted on CPU. Yields the loaded `Kernels`.
 
     The wrapper enters `torch.cuda.device(x.device.index)`, whose index is None for a CPU tensor: that context is
     made a no-op for the test. MAMBA_DETERMINISTIC=1 makes mamba-ssm's autotuned SSD kernels keep one config (the
@@ -135,12 +135,14 @@ def interpreted_kernels(monkeypatch):
             warnings.simplefilter("ignore")  # the failing package __init__'s own import warnings
             loaded = kernels.load_kernels()
         assert loaded is not None, "mamba_draft.kernels could not load the step from mamba-ssm's sources"
-        module = sys.modules[loaded[0].__module__]
-        assert Path(module.__file__).is_relative_to(step_root)
-        kernel = module._selective_scan_update_kernel
-        while type(kernel).__name__ in ("Heuristics", "Autotuner"):  # triton's decorators around the @jit function
-            kernel = kernel.fn
-        assert type(kernel).__name__ == "InterpretedFunction"  # not compiled: run by the interpreter
+        for function, kernel_name in ((loaded.selective_state_update, "_selective_scan_update_kernel"),
+                                      (loaded.rms_norm, "_layer_norm_fwd_1pass_kernel")):
+            module = sys.modules[function.__module__]
+            assert Path(module.__file__).is_relative_to(step_root)
+            kernel = getattr(module, kernel_name)
+            while type(kernel).__name__ in ("Heuristics", "Autotuner"):  # triton's decorators around the @jit
+                kernel = kernel.fn
+            assert type(kernel).__name__ == "InterpretedFunction"  # not compiled: run by the interpreter
         yield loaded
     finally:
         kernels.load_kernels.cache_clear()
