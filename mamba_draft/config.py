@@ -5,6 +5,9 @@ import math
 from dataclasses import asdict, dataclass, field
 
 
+DRAFTED_FEATURES = ("stand_in", "own")
+
+
 @dataclass
 class MambaConfig:
     """Shape of a Mamba-1 or Mamba-2 language model.
@@ -35,6 +38,9 @@ class MambaConfig:
     # > 0: a drafter that reads the target (its final hidden state, this wide, fused with each token's embedding);
     # 0: an external drafter (token ids only)
     target_hidden_size: int = 0
+    # what a drafter that reads the target is fed beside a drafted token (no target state exists for it yet):
+    # "stand_in", a learned vector; "own", its own final-norm state at the parent (EAGLE; trained toward the target's)
+    drafted_features: str = "stand_in"
     extra: dict = field(default_factory=dict)  # HF config fields we do not interpret (eos ids, ...)
 
     def __post_init__(self) -> None:
@@ -54,6 +60,10 @@ class MambaConfig:
                 raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
         if self.target_hidden_size < 0:
             raise ValueError(f"target_hidden_size must be >= 0 (0: an external drafter), got {self.target_hidden_size}")
+        if self.drafted_features not in DRAFTED_FEATURES:
+            raise ValueError(f"drafted_features must be one of {DRAFTED_FEATURES}, got {self.drafted_features!r}")
+        if self.drafted_features != "stand_in" and not self.target_hidden_size:
+            raise ValueError("drafted_features 'own' is for a drafter that reads the target (target_hidden_size > 0)")
         if self.arch == "mamba2" and self.d_inner % self.headdim:
             raise ValueError(f"d_inner {self.d_inner} (expand*d_model) is not a multiple of headdim {self.headdim}")
         if self.arch == "mamba2" and self.nheads % self.ngroups:
@@ -115,6 +125,8 @@ class MambaConfig:
         hf["pad_vocab_size_multiple"] = self.pad_vocab_size_multiple
         if self.target_hidden_size:  # what plain transformers cannot run: it ignores the key and the fusion weights
             hf["target_hidden_size"] = self.target_hidden_size
+        if self.drafted_features != "stand_in":
+            hf["drafted_features"] = self.drafted_features
         return {**self.extra, **hf}
 
     @classmethod
@@ -143,6 +155,7 @@ class MambaConfig:
             tie_embeddings=pop("tie_word_embeddings", model_type == "mamba"),
             pad_vocab_size_multiple=pop("pad_vocab_size_multiple", 1),
             target_hidden_size=pop("target_hidden_size", 0),
+            drafted_features=pop("drafted_features", "stand_in"),
         )
         rank = pop("time_step_rank", "auto")
         kwargs["dt_rank"] = None if rank == "auto" else int(rank)

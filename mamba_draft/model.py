@@ -462,9 +462,6 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     # ---- compute ----
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._head(self.backbone.norm_f(h))
-
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits from the final norm's output."""
         if self.draft_head is not None:
@@ -525,19 +522,21 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, state: DrafterState, *, last_only: bool = False,
-               features: torch.Tensor | None = None) -> torch.Tensor:
+               features: torch.Tensor | None = None, with_hidden: bool = False):
         """Continue rows [0:B] of `state` with a (B, L) block of tokens (and, reading the target, their `features`,
-        `embed`); returns logits (B, L, V) or (B, V)."""
+        `embed`); returns logits (B, L, V) or (B, V), with `with_hidden` also the final-norm states they come from
+        (what a drafter with drafted_features 'own' reads beside the next drafted token)."""
         input_ids = self.token_ids(input_ids)
         check_batch(input_ids.shape[0], state)
         h = self._run(input_ids, state, features)
-        return self._logits(h[:, -1] if last_only else h)
+        normed = self.backbone.norm_f(h[:, -1] if last_only else h)
+        return (self._head(normed), normed) if with_hidden else self._head(normed)
 
     @torch.no_grad()
-    def step(self, token_ids: torch.Tensor, state: DrafterState, features: torch.Tensor | None = None
-             ) -> torch.Tensor:
+    def step(self, token_ids: torch.Tensor, state: DrafterState, features: torch.Tensor | None = None,
+             with_hidden: bool = False):
         """Feed one token per row (B,) (and, reading the target, its feature (B, H), `embed`) to rows [0:B] of
-        `state` (in place); returns logits (B, V).
+        `state` (in place); returns logits (B, V), with `with_hidden` also the final-norm states (B, d) (`extend`).
 
         No allocation outside temporaries, no host sync, no data-dependent branching: CUDA-graph capturable.
         """
@@ -553,8 +552,10 @@ class MambaDrafter(SharedCalls, nn.Module):
             for i, layer in enumerate(self.backbone.layers):
                 h, residual = layer.kernel_step(h, residual, state.conv[i, :batch], state.ssm[i, :batch], kernels)
             norm = self.backbone.norm_f
-            return self._head(kernels.rms_norm(h, norm.weight, None, residual=residual, prenorm=False,
-                                               residual_in_fp32=self.config.residual_in_fp32, eps=norm.eps))
-        for i, layer in enumerate(self.backbone.layers):
-            h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch])
-        return self._logits(h)
+            normed = kernels.rms_norm(h, norm.weight, None, residual=residual, prenorm=False,
+                                      residual_in_fp32=self.config.residual_in_fp32, eps=norm.eps)
+        else:
+            for i, layer in enumerate(self.backbone.layers):
+                h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch])
+            normed = self.backbone.norm_f(h)
+        return (self._head(normed), normed) if with_hidden else self._head(normed)

@@ -120,3 +120,32 @@ def test_sampling_and_lossy_verifiers_run_and_a_batch_row_draws_as_alone(pair):
     wider = tiny_llama(vocab=VOCAB, hidden=48)
     with pytest.raises(ValueError, match="trained for another target"):
         generate(wider, drafter, batch[0], max_new_tokens=4, tree="2,1")
+
+
+def test_a_drafter_reading_its_own_states_says_so_and_the_engine_refuses_it(pair, tmp_path):
+    """drafted_features 'own' (EAGLE) is a property of the checkpoint: it survives a save and load, `step` and
+    `extend` hand back the final-norm states it reads, an external drafter cannot have it, and tree drafting (which
+    feeds drafted tokens the stand-in) refuses such a drafter rather than feed it what it was not trained on."""
+    target, drafter = pair
+    own = target_aware(target)
+    own.config.drafted_features = "own"
+    own.save_pretrained(tmp_path / "own")
+    again = load_drafter(tmp_path / "own")
+    assert again.config.drafted_features == "own" and load_drafter_config(tmp_path / "own") == "own"
+    assert "drafted_features" not in (drafter.config.to_hf_dict())  # the stand-in: the default, not written
+    ids = torch.randint(0, VOCAB, (2, 4))
+    state = own.allocate_state(2)
+    logits, hidden = own.extend(ids, state, last_only=True, with_hidden=True)
+    assert hidden.shape == (2, HIDDEN) and torch.equal(logits, own._head(hidden))
+    logits, hidden = own.step(ids[:, 0], state, hidden, with_hidden=True)
+    assert hidden.shape == (2, HIDDEN) and torch.equal(logits, own._head(hidden))
+    with pytest.raises(ValueError, match="tree drafting feeds them the stand-in"):
+        TreeDrafter(again, 8, VOCAB)
+    with pytest.raises(ValueError, match="for a drafter that reads the target"):
+        MambaConfig(arch="mamba2", d_model=HIDDEN, n_layer=1, vocab_size=VOCAB, headdim=16, drafted_features="own")
+
+
+def load_drafter_config(path) -> str:
+    import json
+
+    return json.loads((path / "config.json").read_text())["drafted_features"]

@@ -100,6 +100,46 @@ def test_known_rows_are_reply_rows_outside_windows_and_the_stand_in_gets_their_g
         model(input_ids=torch.tensor([[1, 2]]), known=torch.ones(1, 2, dtype=torch.bool))
 
 
+def test_own_rows_read_the_drafters_state_at_the_row_before_from_a_first_pass(monkeypatch):
+    """drafted_features 'own' (EAGLE): window rows read the drafter's final-norm state at the row before, from a
+    pass without gradients on the same features (window rows on the stand-in); everything else as with the
+    stand-in, and the gradient flows through the second pass only."""
+    from training.model import TrainableDrafter
+    from training.target_features import own_features
+    import transformers
+
+    hidden, features = torch.randn(1, 4, 3), torch.randn(1, 4, 3)
+    own = torch.tensor([[False, True, True, False]])
+    fed = own_features(features, own, hidden)
+    assert torch.equal(fed[0, 1], hidden[0, 0]) and torch.equal(fed[0, 2], hidden[0, 1])
+    assert torch.equal(fed[0, [0, 3]], features[0, [0, 3]])
+    with pytest.raises(ValueError, match="row 0"):
+        own_features(features, torch.tensor([[True, False, False, False]]), hidden)
+
+    config = transformers.Mamba2Config(vocab_size=16, hidden_size=8, num_hidden_layers=1, state_size=4, expand=2,
+                                       head_dim=8, num_heads=2, n_groups=1, target_hidden_size=8)
+    model = TrainableDrafter(config)
+    with torch.no_grad():
+        model.backbone.fuse.weight.normal_(0, 0.5)  # the state half is zero at init: make the states matter
+    labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 5, 6, 7, 8]])
+    windows = torch.tensor([[False, False, False, True, True, False]])
+    ids, states = torch.tensor([[1, 2, 5, 6, 7, 8]]), torch.randn(1, 6, 8)
+    calls = []
+    forward = TrainableDrafter.train_forward
+    monkeypatch.setattr(TrainableDrafter, "train_forward", lambda self, i, f=None: calls.append(
+        (f.detach().clone(), torch.is_grad_enabled())) or forward(self, i, f))
+    out = model(input_ids=ids, features=states, known=known_rows(labels, windows), own=windows)
+    (first, first_grad), (second, second_grad) = calls
+    assert not first_grad and second_grad
+    assert torch.equal(first, fed_features(states, known_rows(labels, windows), model.backbone.stand_in))
+    with torch.no_grad():
+        first_hidden = forward(model, ids, first)[1]
+    torch.testing.assert_close(second[0, [3, 4]], first_hidden[0, [2, 3]])
+    assert torch.equal(second[~windows], first[~windows])
+    out.logits.float().pow(2).mean().backward()
+    assert model.backbone.fuse.weight.grad.abs().sum() > 0
+
+
 # ---------------------------------------------------------------------------------- acceptance per depth
 
 def greedy_reply(prompt: list[int], reply: list[int], width: int = 0, seed: int = 0) -> EngineExample:
@@ -168,12 +208,15 @@ def test_a_random_drafter_is_accepted_about_one_time_in_the_vocabulary(width):
     assert abs(stats.rates[0] - 1 / vocab) < 0.03 and stats.rates[1] < 0.05, stats.rates
 
 
-def test_depth_acceptance_is_greedy_drafting_from_real_states_then_the_stand_in():
+@pytest.mark.parametrize("drafted", ["stand_in", "own"])
+def test_depth_acceptance_is_greedy_drafting_from_real_states_then_the_stand_in(drafted):
     """Against a brute-force reference: for every root, the whole prefix and the drafts so far in one train_forward,
-    features the cached states on reply rows up to the root and the stand-in on the prompt and the drafts."""
-    vocab, width = 6, 8
+    features the cached states on reply rows up to the root and the stand-in on the prompt; on the drafts the
+    stand-in, or (drafted_features 'own') the drafter's own final-norm state at the row that drafted each."""
+    vocab, width = 6, 16
     g = torch.Generator().manual_seed(2)
     drafter = tiny_drafter(vocab, width, seed=3)
+    drafter.config.drafted_features = drafted
     with torch.no_grad():
         drafter.backbone.stand_in.normal_(0, 1.0)
     examples = [greedy_reply([1, 2, 3], torch.randint(0, vocab, (30,), generator=g).tolist(), width, seed=s)
@@ -191,12 +234,12 @@ def test_depth_acceptance_is_greedy_drafting_from_real_states_then_the_stand_in(
             alive = True
             for d in range(1, 6):
                 with torch.no_grad():
-                    logits, _ = drafter.train_forward(torch.tensor([ids]), torch.stack(features)[None])
+                    logits, state = drafter.train_forward(torch.tensor([ids]), torch.stack(features)[None])
                 draft = int(logits[0, -1].argmax())
                 alive = alive and draft == int(e.soft_ids[root + d, 0])
                 accepted[d - 1] += alive
                 ids.append(draft)
-                features.append(drafter.backbone.stand_in.detach())
+                features.append(state[0, -1] if drafted == "own" else drafter.backbone.stand_in.detach())
         want = want + DepthAcceptance(len(roots), tuple(accepted))
     got = depth_acceptance(drafter, examples, roots_per_reply=100)
     assert got == want and got.accepted[0] > 0, (got, want)
@@ -236,6 +279,10 @@ def test_bad_target_reading_configs_fail_in_one_line(engine_dir, tmp_path):
         (tiny_overrides(out, target, tmp_path, "model.target_hidden_size=32", "model.arch=llama"), "Mamba drafter"),
         (tiny_overrides(out, target, tmp_path, "model.target_hidden_size=32", "model.hidden_size=16",
                         "distill.feature_weight=1"), "must equal model.target_hidden_size"),
+        (tiny_overrides(out, target, tmp_path, "model.target_hidden_size=32", "model.hidden_size=32",
+                        "model.drafted_features=own", "distill.draft_windows=3"), "distill.feature_weight > 0"),
+        (tiny_overrides(out, target, tmp_path, "model.target_hidden_size=32", "model.drafted_features=eagle"),
+         "must be one of"),
         (tiny_overrides(out, target, tmp_path, "model.target_hidden_size=32", "eval.every=2",
                         f"eval.data={REPO / 'tests/fixtures/training/sharegpt.json'}", f"distill.target={target}"),
          "eval.data must be a make-data directory"),
@@ -359,3 +406,38 @@ def test_a_target_aware_drafter_trains_on_the_engines_pattern_and_loads_for_infe
     real = ~(features == stand_in).all(-1)
     assert real.sum() > 20 and not real[:, 0].any()
     torch.testing.assert_close(features[:, 1:][real[:, 1:]], states[:, :-1][real[:, 1:]])
+
+
+def test_a_drafter_reading_its_own_states_trains_with_them_in_its_windows(engine_dir, tmp_path, monkeypatch):
+    """model.drafted_features own: each micro-batch runs a first pass without gradients, then the trained pass whose
+    window rows read the first pass's states at the rows before; the run's config says which kind it is."""
+    from training import train as train_mod
+    from training.model import TrainableDrafter
+
+    out, target, _ = engine_dir
+    passes = []
+    train_forward = TrainableDrafter.train_forward
+
+    def spy_forward(self, input_ids, features=None):
+        result = train_forward(self, input_ids, features)
+        if self.training:
+            passes.append((features.detach().clone(), result[1].detach().clone(), torch.is_grad_enabled()))
+        return result
+
+    monkeypatch.setattr(TrainableDrafter, "train_forward", spy_forward)
+    steps = 3
+    cfg = load_config(REPO / "configs" / "tiny" / "distill-cpu.yaml", tiny_overrides(
+        out, target, tmp_path, f"steps={steps}", "model.target_hidden_size=32", "model.hidden_size=32",
+        "model.drafted_features=own", "distill.feature_weight=1", "distill.draft_windows=4",
+        "distill.window_rate=0.3"))
+    run = train_mod.train(cfg)
+    assert len(passes) == steps * 2 * 2  # two micro-batches a step, two passes each
+    own_rows = 0
+    for (first, states, first_grad), (second, _, second_grad) in zip(passes[::2], passes[1::2]):
+        assert not first_grad and second_grad
+        changed = (second != first).any(-1)  # the window rows: the first pass's state at the row before
+        before = torch.cat([states[:, :1], states[:, :-1]], dim=1)
+        torch.testing.assert_close(second[changed], before[changed].to(second.dtype))
+        own_rows += int(changed.sum())
+    assert own_rows > 0
+    assert json.loads((run / "model" / "config.json").read_text())["drafted_features"] == "own"

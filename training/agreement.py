@@ -408,7 +408,8 @@ def depth_acceptance(drafter, examples: Sequence, *, depths: int = DEPTHS, roots
 
     A drafter that reads the target (`reads_target`; the examples need `hidden`, load_engine(hidden_size=...))
     reads the prompt with its stand-in, the committed reply with the target's cached states, and its own drafts
-    with the stand-in (the target has not run on them); an external drafter reads token ids only. Any drafter with
+    with the stand-in (the target has not run on them) or, with drafted_features 'own', with its own final-norm
+    state where it drafted each; an external drafter reads token ids only. Any drafter with
     `allocate_state` / `prefill` / `extend` / `step` (`mamba_draft.drafter.Drafter`) works."""
     if depths < 1 or roots_per_reply < 1:
         raise ValueError(f"depths and roots_per_reply must be >= 1, got {depths} and {roots_per_reply}")
@@ -431,6 +432,7 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> Dept
     """Greedy chains of `depths` drafts after each of `roots` (ascending) of one reply: the committed prefix runs
     once in row 0 of the state, forked into row 1 + i at root i; the chains then step together."""
     device = drafter.device
+    own = reads and drafter.config.drafted_features == "own"  # drafted tokens read the drafter's own state (EAGLE)
     ids = example.input_ids.to(device)
     top1 = example.soft_ids[:, 0].long()
     start = int(torch.nonzero(example.labels != data_lib.IGNORE_INDEX)[0])  # the prompt: rows [0, start)
@@ -440,10 +442,11 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> Dept
     first, pos = [], start
     for i, root in enumerate(roots):
         extra = {"features": example.hidden[None, pos:root + 1].to(device)} if reads else {}
-        first.append(drafter.extend(ids[None, pos:root + 1], head, last_only=True, **extra))
+        first.append(drafter.extend(ids[None, pos:root + 1], head, last_only=True, with_hidden=own, **extra))
         state.gather_(1 + i, torch.tensor([0], device=device))
         pos = root + 1
-    rows, logits = state.rows(1, 1 + len(roots)), torch.cat(first)
+    rows = state.rows(1, 1 + len(roots))
+    logits, hidden = (torch.cat(x) for x in zip(*first)) if own else (torch.cat(first), None)
     at = torch.tensor(roots)
     alive = torch.ones(len(roots), dtype=torch.bool)
     accepted = []
@@ -453,8 +456,9 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> Dept
             draft = drafter.draft_ids[draft]
         alive &= draft.cpu() == top1[at + d]
         accepted.append(int(alive.sum()))
-        if d < depths:
-            logits = drafter.step(draft, rows)  # a drafted token: no target state yet (the stand-in)
+        if d < depths:  # a drafted token: no target state yet (the stand-in, or the drafter's own)
+            logits = drafter.step(draft, rows, hidden, with_hidden=True) if own else drafter.step(draft, rows)
+            logits, hidden = logits if own else (logits, None)
     return DepthAcceptance(len(roots), tuple(accepted))
 
 

@@ -36,6 +36,9 @@ class ModelConfig:
     target_hidden_size: int = 0           # > 0: a drafter that reads the target (its final hidden state, this wide,
                                           # fused with each token's embedding); needs data.kind engine with the
                                           # target's hidden states cached (make-data --hidden). 0: token ids only
+    drafted_features: str = "stand_in"    # what it reads beside a drafted token: "stand_in" (a learned vector) or
+                                          # "own" (its own final-norm state at the token before: EAGLE; needs
+                                          # distill.feature_weight > 0 and distill.draft_windows)
 
 
 @dataclass

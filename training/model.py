@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from mamba_draft import MambaConfig, MambaDrafter
 from mamba_draft.checkpoint import DRAFT_VOCAB, read_draft_ids
 from training.config import ModelConfig
-from training.target_features import fed_features
+from training.target_features import fed_features, own_features
 
 
 class TrainableDrafter(MambaDrafter):
@@ -37,16 +37,23 @@ class TrainableDrafter(MambaDrafter):
         return self.backbone.embeddings
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                features: torch.Tensor | None = None, known: torch.Tensor | None = None, **_) -> CausalLMOutput:
+                features: torch.Tensor | None = None, known: torch.Tensor | None = None,
+                own: torch.Tensor | None = None, **_) -> CausalLMOutput:
         """Logits and the final-norm state (the feature loss's input). A drafter that reads the target takes
         `features` (B, L, H), the target's state before each token (`MambaDrafter.embed`; None: the stand-in
         everywhere); with `known` (B, L) bool, only those rows of `features` are read and the others get the learned
-        stand-in (`training.target_features`): how training feeds it the engine's pattern."""
+        stand-in (`training.target_features`): how training feeds it the engine's pattern. With `own` (B, L) bool
+        (drafted_features 'own': the draft-window rows), those rows read instead the drafter's own final-norm state
+        at the row before, from a first pass without gradients (`own_features`)."""
         # attention_mask is unused: padding sits after the real tokens (right padding) and carries no labels.
         if known is not None:
             if features is None:
                 raise ValueError("known marks rows of features: pass features too")
             features = fed_features(features, known, self.backbone.stand_in)
+        if own is not None:
+            with torch.no_grad():
+                first = self.train_forward(input_ids, features)[1]
+            features = own_features(features, own, first)
         logits, hidden = self.train_forward(input_ids, features)
         return CausalLMOutput(logits=logits, hidden_states=(hidden,))  # the final-norm state: feature-loss input
 
@@ -156,6 +163,7 @@ def target_reading(config: transformers.PretrainedConfig, cfg: ModelConfig) -> b
                          f"model.target_hidden_size {have}, not {cfg.target_hidden_size}")
     if cfg.target_hidden_size:
         config.target_hidden_size = cfg.target_hidden_size
+        config.drafted_features = cfg.drafted_features
     return bool(cfg.target_hidden_size)
 
 

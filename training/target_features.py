@@ -12,6 +12,12 @@ and simulated draft windows (`window_mask`) put the stand-in on the 1..K-1 reply
 predictions inside a window are made as depth-2..K drafts are. Unlike a Transformer's masks, a recurrent pass cannot
 forget a window: the positions after it continue from a state that read it (a drafter resynced after a round reads
 only real states) — the price of one pass; `distill.window_rate` keeps windows a minority of positions.
+
+A drafter with `model.drafted_features: own` reads, beside a drafted token, its own final-norm state where it
+predicted that token (EAGLE), trained toward the target's by `distill.feature_weight`. Training then feeds window
+rows the drafter's state at the row before from a first pass without gradients (`own_features`): one pass per
+window depth would be exact, the first pass is exact at depth 2 and approximates deeper rows with states that read
+the stand-in.
 """
 from __future__ import annotations
 
@@ -69,3 +75,16 @@ def fed_features(hidden: torch.Tensor, known: torch.Tensor, stand_in: torch.Tens
         raise ValueError(f"hidden {tuple(hidden.shape)}, known {tuple(known.shape)} and stand_in "
                          f"{tuple(stand_in.shape)} disagree")
     return torch.where(known[..., None], hidden.to(stand_in.dtype), stand_in)
+
+
+def own_features(features: torch.Tensor, own: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, L, H): `features`, with each `own` row t replaced by the drafter's own final-norm state at row t - 1
+    (`hidden`, (B, L, H), from a pass on `features`): what a drafter with drafted_features 'own' reads beside a
+    drafted token, its state where it predicted that token (EAGLE). Row 0 has no row before and is never `own`."""
+    if own.shape != features.shape[:-1] or hidden.shape != features.shape:
+        raise ValueError(f"features {tuple(features.shape)}, own {tuple(own.shape)} and hidden "
+                         f"{tuple(hidden.shape)} disagree")
+    if own[:, 0].any():
+        raise ValueError("row 0 cannot read the drafter's state at the row before it")
+    before = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
+    return torch.where(own[..., None], before.to(features.dtype), features)

@@ -34,6 +34,7 @@ from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 from mamba_draft.checkpoint import DRAFT_VOCAB
+from mamba_draft.config import DRAFTED_FEATURES
 from training.export import FROZEN_WEIGHTS
 from mamba_draft.targets import load_causal_lm
 from safetensors.torch import save_file
@@ -133,6 +134,8 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
     reads = {}
     if cfg.model.target_hidden_size:
         reads = {"features": batch["hidden"], "known": known_rows(batch["labels"], batch.get("windows"))}
+        if cfg.model.drafted_features == "own" and "windows" in batch:
+            reads["own"] = batch["windows"]
     out = engine(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **reads)
     logits, labels = out.logits, batch["labels"]
     if draft_ids is not None:
@@ -248,6 +251,12 @@ def validate_target_reading(cfg: TrainConfig) -> None:
                          f"{d.draft_windows}")
     if not 0.0 <= d.window_rate <= 1.0:
         raise ValueError(f"distill.window_rate must lie in [0, 1], got {d.window_rate}")
+    if m.drafted_features not in DRAFTED_FEATURES:
+        raise ValueError(f"model.drafted_features must be one of {DRAFTED_FEATURES}, got {m.drafted_features!r}")
+    if m.drafted_features == "own" and not (d.feature_weight and d.draft_windows and m.target_hidden_size):
+        raise ValueError("model.drafted_features 'own' feeds drafted tokens the drafter's own state, trained toward "
+                         "the target's: it needs model.target_hidden_size, distill.feature_weight > 0 and "
+                         "distill.draft_windows")
     if d.draft_windows and not m.target_hidden_size:
         raise ValueError("distill.draft_windows simulates drafted tokens read without a target state: it needs "
                          "model.target_hidden_size > 0 (a drafter that reads the target)")

@@ -66,6 +66,10 @@ class TreeDrafter:
     """Owns the drafter's state (one row per forest node) and the per-shape buffers; reuse it across calls (`of`)."""
 
     def __init__(self, drafter, max_rows: int, out_vocab: int) -> None:
+        if getattr(drafter, "reads_target", False) and drafter.config.drafted_features != "stand_in":
+            raise ValueError(f"this drafter reads its own state beside drafted tokens (drafted_features "
+                             f"{drafter.config.drafted_features!r}); tree drafting feeds them the stand-in: use a "
+                             "drafter trained with drafted_features 'stand_in'")
         self.drafter = drafter
         self.device = drafter.device
         self.out_vocab = out_vocab  # width of the probs buffers (the target's vocabulary)
