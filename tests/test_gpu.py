@@ -303,3 +303,24 @@ def test_make_data_records_rows_on_cuda_like_on_cpu(tmp_path):
         torch.testing.assert_close(md.read_hidden(outs["cuda"], 0.0, g, 32).float(),
                                    md.read_hidden(outs["cpu"], 0.0, c, 32).float(), atol=0.02, rtol=0.02)
     assert matched >= 4
+
+
+def test_a_generate_round_waits_for_the_device_once(tmp_path):
+    """Past the call's own checks and prefill, a round's only host sync is reading its verdict: a longer call adds
+    at most one sync per extra round (the accepted rows go back to the device from pinned memory, non-blocking)."""
+    target = tiny_llama(vocab=VOCAB).to("cuda")
+    drafter = aligned_drafter(tmp_path, target).to("cuda")
+    prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
+
+    def syncs_and_rounds(tokens: int) -> tuple[int, int]:
+        rounds = []
+
+        def call():
+            rounds.append(generate(target, drafter, prompt, max_new_tokens=tokens, tree="3,2,1",
+                                   temperature=0.0).stats.rounds)
+        call()  # captures
+        return len(host_syncs(call)), rounds[-1]
+
+    (short_syncs, short_rounds), (long_syncs, long_rounds) = syncs_and_rounds(16), syncs_and_rounds(48)
+    assert long_rounds > short_rounds
+    assert long_syncs - short_syncs <= long_rounds - short_rounds, (short_syncs, short_rounds, long_syncs, long_rounds)

@@ -350,7 +350,10 @@ class TreeDrafter:
             raise ValueError(f"expected {batch} values, one per batch row, got {len(values)}")
         if limit is not None and any(not 0 <= v < limit for v in values):
             raise ValueError(f"values must lie in [0, {limit}), got {values}")
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":  # pinned and non-blocking: a copy from pageable memory makes the host wait
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _step(self, tokens: torch.Tensor, start: int, stop: int, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start:stop] <- rows `parents` (if given), then one drafter step with `tokens` (stop - start,).
