@@ -2,8 +2,8 @@
 
 Parameter names match `transformers.MambaForCausalLM` / `Mamba2ForCausalLM`, so HF checkpoints load as they are.
 The torch path is the reference; on CUDA the single-token step can use mamba-ssm's `selective_state_update` and
-fused add + RMSNorm, and causal-conv1d's `causal_conv1d_update` (see `kernels.py`). A step only writes into the state in place, has no
-host sync and no data-dependent branching, so it can be captured in a CUDA graph.
+fused add + RMSNorm, and causal-conv1d's `causal_conv1d_update` (see `kernels.py`). A step only writes into the
+state in place, has no host sync and no data-dependent branching, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 

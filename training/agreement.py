@@ -457,8 +457,10 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> Dept
         alive &= draft.cpu() == top1[at + d]
         accepted.append(int(alive.sum()))
         if d < depths:  # a drafted token: no target state yet (the stand-in, or the drafter's own)
-            logits = drafter.step(draft, rows, hidden, with_hidden=True) if own else drafter.step(draft, rows)
-            logits, hidden = logits if own else (logits, None)
+            if own:
+                logits, hidden = drafter.step(draft, rows, hidden, with_hidden=True)
+            else:
+                logits = drafter.step(draft, rows)
     return DepthAcceptance(len(roots), tuple(accepted))
 
 
