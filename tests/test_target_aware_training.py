@@ -11,7 +11,7 @@ import torch
 from mamba_draft import MambaConfig, MambaDrafter
 from tests.helpers.training_fixtures import REPO
 from tests.test_engine_training import engine_dir  # noqa: F401  (the module-scoped make-data --hidden fixture)
-from training.agreement import DepthAcceptance, chain_roots, depth_acceptance
+from training.agreement import DepthAcceptance, chain_roots, depth_acceptance, draft_ranks, tree_tau
 from training.config import load_config
 from training.data import IGNORE_INDEX
 from training.engine_data import EngineExample
@@ -243,6 +243,50 @@ def test_depth_acceptance_is_greedy_drafting_from_real_states_then_the_stand_in(
         want = want + DepthAcceptance(len(roots), tuple(accepted))
     got = depth_acceptance(drafter, examples, roots_per_reply=100)
     assert got == want and got.accepted[0] > 0, (got, want)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, [0, 1, 2, 3, 5]])
+def test_tree_tau_walks_the_tree_greedy_verification_accepts(draft_vocab):
+    """Against a brute-force walk: from each root, the node greedy verification has reached offers the drafter's top
+    branching[d] tokens (of its draft vocabulary) given the committed prefix; the walk goes one level deeper while
+    the target's token is among them. A chain of ones is the chain's τ."""
+    vocab, width = 6, 16
+    g = torch.Generator().manual_seed(4)
+    drafter = tiny_drafter(vocab, width, seed=5)
+    with torch.no_grad():
+        drafter.backbone.stand_in.normal_(0, 1.0)
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(torch.tensor(draft_vocab))
+    examples = [greedy_reply([1, 2], torch.randint(0, vocab, (25,), generator=g).tolist(), width, seed=s)
+                for s in range(3)]
+    ranks = draft_ranks(drafter, examples, roots_per_reply=100)
+    assert tree_tau(ranks, (1,) * 5) == pytest.approx(DepthAcceptance.from_ranks(ranks).tau)
+    assert DepthAcceptance.from_ranks(ranks) == depth_acceptance(drafter, examples, roots_per_reply=100)
+    ids_of = torch.tensor(draft_vocab) if draft_vocab is not None else torch.arange(vocab)
+    for shape in [(2, 1), (3, 2, 2, 1, 1), (2, 2, 1), (6, 6)]:
+        total, roots = 0.0, 0
+        for e in examples:
+            reply = e.labels != IGNORE_INDEX
+            for root in chain_roots(e, 5).tolist():
+                ids = e.input_ids[:root + 1].tolist()
+                features = [e.hidden[t].float() if reply[t] else drafter.backbone.stand_in.detach()
+                            for t in range(root + 1)]
+                roots += 1
+                for d, w in enumerate(shape, 1):
+                    with torch.no_grad():
+                        logits, _ = drafter.train_forward(torch.tensor([ids]), torch.stack(features)[None])
+                    children = ids_of[logits[0, -1].topk(min(w, ids_of.numel())).indices].tolist()
+                    token = int(e.soft_ids[root + d, 0])
+                    if token not in children:
+                        break
+                    total += 1
+                    ids.append(token)
+                    features.append(drafter.backbone.stand_in.detach())
+        assert tree_tau(ranks, shape) == pytest.approx(1 + total / roots), shape
+    if draft_vocab is not None:  # the id outside the draft vocabulary is never among the children
+        assert tree_tau(ranks, (6, 6)) < 3
+    with pytest.raises(ValueError, match="depth 6"):
+        tree_tau(ranks, (1,) * 6)
 
 
 def test_chain_roots_need_the_greedy_path_and_room_for_the_chain():

@@ -335,6 +335,8 @@ class HeldoutEval:
 
 DEPTHS = 5          # chain of 5 drafts
 ROOTS_PER_REPLY = 16
+OUTSIDE = torch.iinfo(torch.long).max  # the rank of a token the drafter cannot propose
+TREE_SHAPES = ("1,1", "1,1,1", "2,1", "2,2,1", "3,2,2,1,1")  # the CPU policy's arms and the paper's tree
 
 
 @dataclass(frozen=True)
@@ -371,6 +373,23 @@ class DepthAcceptance:
     def from_counts(cls, counts: Sequence[int]) -> "DepthAcceptance":
         return cls(int(counts[0]), tuple(map(int, counts[1:])))
 
+    @classmethod
+    def from_ranks(cls, ranks: torch.Tensor) -> "DepthAcceptance":
+        """From `draft_ranks`: a chain's first d drafts all match where the target's token ranks first at each."""
+        hits = (ranks == 0).long().cumprod(dim=1)
+        return cls(ranks.shape[0], tuple(int(n) for n in hits.sum(0)))
+
+
+def tree_tau(ranks: torch.Tensor, branching: Sequence[int]) -> float:
+    """τ of a static tree (`tree_search.tree.TreeConfig`: every node at depth d has branching[d] children, the
+    drafter's top ones) under greedy verification, from `draft_ranks`: the accepted path goes one level deeper
+    while the target's token is among the children the drafter gave the node it reached."""
+    if not 1 <= len(branching) <= ranks.shape[1]:
+        raise ValueError(f"a tree of depth {len(branching)} needs ranks to that depth, have {ranks.shape[1]}")
+    widths = torch.tensor(list(branching))
+    hits = (ranks[:, :len(branching)] < widths).long().cumprod(dim=1)
+    return 1 + float(hits.float().mean(0).sum()) if ranks.shape[0] else math.nan
+
 
 def inference_copy(module):
     """A plain `MambaDrafter` holding the trained drafter's weights as they are now (a collective under ZeRO-3,
@@ -398,23 +417,34 @@ def chain_roots(example, depths: int, max_len: int = ENGINE_EVAL_LEN) -> torch.T
     return torch.nonzero(ok).flatten()
 
 
-@torch.no_grad()
 def depth_acceptance(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_reply: int = ROOTS_PER_REPLY,
                      seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> DepthAcceptance:
-    """Per-depth acceptance of greedy chains on make-data replies (`engine_data.EngineExample`s), as the engine
-    drafts them: for up to `roots_per_reply` roots per reply (`chain_roots`, drawn with `seed`), read the committed
-    prefix (prompt and reply up to the root), then draft `depths` tokens greedily, each fed back; count the roots
-    whose first d drafts all equal the target's greedy tokens (the cached top-1 of the rows after the root).
+    """Per-depth acceptance of greedy chains on make-data replies (`draft_ranks`): the roots whose first d drafts
+    all equal the target's greedy tokens."""
+    return DepthAcceptance.from_ranks(draft_ranks(drafter, examples, depths=depths, roots_per_reply=roots_per_reply,
+                                                  seed=seed, max_len=max_len))
+
+
+@torch.no_grad()
+def draft_ranks(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_reply: int = ROOTS_PER_REPLY,
+                seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
+    """(roots, depths) long: where the target's greedy token ranks among the drafter's proposals at each depth
+    after a root, on make-data replies (`engine_data.EngineExample`s), as the engine drafts: for up to
+    `roots_per_reply` roots per reply (`chain_roots`, drawn with `seed`), read the committed prefix (prompt and
+    reply up to the root), then step `depths` times, each time on the target's token (the node greedy
+    verification accepts while it is among the drafts). 0: the drafter's first choice (a chain's draft); outside
+    its draft vocabulary: `OUTSIDE`, beyond any tree's width. A chain's acceptance (`DepthAcceptance.from_ranks`)
+    and any tree's (`tree_tau`) follow from the ranks.
 
     A drafter that reads the target (`reads_target`; the examples need `hidden`, load_engine(hidden_size=...))
-    reads the prompt with its stand-in, the committed reply with the target's cached states, and its own drafts
-    with the stand-in (the target has not run on them) or, with drafted_features 'own', with its own final-norm
-    state where it drafted each; an external drafter reads token ids only. Any drafter with
+    reads the prompt with its stand-in, the committed reply with the target's cached states, and the tokens after
+    the root with the stand-in (the target has not run on them) or, with drafted_features 'own', with its own
+    final-norm state where it drafted each; an external drafter reads token ids only. Any drafter with
     `allocate_state` / `prefill` / `extend` / `step` (`mamba_draft.drafter.Drafter`) works."""
     if depths < 1 or roots_per_reply < 1:
         raise ValueError(f"depths and roots_per_reply must be >= 1, got {depths} and {roots_per_reply}")
     reads = getattr(drafter, "reads_target", False)
-    total = DepthAcceptance(accepted=(0,) * depths)
+    ranks = [torch.zeros(0, depths, dtype=torch.long)]
     for index, example in enumerate(examples):
         roots = chain_roots(example, depths, max_len)
         if reads and example.hidden is None:
@@ -424,17 +454,17 @@ def depth_acceptance(drafter, examples: Sequence, *, depths: int = DEPTHS, roots
             continue
         pick = torch.randperm(roots.numel(), generator=torch.Generator().manual_seed(seed * 1_000_003 + index))
         roots = roots[pick[:roots_per_reply]].sort().values.tolist()
-        total = total + chains(drafter, example, roots, depths, reads)
-    return total
+        ranks.append(chains(drafter, example, roots, depths, reads))
+    return torch.cat(ranks)
 
 
-def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> DepthAcceptance:
-    """Greedy chains of `depths` drafts after each of `roots` (ascending) of one reply: the committed prefix runs
-    once in row 0 of the state, forked into row 1 + i at root i; the chains then step together."""
+def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> torch.Tensor:
+    """`draft_ranks` after each of `roots` (ascending) of one reply: the committed prefix runs once in row 0 of the
+    state, forked into row 1 + i at root i; the chains then step together on the target's tokens."""
     device = drafter.device
     own = reads and drafter.config.drafted_features == "own"  # drafted tokens read the drafter's own state (EAGLE)
     ids = example.input_ids.to(device)
-    top1 = example.soft_ids[:, 0].long()
+    top1 = example.soft_ids[:, 0].long().to(device)
     start = int(torch.nonzero(example.labels != data_lib.IGNORE_INDEX)[0])  # the prompt: rows [0, start)
     state = drafter.allocate_state(1 + len(roots))
     head = state.rows(0, 1)
@@ -447,29 +477,38 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> Dept
         pos = root + 1
     rows = state.rows(1, 1 + len(roots))
     logits, hidden = (torch.cat(x) for x in zip(*first)) if own else (torch.cat(first), None)
-    at = torch.tensor(roots)
-    alive = torch.ones(len(roots), dtype=torch.bool)
-    accepted = []
+    at = torch.tensor(roots, device=device)
+    columns = _draft_columns(drafter, logits.shape[-1])
+    ranks = []
     for d in range(1, depths + 1):
-        draft = logits.argmax(-1)
-        if drafter.draft_ids is not None:
-            draft = drafter.draft_ids[draft]
-        alive &= draft.cpu() == top1[at + d]
-        accepted.append(int(alive.sum()))
+        token = top1[at + d]  # the target's greedy token after the root's first d - 1
+        column = torch.where(token < columns.numel(), columns[token.clamp(max=columns.numel() - 1)], -1)
+        score = logits.gather(-1, column.clamp(min=0)[:, None])
+        ranks.append(torch.where(column >= 0, (logits > score).sum(-1), OUTSIDE))
         if d < depths:  # a drafted token: no target state yet (the stand-in, or the drafter's own)
             if own:
-                logits, hidden = drafter.step(draft, rows, hidden, with_hidden=True)
+                logits, hidden = drafter.step(token, rows, hidden, with_hidden=True)
             else:
-                logits = drafter.step(draft, rows)
-    return DepthAcceptance(len(roots), tuple(accepted))
+                logits = drafter.step(token, rows)
+    return torch.stack(ranks, dim=1).cpu()
+
+
+def _draft_columns(drafter, width: int) -> torch.Tensor:
+    """target id -> the drafter's logit column (-1 outside its draft vocabulary)."""
+    if drafter.draft_ids is None:
+        return torch.arange(width, device=drafter.device)
+    columns = torch.full((int(drafter.draft_ids.max()) + 1,), -1, dtype=torch.long, device=drafter.device)
+    columns[drafter.draft_ids] = torch.arange(drafter.draft_ids.numel(), device=drafter.device)
+    return columns
 
 
 def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "heldout", depths: int = DEPTHS,
                             roots_per_reply: int = ROOTS_PER_REPLY, max_replies: int | None = None,
                             temperatures: list[float] | None = None, seed: int = 0, device: str = "cpu") -> dict:
-    """`depth_acceptance` of a saved drafter (`mamba_draft.load_drafter`) on a make-data directory's (or a directory
-    of them: `engine_data.engine_dirs`) `split` replies, rendered with the tokenizer of the target that made them (its manifest); the drafter's embedding, if
-    it ships without one, comes from that target by digest. {depth1 .. depth5, chain_tau, depth_roots, replies}."""
+    """`draft_ranks` of a saved drafter (`mamba_draft.load_drafter`) on a make-data directory's (or a directory of
+    them: `engine_data.engine_dirs`) `split` replies, rendered with the tokenizer of the target that made them (its
+    manifest); the drafter's embedding, if it ships without one, comes from that target by digest.
+    {depth1 .. depth5, chain_tau, depth_roots, replies, tree_tau: {shape: τ} for `TREE_SHAPES`}."""
     from mamba_draft import load_drafter
     from training.engine_data import engine_dirs, load_engine
     from training.regenerate import target_tokenizer
@@ -481,8 +520,10 @@ def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "h
     drafter = load_drafter(drafter_path, device=device)
     width = drafter.config.target_hidden_size if getattr(drafter, "reads_target", False) else None
     examples = load_engine(data_dir, tokenizer, temperatures, split=split, hidden_size=width)[:max_replies]
-    stats = depth_acceptance(drafter, examples, depths=depths, roots_per_reply=roots_per_reply, seed=seed)
-    return stats.as_dict() | {"replies": len(examples)}
+    ranks = draft_ranks(drafter, examples, depths=depths, roots_per_reply=roots_per_reply, seed=seed)
+    trees = {shape: tree_tau(ranks, [int(w) for w in shape.split(",")]) for shape in TREE_SHAPES
+             if shape.count(",") < depths}
+    return DepthAcceptance.from_ranks(ranks).as_dict() | {"replies": len(examples), "tree_tau": trees}
 
 
 def ngram_baselines(train_rows: Sequence[Row], rows: Sequence[Row], target_ids: Sequence[torch.Tensor],

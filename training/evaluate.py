@@ -4,7 +4,8 @@ and a drafter's held-out agreement with its target (top-1 agreement, expected ac
     mamba-draft eval MODEL_DIR --tasks hellaswag,arc_easy,piqa,perplexity:heldout.jsonl
     mamba-draft eval MODEL_DIR --tasks hellaswag:local/hellaswag.jsonl   (a local file with the hub schema)
     mamba-draft eval DRAFTER --target TARGET --agreement heldout.json [--gammas 1,3,5] [--max-sequences N]
-    mamba-draft eval DRAFTER --depths DATA_DIR [--max-sequences N]    (acceptance per depth on make-data replies)
+    mamba-draft eval DRAFTER --depths DATA_DIR [--max-sequences N]    (acceptance per depth and τ per tree shape on
+                                                                      make-data replies)
 """
 from __future__ import annotations
 
@@ -202,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--depths", metavar="DATA_DIR", default=None,
                        help="acceptance per depth of greedy chains of 5 on a make-data directory's held-out replies "
                             "(the target's cached greedy choices; a drafter that reads the target gets the cached "
-                            "states of the committed reply): depth1..depth5, chain_tau")
+                            "states of the committed reply): depth1..depth5, chain_tau, and tree_tau, the τ of "
+                            "static trees (1,1 / 1,1,1 / 2,1 / 2,2,1 / 3,2,2,1,1) under greedy verification")
 
 
 def parse_gammas(spec: str) -> tuple[int, ...]:
