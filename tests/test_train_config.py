@@ -65,17 +65,19 @@ def test_shipped_configs_load(path):
     assert ds["train_batch_size"] == cfg.global_batch_size
 
 
-def test_the_target_aware_recipe_is_the_shipped_one_reading_the_target():
+def test_the_target_aware_recipe_is_the_external_drafter_reading_the_target():
     from training.config import to_dict
 
-    shipped = to_dict(load_config(REPO / "configs/distill/smollm2-engine.yaml"))
+    external = to_dict(load_config(REPO / "configs/distill/smollm2-engine.yaml"))
     aware = to_dict(load_config(REPO / "configs/distill/smollm2-target-aware.yaml"))
-    assert (aware["model"]["target_hidden_size"], aware["distill"]["draft_windows"],
-            aware["distill"]["window_rate"], aware["data"]["path"]) == (576, 5, 0.15, "data/engine-smollm2")
-    shipped["output_dir"] = aware["output_dir"]
-    shipped["model"]["target_hidden_size"] = 576
-    shipped["distill"].update(draft_windows=5, window_rate=0.15)
-    assert aware == shipped
+    assert (aware["model"]["target_hidden_size"], aware["distill"]["draft_windows"], aware["distill"]["window_rate"],
+            aware["data"]["path"], aware["eval"]["data"]) == (576, 5, 0.15, "data", "data")
+    assert aware["model"]["init_from"] == "runs/smollm2-external"  # `mamba-draft convert smollm2-external ...`
+    assert aware["model"]["draft_vocab"] == "runs/smollm2-external/draft_vocab.safetensors"
+    shape = ("arch", "hidden_size", "num_hidden_layers", "state_size", "expand", "head_dim", "conv_kernel",
+             "tie_word_embeddings", "init_embeddings_from", "freeze_embeddings")
+    assert {k: aware["model"][k] for k in shape} == {k: external["model"][k] for k in shape}
+    assert aware["distill"]["kl_weight"] == external["distill"]["kl_weight"] and aware["distill"]["ce_weight"] == 0
 
 
 def test_paper_configs_match_appendix_a3():
