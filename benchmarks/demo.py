@@ -621,9 +621,9 @@ def run(args: argparse.Namespace) -> int:
         return run_toy(args)
     if args.train and args.drafter:
         raise ValueError("--train builds its own drafter; drop --drafter")
-    from mamba_draft.checkpoint import SHIPPED_DRAFTER
+    from mamba_draft.checkpoint import SHIPPED_DRAFTER_NAMES
 
-    if args.drafter and args.drafter != SHIPPED_DRAFTER and not Path(args.drafter).expanduser().is_dir():
+    if args.drafter and args.drafter not in SHIPPED_DRAFTER_NAMES and not Path(args.drafter).expanduser().is_dir():
         raise FileNotFoundError(f"--drafter {args.drafter}: not a directory")
     from mamba_draft.heldout import SPEC_BENCH
 

@@ -13,7 +13,8 @@ part still loads in plain transformers. In memory the map travels among the tens
 A drafter whose embedding is its target's (frozen in training, tied to the head) may be stored without it: then
 `target_embedding.json` names the target and the SHA-256 of that embedding (rounded to bf16, so an fp32 and a bf16
 copy of the target agree), and loading takes the embedding from the target — passed in, or loaded by name — after
-checking the digest. `SHIPPED_DRAFTER` (`smollm2`) names the drafter shipped in the package for the shipped target.
+checking the digest. The drafters shipped in the package for the shipped target go by name (`SHIPPED_DRAFTER_NAMES`;
+`smollm2`, the default one, under `mamba_draft/drafters/`).
 
 Everything in memory uses HF names. Weights are read with safetensors or `torch.load(weights_only=True)` only,
 and directories are written to a temporary sibling and renamed, so a failure never leaves half a checkpoint.
@@ -42,7 +43,8 @@ DRAFT_VOCAB = "draft_vocab.safetensors"
 DRAFT_IDS = "draft_vocab.d2t"  # in-memory key of the id map (mamba_draft.model imports it from here)
 TARGET_EMBEDDING = "target_embedding.json"
 EMBEDDING = "backbone.embeddings.weight"
-SHIPPED_DRAFTER = "smollm2"  # accepted wherever a drafter path is: the drafter trained for the shipped target
+SHIPPED_DRAFTER = "smollm2"  # the default drafter for the shipped target
+SHIPPED_DRAFTER_NAMES = (SHIPPED_DRAFTER,)  # accepted wherever a drafter path is
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 # Files copied alongside the weights on save/convert so the directory stays usable with its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -51,12 +53,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_directory(path: str | os.PathLike, revision: str | None = None) -> Path:
-    """The shipped drafter's directory for `SHIPPED_DRAFTER`; a local directory as is; otherwise a hub id
-    (`org/name`) downloaded through huggingface_hub's cache."""
-    if str(path) == SHIPPED_DRAFTER:
-        shipped = SHIPPED_DRAFTERS / SHIPPED_DRAFTER
+    """A shipped drafter's directory for its name (`SHIPPED_DRAFTER_NAMES`); a local directory as is; otherwise a
+    hub id (`org/name`) downloaded through huggingface_hub's cache."""
+    if str(path) in SHIPPED_DRAFTER_NAMES:
+        shipped = SHIPPED_DRAFTERS / str(path)
         if not (shipped / "config.json").is_file():
-            raise FileNotFoundError(f"the shipped drafter is missing from this installation ({shipped})")
+            raise FileNotFoundError(f"the shipped drafter {path} is missing from this installation ({shipped})")
         return shipped
     local = Path(path)
     if local.exists():

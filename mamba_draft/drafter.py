@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .checkpoint import SHIPPED_DRAFTER, detect_format, read_config, resolve_directory
+from .checkpoint import SHIPPED_DRAFTER_NAMES, detect_format, read_config, resolve_directory
 
 
 @runtime_checkable
@@ -97,8 +97,9 @@ class Drafter(Protocol):
 
 
 def is_mamba_checkpoint(path: str | os.PathLike, revision: str | None = None) -> bool:
-    """Whether `path` (directory, hub id or `smollm2`) holds a Mamba drafter (HF or mamba_ssm format)."""
-    if str(path) == SHIPPED_DRAFTER:
+    """Whether `path` (directory, hub id or a shipped drafter's name) holds a Mamba drafter (HF or mamba_ssm
+    format)."""
+    if str(path) in SHIPPED_DRAFTER_NAMES:
         return True
     try:
         detect_format(read_config(resolve_directory(path, revision)))

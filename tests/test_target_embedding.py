@@ -94,14 +94,16 @@ def test_embedding_from_needs_a_tied_hf_checkpoint(pair, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_shipped_drafter_alias_resolves_into_the_package(pair, tmp_path, monkeypatch):
+def test_shipped_drafter_names_resolve_into_the_package(pair, tmp_path, monkeypatch):
     from mamba_draft import checkpoint
 
     monkeypatch.setattr(checkpoint, "SHIPPED_DRAFTERS", tmp_path / "drafters")
-    with pytest.raises(FileNotFoundError, match="shipped drafter is missing"):
-        MambaDrafter.from_pretrained(SHIPPED_DRAFTER)
     _, target, drafter, lean = pair
-    shutil.copytree(lean, tmp_path / "drafters" / SHIPPED_DRAFTER)
-    assert resolve_directory(SHIPPED_DRAFTER) == tmp_path / "drafters" / SHIPPED_DRAFTER
-    loaded = MambaDrafter.from_pretrained(SHIPPED_DRAFTER, embedding=target.get_input_embeddings().weight)
-    assert torch.equal(loaded.draft_ids, drafter.draft_ids)
+    for name in checkpoint.SHIPPED_DRAFTER_NAMES:
+        with pytest.raises(FileNotFoundError, match=f"shipped drafter {name} is missing"):
+            MambaDrafter.from_pretrained(name)
+        shutil.copytree(lean, tmp_path / "drafters" / name)
+        assert resolve_directory(name) == tmp_path / "drafters" / name
+        loaded = MambaDrafter.from_pretrained(name, embedding=target.get_input_embeddings().weight)
+        assert torch.equal(loaded.draft_ids, drafter.draft_ids)
+    assert SHIPPED_DRAFTER in checkpoint.SHIPPED_DRAFTER_NAMES
