@@ -478,11 +478,12 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> torc
     rows = state.rows(1, 1 + len(roots))
     logits, hidden = (torch.cat(x) for x in zip(*first)) if own else (torch.cat(first), None)
     at = torch.tensor(roots, device=device)
-    columns = _draft_columns(drafter, logits.shape[-1])
+    columns = torch.arange(logits.shape[-1], device=device) if drafter.draft_ids is None \
+        else data_lib.draft_label_map(drafter.draft_ids, int(top1.max()) + 1, device)  # target id -> logit column
     ranks = []
     for d in range(1, depths + 1):
         token = top1[at + d]  # the target's greedy token after the root's first d - 1
-        column = torch.where(token < columns.numel(), columns[token.clamp(max=columns.numel() - 1)], -1)
+        column = columns[token]
         score = logits.gather(-1, column.clamp(min=0)[:, None])
         ranks.append(torch.where(column >= 0, (logits > score).sum(-1), OUTSIDE))
         if d < depths:  # a drafted token: no target state yet (the stand-in, or the drafter's own)
@@ -491,15 +492,6 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> torc
             else:
                 logits = drafter.step(token, rows)
     return torch.stack(ranks, dim=1).cpu()
-
-
-def _draft_columns(drafter, width: int) -> torch.Tensor:
-    """target id -> the drafter's logit column (-1 outside its draft vocabulary)."""
-    if drafter.draft_ids is None:
-        return torch.arange(width, device=drafter.device)
-    columns = torch.full((int(drafter.draft_ids.max()) + 1,), -1, dtype=torch.long, device=drafter.device)
-    columns[drafter.draft_ids] = torch.arange(drafter.draft_ids.numel(), device=drafter.device)
-    return columns
 
 
 def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "heldout", depths: int = DEPTHS,

@@ -28,6 +28,14 @@ LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 # ---------------------------------------------------------------------------------------------- loading
 
+def draft_label_map(draft_ids: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """target id -> draft column, IGNORE_INDEX for ids outside the draft vocabulary (ids below `vocab` and any id
+    of `draft_ids` are mapped)."""
+    to_draft = torch.full((max(vocab, int(draft_ids.max()) + 1),), IGNORE_INDEX, dtype=torch.long)
+    to_draft[draft_ids.cpu()] = torch.arange(draft_ids.numel())
+    return to_draft.to(device)
+
+
 def is_local(path: str) -> bool:
     return (path.startswith((".", "/", "~")) or Path(path).suffix in LOCAL_BUILDERS
             or any(c in path for c in "*?[") or Path(path).exists())

@@ -157,13 +157,6 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
     return loss + d.ce_weight * cross_entropy(logits, labels) if d.ce_weight else loss
 
 
-def draft_label_map(draft_ids: torch.Tensor, vocab: int, device) -> torch.Tensor:
-    """target id -> draft column, IGNORE_INDEX for ids outside the draft vocabulary."""
-    to_draft = torch.full((vocab,), data_lib.IGNORE_INDEX, dtype=torch.long)
-    to_draft[draft_ids] = torch.arange(draft_ids.numel())
-    return to_draft.to(device)
-
-
 def write_model_dir(model, tokenizer, out: Path) -> None:
     """HF config + tokenizer (+ draft vocabulary) next to the checkpoints, so export needs only the output dir."""
     if out.exists():
@@ -324,7 +317,7 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
     vocab = len(tokenizer)
     if draft_ids is not None:
         draft_ids = draft_ids.to(engine.device)
-        to_draft = draft_label_map(draft_ids, max(vocab, int(draft_ids.max()) + 1), engine.device)
+        to_draft = data_lib.draft_label_map(draft_ids, vocab, engine.device)
     else:
         to_draft = None
     windows = bool(cfg.model.target_hidden_size and cfg.distill.draft_windows)
