@@ -12,6 +12,7 @@ import torch
 from benchmarks.equality import compare_outputs
 from benchmarks.methods import HF_KINDS, Method, Models, load_plain, parse_method, run_hf, run_ours
 from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
+from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES
 from mamba_draft.heldout import SPEC_BENCH
@@ -481,9 +482,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     parser.add_argument("--target", required=True, help="causal LM to accelerate: HF directory, hub id or .gguf "
                         "file; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--drafter", help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM "
-                        "sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2' (the shipped "
-                        "one); needed by drafting methods")
+    parser.add_argument("--drafter", help=DRAFTER_HELP + "; needed by drafting methods")
     parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
                         "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),

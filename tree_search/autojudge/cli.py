@@ -5,6 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
+from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.dtypes import DTYPES
 
 
@@ -12,8 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{mine,train}")
     mine = actions.add_parser("mine", help="label mismatches important/unimportant (AutoJudge Algorithm 1)")
     mine.add_argument("--target", required=True, help="target causal LM (HF directory, hub id, .gguf file or smollm2)")
-    mine.add_argument("--drafter", required=True, help="drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF "
-                      "causal LM sharing the target's tokenizer (a Transformer drafter), a hub id, or 'smollm2'")
+    mine.add_argument("--drafter", required=True, help=DRAFTER_HELP)
     mine.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (or Spec-Bench 'turns')")
     mine.add_argument("--task", default="gsm8k", help="answer extraction: gsm8k (final number) or exact (whole text)")
     mine.add_argument("--out", required=True, help="output directory (one file per prompt; reruns resume)")
