@@ -80,10 +80,6 @@ def eos_ids(models: Models) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
-def sampling_of(cfg: BenchConfig) -> dict:
-    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
-
-
 def resolve_config(cfg: BenchConfig, target, methods: list[Method]) -> BenchConfig:
     """cfg with the sampling values every method uses: explicit ones, else the target's generation_config."""
     params = resolve_sampling(target, cfg.temperature, cfg.top_p, cfg.top_k)
@@ -133,6 +129,7 @@ class Pass:
         self.policy = (parse_policy(method.tree, next(models.target.parameters()).device,
                                     persistent=cfg.bandit_memory == "pass") if method.kind == "spec" else None)
         self.pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
+        self.sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
         self.outputs: list[list[int]] = []
         self.records: list[dict] = []
 
@@ -142,10 +139,10 @@ class Pass:
         if method.kind in HF_KINDS:
             if cfg.temperature > 0:
                 torch.manual_seed(self.seed + start)
-            tokens, record = run_hf(method, self.models, ids, cfg.max_new_tokens, sampling_of(cfg), self.eos,
+            tokens, record = run_hf(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
                                     self.pad, mask)
         else:
-            tokens, record = run_ours(method, self.models, ids, cfg.max_new_tokens, sampling_of(cfg), self.eos,
+            tokens, record = run_ours(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
                                       self.policy, self.seed + start, mask)
         self.outputs.extend([tokens] if mask is None else tokens)
         self.records.append(record)
@@ -173,12 +170,6 @@ def reference_method(names) -> str:
     methods alone (resolve_methods adds `ar` to any of ours) is checked against `hf-ar`, transformers' greedy
     decoding on the same plain copy."""
     return "ar" if "ar" in names else "hf-ar"
-
-
-def reference_outputs(models: Models, prompt_ids, cfg: BenchConfig, eos: list[int], name: str) -> list[list[int]]:
-    """Method `name`'s greedy output for every prompt, one prompt at a time."""
-    greedy = replace(cfg, temperature=0.0)
-    return run_pass(parse_method(name), models, make_batches(prompt_ids, 1), greedy, eos, cfg.seed)[0]
 
 
 def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int], bar,
@@ -228,12 +219,14 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
         runs[size] = measure(methods, models, make_batches(prompt_ids, size), cfg, eos, bar, warmup)
     bar.close()
     references, reference = None, reference_method([m.name for m in methods])
-    if cfg.temperature == 0:  # the reference's greedy outputs at batch size 1: no extra pass when it ran
+    if cfg.temperature == 0:  # the reference's greedy outputs, one prompt at a time: no extra pass when it ran
         lone = runs.get(1, {}).get(reference)
-        references = lone[0]["outputs"] if lone else reference_outputs(models, prompt_ids, cfg, eos, reference)
+        references = lone[0]["outputs"] if lone else run_pass(parse_method(reference), models,
+                                                              make_batches(prompt_ids, 1), cfg, eos, cfg.seed)[0]
     batches = {str(size): {"methods": {m.name: summarize(m, r, prompts, references, per_prompt(cfg)) for m in methods},
                            "runs": r} for size, r in runs.items()}
-    return {"config": asdict(cfg), "device": describe(device), "prompts": [asdict(p) for p in prompts],
+    device = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    return {"config": asdict(cfg), "device": device, "prompts": [asdict(p) for p in prompts],
             "prompt_tokens": [int(ids.shape[1]) for ids in prompt_ids], "reference": reference,
             "references": references, "baselines": baselines_of(runs[cfg.batch_sizes[0]]), "batches": batches}
 
@@ -242,12 +235,6 @@ def per_prompt(cfg: BenchConfig | dict) -> bool:
     """Batch size 1 alone: Spec-Bench's per-prompt table (rates per prompt, per category, bar plots); any other
     `batch_sizes`: a sweep (throughput over all batches, a table per size, plots over batch size)."""
     return tuple(cfg["batch_sizes"] if isinstance(cfg, dict) else cfg.batch_sizes) == (1,)
-
-
-def describe(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({torch.get_num_threads()} threads)"
 
 
 def tokens_per_s(records: list[dict]) -> float:
@@ -331,11 +318,6 @@ def equality_cell(summary: dict) -> str:
     return f"lossy: {eq['n_identical']}/{eq['n_prompts']} identical, prefix agreement {eq['prefix_agreement']:.2f}"
 
 
-def state_cell(summary: dict) -> str:
-    mib = summary.get("drafter_state_mib")
-    return "–" if not mib else f"{mib:.2f} MiB"
-
-
 def reference_text(result: dict) -> str:
     return {"ar": "plain decoding (ar)"}.get(result.get("reference"), "transformers' greedy (hf-ar)")
 
@@ -348,47 +330,44 @@ def baseline_text(baselines: list[str]) -> str:
     return f"{baselines[0]} ({', '.join(missing)} not run)"
 
 
-def speedup_header(baselines: list[str]) -> list[str]:
-    """The headline speedup column, then one per baseline when there are two (each names its denominator)."""
-    return [f"speedup vs {baseline_text(baselines)}"] + ([f"vs {b}" for b in baselines] if len(baselines) > 1 else [])
-
-
-def speedup_cells(summary: dict, baselines: list[str]) -> list[str]:
-    keys = ["speedup"] + ([f"speedup_vs_{b}" for b in baselines] if len(baselines) > 1 else [])
-    return [fmt_mean_std(summary[key]) + "×" for key in keys]
-
-
-def speedups_text(baselines: list[str], where: str) -> str:
-    if len(baselines) > 1:
-        return (f" Speedups are against the faster of `ar` (our plain decoding) and `hf-ar` (transformers' generate "
-                f"on the plain model) {where}, repeat by repeat.")
-    return f" Speedups are against `{baselines[0]}` {where}: {baseline_text(baselines)}."
-
-
 def markdown_report(result: dict) -> str:
     """The methods' table (tokens/s, τ, speedup vs the faster of ar and hf-ar and vs each, drafter state, equality):
-    one prompt at a time with speedups per category, or for a sweep one table per batch size and tokens/s by size."""
-    cfg, batches, baselines = result["config"], result["batches"], result["baselines"]
+    one prompt at a time with speedups per category, or for a sweep one table per batch size and tokens/s by size.
+    The first line says what a time budget cut from the measurement (the demo's)."""
+    cfg, batches, baselines, budget = result["config"], result["batches"], result["baselines"], result.get("budget")
     sweep, reference = not per_prompt(cfg), reference_text(result)
+    both = baselines if len(baselines) > 1 else []  # with two baselines, a speedup column for each as well
+    where = "on the same batches" if sweep else "on the same prompts"
     prompts = f"{len(result['prompts'])} prompts" + (
         f" in left-padded batches of {', '.join(batches)} (the last batch of a size may be smaller)" if sweep else "")
-    text = (budget_text(result) + f"{prompts}, {cfg['max_new_tokens']} new tokens max, {sampling_text(cfg)}, "
+    sampling = (f" (top-k {cfg['top_k'] or 'off'}, top-p {cfg['top_p']})" if cfg["temperature"] else " (greedy)")
+    text = ((f"**{budget['summary']}**\n\n" if budget and budget["cuts"] else "")
+            + f"{prompts}, {cfg['max_new_tokens']} new tokens max, temperature {cfg['temperature']}{sampling}, "
             f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}."
             + (" tokens/s = all new tokens / wall time of all batches." if sweep else "")
-            + speedups_text(baselines, "on the same batches" if sweep else "on the same prompts")
+            + (f" Speedups are against the faster of `ar` (our plain decoding) and `hf-ar` (transformers' generate "
+               f"on the plain model) {where}, repeat by repeat." if both
+               else f" Speedups are against `{baselines[0]}` {where}: {baseline_text(baselines)}.")
             + (f" Outputs compared with per-prompt greedy {reference}." if sweep else "")
-            + bandit_memory_text(cfg) + "\n")
-    header = ["method", "verifier", "tokens/s", "τ", *speedup_header(baselines), "drafter state",
-              f"output vs {reference}"]
+            # configs written before the option read as per call
+            + (" Bandit methods learn over the whole pass (`--bandit-memory pass`), not afresh per call."
+               if cfg.get("bandit_memory", "call") == "pass" else "") + "\n")
+    header = ["method", "verifier", "tokens/s", "τ", f"speedup vs {baseline_text(baselines)}",
+              *(f"vs {b}" for b in both), "drafter state", f"output vs {reference}"]
     for size, entry in batches.items():
         methods = entry["methods"]
         rows = [[name, (s["verifier"] or "auto") if s["kind"] == "spec" else "–", fmt_mean_std(s["tokens_per_s"], 1),
-                 fmt_mean_std(s["tau"]), *speedup_cells(s, baselines), state_cell(s), equality_cell(s)]
+                 fmt_mean_std(s["tau"]),
+                 *(fmt_mean_std(s[key]) + "×" for key in ["speedup", *(f"speedup_vs_{b}" for b in both)]),
+                 f"{s['drafter_state_mib']:.2f} MiB" if s.get("drafter_state_mib") else "–", equality_cell(s)]
                 for name, s in methods.items()]
         text += (f"\n### Batch size {size}\n\n" if sweep else "\n") + markdown_table(header, rows)
         if not sweep:
             text += categories_table(methods, baselines)
-        text += arm_pulls(methods, "batched rounds, last repeat" if sweep else "last repeat")
+        what = "batched rounds, last repeat" if sweep else "last repeat"
+        text += "".join(f"\nArm pulls of `{name}` ({what}): "
+                        + ", ".join(f"{a} {int(v['pulls'])}" for a, v in s["arms"].items()) + "\n"
+                        for name, s in methods.items() if len(s["arms"]) > 1)  # the bandit methods
     if sweep:
         names = list(next(iter(batches.values()))["methods"])
         rows = [[name] + [f"{mean_std(entry['methods'][name]['tokens_per_s'])[0]:.1f}" for entry in batches.values()]
@@ -407,31 +386,6 @@ def categories_table(methods: dict, baselines: list[str]) -> str:
     return f"\nSpeedup vs {baseline_text(baselines)} (τ) per category:\n\n" + markdown_table(["method"] + categories, rows)
 
 
-def budget_text(result: dict) -> str:
-    """What a time budget cut from the measurement (the demo's), as the table's first line."""
-    budget = result.get("budget")
-    return f"**{budget['summary']}**\n\n" if budget and budget["cuts"] else ""
-
-
-def sampling_text(cfg: dict) -> str:
-    return f"temperature {cfg['temperature']}" + (
-        f" (top-k {cfg['top_k'] or 'off'}, top-p {cfg['top_p']})" if cfg["temperature"] else " (greedy)")
-
-
-def bandit_memory_text(cfg: dict) -> str:
-    """How the bandit methods kept their statistics (configs written before the option read as per call)."""
-    if cfg.get("bandit_memory", "call") == "pass":
-        return " Bandit methods learn over the whole pass (`--bandit-memory pass`), not afresh per call."
-    return ""
-
-
-def arm_pulls(methods: dict, what: str) -> str:
-    """One line per bandit method: its pulls per tree shape."""
-    return "".join(f"\nArm pulls of `{name}` ({what}): " + ", ".join(
-        f"{a} {int(v['pulls'])}" for a, v in s["arms"].items()) + "\n"
-        for name, s in methods.items() if len(s["arms"]) > 1)
-
-
 def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> dict[str, Path]:
     """JSON (everything), the markdown tables, and PNG plots: bars of tokens/s, τ and speedup one prompt at a time;
     for a sweep, lines over batch size of speedup (vs the faster of batched ar and hf-ar) and tokens/s."""
@@ -444,17 +398,16 @@ def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> d
 
 
 def bar_plots(result: dict, out_dir: Path, prefix: str) -> dict[str, Path]:
-    paths = {"tokens_png": out_dir / f"{prefix}_tokens_per_s.png", "tau_png": out_dir / f"{prefix}_tau.png",
-             "speedup_png": out_dir / f"{prefix}_speedup.png"}
     methods = result["batches"]["1"]["methods"]
     names = list(methods)
     lossy = [not methods[n]["lossless"] for n in names]
-    bar_plot(paths["tokens_png"], names, [methods[n]["tokens_per_s"] for n in names],
-             f"Decoding throughput ({result['device']})", "tokens / s", lossy=lossy)
-    bar_plot(paths["tau_png"], names, [methods[n]["tau"] for n in names],
-             "Mean accepted tokens per target forward (τ)", "τ", baseline=1.0, lossy=lossy)
-    bar_plot(paths["speedup_png"], names, [methods[n]["speedup"] for n in names],
-             f"Speedup vs {baseline_text(result['baselines'])}", "× tokens/s", baseline=1.0, lossy=lossy)
+    plots = {"tokens_png": ("tokens_per_s", f"Decoding throughput ({result['device']})", "tokens / s", None),
+             "tau_png": ("tau", "Mean accepted tokens per target forward (τ)", "τ", 1.0),
+             "speedup_png": ("speedup", f"Speedup vs {baseline_text(result['baselines'])}", "× tokens/s", 1.0)}
+    paths = {}
+    for path, (key, title, ylabel, baseline) in plots.items():
+        paths[path] = out_dir / f"{prefix}_{key}.png"
+        bar_plot(paths[path], names, [methods[n][key] for n in names], title, ylabel, baseline=baseline, lossy=lossy)
     return paths
 
 
@@ -535,17 +488,6 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def check_model_dir(path: str | None, flag: str) -> None:
-    """Local paths must exist; anything else is treated as a hub id by the loader."""
-    if path and (path.startswith((".", "/", "~")) or Path(path).exists()) and not Path(path).expanduser().is_dir():
-        raise FileNotFoundError(f"{flag} {path}: not a directory")
-
-
-def model_type(path: str) -> str:
-    config = Path(path).expanduser() / "config.json"
-    return json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
-
-
 def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     """Every argument problem is reported here, before any model is loaded."""
     from tree_search.generator import check_model_name
@@ -556,7 +498,9 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
                 check_model_name(getattr(args, flag), "target")
             except ValueError as err:
                 raise SystemExit(f"mamba-draft bench: error: --{flag}{str(err).removeprefix('target')}") from None
-    check_model_dir(args.drafter, "--drafter")
+    drafter = args.drafter and Path(args.drafter)  # a local path must exist; anything else is a name or hub id
+    if drafter and (args.drafter.startswith((".", "/", "~")) or drafter.exists()) and not drafter.expanduser().is_dir():
+        raise FileNotFoundError(f"--drafter {args.drafter}: not a directory")
     if any(m.kind == "spec" and m.drafter == "drafter" for m in methods) and not args.drafter:
         raise ValueError("drafting methods need --drafter PATH")
     if any(m.drafter == "assistant" for m in methods) and not args.assistant:
@@ -572,8 +516,10 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
                              "only): drop it or use --batch-size 1")
         if not args.assistant:
             raise ValueError("hf-assisted needs --assistant PATH (a small Transformer sharing the target's tokenizer)")
-        if model_type(args.assistant).startswith(("mamba", "falcon_mamba")):
-            raise ValueError(f"--assistant {args.assistant} is a {model_type(args.assistant)} model: transformers' assisted "
+        config = Path(args.assistant).expanduser() / "config.json"
+        model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
+        if model_type.startswith(("mamba", "falcon_mamba")):
+            raise ValueError(f"--assistant {args.assistant} is a {model_type} model: transformers' assisted "
                              "generation crashes with recurrent-state assistants; give a Transformer assistant")
     for flag in ("repeats", "max_new_tokens", "max_prompt_tokens"):
         if getattr(args, flag) < 1:
@@ -615,14 +561,6 @@ def load_models(methods: list[Method], target, *, dtype: torch.dtype, device: st
     return models
 
 
-def config_from_args(args: argparse.Namespace, methods: list[Method]) -> BenchConfig:
-    return BenchConfig(methods=tuple(m.name for m in methods), repeats=args.repeats, warmup=args.warmup,
-                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       chat_template=not args.no_chat_template, system_prompt=args.system_prompt,
-                       batch_sizes=args.batch_size, bandit_memory=args.bandit_memory)
-
-
 def bench_prompts(args: argparse.Namespace) -> list:
     """--prompts (default: the shipped Spec-Bench) narrowed by --split, --per-category and --limit."""
     return load_prompts(args.prompts or SPEC_BENCH, limit=args.limit, per_category=args.per_category,
@@ -636,7 +574,11 @@ def run(args: argparse.Namespace) -> int:
     if max(args.batch_size) > len(prompts):  # a table for batch size B needs a batch of B prompts
         raise ValueError(f"--batch-size {max(args.batch_size)} needs at least that many prompts; "
                          f"{args.prompts} gives {len(prompts)}")
-    cfg = config_from_args(args, methods)
+    cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=args.repeats, warmup=args.warmup,
+                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      chat_template=not args.no_chat_template, system_prompt=args.system_prompt,
+                      batch_sizes=args.batch_size, bandit_memory=args.bandit_memory)
     models = load_models(methods, args.target, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
                          tokenizer=args.tokenizer, drafter=args.drafter, assistant=args.assistant)
     result = run_benchmark(models, prompts, methods, cfg)

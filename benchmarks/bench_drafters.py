@@ -3,6 +3,7 @@ through the drafter interface the tree engine drafts with (`MambaDrafter`, `Tran
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.methods import sync, timed
 from benchmarks.report import line_plot, markdown_table, write_json, write_text
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES, dtype_name, parse_dtype
@@ -30,11 +32,6 @@ class DrafterBenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -71,10 +68,6 @@ def build_llama(cfg: DrafterBenchConfig, target_params: int, device: torch.devic
     return model.to(device).eval()
 
 
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def time_round_robin(steps: dict, device: torch.device, warmup: int, n_steps: int, block: int = 8) -> dict:
     """Median seconds of one call of each `steps[key]()` (one decoded token each), after `warmup` untimed calls.
 
@@ -91,11 +84,7 @@ def time_round_robin(steps: dict, device: torch.device, warmup: int, n_steps: in
         for key, step in steps.items():
             step()
             for _ in range(block):
-                sync(device)
-                start = time.perf_counter()
-                step()
-                sync(device)
-                times[key].append(time.perf_counter() - start)
+                times[key].append(timed(step, device)[1])
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -144,9 +133,10 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     """Measure both drafters at BASE_CONTEXT and every configured context; returns a JSON-able dict."""
     from tqdm import tqdm
 
+    from mamba_draft.transformer import TransformerDrafter
+
     contexts = sorted(set(cfg.contexts) | {BASE_CONTEXT})
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
-    from mamba_draft.transformer import TransformerDrafter
 
     mamba = build_mamba(cfg, device, dtype)
     llama = build_llama(cfg, n_params(mamba), device, dtype)
@@ -155,7 +145,7 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     bar = tqdm(total=len(models) * (len(contexts) + 1), desc="bench-drafters", disable=not progress)
     for name, model in models.items():
         weights = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied tensors once
-        weight_bytes = tensor_bytes(weights)
+        weight_bytes = sum(t.numel() * t.element_size() for t in weights)
         _, step = prepare(model, BASE_CONTEXT, cfg, device)  # untimed: first-call allocations and lazy init
         step()
         rows, steps = [], {}
@@ -177,37 +167,27 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
         results[name] = {"params": n_params(model), "weight_bytes": weight_bytes, "rows": rows}
         del steps  # free this model's states / KV caches before the next model
     bar.close()
-    return {"config": asdict(cfg), "device": describe_device(device), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "memory_measure": memory_measure(device), "models": results}
-
-
-def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def memory_measure(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "peak = torch.cuda.max_memory_allocated over prefill + decoding (weights included)"
-    return ("CPU: decoding memory = bytes one state row holds at that context (`row_bytes`: the recurrent state of "
-            "Mamba, the keys and values of a Transformer); weights listed separately")
+        name, memory = (torch.cuda.get_device_name(device),
+                        "peak = torch.cuda.max_memory_allocated over prefill + decoding (weights included)")
+    else:
+        name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        memory = ("CPU: decoding memory = bytes one state row holds at that context (`row_bytes`: the recurrent state "
+                  "of Mamba, the keys and values of a Transformer); weights listed separately")
+    return {"config": asdict(cfg), "device": name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "memory_measure": memory, "models": results}
 
 
 def markdown_report(result: dict) -> str:
     header = ["drafter", "params", "context", "step ms", "ratio to ctx 64", "prefill ms", "state / KV cache MiB"]
-    if result["device"].startswith("CPU") is False:
+    if not result["device"].startswith("CPU"):
         header.append("peak MiB")
     rows = []
     for name, m in result["models"].items():
         for r in m["rows"]:
-            row = [name, f"{m['params'] / 1e6:.1f}M", r["context"], f"{r['step_ms']:.2f}", f"{r['ratio_to_64']:.2f}",
-                   f"{r['prefill_ms']:.0f}", f"{r['cache_bytes'] / 2**20:.2f}"]
-            if r["peak_bytes"] is not None:
-                row.append(f"{r['peak_bytes'] / 2**20:.0f}")
-            rows.append(row)
+            peak = [] if r["peak_bytes"] is None else [f"{r['peak_bytes'] / 2**20:.0f}"]
+            rows.append([name, f"{m['params'] / 1e6:.1f}M", r["context"], f"{r['step_ms']:.2f}",
+                         f"{r['ratio_to_64']:.2f}", f"{r['prefill_ms']:.0f}", f"{r['cache_bytes'] / 2**20:.2f}", *peak])
     return (f"Device: {result['device']}, torch {result['torch']}, {result['config']['dtype']}. "
             f"{result['memory_measure']}.\n\n" + markdown_table(header, rows))
 
@@ -221,8 +201,8 @@ def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
     models = result["models"]
     line_plot(paths["latency_png"], contexts, {n: [r["step_ms"] for r in m["rows"]] for n, m in models.items()},
               f"Drafter decoding step latency ({result['device']})", "context length (tokens)", "ms per token")
-    on_gpu = next(iter(models.values()))["rows"][0]["peak_bytes"] is not None
-    mem_key, mem_label = ("peak_bytes", "peak MiB") if on_gpu else ("cache_bytes", "state / KV cache MiB")
+    on_cpu = result["device"].startswith("CPU")  # no peak there: the state's bytes
+    mem_key, mem_label = ("cache_bytes", "state / KV cache MiB") if on_cpu else ("peak_bytes", "peak MiB")
     line_plot(paths["memory_png"], contexts, {n: [r[mem_key] / 2**20 for r in m["rows"]] for n, m in models.items()},
               "Drafter decoding memory", "context length (tokens)", mem_label)
     return paths
@@ -245,21 +225,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON, markdown and PNG plots")
 
 
-def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
+def run(args: argparse.Namespace) -> int:
     if not args.contexts or min(args.contexts) < 1:
         raise ValueError(f"--contexts must be positive integers, got {args.contexts}")
     for name in ("d_model", "n_layer", "vocab_size", "steps"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+        if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_device(args.device)
-    return DrafterBenchConfig(contexts=tuple(args.contexts), arch=args.arch, d_model=args.d_model, n_layer=args.n_layer,
-                              vocab_size=args.vocab_size, steps=args.steps, warmup=args.warmup, device=args.device,
-                              dtype=dtype_name(resolve_dtype(args.dtype, args.device)), seed=args.seed)
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    result = run_bench(cfg)
+    result = run_bench(DrafterBenchConfig(
+        contexts=tuple(args.contexts), arch=args.arch, d_model=args.d_model, n_layer=args.n_layer,
+        vocab_size=args.vocab_size, steps=args.steps, warmup=args.warmup, device=args.device,
+        dtype=dtype_name(resolve_dtype(args.dtype, args.device)), seed=args.seed))
     paths = write_outputs(result, args.out)
     print(markdown_report(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -24,12 +24,8 @@ from pathlib import Path
 from benchmarks.corpus import CorpusConfig, build_corpus
 from benchmarks.report import write_json
 
-# The table compares these on held-out prompts. `bandit` uses the paper's arms (38-48-node trees, built for GPUs)
-# and reward. On CPU every verified node costs time (16 nodes ~1.4x one token, fp32), so the CPU bandit's arms are
-# chains of 4, 8 and 16 (few arms: a prompt the target finds easy is done in ~10 rounds, and every arm is explored
-# once per prompt), and its reward is the measured throughput of each round.
-# Verifiers: `greedy` is the lossless one at temperature 0; `sampling` needs temperature > 0 and `autojudge`
-# a trained judge head, so neither runs in the greedy demo. `default` is what `generate` runs by default here.
+# `bandit` uses the paper's arms (trees built for GPUs); on CPU every verified node costs time, so the CPU bandit
+# has few arms, chains of 4, 8 and 16 (every arm is explored once per prompt), rewarded by measured throughput.
 CPU_BANDIT = "bandit-time:1,1,1,1/1,1,1,1,1,1,1,1/1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"
 DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit",
                 f"cpu-bandit={CPU_BANDIT}", f"cpu-bandit@fly={CPU_BANDIT}@fly", f"cpu-bandit@topk={CPU_BANDIT}@topk",
@@ -70,10 +66,9 @@ class DemoConfig:
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
 
 
-# Sized from CPU measurements (docs/benchmarks.md). Small-model latency on CPU is per-layer overhead (~0.4-0.7 ms
-# per layer per forward), so the target is 6 layers deep and the drafter one wide Mamba layer: a target forward
-# costs >10x a drafter step. The drafter trains on short windows: transformers' reference (kernel-less) Mamba
-# backward costs O(B * L^2).
+# Sized from CPU measurements (docs/benchmarks.md): small-model latency on CPU is per-layer overhead, so the target
+# is deep and the drafter one wide Mamba layer. The drafter trains on short windows: transformers' reference
+# (kernel-less) Mamba backward costs O(B * L^2).
 FULL = DemoConfig(
     corpus=CorpusConfig(max_train_chars=3_000_000, max_heldout_chars=300_000, vocab_size=2048, n_prompts=8,
                         prompt_chars=400),
@@ -194,7 +189,7 @@ def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
 def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, force: bool = False,
              rebench: bool = False, progress: bool = True) -> dict:
     """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
-    from benchmarks.bench import RESULT_LAYOUT
+    from benchmarks.bench import RESULT_LAYOUT, write_outputs
 
     cache = cache_dir / cfg.fingerprint()
     measurement = {**{k: getattr(cfg, k) for k in ("max_new_tokens", "repeats", "methods")}, "layout": RESULT_LAYOUT}
@@ -218,8 +213,6 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
     result["skipped_verifiers"] = SKIPPED_VERIFIERS
     result["demo_seconds"] = time.perf_counter() - started
     result["measurement"] = measurement
-    from benchmarks.bench import write_outputs
-
     write_outputs(result, out_dir, prefix="demo")
     return result
 
@@ -229,17 +222,6 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 # The real demo's measurement (loading, sizing and both tables) fits this on every CPU kind: fewer questions or
 # repeats where plain decoding is slow (`fit_budget`); --budget-minutes changes it.
 BUDGET_MINUTES = 10.0
-
-# Bandit arms per CPU kind, chosen on even-id (training-side) questions only (docs/benchmarks.md has the sweep):
-# `none` is plain decoding, for stretches where drafts do not pay.
-# bf16 (AMD EPYC with AVX512-BF16, even-id questions, 48 tokens, the shipped drafter, + lookup rounds): this bandit
-# 1.54x, over 1,1 / 1,1,1 only 1.46x, tree 2,1 1.35x, chain 2 1.30x of plain decoding, all identical to it (without
-# lookup, the previous drafter: chain 3 1.11x, chain 2 1.08x, tree 2,1 1.07x, tree 3,1 0.93x). fp32 (AMD EPYC with
-# AVX2 only, even-id questions, 32 tokens, + lookup rounds): this bandit 1.48x, over none / 1,1,1 / 1,1,1,1 / 2,1 /
-# 2,1,1 1.51x, over none / 1,1,1 / 2,1 / 3,1 / 2,2,1 1.47x, tree 2,1 1.56x, 3,1 1.47x, 2,2,1 1.45x: within noise, kept.
-# Both kinds kept these arms: `generate`'s CPU default (tree_search.bandit.CPU_ARMS), which the demo measures as
-# `default` (with its prompt-lookup rounds, tree_search.calls.default_lookup_tokens; even-id questions, 48 tokens:
-# chain 2 + lookup 8 1.61x of ar).
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
@@ -251,6 +233,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     from tree_search.bandit import CPU_ARMS
     from tree_search.calls import LOOKUP_TOKENS as LOOKUP
 
+    # generate's CPU default arms, chosen on even-id (training-side) questions only (docs/benchmarks.md has the sweep)
     arms = "/".join(arm.spec for arm in CPU_ARMS)
     bandit = f"bandit-time:{arms}"
     # the assistant (a Transformer of the drafter's size, same data and steps) drafting in our engine: the paper's
@@ -346,7 +329,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     measured within `budget_minutes` (after any rebuild)."""
     import torch
 
-    from benchmarks.bench import RESULT_LAYOUT
+    from benchmarks.bench import RESULT_LAYOUT, write_outputs
     from mamba_draft.checkpoint import SHIPPED_DRAFTER
     from mamba_draft.devices import default_dtype
     from mamba_draft.heldout import read_spec_bench
@@ -377,8 +360,6 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
                           "assistant": heldout_curve(Path(assistant)) if train and assistant else []}
     result["demo_seconds"] = time.perf_counter() - started
     result["measurement"] = measurement
-    from benchmarks.bench import write_outputs
-
     write_outputs(result["greedy"], out_dir, prefix="demo")
     write_outputs(result["sampled"], out_dir, prefix="demo_sampled")
     write_json(out_dir / "demo.json", result)
@@ -410,8 +391,7 @@ def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, de
     specs = real_methods(dtype_name, assistant is not None, full_sweep)
     tables = {name: resolve_methods(specs[name]) for name in ("greedy", "sampled")}
     # the drafter in the target's dtype, its SSM state in fp32 (load_drafter's default): a batch-1 step is
-    # memory-bound, and bf16 weights halve it (shipped drafter on the 2-core AMD: 1.63 vs 3.03 ms; top-1 98.5 % the
-    # fp32 drafter's)
+    # memory-bound, and bf16 weights halve it
     models = load_models([m for methods in tables.values() for m in methods], SHIPPED_TARGET, dtype=dtype,
                          device=device, drafter=str(drafter), assistant=assistant)
     first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
@@ -445,7 +425,7 @@ def measure_tables(models, records: list[dict], cfg, tables: dict, repeats: int,
     for name, temperature in (("greedy", 0.0), ("sampled", cfg.temperature)):
         methods = tables[name]
         # the bandit learns over the whole pass, as a server answering request after request would: a fresh one
-        # per 32-token answer spent most rounds exploring (measured: 29 % of rounds on `none`, as many on each arm)
+        # per short answer spends most rounds exploring
         bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=repeats,
                                 max_new_tokens=cfg.max_new_tokens, chat_template=True, temperature=temperature,
                                 bandit_memory="pass")
@@ -534,6 +514,7 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
     target forward relative to one token (the cost structure speculation lives on), all through the engine's own
     TargetCache (row blocks included); medians, timed in turns."""
     from benchmarks.bench_drafters import time_round_robin
+    from benchmarks.gpu_timings import verify_call
     from tree_search.target import TargetCache
     from tree_search.tree import Tree
 
@@ -545,16 +526,10 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
     if assistant is not None:
         _, assistant_state = assistant.prefill(input_ids)
         steps_of["assistant"] = lambda: assistant.step(token.view(1), assistant_state)
-
-    def verify(n):
-        tree, tokens = Tree(tuple(range(-1, n - 1))), token.expand(1, n)
-
-        def run():  # a chain of n tokens verified, none of its drafts kept
-            target_cache.tree_forward(tokens, tree)
-            target_cache.commit([[]])
-        return run
-
-    fns = {"target": lambda: target_cache.decode(token.view(1)), **steps_of, **{f"verify{n}": verify(n) for n in chains}}
+    # a chain of n tokens verified, none of its drafts kept
+    verify = {f"verify{n}": verify_call(target_cache, token.expand(1, n), Tree(tuple(range(-1, n - 1))), [[]])
+              for n in chains}
+    fns = {"target": lambda: target_cache.decode(token.view(1)), **steps_of, **verify}
     seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=steps)
     out = {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
            "ratio": seconds["target"] / seconds["drafter"],

@@ -112,10 +112,6 @@ def backends(drafter) -> list[str]:
     return ["torch"] + (["kernels"] if drafter.device.type == "cuda" and kernels_available() else [])
 
 
-def graph_modes(device: torch.device) -> list[bool]:
-    return [False, True] if device.type == "cuda" else [False]
-
-
 def time_drafter_steps(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
     """One step of B rows, eager and replayed from a graph, per backend."""
     from tree_search.graphs import StepRunner
@@ -124,7 +120,7 @@ def time_drafter_steps(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict
     state = drafter.allocate_state(max(cfg.batches))
     for backend in backends(drafter):
         drafter.set_backend(backend)
-        for graphs in graph_modes(drafter.device):
+        for graphs in [False, True] if drafter.device.type == "cuda" else [False]:
             runner = StepRunner(drafter, state, use_graphs=graphs)
             for batch in cfg.batches:
                 tokens = torch.randint(0, drafter.vocab_size, (batch,), device=drafter.device)
@@ -198,6 +194,15 @@ def time_tree_drafting(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict
     return rows
 
 
+def verify_call(state, tokens: torch.Tensor, tree, kept: list[list[int]]):
+    """A call verifying `tokens` as `tree` in the TargetCache `state`, then committing the drafts `kept` per row
+    (and the root: every call grows the cache)."""
+    def verify():
+        state.tree_forward(tokens, tree)
+        state.commit(kept)
+    return verify
+
+
 def verify_modes(device: torch.device) -> dict[str, dict]:
     modes = {"dynamic": {"static": False}, "static": {"static": True}}
     if device.type == "cuda":
@@ -221,12 +226,7 @@ def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
         for size, branching in VERIFY_TREES.items():
             tree = TreeConfig(branching).build() if branching else Tree((-1,))
             tokens = torch.randint(0, vocab, (1, size), device=device)
-
-            def verify():
-                state.tree_forward(tokens, tree)
-                state.commit([[]])
-
-            rows.append({"mode": mode, "tokens": size, "ms": clock.ms(verify)})
+            rows.append({"mode": mode, "tokens": size, "ms": clock.ms(verify_call(state, tokens, tree, [[]]))})
     return rows
 
 
@@ -259,13 +259,7 @@ def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dic
         def draft():
             return drafts.draft(config, roots, logits, greedy, "topk", False, None)
 
-        tokens = draft().tokens.clone()
-        tree = config.build()
-
-        def verify():
-            state.tree_forward(tokens, tree)
-            state.commit([[] for _ in range(batch)])
-
+        verify = verify_call(state, draft().tokens.clone(), config.build(), [[] for _ in range(batch)])
         rows.append({"tree": branching, "ms": clock.ms(verify), "draft_ms": clock.ms(draft), "tau": tau})
         drafts.runner.invalidate()
     drafter.set_backend("torch")
@@ -331,12 +325,7 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
     tree = config.build()
     state = TargetCache(model, static=True, max_len=256, graphs=device.type == "cuda")
     state.prefill(prompt)
-    tokens = torch.randint(0, vocab, (1, len(tree)), device=device)
-
-    def verify():
-        state.tree_forward(tokens, tree)
-        state.commit([[1, 4]])
-
+    verify = verify_call(state, torch.randint(0, vocab, (1, len(tree)), device=device), tree, [[1, 4]])
     verify()
     verifying = host_syncs(verify)
     rounds: list[int] = []
@@ -469,12 +458,10 @@ def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
              "steps_png": out_dir / "gpu_drafter_steps.png", "verify_png": out_dir / "gpu_verify.png"}
     write_json(paths["json"], result)
     write_text(paths["markdown"], markdown_report(result))
-    steps = result["drafter_steps"]
-    batches = sorted({r["batch"] for r in steps})
-    series = {f"{b} {'graph' if g else 'eager'}": [next(r["ms"] for r in steps if (r["backend"], r["graphs"],
-                                                                                    r["batch"]) == (b, g, n))
-                                                   for n in batches]
-              for b in result["backends"] for g in sorted({r["graphs"] for r in steps})}
+    series = {}
+    for r in sorted(result["drafter_steps"], key=lambda r: r["batch"]):  # one series per backend and mode
+        series.setdefault(f"{r['backend']} {'graph' if r['graphs'] else 'eager'}", []).append(r["ms"])
+    batches = sorted({r["batch"] for r in result["drafter_steps"]})
     line_plot(paths["steps_png"], batches, series, f"Drafter step ({result['device']})", "batch", "ms")
     verify = {}
     for name, entry in result["targets"].items():

@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,8 +69,7 @@ def parse_method(spec: str) -> Method:
     if sep and label != "verifier":
         if not label or not rest:
             raise ValueError(f"method {spec!r}: expected LABEL=METHOD")
-        method = parse_method(rest)
-        return Method(label, method.kind, method.tree, method.verifier, method.lookup, method.drafter)
+        return replace(parse_method(rest), name=label)
     if name in ("hf-ar", "hf-assisted", "hf-lookup", "ar"):
         return Method(name, name)
     body, drafter = name, "drafter"
@@ -167,18 +166,18 @@ class Models:
         return self.assistant_drafter
 
 
-class ForwardCounter:
-    """Counts forward calls of a module (target forwards = verification rounds for HF methods)."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def __init__(self, module: torch.nn.Module):
-        self.count = 0
-        self.handle = module.register_forward_hook(self._hook)
 
-    def _hook(self, *_):
-        self.count += 1
-
-    def close(self) -> None:
-        self.handle.remove()
+def timed(fn, device: torch.device):
+    """(fn(), its wall seconds), the device synchronized before and after."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
 
 
 @torch.no_grad()
@@ -190,33 +189,27 @@ def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: in
 
     `sampling` holds resolved values (bench.resolve_config), passed explicitly so that the generation_config cannot
     add a top-k or top-p our methods do not apply (top_k 0 is off in transformers too)."""
+    sample = sampling["temperature"] > 0  # greedy: None, so that no generation_config value applies
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
-                  attention_mask=torch.ones_like(ids) if mask is None else mask)
-    if sampling["temperature"] > 0:
-        kwargs.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                      top_k=sampling["top_k"])
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                  attention_mask=torch.ones_like(ids) if mask is None else mask, do_sample=sample,
+                  **(sampling if sample else dict.fromkeys(sampling)))
     target, assistant = models.for_hf()
     if method.kind == "hf-assisted":
         kwargs["assistant_model"] = assistant
     if method.kind == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
-    counter = ForwardCounter(target)
+    forwards = []  # target forward calls = verification rounds
+    hook = target.register_forward_hook(lambda *_: forwards.append(1))
     try:
-        sync(ids.device)
-        start = time.perf_counter()
-        out = target.generate(ids, **kwargs)
-        sync(ids.device)
-        wall = time.perf_counter() - start
+        out, wall = timed(lambda: target.generate(ids, **kwargs), ids.device)
     finally:
-        counter.close()
+        hook.remove()
     rows = [until_eos(row, eos) for row in out[:, ids.shape[1]:].tolist()]  # a batch pads rows that ended early
     new = sum(map(len, rows))
     # τ counts per row-round: a batch decodes one token per row and forward (τ 1), a lone prompt's rounds are
     # the target's forward calls (assisted generation: fewer than its tokens)
-    record = {"new_tokens": new, "wall_time": wall, "rounds": counter.count if mask is None else new, "accepted": new,
-              "target_forwards": counter.count}
+    record = {"new_tokens": new, "wall_time": wall, "rounds": len(forwards) if mask is None else new, "accepted": new,
+              "target_forwards": len(forwards)}
     return (rows[0] if mask is None else rows), record
 
 
@@ -237,17 +230,16 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     # a persistent bandit's summary counts every call's pulls (others restart at the call): record this call's
     kept = getattr(policy, "persistent", False)
     before = {str(a): s.pulls for a, s in zip(policy.arms, policy.stats)} if kept else {}
-    sync(ids.device)
-    start = time.perf_counter()
-    if method.kind == "ar":
-        result = generate_autoregressive(models.target, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                         seed=seed, **sampling)
-    else:
-        result = generate(models.target, models.drafter_for(method), prompts, max_new_tokens=max_new_tokens,
-                          tree=policy, verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
-                          lookup_tokens=lookup_of(method, ids.device, mask is not None), **sampling)
-    sync(ids.device)
-    wall = time.perf_counter() - start
+
+    def decode():
+        if method.kind == "ar":
+            return generate_autoregressive(models.target, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                           seed=seed, **sampling)
+        return generate(models.target, models.drafter_for(method), prompts, max_new_tokens=max_new_tokens,
+                        tree=policy, verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
+                        lookup_tokens=lookup_of(method, ids.device, mask is not None), **sampling)
+
+    result, wall = timed(decode, ids.device)
     s = result.stats
     record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
               "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,
@@ -256,8 +248,3 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     if mask is None:
         return result.new_tokens[0].tolist(), record
     return result.new_tokens, record | {"batch_rounds": s.rounds}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
