@@ -66,11 +66,9 @@ def resolve_methods(specs) -> list[Method]:
 
 
 def encode_prompts(tokenizer, prompts: list[Prompt], cfg: BenchConfig, device) -> list[torch.Tensor]:
-    out = []
-    for p in prompts:
-        ids = encode_prompt(tokenizer, p.text, cfg.chat_template, cfg.system_prompt)[-cfg.max_prompt_tokens:]
-        out.append(torch.tensor([ids], dtype=torch.long, device=device))
-    return out
+    """Each prompt as (1, L) ids, longer ones cut to their last max_prompt_tokens."""
+    encoded = [encode_prompt(tokenizer, p.text, cfg.chat_template, cfg.system_prompt) for p in prompts]
+    return [torch.tensor([ids[-cfg.max_prompt_tokens:]], dtype=torch.long, device=device) for ids in encoded]
 
 
 def eos_ids(models: Models) -> list[int]:
@@ -147,18 +145,18 @@ class Pass:
         self.outputs.extend([tokens] if mask is None else tokens)
         self.records.append(record)
 
-    def result(self) -> tuple[list[list[int]], list[dict], dict]:
-        """(per-prompt outputs, per-batch records, pulls per tree shape summed over the pass's batches)."""
+    def result(self) -> dict:
+        """Per-prompt outputs, per-batch records, and the pulls per tree shape summed over the pass's batches."""
         arms: dict[str, dict[str, int]] = {}
         for record in self.records:
             for shape, pulls in record.get("arm_pulls", {}).items():
                 arms.setdefault(shape, {"pulls": 0})["pulls"] += pulls
-        return self.outputs, self.records, arms
+        return {"outputs": self.outputs, "records": self.records, "arms": arms}
 
 
 def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
-             seed: int) -> tuple[list[list[int]], list[dict], dict]:
-    """One method over every batch; returns per-prompt outputs, per-batch records and the tree shapes' pulls."""
+             seed: int) -> dict:
+    """One method over every batch: its pass's result."""
     one = Pass(method, models, cfg, eos, seed)
     for batch in batches:
         one.run(batch)
@@ -190,8 +188,7 @@ def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: Be
                 one.run(batch)
                 bar.update(batch.ids.shape[0])
         for one in passes:
-            outputs, records, arms = one.result()
-            runs[one.method.name].append({"outputs": outputs, "records": records, "arms": arms})
+            runs[one.method.name].append(one.result())
     return runs
 
 
@@ -221,8 +218,9 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     references, reference = None, reference_method([m.name for m in methods])
     if cfg.temperature == 0:  # the reference's greedy outputs, one prompt at a time: no extra pass when it ran
         lone = runs.get(1, {}).get(reference)
-        references = lone[0]["outputs"] if lone else run_pass(parse_method(reference), models,
-                                                              make_batches(prompt_ids, 1), cfg, eos, cfg.seed)[0]
+        lone = lone[0] if lone else run_pass(parse_method(reference), models, make_batches(prompt_ids, 1), cfg, eos,
+                                             cfg.seed)
+        references = lone["outputs"]
     batches = {str(size): {"methods": {m.name: summarize(m, r, prompts, references, per_prompt(cfg)) for m in methods},
                            "runs": r} for size, r in runs.items()}
     device = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"

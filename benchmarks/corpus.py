@@ -124,7 +124,7 @@ def completion_prompts(texts: list[str], n: int, prompt_chars: int) -> list[dict
         for text, matches in zip(texts, per_file):
             if depth < len(matches) and len(prompts) < n:
                 m = matches[depth * 7 % len(matches)] if depth else matches[len(matches) // 2]
-                end = m.end()  # stop at the colon: BPE merges the newline with the next line's indentation
+                end = m.end()
                 start = text.find("\n", max(0, end - prompt_chars)) + 1
                 kind = "class" if m.group(1) == "class" else "def"
                 prompts.append({"prompt": text[start:end], "category": kind})

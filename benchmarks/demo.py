@@ -89,10 +89,6 @@ QUICK = DemoConfig(
 )
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mamba-draft" / "demo"
-
-
 def training_precision() -> str:
     """bf16 on GPU and on CPUs with native bf16 matmuls (AVX512-BF16 / AMX: ~2x fp32 training throughput), else fp32."""
     import torch
@@ -444,7 +440,7 @@ def time_plain_decoding(models, prompts: list, max_new_tokens: int) -> float:
 
     cfg = BenchConfig(methods=("ar",), max_new_tokens=max_new_tokens, temperature=0.0)
     ids = encode_prompts(models.tokenizer, prompts, cfg, next(models.target.parameters()).device)
-    _, records, _ = run_pass(parse_method("ar"), models, make_batches(ids, 1), cfg, eos_ids(models), cfg.seed)
+    records = run_pass(parse_method("ar"), models, make_batches(ids, 1), cfg, eos_ids(models), cfg.seed)["records"]
     return sum(r["wall_time"] for r in records) / len(records)
 
 
@@ -564,7 +560,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, default=None,
                         help="Spec-Bench question.jsonl for the real pair (even ids: training data; odd ids: "
                         "held-out benchmark prompts; default: the copy shipped in mamba_draft/data)")
-    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+    parser.add_argument("--cache-dir", type=Path,
+                        default=Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mamba-draft" / "demo",
                         help="where data, models and results are cached (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="discard the cache and rebuild everything")
     parser.add_argument("--rebench", action="store_true", help="reuse cached models but measure again")
@@ -595,14 +592,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--full, --prompts, --train, --drafter, --per-category and --budget-minutes apply to the "
                              "real pair, not --toy")
         return run_toy(args)
-    if args.train and args.drafter:
-        raise ValueError("--train builds its own drafter; drop --drafter")
     from mamba_draft.checkpoint import SHIPPED_DRAFTER_NAMES
-
-    if args.drafter and args.drafter not in SHIPPED_DRAFTER_NAMES and not Path(args.drafter).expanduser().is_dir():
-        raise FileNotFoundError(f"--drafter {args.drafter}: not a directory")
     from mamba_draft.heldout import SPEC_BENCH
 
+    if args.train and args.drafter:
+        raise ValueError("--train builds its own drafter; drop --drafter")
+    if args.drafter and args.drafter not in SHIPPED_DRAFTER_NAMES and not Path(args.drafter).expanduser().is_dir():
+        raise FileNotFoundError(f"--drafter {args.drafter}: not a directory")
     full, quick = real_configs()
     cfg = quick if args.quick else full
     cfg = replace(cfg, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,13 +160,12 @@ def kernel_profile(drafter, cfg: GpuTimingConfig, steps: int = 20) -> list[dict]
                 torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - started) * 1e3 / steps
             kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-            by_name: dict[str, float] = {}
+            by_name = Counter()  # ms per step
             for e in kernels:
-                by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3 / steps
-            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
+                by_name[e.name] += e.device_time / 1e3 / steps
             rows.append({"backend": backend, "batch": batch, "kernels_per_step": len(kernels) / steps,
                          "kernel_ms_per_step": sum(by_name.values()), "profiled_wall_ms": wall_ms,
-                         "top_kernels": [{"name": n[:80], "ms": ms} for n, ms in top]})
+                         "top_kernels": [{"name": n[:80], "ms": ms} for n, ms in by_name.most_common(6)]})
         runner.invalidate()
     drafter.set_backend("torch")
     return rows
@@ -399,56 +399,56 @@ def projected(result: dict) -> list[dict]:
 
 
 def markdown_report(result: dict) -> str:
-    fmt = lambda v: f"{v:.3f}"  # noqa: E731
-    out = [f"# GPU timings on {result['device']} (torch {result['torch']}, {result['config']['dtype']})", ""]
-    steps = result["drafter_steps"]
-    batches = sorted({r["batch"] for r in steps})
-    d = result["config"]["drafter"]
-    out += [f"## Drafter step (ms), {d['arch']} d{d['d_model']} x {d['n_layer']}, vocab {d['vocab_size']}", ""]
-    rows = []
-    for backend in result["backends"]:
-        for graphs in sorted({r["graphs"] for r in steps}):
-            ms = {r["batch"]: r["ms"] for r in steps if r["backend"] == backend and r["graphs"] == graphs}
-            rows.append([backend, "graph" if graphs else "eager"] + [fmt(ms[b]) for b in batches])
-    out += [markdown_table(["backend", "mode"] + [f"B={b}" for b in batches], rows)]
+    def fmt(value: float) -> str:
+        return f"{value:.3f}"
+
+    def shape(tree) -> str:
+        return ",".join(map(str, tree))
+
+    def section(title: str, header: list[str], rows: list[list]) -> list[str]:
+        return [f"## {title}", "", markdown_table(header, rows)]
+
+    cfg, steps = result["config"], result["drafter_steps"]
+    d, batches = cfg["drafter"], sorted({r["batch"] for r in steps})
+    step_ms = {(r["backend"], r["graphs"], r["batch"]): r["ms"] for r in steps}
+    out = [f"# GPU timings on {result['device']} (torch {result['torch']}, {cfg['dtype']})", ""]
+    out += section(f"Drafter step (ms), {d['arch']} d{d['d_model']} x {d['n_layer']}, vocab {d['vocab_size']}",
+                   ["backend", "mode"] + [f"B={b}" for b in batches],
+                   [[backend, "graph" if graphs else "eager"] + [fmt(step_ms[backend, graphs, b]) for b in batches]
+                    for backend in result["backends"] for graphs in sorted({r["graphs"] for r in steps})])
     profile = result.get("kernel_profile")
     if isinstance(profile, list):
-        out += ["## Drafter step, graph replay: kernels launched and their summed device time", ""]
-        out += [markdown_table(["backend", "batch", "kernels/step", "kernel ms/step", "wall ms/step", "top kernels"],
-                               [[r["backend"], r["batch"], f"{r['kernels_per_step']:.0f}",
-                                 fmt(r["kernel_ms_per_step"]), fmt(r["profiled_wall_ms"]),
-                                 "; ".join(f"{k['name'][:40]} {k['ms']:.3f}" for k in r["top_kernels"][:3])]
-                                for r in profile])]
+        out += section("Drafter step, graph replay: kernels launched and their summed device time",
+                       ["backend", "batch", "kernels/step", "kernel ms/step", "wall ms/step", "top kernels"],
+                       [[r["backend"], r["batch"], f"{r['kernels_per_step']:.0f}", fmt(r["kernel_ms_per_step"]),
+                         fmt(r["profiled_wall_ms"]),
+                         "; ".join(f"{k['name'][:40]} {k['ms']:.3f}" for k in r["top_kernels"][:3])] for r in profile])
     elif profile:
         out += [f"kernel profile failed: {profile['error']}", ""]
-    out += ["## Tree drafting (ms, whole tree)", ""]
-    out += [markdown_table(["tree", "nodes", "ms", "vs 5-chain"],
-                           [[",".join(map(str, r["tree"])), r["nodes"], fmt(r["ms"]), f"{r['vs_chain5']:.2f}"]
-                            for r in result["tree_drafting"]])]
+    out += section("Tree drafting (ms, whole tree)", ["tree", "nodes", "ms", "vs 5-chain"],
+                   [[shape(r["tree"]), r["nodes"], fmt(r["ms"]), f"{r['vs_chain5']:.2f}"]
+                    for r in result["tree_drafting"]])
     for name, entry in result["targets"].items():
         modes = list(dict.fromkeys(r["mode"] for r in entry["verify"]))
         sizes = sorted({r["tokens"] for r in entry["verify"]})
-        ms = {(r["mode"], r["tokens"]): r["ms"] for r in entry["verify"]}
-        out += [f"## {name}: verify + commit (ms) by tree size", ""]
-        out += [markdown_table(["mode"] + [f"{s} tokens" for s in sizes],
-                               [[m] + [fmt(ms[m, s]) for s in sizes] for m in modes])]
-        out += [f"## {name}: batch {result['config']['batch']}, trees vs plain decoding (on CUDA: static storage, "
-                "captured)", ""]
-        out += [markdown_table(["tree", "verify ms", "draft ms", "τ", "projected speedup"],
-                               [[",".join(map(str, r["tree"])) or "plain", fmt(r["ms"]), fmt(r["draft_ms"]),
-                                 r.get("tau", 1.0), f"{r.get('projected_speedup', 1.0):.2f}"] for r in entry["batched"]])]
-        if entry["syncs"].get("generate_syncs") is not None:
-            out += [f"host syncs — captured drafting: {entry['syncs']['captured_drafting']}, captured verify + commit:"
-                    f" {entry['syncs']['captured_verify_commit']}, a whole generate call: "
-                    f"{entry['syncs']['generate_syncs']} in {entry['syncs']['generate_rounds']} rounds", ""]
-            for part, sites in entry["syncs"].get("sync_sites", {}).items():
-                if sites:
-                    out += [f"- {part} syncs at: {', '.join(sites)}", ""]
-    out += ["## Projected speedup = τ · T_target / T_round (batch 1)", ""]
-    out += [markdown_table(["target", "tree", "τ", "T_target ms", "draft ms", "verify ms", "speedup"],
-                           [[r["target"], ",".join(map(str, r["tree"])), r["tau"], fmt(r["target_ms"]),
-                             fmt(r["draft_ms"]), fmt(r["verify_ms"]), f"{r['speedup']:.2f}"]
-                            for r in result["projected"]])]
+        verify_ms = {(r["mode"], r["tokens"]): r["ms"] for r in entry["verify"]}
+        out += section(f"{name}: verify + commit (ms) by tree size", ["mode"] + [f"{s} tokens" for s in sizes],
+                       [[m] + [fmt(verify_ms[m, s]) for s in sizes] for m in modes])
+        out += section(f"{name}: batch {cfg['batch']}, trees vs plain decoding (on CUDA: static storage, captured)",
+                       ["tree", "verify ms", "draft ms", "τ", "projected speedup"],
+                       [[shape(r["tree"]) or "plain", fmt(r["ms"]), fmt(r["draft_ms"]), r.get("tau", 1.0),
+                         f"{r.get('projected_speedup', 1.0):.2f}"] for r in entry["batched"]])
+        syncs = entry["syncs"]
+        if syncs.get("generate_syncs") is not None:
+            out += [f"host syncs — captured drafting: {syncs['captured_drafting']}, captured verify + commit: "
+                    f"{syncs['captured_verify_commit']}, a whole generate call: {syncs['generate_syncs']} in "
+                    f"{syncs['generate_rounds']} rounds", ""]
+            out += [line for part, sites in syncs.get("sync_sites", {}).items() if sites
+                    for line in (f"- {part} syncs at: {', '.join(sites)}", "")]
+    out += section("Projected speedup = τ · T_target / T_round (batch 1)",
+                   ["target", "tree", "τ", "T_target ms", "draft ms", "verify ms", "speedup"],
+                   [[r["target"], shape(r["tree"]), r["tau"], fmt(r["target_ms"]), fmt(r["draft_ms"]),
+                     fmt(r["verify_ms"]), f"{r['speedup']:.2f}"] for r in result["projected"]])
     return "\n".join(out)
 
 

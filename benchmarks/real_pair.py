@@ -17,6 +17,7 @@ scale (and a Transformer assistant of the same size on the same data, for transf
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 from mamba_draft.heldout import is_heldout, is_heldout_text
@@ -31,7 +32,7 @@ def training_prompts(records: list[dict], tokenizer, max_prompt_tokens: int, lim
             continue
         if len(tokenizer(r["turns"][0])["input_ids"]) <= max_prompt_tokens:
             by_category.setdefault(r["category"], []).append(r)
-    spread = [r for group in _round_robin(list(by_category.values())) for r in group]
+    spread = [r for group in zip_longest(*by_category.values()) for r in group if r is not None]  # round robin
     return spread[:limit] if limit else spread
 
 
@@ -44,11 +45,6 @@ def heldout_prompts(records: list[dict], per_category: int) -> list[dict]:
             seen[r["category"]] = seen.get(r["category"], 0) + 1
             out.append(r)
     return out
-
-
-def _round_robin(groups: list[list[dict]]):
-    for i in range(max(map(len, groups), default=0)):
-        yield [g[i] for g in groups if i < len(g)]
 
 
 @dataclass

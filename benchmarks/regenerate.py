@@ -13,6 +13,7 @@ plain decoding on the same harness).
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 import training.regenerate as plain
@@ -38,9 +39,7 @@ class DraftedGenerate:
     def __init__(self, load, tree, verifier: str | None = None) -> None:
         self.load, self.tree, self.verifier = load, tree, verifier
         self.drafter = None
-        self.batches = self.new_tokens = self.drafter_calls = self.rounds = 0
-        self.accepted = self.row_rounds = 0
-        self.seconds = 0.0
+        self.totals = Counter()  # the batches' stats, summed
 
     def __call__(self, model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
                  eos_token_ids: list[int], seed: int | None = None) -> list[list[int]]:
@@ -53,24 +52,17 @@ class DraftedGenerate:
                           temperature=temperature, top_p=None, top_k=None, eos_token_id=list(eos_token_ids),
                           seed=seed, tree=self.tree, verifier=self.verifier, tokenizer=tokenizer)
         stats = result.stats
-        self.batches += 1
-        self.new_tokens += stats.new_tokens
-        self.drafter_calls += stats.drafter_calls
-        self.rounds += stats.rounds
-        self.accepted += sum(stats.accepted_lengths)
-        self.row_rounds += len(stats.accepted_lengths)
-        self.seconds += stats.total_time
+        self.totals.update(batches=1, new_tokens=stats.new_tokens, drafter_calls=stats.drafter_calls,
+                           rounds=stats.rounds, accepted=sum(stats.accepted_lengths),
+                           row_rounds=len(stats.accepted_lengths), seconds=stats.total_time)
         return result.new_tokens
 
-    @property
-    def mean_accepted(self) -> float:
-        """τ over every row-round of every batch: tokens committed per row per verification round."""
-        return self.accepted / self.row_rounds if self.row_rounds else 0.0
-
     def summary(self) -> str:
-        rate = self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-        return (f"drafted: {self.new_tokens} new tokens in {self.batches} batches, {self.rounds} rounds, "
-                f"tau {self.mean_accepted:.2f}, {rate:.1f} tok/s, drafter calls {self.drafter_calls}")
+        t = self.totals
+        tau = t["accepted"] / t["row_rounds"] if t["row_rounds"] else 0.0  # tokens committed per row per round
+        rate = t["new_tokens"] / t["seconds"] if t["seconds"] > 0 else 0.0
+        return (f"drafted: {t['new_tokens']} new tokens in {t['batches']} batches, {t['rounds']} rounds, "
+                f"tau {tau:.2f}, {rate:.1f} tok/s, drafter calls {t['drafter_calls']}")
 
 
 def run(args: argparse.Namespace) -> int:
