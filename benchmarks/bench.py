@@ -519,11 +519,9 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
         if model_type.startswith(("mamba", "falcon_mamba")):
             raise ValueError(f"--assistant {args.assistant} is a {model_type} model: transformers' assisted "
                              "generation crashes with recurrent-state assistants; give a Transformer assistant")
-    for flag in ("repeats", "max_new_tokens", "max_prompt_tokens"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    for flag, least in (("repeats", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1), ("warmup", 0)):
+        if getattr(args, flag) < least:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     # explicit sampling values are checked now; unset ones come from the target once it is loaded (resolve_config)
     check_verifiers(methods, resolve_sampling(None, args.temperature, args.top_p, args.top_k))
     if args.system_prompt is not None and args.no_chat_template:

@@ -503,8 +503,7 @@ def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: P
     return result
 
 
-def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[int, ...] = (2, 4, 8),
-                   assistant=None) -> dict:
+def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
     """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
     (and the assistant's, as a Transformer drafter, when given), and the cost of verifying a chain of n tokens in one
     target forward relative to one token (the cost structure speculation lives on), all through the engine's own
@@ -514,7 +513,7 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
     from tree_search.target import TargetCache
     from tree_search.tree import Tree
 
-    token = input_ids[0, -1]
+    token, chains = input_ids[0, -1], (2, 4, 8)
     target_cache = TargetCache(target)
     target_cache.prefill(input_ids)
     _, drafter_state = drafter.prefill(input_ids)
@@ -526,7 +525,7 @@ def measure_sizing(target, drafter, input_ids, steps: int = 64, chains: tuple[in
     verify = {f"verify{n}": verify_call(target_cache, token.expand(1, n), Tree(tuple(range(-1, n - 1))), [[]])
               for n in chains}
     fns = {"target": lambda: target_cache.decode(token.view(1)), **steps_of, **verify}
-    seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=steps)
+    seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=64)
     out = {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
            "ratio": seconds["target"] / seconds["drafter"],
            "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}

@@ -204,10 +204,9 @@ def verify_call(state, tokens: torch.Tensor, tree, kept: list[list[int]]):
 
 
 def verify_modes(device: torch.device) -> dict[str, dict]:
-    modes = {"dynamic": {"static": False}, "static": {"static": True}}
-    if device.type == "cuda":
-        modes["captured"] = {"static": True, "graphs": True}
-    return modes
+    """TargetCache kinds: dynamic or static storage, and on CUDA static storage captured in graphs."""
+    captured = {"captured": {"static": True, "graphs": True}} if device.type == "cuda" else {}
+    return {"dynamic": {"static": False}, "static": {"static": True}} | captured
 
 
 def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:

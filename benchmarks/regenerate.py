@@ -66,6 +66,7 @@ class DraftedGenerate:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mamba_draft import load_drafter
     from tree_search.calls import check_options
     from tree_search.policy import parse_policy
     from tree_search.sampling import resolve_sampling
@@ -91,9 +92,6 @@ def run(args: argparse.Namespace) -> int:
         sampling = resolve_sampling(None, args.temperature)
         verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"))
         check_options(verifier, tree, sampling, False)
-
-        from mamba_draft import load_drafter
-
         dtype = resolve_dtype(args.dtype, args.device)
         generate = DraftedGenerate(lambda embedding: load_drafter(args.drafter, device=args.device, dtype=dtype,
                                                                   embedding=embedding), tree, args.verifier)
