@@ -546,6 +546,7 @@ def describe_models(*paths: Path) -> dict[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    default_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mamba-draft" / "demo"
     parser.add_argument("--toy", action="store_true",
                         help="the self-contained toy pair (a small Llama target trained here) instead of the real one")
     parser.add_argument("--quick", action="store_true", help="tiny models and few tokens (CI smoke test, < 3 min)")
@@ -559,8 +560,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, default=None,
                         help="Spec-Bench question.jsonl for the real pair (even ids: training data; odd ids: "
                         "held-out benchmark prompts; default: the copy shipped in mamba_draft/data)")
-    parser.add_argument("--cache-dir", type=Path,
-                        default=Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mamba-draft" / "demo",
+    parser.add_argument("--cache-dir", type=Path, default=default_cache,
                         help="where data, models and results are cached (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="discard the cache and rebuild everything")
     parser.add_argument("--rebench", action="store_true", help="reuse cached models but measure again")

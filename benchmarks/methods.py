@@ -120,9 +120,8 @@ def lookup_of(method: Method, device: str | torch.device, batch: bool) -> int:
     it a policy object rather than "auto")."""
     from tree_search.calls import default_lookup_tokens
 
-    if method.lookup is not None:
-        return method.lookup
-    return default_lookup_tokens(method.tree, device, batch, prompt_lookup=False)
+    return method.lookup if method.lookup is not None else default_lookup_tokens(method.tree, device, batch,
+                                                                                 prompt_lookup=False)
 
 
 def load_plain(path, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
