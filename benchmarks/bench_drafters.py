@@ -91,7 +91,8 @@ def time_round_robin(steps: dict, device: torch.device, warmup: int, n_steps: in
 @torch.no_grad()
 def prepare(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device):
     """Prefill a random `context`-token prompt through the drafter interface (chunks of PREFILL_CHUNK, bounding a
-    Transformer's attention temporaries); returns its record (prefill time, state size) and a step function."""
+    Transformer's attention temporaries); returns its record (prefill time, state size) and a step function, after
+    one untimed step."""
     gen = torch.Generator().manual_seed(cfg.seed + context)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
     sync(device)
@@ -108,25 +109,20 @@ def prepare(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device
         nonlocal token
         token = drafter.step(token, state).argmax(-1)
 
+    step()
     return {"context": context, "prefill_ms": 1e3 * prefill_s, "cache_bytes": drafter.row_bytes(context)}, step
 
 
-def reset_peak(device: torch.device) -> int:
-    """Reset CUDA's peak counter; returns the bytes allocated now (weights and the states kept so far; 0 on CPU)."""
+def with_peak(device: torch.device, fn, weight_bytes: int):
+    """(fn(), the peak bytes it needed, weights included): what was allocated before it (the other contexts' states,
+    kept alive for round-robin timing) is not counted. CUDA only: None on CPU, where cache_bytes is the measure."""
     if device.type != "cuda":
-        return 0
+        return fn(), None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def peak(device: torch.device, held: int, weight_bytes: int) -> int | None:
-    """Peak bytes one context needed since `reset_peak` returned `held`, weights included: the other contexts'
-    states, kept alive for round-robin timing, are not counted (CUDA only; None on CPU, where cache_bytes is the
-    measure)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) - held + weight_bytes
+    held = torch.cuda.memory_allocated(device)
+    out = fn()
+    return out, torch.cuda.max_memory_allocated(device) - held + weight_bytes
 
 
 def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
@@ -146,16 +142,12 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     for name, model in models.items():
         weights = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied tensors once
         weight_bytes = sum(t.numel() * t.element_size() for t in weights)
-        _, step = prepare(model, BASE_CONTEXT, cfg, device)  # untimed: first-call allocations and lazy init
-        step()
+        prepare(model, BASE_CONTEXT, cfg, device)  # untimed: first-call allocations and lazy init
         rows, steps = [], {}
         for context in contexts:
             bar.set_postfix_str(f"{name}: prefill {context}")
-            held = reset_peak(device)
-            row, steps[context] = prepare(model, context, cfg, device)
-            steps[context]()
-            row["peak_bytes"] = peak(device, held, weight_bytes)
-            rows.append(row)
+            (row, steps[context]), peak = with_peak(device, lambda: prepare(model, context, cfg, device), weight_bytes)
+            rows.append(row | {"peak_bytes": peak})
             bar.update()
         bar.set_postfix_str(f"{name}: {cfg.steps} steps per context, round robin")
         step_s = time_round_robin(steps, device, cfg.warmup, cfg.steps)

@@ -364,10 +364,9 @@ def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
     for name, shape in cfg.targets.items():
         progress(f"target {name}")
         model = build_target(shape, device, dtype)
-        entry = {"verify": time_verification(model, cfg, clock)}
-        entry["batched"] = time_batched(model, drafter, cfg, clock)
-        entry["syncs"] = sync_counts(model, drafter, device)
-        result["targets"][name] = entry
+        result["targets"][name] = {"verify": time_verification(model, cfg, clock),
+                                   "batched": time_batched(model, drafter, cfg, clock),
+                                   "syncs": sync_counts(model, drafter, device)}
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
