@@ -221,11 +221,9 @@ BUDGET_MINUTES = 10.0
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
-    """The greedy and sampled tables: plain decoding (ours and transformers', the baselines of every speedup),
-    transformers' prompt-lookup decoding, `default` (what `generate` runs by default on this device, its verifier
-    following the temperature) and the measured-time bandit over the CPU arms without its lookup rounds; hf-assisted
-    when there is an assistant; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy
-    verifiers."""
+    """The greedy and sampled tables' methods: the baselines, `default` (what `generate` runs by default here) and
+    the measured-time bandit over the CPU arms without its lookup rounds, plus the assistant's methods when there is
+    one; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy verifiers."""
     from tree_search.bandit import CPU_ARMS
     from tree_search.calls import LOOKUP_TOKENS as LOOKUP
 

@@ -75,14 +75,13 @@ def bar_plot(path: str | Path, labels: list[str], values: list[list[float]], tit
 
 
 def line_plot(path: str | Path, x: list[float], series: dict[str, list[float]], title: str, xlabel: str,
-              ylabel: str, logx: bool = True, baseline: float | None = None) -> None:
-    """Several named series over the same x values (e.g. drafter latency vs context length, speedup vs batch
-    size)."""
+              ylabel: str, baseline: float | None = None) -> None:
+    """Several named series over the same x values, on a log-2 x axis (e.g. drafter latency vs context
+    length, speedup vs batch size)."""
     fig, ax = plot_axes((5.0, 3.6))
     for name, ys in series.items():
         ax.plot(x, ys, marker="o", label=name)
-    if logx:
-        ax.set_xscale("log", base=2)
+    ax.set_xscale("log", base=2)
     ax.set_xticks(x, [str(int(v)) for v in x])
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
