@@ -12,8 +12,7 @@ step is mostly transformers' per-call machinery, not arithmetic.
 
 A draft vocabulary (FR-Spec; `draft_vocab.safetensors` next to the weights, or `set_draft_vocab`) scores only those
 ids: the model's body runs as usual and its final hidden state meets a contiguous copy of their head rows. For a small
-drafter the head is most of a step (SmolLM2's 49,152 x 576 against ~4 M body weights), and a model trained on the full
-vocabulary loses only the tokens outside the set.
+drafter the head is most of a step, and a model trained on the full vocabulary loses only the tokens outside the set.
 """
 from __future__ import annotations
 
@@ -36,6 +35,11 @@ from .targets import cache_keyword
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
 HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _close(probed: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether a probe's logits are the reference's up to the rounding of another order of products."""
+    return torch.allclose(probed, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()) + 1e-6)
 
 
 class _RowLayer(CacheLayerMixin):
@@ -146,7 +150,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
         probe = torch.arange(4, device=ids.device)[None] % self.input_vocab_size
         full = self.model(input_ids=probe).logits[..., ids].float()
         drafted = F.linear(self.model.base_model(input_ids=probe).last_hidden_state, draft_head, draft_bias).float()
-        if not torch.allclose(drafted, full, rtol=2e-2, atol=2e-2 * float(full.abs().max()) + 1e-6):
+        if not _close(drafted, full):
             raise ValueError(f"{type(self.model).__name__}'s logits are not its head applied to its body's last "
                              "hidden state: a draft vocabulary cannot be used with it")
         self.draft_ids, self.draft_head, self.draft_bias = ids, draft_head, draft_bias
@@ -167,8 +171,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
             logits.append(self.extend(probe[10:].expand(2, 3), state).float())
         self.lean = None
         reference, lean = logits
-        same = torch.allclose(lean, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()) + 1e-6)
-        return body if same else None
+        return body if _close(lean, reference) else None
 
     # ---- properties ----
 
@@ -204,8 +207,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
 
     def row_bytes(self, context: int) -> int:
         """Bytes of one state row holding `context` tokens (keys and values, every layer)."""
-        size = torch.tensor([], dtype=self.cache_dtype).element_size()
-        return context * size * sum(h * (k + v) for h, k, v in self._layer_shapes())
+        return context * self.cache_dtype.itemsize * sum(h * (k + v) for h, k, v in self._layer_shapes())
 
     # ---- state ----
 
@@ -244,33 +246,31 @@ class TransformerDrafter(SharedCalls, nn.Module):
         positions = lengths[:, None] + torch.arange(n, device=self.device)  # (B, n): slot = position
         # query t of row b sees slots [0, its position]: its row's cache (contiguous from 0) and the block so far
         visible = torch.arange(width, device=self.device) <= positions[:, :, None]
-        rows_slice = slice(rows.start, rows.stop)
+        keys = [k[rows.start:rows.stop] for k in rows.store.keys]
+        values = [v[rows.start:rows.stop] for v in rows.store.values]
         if self.lean is not None:
-            hidden = self.lean.forward(ids, starts, positions, visible, [k[rows_slice] for k in rows.store.keys],
-                                       [v[rows_slice] for v in rows.store.values])
-            lengths += n
-            if last_only:
-                hidden = hidden[:, -1]
-            if self.draft_head is not None:
-                return self.head_cache.linear(hidden, self.draft_head, self.draft_bias)
-            head = self.model.get_output_embeddings()
-            return self.head_cache.linear(hidden, head.weight, head.bias)
-        if self._bool_mask:
-            mask = visible[:, None]
+            hidden = self.lean.forward(ids, starts, positions, visible, keys, values)
         else:
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-            mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
-        cache = Cache(layers=[_RowLayer(k[rows_slice], v[rows_slice], starts, positions, width)
-                              for k, v in zip(rows.store.keys, rows.store.values)])
-        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      **{self._cache_keyword: cache})
-        if self.draft_head is not None:  # the body, then the draft ids' head rows
+            if self._bool_mask:
+                mask = visible[:, None]
+            else:
+                mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+                mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
+            cache = Cache(layers=[_RowLayer(k, v, starts, positions, width) for k, v in zip(keys, values)])
+            kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                          **{self._cache_keyword: cache})
+            if self.draft_head is None:  # the model's own head (and logit transforms)
+                out = self.model(**kwargs, **({"logits_to_keep": 1} if last_only and self._logits_to_keep else {}))
+                lengths += n
+                return out.logits[:, -1] if last_only else out.logits
             hidden = self.model.base_model(**kwargs).last_hidden_state
-            lengths += n
-            return self.head_cache.linear(hidden[:, -1] if last_only else hidden, self.draft_head, self.draft_bias)
-        out = self.model(**kwargs, **({"logits_to_keep": 1} if last_only and self._logits_to_keep else {}))
         lengths += n
-        return out.logits[:, -1] if last_only else out.logits
+        if last_only:
+            hidden = hidden[:, -1]
+        if self.draft_head is not None:
+            return self.head_cache.linear(hidden, self.draft_head, self.draft_bias)
+        head = self.model.get_output_embeddings()
+        return self.head_cache.linear(hidden, head.weight, head.bias)
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, state: KVState) -> torch.Tensor:
