@@ -14,6 +14,9 @@ HF_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "state_size":
              "time_step_rank": "dt_rank"}
 HF_MAMBA2_FIELDS = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size"}
 HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers")
+# mamba_ssm's ssm_cfg keys that are MambaConfig fields of the same name
+SSM_FIELDS = ("d_state", "d_conv", "expand", "bias", "conv_bias")
+SSM_MAMBA2_FIELDS = ("headdim", "ngroups", "chunk_size")
 
 
 @dataclass
@@ -151,29 +154,18 @@ class MambaConfig:
         if self.target_hidden_size:
             raise ValueError("a drafter that reads the target has no mamba_ssm format (mamba_ssm has no input "
                              "fusion); save it in HF format")
-        ssm_cfg: dict = dict(d_state=self.d_state, d_conv=self.d_conv, expand=self.expand,
-                             bias=self.bias, conv_bias=self.conv_bias)
+        shared = {name: getattr(self, name) for name in SSM_FIELDS}
         if self.arch == "mamba1":
-            ssm_cfg = dict(layer="Mamba1", dt_rank=self.dt_rank, **ssm_cfg)
+            ssm_cfg = dict(layer="Mamba1", dt_rank=self.dt_rank, **shared)
         else:
-            ssm_cfg = dict(layer="Mamba2", headdim=self.headdim, ngroups=self.ngroups,
-                           chunk_size=self.chunk_size, rmsnorm=True, norm_before_gate=False, **ssm_cfg)
+            ssm_cfg = dict(layer="Mamba2", **{name: getattr(self, name) for name in SSM_MAMBA2_FIELDS}, rmsnorm=True,
+                           norm_before_gate=False, **shared)
             if self.dt_limit != (0.0, math.inf):
                 ssm_cfg["dt_limit"] = list(self.dt_limit)
-        return dict(
-            d_model=self.d_model,
-            d_intermediate=0,
-            n_layer=self.n_layer,
-            vocab_size=self.real_vocab_size,
-            ssm_cfg=ssm_cfg,
-            attn_layer_idx=[],
-            attn_cfg={},
-            rms_norm=True,
-            residual_in_fp32=self.residual_in_fp32,
-            fused_add_norm=True,
-            pad_vocab_size_multiple=self.pad_vocab_size_multiple,
-            tie_embeddings=self.tie_embeddings,
-        )
+        return dict(d_model=self.d_model, d_intermediate=0, n_layer=self.n_layer, vocab_size=self.real_vocab_size,
+                    ssm_cfg=ssm_cfg, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
+                    residual_in_fp32=self.residual_in_fp32, fused_add_norm=True,
+                    pad_vocab_size_multiple=self.pad_vocab_size_multiple, tie_embeddings=self.tie_embeddings)
 
     @classmethod
     def from_mamba_ssm_dict(cls, cfg: dict) -> "MambaConfig":
@@ -189,32 +181,21 @@ class MambaConfig:
             raise ValueError(f"unknown mamba_ssm layer type {layer!r}; expected 'Mamba1' or 'Mamba2'")
         if layer == "Mamba2" and ssm_cfg.get("norm_before_gate", False):
             raise ValueError("Mamba-2 checkpoints with norm_before_gate=True are not supported")
-        multiple = int(cfg.get("pad_vocab_size_multiple", 8))
-        real_vocab = int(cfg["vocab_size"])
-        padded = real_vocab + (-real_vocab) % multiple
-        kwargs = dict(
-            arch="mamba1" if layer == "Mamba1" else "mamba2",
-            d_model=cfg["d_model"],
-            n_layer=cfg["n_layer"],
-            vocab_size=padded,
-            real_vocab_size=real_vocab,
-            d_state=ssm_cfg.get("d_state", 16 if layer == "Mamba1" else 128),
-            d_conv=ssm_cfg.get("d_conv", 4),
-            expand=ssm_cfg.get("expand", 2),
-            bias=ssm_cfg.get("bias", False),
-            conv_bias=ssm_cfg.get("conv_bias", True),
-            residual_in_fp32=cfg.get("residual_in_fp32", True),
-            tie_embeddings=cfg.get("tie_embeddings", True),
-            pad_vocab_size_multiple=multiple,
-        )
-        if layer == "Mamba1":
+        mamba1 = layer == "Mamba1"
+        # an absent key takes the field's default
+        kwargs = {name: ssm_cfg[name] for name in SSM_FIELDS + (() if mamba1 else SSM_MAMBA2_FIELDS) if name in ssm_cfg}
+        kwargs.update({name: cfg[name] for name in ("residual_in_fp32", "tie_embeddings") if name in cfg})
+        kwargs.setdefault("d_state", 16 if mamba1 else 128)
+        if mamba1:
             rank = ssm_cfg.get("dt_rank", "auto")
             kwargs["dt_rank"] = None if rank == "auto" else int(rank)
         else:
-            kwargs.update(headdim=ssm_cfg.get("headdim", 64), ngroups=ssm_cfg.get("ngroups", 1),
-                          chunk_size=ssm_cfg.get("chunk_size", 256),
-                          dt_limit=tuple(ssm_cfg.get("dt_limit", (0.0, math.inf))))
-        return cls(**kwargs)
+            kwargs["dt_limit"] = tuple(ssm_cfg.get("dt_limit", (0.0, math.inf)))
+        multiple = int(cfg.get("pad_vocab_size_multiple", 8))
+        real_vocab = int(cfg["vocab_size"])
+        return cls(arch="mamba1" if mamba1 else "mamba2", d_model=cfg["d_model"], n_layer=cfg["n_layer"],
+                   vocab_size=real_vocab + (-real_vocab) % multiple, real_vocab_size=real_vocab,
+                   pad_vocab_size_multiple=multiple, **kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,12 +2,11 @@
 drafter's steps without transformers' per-call machinery.
 
 A drafter of a few layers steps one token on a few rows, where transformers' `LlamaModel.forward` spends more time
-on masks, cache objects, attention dispatch and output bookkeeping than on arithmetic (2-layer d576 Llama, 300-token
-context, bf16, 2-core AMD EPYC: ~5.7 ms a step, ~1.6 ms of it in products). This body calls the model's own modules
-(embedding, rotary embedding, RMSNorms, activation) and replaces the rest with a handful of ops per layer: one
-product for q/k/v and one for gate/up (the weights concatenated, rebuilt whenever a source weight changes), every
-product on a prepacked weight where that gives the same bits (`packed_linear`), the new keys written at each row's
-own slots, and grouped-query attention (`cpu_attention.grouped_attention`: no repeated keys) over the used slots.
+on masks, cache objects, attention dispatch and output bookkeeping than on arithmetic. This body calls the model's
+own modules (embedding, rotary embedding, RMSNorms, activation) and replaces the rest with a handful of ops per
+layer: one product for q/k/v and one for gate/up (the weights concatenated, `_Fused`), every product on a prepacked
+weight where that gives the same bits (`packed_linear`), the new keys written at each row's own slots, and
+grouped-query attention (`cpu_attention.grouped_attention`: no repeated keys) over the used slots.
 
 `LlamaBody.of(model)` returns None for a model of another shape; `TransformerDrafter` also checks the body's logits
 against transformers' own before using it, so a look-alike that computes something else (scaled embeddings, q/k

@@ -1,18 +1,12 @@
 """A Transformer drafter: any Hugging Face causal LM behind the interface `MambaDrafter` has (`prefill`, `step`,
 `extend` on an explicit state whose rows fork for tree drafting), so the tree engine drafts with either kind.
 
-Its state (`KVState`) is one KV cache per row, contiguous from slot 0 (slot = RoPE position), preallocated and grown
-geometrically. Forking a row copies its cache up to the longest row: O(context) per fork and step, where a Mamba
-row is a fixed-size state — the cost the paper's Figure 1 shows. A forward writes each row's new keys at that row's
-own length (`kv_state.write_rows`) and attends with a 4D mask by position, so rows of different lengths (a batch of
-prompts, tree levels) step together without padding. Only full-attention models: a sliding window would need HF's
-own mask, which a 4D mask replaces. A Llama-family model (Llama, SmolLM, Qwen2, Mistral without a window) runs
-`llama_step`'s lean body instead of transformers' forward where a probe shows the same logits: a few-layer drafter's
-step is mostly transformers' per-call machinery, not arithmetic.
-
-A draft vocabulary (FR-Spec; `draft_vocab.safetensors` next to the weights, or `set_draft_vocab`) scores only those
-ids: the model's body runs as usual and its final hidden state meets a contiguous copy of their head rows. For a small
-drafter the head is most of a step, and a model trained on the full vocabulary loses only the tokens outside the set.
+Its state (`KVState`) is one KV cache per row, contiguous from slot 0 (slot = RoPE position): forking a row copies
+its cache, O(context) where a Mamba row is a fixed-size state. A forward writes each row's new keys at that row's own
+length and attends with a 4D mask by position, so rows of different lengths (a batch of prompts, tree levels) step
+together without padding; hence full-attention models only (a sliding window needs HF's own mask). A Llama-family
+model runs `llama_step`'s lean body instead of transformers' forward where a probe shows the same logits. A draft
+vocabulary (FR-Spec) scores only its ids: the body's final hidden state meets a contiguous copy of their head rows.
 """
 from __future__ import annotations
 
@@ -22,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from .checkpoint import check_draft_ids
+from .checkpoint import DRAFT_VOCAB, check_draft_ids, read_draft_ids
 from .ids import SharedCalls, check_batch
 from .kv_state import KVState, KVStore, write_rows
 from .llama_step import LlamaBody
@@ -74,7 +68,7 @@ class _RowLayer(CacheLayerMixin):
 
 class TransformerDrafter(SharedCalls, nn.Module):
     """A Hugging Face causal LM as a drafter (see the module docstring): implements `mamba_draft.drafter.Drafter`
-    as `MambaDrafter` does (its state, `DraftState`); `capturable` is False (CUDA graphs need fixed shapes)."""
+    as `MambaDrafter` does (its state, `DraftState`)."""
 
     capturable = False  # a forward's width follows the longest row: eager only
     reads_target = False  # token ids only
@@ -112,10 +106,6 @@ class TransformerDrafter(SharedCalls, nn.Module):
         """A local HF causal-LM directory or hub id (sdpa attention), with the draft vocabulary a local directory
         stores (`draft_vocab.safetensors`, as training writes it). A model transformers cannot load raises OSError
         with the first sentence of its reason; a bad stored vocabulary, ValueError naming the file."""
-        from transformers import AutoModelForCausalLM
-
-        from .checkpoint import DRAFT_VOCAB, read_draft_ids
-
         try:
             model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
                                                          attn_implementation="sdpa")

@@ -4,16 +4,11 @@ transformers' eager and sdpa attention repeat every key/value head for the query
 copy of the whole KV cache each layer and step is most of a batched decoding step. `grouped_attention` is eager's
 arithmetic (additive mask, fp32 softmax) with the G query heads of a key head multiplied together.
 
-Row-stable attention adds one guarantee: a query's output does not depend on what else shares its forward.
-Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a
-probability-weighted sum of values rounds with the positions of the terms: a tree node whose ancestors sit behind
-masked siblings rounded differently from the decoding step that computes the same token after the same context,
-and speculative output in bf16 drifted from plain decoding (mamba_draft.targets.row_blocks). Here each row reduces over its
-visible keys in position order, in fixed blocks added one after another (`row_stable_attention`), so a tree node,
-a decoding step and a prefill row compute the same bits for the same context.
-
-Registered with transformers as attn_implementation="grouped" and "row_stable" (`mamba_draft.targets.
-default_attention` picks row_stable for bf16/fp16 targets on CPU).
+`row_stable_attention` adds one guarantee: a query's output does not depend on what else shares its forward.
+Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a weighted
+sum of values rounds with the positions of its terms: a tree node whose ancestors sit behind masked siblings would
+round differently from the decoding step computing the same token after the same context (why that matters:
+`row_blocks`). Both are registered with transformers as attn_implementation "grouped" and "row_stable" (`register`).
 """
 from __future__ import annotations
 
@@ -232,10 +227,8 @@ def row_stable_attention(module, query, key, value, attention_mask, scaling=None
     A row's visible keys in position order are its logical sequence, cut into blocks of `BLOCK`. Its scores sit in
     that order (masked ones after, whole blocks), so the softmax reduces them as any other forward holding the same
     row does (a trailing masked term adds an exact 0); the probability-weighted sum of values is one product per
-    block, added block after block. So a tree node, a decoding step and a prefill row round alike for the same
-    logical sequence, whatever else shares the forward. Rows that see one run of keys (prefills, chains, decoding)
-    use the keys in place; rows with gaps (tree nodes) share the blocks every row sees and gather only their own
-    last block or two (not a copy of the shared cache for every row)."""
+    block, added block after block. Rows that see one run of keys (prefills, chains, decoding) use the keys in place;
+    rows with gaps (tree nodes) share the blocks every row sees and gather only their own last block or two."""
     batch, heads, queries, dim = query.shape
     kv_heads = key.shape[1]
     layout = _layout(attention_mask, batch, queries, key.shape[2], query.device)

@@ -83,9 +83,8 @@ def _blocked(cls: type) -> type:
 
 def _row_wise(module: nn.Module) -> bool:
     """Layers whose forward maps (..., in) to (..., out) one row at a time through a matrix product."""
-    if isinstance(module, nn.Linear):
-        return True
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D"
+                                             and type(module).__module__.startswith("transformers"))
 
 
 def unblocked_forward(layer: nn.Module):
@@ -152,22 +151,17 @@ def prefilling(model: nn.Module):
 
 def _forced_rows() -> int | None:
     value = os.environ.get(ROWS_ENV)
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
+    if value and (not value.isdigit() or int(value) < 1):
         raise ValueError(f"{ROWS_ENV} must be a positive number of rows, got {value!r}")
-    return int(value)
+    return int(value) if value else None
 
 
 def _shapes(model: nn.Module) -> dict[tuple, list[nn.Module]]:
     """The model's row-wise layers grouped by what a product's cost and kernel depend on."""
     groups: dict[tuple, list[nn.Module]] = {}
-    for m in model.modules():
-        if _row_wise(m):
-            weight = m.weight
-            key = (isinstance(m, nn.Linear), tuple(weight.shape), getattr(m, "bias", None) is not None,
-                   str(weight.dtype))
-            groups.setdefault(key, []).append(m)
+    for m in filter(_row_wise, model.modules()):
+        key = (isinstance(m, nn.Linear), tuple(m.weight.shape), getattr(m, "bias", None) is not None, str(m.weight.dtype))
+        groups.setdefault(key, []).append(m)
     return groups
 
 
@@ -218,12 +212,11 @@ def _position_free(layer: nn.Module, rows: int) -> bool:
     shifted = product(x.roll(1, 0)).roll(-1, 0)
     others = torch.randn(rows, _in_features(layer), generator=g).to(layer.weight.dtype)
     for place in (0, rows - 1):
-        alone = torch.zeros_like(x)
-        alone[place] = x[0]
-        beside = others.clone()
-        beside[place] = x[0]
-        if not (torch.equal(product(alone)[place], reference[0]) and torch.equal(product(beside)[place], reference[0])):
-            return False
+        for neighbours in (torch.zeros_like(x), others):  # the row alone among zeros, then beside random rows
+            block = neighbours.clone()
+            block[place] = x[0]
+            if not torch.equal(product(block)[place], reference[0]):
+                return False
     return torch.equal(shifted, reference)
 
 
@@ -261,9 +254,9 @@ def _machine_key(groups: dict) -> str:
         flags = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("flags")), "")
     except OSError:
         pass
-    identity = [cpu, flags, torch.__version__, torch.get_num_threads(), sorted(map(list, groups))]
-    for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"):
-        identity.append(os.environ.get(name, ""))
+    identity = [cpu, flags, torch.__version__, torch.get_num_threads(), sorted(map(list, groups))] + [
+        os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                              "MKL_CBWR")]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
 
 
