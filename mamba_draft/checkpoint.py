@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import targets  # its loaders by attribute: tests stand in for them
 from .config import MambaConfig
 from .io import atomic_directory
 
@@ -117,9 +118,7 @@ def target_embedding(directory: Path, embedding: torch.Tensor | None) -> torch.T
     """The embedding a `target_embedding.json` directory takes from its target, checked against its digest."""
     target, digest, shape = embedding_spec(directory)
     if embedding is None:
-        from .targets import load_causal_lm
-
-        embedding = load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
+        embedding = targets.load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
     if tuple(embedding.shape) != shape or embedding_digest(embedding) != digest:
         raise ValueError(f"{directory} was trained on the embedding of {target!r} (shape {shape}, sha256 "
                          f"{digest[:12]}...); the target given has another ({tuple(embedding.shape)}, "
@@ -135,8 +134,7 @@ def load_checkpoint(path: str | os.PathLike, revision: str | None = None,
     when not given, the target it names is loaded for it. A directory with its own embedding ignores it."""
     directory = resolve_directory(path, revision)
     raw = read_config(directory)
-    fmt = detect_format(raw)
-    if fmt == "hf":
+    if detect_format(raw) == "hf":
         config = MambaConfig.from_hf_dict(raw)
         tensors = _read_hf_weights(directory)
     else:
@@ -281,9 +279,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrit
     config, tensors = load_checkpoint(directory)
     tokenizer, dtype = None, None
     if (directory / TARGET_EMBEDDING).is_file():
-        from .targets import load_tokenizer
-
-        tokenizer = load_tokenizer(embedding_spec(directory)[0])
+        tokenizer = targets.load_tokenizer(embedding_spec(directory)[0])
         dtype = torch.float32
     from .model import MambaDrafter
 

@@ -253,7 +253,7 @@ class Mamba2Mixer(nn.Module):
         decay = torch.exp(dt * A).view(rows, G, -1, 1, 1)
         dx = (dt.view(rows, G, -1, 1) * x)[..., None]  # (b, G, R, P, 1)
         state = _ssm_update(ssm_state.view(rows, G, -1, cfg.headdim, N), decay, dx, B.view(rows, G, 1, 1, N))
-        # y = state @ C as a product and a sum over N: 3x cheaper than a batched matmul of (P, N) @ (N, 1) on CPU
+        # y = state @ C as a product and a sum over N: cheaper than a batched matmul of (P, N) @ (N, 1) on CPU
         y = (state * C.view(rows, G, 1, 1, N)).sum(-1) + x * self.D.float().view(G, -1, 1)
         return self._out(y.flatten(1), z, h.dtype)
 
@@ -425,10 +425,12 @@ class MambaDrafter(SharedCalls, nn.Module):
         return cfg.n_layer * (self.dtype.itemsize * cfg.conv_dim * cfg.d_conv + ssm)
 
     def allocate_state(self, max_batch: int) -> DrafterState:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = self.config
-        return DrafterState.allocate(cfg.n_layer, max_batch, (cfg.conv_dim, cfg.d_conv), cfg.ssm_state_shape,
-                                     device=self.device, conv_dtype=self.dtype,
-                                     ssm_dtype=self.state_dtype or self.dtype)
+        zeros = lambda *shape, dtype: torch.zeros(cfg.n_layer, max_batch, *shape, device=self.device, dtype=dtype)
+        return DrafterState(zeros(cfg.conv_dim, cfg.d_conv, dtype=self.dtype),
+                            zeros(*cfg.ssm_state_shape, dtype=self.state_dtype or self.dtype))
 
     # ---- compute ----
 
@@ -476,12 +478,8 @@ class MambaDrafter(SharedCalls, nn.Module):
     def train_forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable full-sequence logits (B, L, vocab_size) from a zero state, and the final-norm hidden
-        states (B, L, d_model) they come from: the training forward.
-
-        The same chunked scans as prefill (Mamba-2: SSD matmuls; Mamba-1: a linear recurrence), linear in L, with
-        autograd through them. With a draft vocabulary the head rows are gathered here, so gradients reach the
-        (possibly tied) full-vocabulary weights.
-        """
+        states (B, L, d_model) they come from: the training forward, by prefill's chunked scans (linear in L). With a
+        draft vocabulary the head rows are gathered here, so gradients reach the (possibly tied) full weights."""
         ids = input_ids.to(device=self.device, dtype=torch.long)
         h = self.backbone.norm_f(self._run(ids, None, features))
         weight = self.lm_head.weight[: self.config.real_vocab_size] if self.draft_ids is None \
@@ -504,10 +502,7 @@ class MambaDrafter(SharedCalls, nn.Module):
     def step(self, token_ids: torch.Tensor, state: DrafterState, features: torch.Tensor | None = None,
              with_hidden: bool = False):
         """Feed one token per row (B,) (and, reading the target, its feature (B, H), `embed`) to rows [0:B] of
-        `state` (in place); returns logits (B, V), with `with_hidden` also the final-norm states (B, d) (`extend`).
-
-        No allocation outside temporaries, no host sync, no data-dependent branching: CUDA-graph capturable.
-        """
+        `state` (in place); returns logits (B, V), with `with_hidden` also the final-norm states (B, d) (`extend`)."""
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be an int64/int32 tensor, got "
                             f"{token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
