@@ -90,13 +90,11 @@ class LlamaBody:
         mask = visible[:, None]  # (B, 1, n, width)
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            head_dim = attn.head_dim
             x = layer.input_layernorm(hidden)
             q, k, v = self.qkv[i].linear(x, attn.q_proj, attn.k_proj, attn.v_proj).split(
                 (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), dim=-1)
-            q = _rotate(q.view(batch, n, -1, head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(batch, n, -1, head_dim).transpose(1, 2), cos, sin)
-            v = v.view(batch, n, -1, head_dim).transpose(1, 2)
+            q, k, v = (t.view(batch, n, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             write_rows(keys[i], k, starts, positions)
             write_rows(values[i], v, starts, positions)
             # in the cache's dtype (fp32 on CPU: TransformerDrafter.cache_dtype), a kv head's queries as one block
