@@ -201,10 +201,7 @@ def _read_hf_weights(directory: Path) -> dict:
         return _read_weights_file(single)
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors = {}
-        for shard in shards:
-            tensors.update(_read_weights_file(directory / shard))
-        return tensors
+        return {k: v for shard in shards for k, v in _read_weights_file(directory / shard).items()}
     if (directory / SSM_WEIGHTS).is_file():  # older HF checkpoints saved as .bin
         return _read_weights_file(directory / SSM_WEIGHTS)
     raise FileNotFoundError(f"{directory} has no weights ({HF_WEIGHTS}, {HF_INDEX} or {SSM_WEIGHTS})")

@@ -59,14 +59,11 @@ class RowBlocks:
         pad = self._pad
         if pad is None or pad.shape[0] != block or pad.dtype != x.dtype or pad.device != x.device:
             pad = self._pad = x.new_zeros(block, features)
-        if n < block:  # a decoding step, a small tree: one padded block (rows past n may hold an earlier call's
-            pad[:n].copy_(x.reshape(n, features))  # rows: no row of a product reads another)
-            return super().forward(pad)[:n].view(*x.shape[:-1], -1)
         flat = x.reshape(n, features)
         whole = n - n % block
         blocks = [super(RowBlocks, self).forward(flat[i:i + block]) for i in range(0, whole, block)]
-        if whole < n:
-            pad[: n - whole].copy_(flat[whole:])
+        if whole < n or not blocks:  # the rest in one padded block (a decoding step, a small tree: all of it)
+            pad[: n - whole].copy_(flat[whole:])  # rows past them may hold an earlier call's: no row reads another
             blocks.append(super(RowBlocks, self).forward(pad)[: n - whole])
         return torch.cat(blocks).view(*x.shape[:-1], -1)
 
