@@ -225,11 +225,11 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(h).split([cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)
         A = -torch.exp(self.A_log.float())
+        G, N, P = cfg.ngroups, cfg.d_state, cfg.headdim
+        sizes = [cfg.d_inner, G * N, G * N]  # x, B, C
         if kernels is not None:
             xbc = kernels.causal_conv1d_update(xbc, conv_state, weight, self.conv1d.bias, "silu")
-            gn = cfg.ngroups * cfg.d_state
-            x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
-            P, N = cfg.headdim, cfg.d_state
+            x, B, C = xbc.split(sizes, dim=-1)
             dt_bias, softplus = self.dt_bias, True  # the kernel adds the bias and applies softplus (>= 0)
             if cfg.dt_limit != (0.0, math.inf):
                 # The kernel has no dt_limit: bias, softplus and clamp here, and a zero bias for the kernel (it reads
@@ -239,20 +239,19 @@ class Mamba2Mixer(nn.Module):
             # Broadcast per-head scalars over headdim with zero strides: the kernel detects this (TIE_HDIM).
             y = kernels.selective_state_update(
                 ssm_state, x.reshape(-1, cfg.nheads, P), dt[..., None].expand(-1, -1, P),
-                A[:, None, None].expand(-1, P, N), B.reshape(-1, cfg.ngroups, N), C.reshape(-1, cfg.ngroups, N),
+                A[:, None, None].expand(-1, P, N), B.reshape(-1, G, N), C.reshape(-1, G, N),
                 self.D[:, None].expand(-1, P), z=None, dt_bias=dt_bias[:, None].expand(-1, P),
                 dt_softplus=softplus)
             return self._out(y.flatten(-2), z, h.dtype)
         xbc = _conv_step(xbc, conv_state, weight, self.conv1d.bias)
         # heads h = g * R + r share group g's B and C: broadcast them (no repeat_interleave copies)
-        G, N = cfg.ngroups, cfg.d_state
-        gn, rows = G * N, xbc.shape[0]
-        x, B, C = xbc.float().split([cfg.d_inner, gn, gn], dim=-1)
-        x = x.view(rows, G, -1, cfg.headdim)  # (b, G, R, P)
+        rows = xbc.shape[0]
+        x, B, C = xbc.float().split(sizes, dim=-1)
+        x = x.view(rows, G, -1, P)  # (b, G, R, P)
         dt = self._dt(dt)  # (b, H)
         decay = torch.exp(dt * A).view(rows, G, -1, 1, 1)
         dx = (dt.view(rows, G, -1, 1) * x)[..., None]  # (b, G, R, P, 1)
-        state = _ssm_update(ssm_state.view(rows, G, -1, cfg.headdim, N), decay, dx, B.view(rows, G, 1, 1, N))
+        state = _ssm_update(ssm_state.view(rows, G, -1, P, N), decay, dx, B.view(rows, G, 1, 1, N))
         # y = state @ C as a product and a sum over N: cheaper than a batched matmul of (P, N) @ (N, 1) on CPU
         y = (state * C.view(rows, G, 1, 1, N)).sum(-1) + x * self.D.float().view(G, -1, 1)
         return self._out(y.flatten(1), z, h.dtype)
@@ -268,8 +267,8 @@ class Block(nn.Module):
     def forward(self, h, conv_state, ssm_state, one_position: bool = False):
         """A block of positions h (B, L, d), or with `one_position` the torch step on h (B, d)."""
         x = self.norm(h.to(self.norm.weight.dtype))
-        mixed = self.mixer.step(x, conv_state, ssm_state, None) if one_position else self.mixer(x, conv_state, ssm_state)
-        return (h.float() if self.residual_in_fp32 else h) + mixed
+        mix = self.mixer.step(x, conv_state, ssm_state, None) if one_position else self.mixer(x, conv_state, ssm_state)
+        return (h.float() if self.residual_in_fp32 else h) + mix
 
     def kernel_step(self, out, residual, conv_state, ssm_state, kernels: Kernels):
         """The step with the kernels, on the previous layer's output and residual stream (None at the first

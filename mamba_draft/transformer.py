@@ -83,8 +83,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
                              "causal LM")
         self.model = model.eval()
         self.config = config
-        layers = DynamicCache(config=config).layers
-        if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in layers):
+        if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=config).layers):
             raise ValueError(f"{type(model).__name__} has sliding-window attention layers; the Transformer drafter "
                              "supports full-attention models only")
         # the 4D mask each attention implementation takes: sdpa a boolean one, the others an additive one

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+from importlib.metadata import version
 import inspect
 import json
 import os
@@ -133,8 +134,6 @@ def dense_copy_path(gguf: tuple[Path, str]) -> Path | None:
     root = cache_root()
     if root is None:
         return None
-    from importlib.metadata import version
-
     file = (gguf[0] / gguf[1]).resolve()
     stat = file.stat()
     identity = [str(file), stat.st_size, stat.st_mtime_ns, version("transformers"), version("gguf")]

@@ -157,7 +157,8 @@ def _shapes(model: nn.Module) -> dict[tuple, list[nn.Module]]:
     """The model's row-wise layers grouped by what a product's cost and kernel depend on."""
     groups: dict[tuple, list[nn.Module]] = {}
     for m in filter(_row_wise, model.modules()):
-        key = (isinstance(m, nn.Linear), tuple(m.weight.shape), getattr(m, "bias", None) is not None, str(m.weight.dtype))
+        key = (isinstance(m, nn.Linear), tuple(m.weight.shape), getattr(m, "bias", None) is not None,
+               str(m.weight.dtype))
         groups.setdefault(key, []).append(m)
     return groups
 
