@@ -1,21 +1,16 @@
 """Reading and writing drafter checkpoints in the two formats people have.
 
 * HF format (`state-spaces/mamba-130m-hf` layout): `config.json` (`model_type` mamba / mamba2) + `model.safetensors`
-  (or sharded `model.safetensors.index.json`). Tensor names `backbone.embeddings.weight`, `backbone.layers.{i}...`.
+  (or sharded `model.safetensors.index.json`).
 * mamba_ssm format (`MambaLMHeadModel.save_pretrained`): `config.json` (`d_model`, `n_layer`, `ssm_cfg`, ...) +
-  `pytorch_model.bin`; the embedding is `backbone.embedding.weight` and the vocabulary is padded to
+  `pytorch_model.bin`; the embedding is `backbone.embedding.weight`, the vocabulary padded to
   `pad_vocab_size_multiple`.
 
-A drafter with a draft vocabulary (a subset of the target's ids it proposes from) keeps its id map in
-`draft_vocab.safetensors` (tensor `d2t`: draft id -> target id) next to the weights in either format, so the model
-part still loads in plain transformers. In memory the map travels among the tensors under `DRAFT_IDS`.
-
-A drafter whose embedding is its target's (frozen in training, tied to the head) may be stored without it: then
-`target_embedding.json` names the target and the SHA-256 of that embedding (rounded to bf16, so an fp32 and a bf16
-copy of the target agree), and loading takes the embedding from the target — passed in, or loaded by name — after
-checking the digest. The drafters shipped in the package for the shipped target go by name (`SHIPPED_DRAFTER_NAMES`,
-directories under `mamba_draft/drafters/`): `smollm2`, the default, reads the target's hidden state;
-`smollm2-external` reads token ids only.
+Beside the weights, in either format: `draft_vocab.safetensors` (tensor `d2t`: draft id -> target id) for a drafter
+with a draft vocabulary, so the model part still loads in plain transformers (in memory the map travels among the
+tensors under `DRAFT_IDS`); `target_embedding.json` for a drafter stored without its embedding, which is its target's
+(frozen, tied to the head): it names the target and the SHA-256 of that embedding rounded to bf16 (an fp32 and a bf16
+copy agree), and loading takes the embedding from the target after checking the digest.
 
 Everything in memory uses HF names. Weights are read with safetensors or `torch.load(weights_only=True)` only,
 and directories are written to a temporary sibling and renamed, so a failure never leaves half a checkpoint.
@@ -30,9 +25,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import targets  # its loaders by attribute: tests stand in for them
 from .config import MambaConfig
 from .io import atomic_directory
 
@@ -44,8 +39,9 @@ DRAFT_VOCAB = "draft_vocab.safetensors"
 DRAFT_IDS = "draft_vocab.d2t"  # in-memory key of the id map (mamba_draft.model imports it from here)
 TARGET_EMBEDDING = "target_embedding.json"
 EMBEDDING = "backbone.embeddings.weight"
-SHIPPED_DRAFTER = "smollm2"  # the default drafter for the shipped target
-SHIPPED_DRAFTER_NAMES = (SHIPPED_DRAFTER, "smollm2-external")  # accepted wherever a drafter path is
+SHIPPED_DRAFTER = "smollm2"  # the default drafter for the shipped target: reads the target's hidden state
+# accepted wherever a drafter path is: directories under mamba_draft/drafters/ (the external one reads token ids only)
+SHIPPED_DRAFTER_NAMES = (SHIPPED_DRAFTER, "smollm2-external")
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 # The --drafter help every command shares.
 DRAFTER_HELP = ("drafter: a Mamba checkpoint (HF or mamba_ssm format), any HF causal LM sharing the target's tokenizer "
@@ -122,9 +118,7 @@ def target_embedding(directory: Path, embedding: torch.Tensor | None) -> torch.T
     """The embedding a `target_embedding.json` directory takes from its target, checked against its digest."""
     target, digest, shape = embedding_spec(directory)
     if embedding is None:
-        from .targets import load_causal_lm
-
-        embedding = load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
+        embedding = targets.load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
     if tuple(embedding.shape) != shape or embedding_digest(embedding) != digest:
         raise ValueError(f"{directory} was trained on the embedding of {target!r} (shape {shape}, sha256 "
                          f"{digest[:12]}...); the target given has another ({tuple(embedding.shape)}, "
@@ -140,19 +134,38 @@ def load_checkpoint(path: str | os.PathLike, revision: str | None = None,
     when not given, the target it names is loaded for it. A directory with its own embedding ignores it."""
     directory = resolve_directory(path, revision)
     raw = read_config(directory)
-    fmt = detect_format(raw)
-    if fmt == "hf":
+    if detect_format(raw) == "hf":
         config = MambaConfig.from_hf_dict(raw)
         tensors = _read_hf_weights(directory)
     else:
         config = MambaConfig.from_mamba_ssm_dict(raw)
-        tensors = {_ssm_to_hf_name(k): v for k, v in _read_weights_file(directory / SSM_WEIGHTS).items()}
+        tensors = {k.replace("backbone.embedding.", "backbone.embeddings.", 1): v
+                   for k, v in _read_weights_file(directory / SSM_WEIGHTS).items()}
     draft_ids = read_draft_ids(directory)
     if draft_ids is not None:
         tensors[DRAFT_IDS] = draft_ids
     if (directory / TARGET_EMBEDDING).is_file() and EMBEDDING not in tensors:
         tensors[EMBEDDING] = target_embedding(directory, embedding)
     return config, tensors
+
+
+def check_tensors(model, tensors: dict, where: str = "checkpoint") -> dict:
+    """`tensors` (HF names) less a tied head's copy, checked against `model`'s state dict (a meta model will do):
+    ValueError naming the first missing, unexpected or misshaped keys. A `DRAFT_IDS` entry passes through."""
+    tied = model.config.tie_embeddings
+    tensors = {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    given = set(tensors) - {DRAFT_IDS}
+    missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
+    if missing or unexpected:
+        first = lambda names: f"{names[:8]}{'...' if len(names) > 8 else ''}"
+        raise ValueError(f"{where} does not match the config: missing {first(missing)}, unexpected "
+                         f"{first(unexpected)}")
+    bad = [f"{k}: checkpoint {tuple(tensors[k].shape)} vs config {shape}"
+           for k, shape in expected.items() if tuple(tensors[k].shape) != shape]
+    if bad:
+        raise ValueError(f"{where}: shape mismatch between config.json and weights: " + "; ".join(bad[:8]))
+    return tensors
 
 
 def check_draft_ids(draft_ids, vocab: int, device=None, vocab_name: str = "") -> torch.Tensor:
@@ -188,10 +201,7 @@ def _read_hf_weights(directory: Path) -> dict:
         return _read_weights_file(single)
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors = {}
-        for shard in shards:
-            tensors.update(_read_weights_file(directory / shard))
-        return tensors
+        return {k: v for shard in shards for k, v in _read_weights_file(directory / shard).items()}
     if (directory / SSM_WEIGHTS).is_file():  # older HF checkpoints saved as .bin
         return _read_weights_file(directory / SSM_WEIGHTS)
     raise FileNotFoundError(f"{directory} has no weights ({HF_WEIGHTS}, {HF_INDEX} or {SSM_WEIGHTS})")
@@ -204,21 +214,11 @@ def _read_weights_file(path: Path) -> dict:
         if path.suffix == ".safetensors":
             return load_file(str(path))
         tensors = torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, RuntimeError, EOFError, OSError, ValueError) as err:
-        raise ValueError(f"weights file {path} is corrupt or unreadable: {err}") from err
-    except Exception as err:  # unpickling errors come in many types
+    except Exception as err:  # SafetensorError, and unpickling errors of many types
         raise ValueError(f"weights file {path} is corrupt or unreadable: {err}") from err
     if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
         raise ValueError(f"weights file {path} does not hold a flat state dict of tensors")
     return tensors
-
-
-def _ssm_to_hf_name(name: str) -> str:
-    return name.replace("backbone.embedding.", "backbone.embeddings.", 1)
-
-
-def _hf_to_ssm_name(name: str) -> str:
-    return name.replace("backbone.embeddings.", "backbone.embedding.", 1)
 
 
 def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.PathLike, *, format: str = "hf",
@@ -252,8 +252,9 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
             (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
         else:
             if config.tie_embeddings:  # MambaLMHeadModel.state_dict() lists the tied head under both names
-                tensors["lm_head.weight"] = tensors["backbone.embeddings.weight"]
-            torch.save({_hf_to_ssm_name(k): v for k, v in tensors.items()}, tmp / SSM_WEIGHTS)
+                tensors["lm_head.weight"] = tensors[EMBEDDING]
+            torch.save({k.replace("backbone.embeddings.", "backbone.embedding.", 1): v for k, v in tensors.items()},
+                       tmp / SSM_WEIGHTS)
             (tmp / "config.json").write_text(json.dumps(config.to_mamba_ssm_dict(), indent=2))
         if copy_from is not None:
             for name in TOKENIZER_FILES:
@@ -275,25 +276,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrit
     config, tensors = load_checkpoint(directory)
     tokenizer, dtype = None, None
     if (directory / TARGET_EMBEDDING).is_file():
-        from .targets import load_tokenizer
-
-        tokenizer = load_tokenizer(embedding_spec(directory)[0])
+        tokenizer = targets.load_tokenizer(embedding_spec(directory)[0])
         dtype = torch.float32
-    # Validate the tensors against the config before writing anything.
     from .model import MambaDrafter
 
-    with torch.device("meta"):
-        reference = MambaDrafter(config, backend="torch")
-    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    if DRAFT_IDS in tensors:
-        expected[DRAFT_IDS] = tuple(tensors[DRAFT_IDS].shape)
-    if config.tie_embeddings:
-        expected.pop("lm_head.weight")
-        tensors.pop("lm_head.weight", None)
-    problems = sorted(set(expected) ^ set(tensors))
-    problems += [k for k in expected if k in tensors and tuple(tensors[k].shape) != expected[k]]
-    if problems:
-        raise ValueError(f"{directory}: weights do not match config.json ({problems[:8]})")
+    with torch.device("meta"):  # checked against the config before anything is written
+        tensors = check_tensors(MambaDrafter(config, backend="torch"), tensors, where=str(directory))
     return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory, dtype=dtype,
                            tokenizer=tokenizer)
 

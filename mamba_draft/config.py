@@ -6,6 +6,17 @@ from dataclasses import asdict, dataclass, field
 
 
 DRAFTED_FEATURES = ("stand_in", "own")
+# transformers MambaConfig / Mamba2Config key -> MambaConfig field, in config.json's order
+HF_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "state_size": "d_state",
+             "num_hidden_layers": "n_layer", "layer_norm_epsilon": "norm_eps", "expand": "expand",
+             "conv_kernel": "d_conv", "use_bias": "bias", "use_conv_bias": "conv_bias",
+             "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
+             "time_step_rank": "dt_rank"}
+HF_MAMBA2_FIELDS = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size"}
+HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers")
+# mamba_ssm's ssm_cfg keys that are MambaConfig fields of the same name
+SSM_FIELDS = ("d_state", "d_conv", "expand", "bias", "conv_bias")
+SSM_MAMBA2_FIELDS = ("headdim", "ngroups", "chunk_size")
 
 
 @dataclass
@@ -93,33 +104,13 @@ class MambaConfig:
     # ---- Hugging Face (transformers MambaConfig / Mamba2Config) ----
 
     def to_hf_dict(self) -> dict:
-        common = dict(
-            vocab_size=self.vocab_size,
-            hidden_size=self.d_model,
-            state_size=self.d_state,
-            num_hidden_layers=self.n_layer,
-            layer_norm_epsilon=self.norm_eps,
-            expand=self.expand,
-            conv_kernel=self.d_conv,
-            use_bias=self.bias,
-            use_conv_bias=self.conv_bias,
-            residual_in_fp32=self.residual_in_fp32,
-            tie_word_embeddings=self.tie_embeddings,
-            time_step_rank=self.dt_rank,
-        )
         if self.arch == "mamba1":
-            hf = dict(model_type="mamba", architectures=["MambaForCausalLM"], **common)
+            hf = dict(model_type="mamba", architectures=["MambaForCausalLM"])
         else:
-            hf = dict(
-                model_type="mamba2",
-                architectures=["Mamba2ForCausalLM"],
-                num_heads=self.nheads,
-                head_dim=self.headdim,
-                n_groups=self.ngroups,
-                chunk_size=self.chunk_size,
-                time_step_limit=list(self.dt_limit),
-                **common,
-            )
+            hf = dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], num_heads=self.nheads,
+                      **{key: getattr(self, name) for key, name in HF_MAMBA2_FIELDS.items()},
+                      time_step_limit=list(self.dt_limit))
+        hf.update({key: getattr(self, name) for key, name in HF_FIELDS.items()})
         # Kept so a padded checkpoint can still tell its tokenizer's size (transformers ignores these keys).
         hf["real_vocab_size"] = self.real_vocab_size
         hf["pad_vocab_size_multiple"] = self.pad_vocab_size_multiple
@@ -137,43 +128,25 @@ class MambaConfig:
                 f"config.json describes model_type={model_type!r} (architectures={hf.get('architectures')}); "
                 "a Mamba drafter needs 'mamba' (MambaForCausalLM) or 'mamba2' (Mamba2ForCausalLM)"
             )
-        hf = dict(hf)
-        pop = hf.pop
-        kwargs = dict(
-            arch="mamba1" if model_type == "mamba" else "mamba2",
-            d_model=pop("hidden_size"),
-            n_layer=pop("num_hidden_layers"),
-            vocab_size=pop("vocab_size"),
-            real_vocab_size=pop("real_vocab_size", None),
-            d_state=pop("state_size", 16 if model_type == "mamba" else 128),
-            d_conv=pop("conv_kernel", 4),
-            expand=pop("expand", 2),
-            bias=pop("use_bias", False),
-            conv_bias=pop("use_conv_bias", True),
-            norm_eps=pop("layer_norm_epsilon", 1e-5),
-            residual_in_fp32=pop("residual_in_fp32", True),
-            tie_embeddings=pop("tie_word_embeddings", model_type == "mamba"),
-            pad_vocab_size_multiple=pop("pad_vocab_size_multiple", 1),
-            target_hidden_size=pop("target_hidden_size", 0),
-            drafted_features=pop("drafted_features", "stand_in"),
-        )
-        rank = pop("time_step_rank", "auto")
-        kwargs["dt_rank"] = None if rank == "auto" else int(rank)
-        if model_type == "mamba2":
-            kwargs.update(
-                headdim=pop("head_dim", 64),
-                ngroups=pop("n_groups", 1),
-                chunk_size=pop("chunk_size", 256),
-                dt_limit=tuple(_json_float(v) for v in pop("time_step_limit", (0.0, math.inf))),
-            )
-            num_heads = pop("num_heads", None)
-            expected = kwargs["expand"] * kwargs["d_model"] // kwargs["headdim"]
+        hf, mamba1 = dict(hf), model_type == "mamba"
+        fields = {**HF_FIELDS, **({} if mamba1 else HF_MAMBA2_FIELDS),
+                  **{name: name for name in ("real_vocab_size", "pad_vocab_size_multiple", "target_hidden_size",
+                                             "drafted_features")}}
+        # an absent key takes the field's default (a required one raises KeyError naming the key)
+        kwargs = {name: hf.pop(key) for key, name in fields.items() if key in hf or key in HF_REQUIRED}
+        kwargs.setdefault("d_state", 16 if mamba1 else 128)
+        kwargs.setdefault("tie_embeddings", mamba1)
+        rank = kwargs.pop("dt_rank", "auto")
+        kwargs.update(arch="mamba1" if mamba1 else "mamba2", dt_rank=None if rank == "auto" else int(rank))
+        if not mamba1:
+            kwargs["dt_limit"] = tuple(_json_float(v) for v in hf.pop("time_step_limit", (0.0, math.inf)))
+            num_heads = hf.pop("num_heads", None)
+            expected = kwargs.get("expand", 2) * kwargs["d_model"] // kwargs.get("headdim", 64)
             if num_heads is not None and num_heads != expected:
                 raise ValueError(f"num_heads {num_heads} != expand*hidden_size/head_dim = {expected}")
         for derived in ("intermediate_size", "model_type"):
-            pop(derived, None)
-        kwargs["extra"] = hf
-        return cls(**kwargs)
+            hf.pop(derived, None)
+        return cls(**kwargs, extra=hf)
 
     # ---- mamba_ssm (MambaLMHeadModel config.json) ----
 
@@ -181,29 +154,18 @@ class MambaConfig:
         if self.target_hidden_size:
             raise ValueError("a drafter that reads the target has no mamba_ssm format (mamba_ssm has no input "
                              "fusion); save it in HF format")
-        ssm_cfg: dict = dict(d_state=self.d_state, d_conv=self.d_conv, expand=self.expand,
-                             bias=self.bias, conv_bias=self.conv_bias)
+        shared = {name: getattr(self, name) for name in SSM_FIELDS}
         if self.arch == "mamba1":
-            ssm_cfg = dict(layer="Mamba1", dt_rank=self.dt_rank, **ssm_cfg)
+            ssm_cfg = dict(layer="Mamba1", dt_rank=self.dt_rank, **shared)
         else:
-            ssm_cfg = dict(layer="Mamba2", headdim=self.headdim, ngroups=self.ngroups,
-                           chunk_size=self.chunk_size, rmsnorm=True, norm_before_gate=False, **ssm_cfg)
+            ssm_cfg = dict(layer="Mamba2", **{name: getattr(self, name) for name in SSM_MAMBA2_FIELDS}, rmsnorm=True,
+                           norm_before_gate=False, **shared)
             if self.dt_limit != (0.0, math.inf):
                 ssm_cfg["dt_limit"] = list(self.dt_limit)
-        return dict(
-            d_model=self.d_model,
-            d_intermediate=0,
-            n_layer=self.n_layer,
-            vocab_size=self.real_vocab_size,
-            ssm_cfg=ssm_cfg,
-            attn_layer_idx=[],
-            attn_cfg={},
-            rms_norm=True,
-            residual_in_fp32=self.residual_in_fp32,
-            fused_add_norm=True,
-            pad_vocab_size_multiple=self.pad_vocab_size_multiple,
-            tie_embeddings=self.tie_embeddings,
-        )
+        return dict(d_model=self.d_model, d_intermediate=0, n_layer=self.n_layer, vocab_size=self.real_vocab_size,
+                    ssm_cfg=ssm_cfg, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
+                    residual_in_fp32=self.residual_in_fp32, fused_add_norm=True,
+                    pad_vocab_size_multiple=self.pad_vocab_size_multiple, tie_embeddings=self.tie_embeddings)
 
     @classmethod
     def from_mamba_ssm_dict(cls, cfg: dict) -> "MambaConfig":
@@ -219,32 +181,21 @@ class MambaConfig:
             raise ValueError(f"unknown mamba_ssm layer type {layer!r}; expected 'Mamba1' or 'Mamba2'")
         if layer == "Mamba2" and ssm_cfg.get("norm_before_gate", False):
             raise ValueError("Mamba-2 checkpoints with norm_before_gate=True are not supported")
-        multiple = int(cfg.get("pad_vocab_size_multiple", 8))
-        real_vocab = int(cfg["vocab_size"])
-        padded = real_vocab + (-real_vocab) % multiple
-        kwargs = dict(
-            arch="mamba1" if layer == "Mamba1" else "mamba2",
-            d_model=cfg["d_model"],
-            n_layer=cfg["n_layer"],
-            vocab_size=padded,
-            real_vocab_size=real_vocab,
-            d_state=ssm_cfg.get("d_state", 16 if layer == "Mamba1" else 128),
-            d_conv=ssm_cfg.get("d_conv", 4),
-            expand=ssm_cfg.get("expand", 2),
-            bias=ssm_cfg.get("bias", False),
-            conv_bias=ssm_cfg.get("conv_bias", True),
-            residual_in_fp32=cfg.get("residual_in_fp32", True),
-            tie_embeddings=cfg.get("tie_embeddings", True),
-            pad_vocab_size_multiple=multiple,
-        )
-        if layer == "Mamba1":
+        mamba1 = layer == "Mamba1"
+        # an absent key takes the field's default
+        kwargs = {name: ssm_cfg[name] for name in SSM_FIELDS + (() if mamba1 else SSM_MAMBA2_FIELDS) if name in ssm_cfg}
+        kwargs.update({name: cfg[name] for name in ("residual_in_fp32", "tie_embeddings") if name in cfg})
+        kwargs.setdefault("d_state", 16 if mamba1 else 128)
+        if mamba1:
             rank = ssm_cfg.get("dt_rank", "auto")
             kwargs["dt_rank"] = None if rank == "auto" else int(rank)
         else:
-            kwargs.update(headdim=ssm_cfg.get("headdim", 64), ngroups=ssm_cfg.get("ngroups", 1),
-                          chunk_size=ssm_cfg.get("chunk_size", 256),
-                          dt_limit=tuple(ssm_cfg.get("dt_limit", (0.0, math.inf))))
-        return cls(**kwargs)
+            kwargs["dt_limit"] = tuple(ssm_cfg.get("dt_limit", (0.0, math.inf)))
+        multiple = int(cfg.get("pad_vocab_size_multiple", 8))
+        real_vocab = int(cfg["vocab_size"])
+        return cls(arch="mamba1" if mamba1 else "mamba2", d_model=cfg["d_model"], n_layer=cfg["n_layer"],
+                   vocab_size=real_vocab + (-real_vocab) % multiple, real_vocab_size=real_vocab,
+                   pad_vocab_size_multiple=multiple, **kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)

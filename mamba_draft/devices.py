@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import parse_dtype
+
 
 def check_device(name: str, flag: str = "--device") -> None:
     """Refuse a device this machine cannot use, in one line, before any model loads (torch itself answers an
@@ -47,6 +49,4 @@ def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
     """A --dtype value: "auto" is `default_dtype(device)`, anything else a name `parse_dtype` knows."""
-    from .dtypes import parse_dtype
-
     return default_dtype(device) if name == "auto" else parse_dtype(name)

@@ -1,14 +1,5 @@
 """The drafter interface the tree engine drafts with (`Drafter`, `DraftState`), and the one loader every command uses.
 
-A drafter is an `nn.Module` with an explicit state of rows (`allocate_state(rows)`: `max_batch`, `device`, `nbytes`,
-`rows(start, stop)` views, `gather_(dst, src_rows)` forks, `reset_()`), and:
-
-    prefill(ids (B, L), state) -> (last logits (B, V), state)    encode rows [0:B] from scratch
-    extend(ids (B, L), state, last_only) -> logits               continue rows [0:B]
-    step(tokens (B,), state) -> logits (B, V)                     one token per row (one tree level)
-    vocab_size / input_vocab_size / draft_ids / device / dtype / state_dtype / backend
-    capturable (CUDA graphs of `step`), row_bytes(context) (memory of one state row)
-
 `MambaDrafter` (recurrent state, fixed size per row) and `TransformerDrafter` (any HF causal LM, a KV cache per row)
 implement it; tree drafting, resync after a commit, lossless sampling, lossy verifiers and the bandit sit above it.
 They declare it in their docstrings rather than by subclassing, since this module loads them (an import either way
@@ -29,16 +20,9 @@ from .checkpoint import SHIPPED_DRAFTER_NAMES, detect_format, read_config, resol
 class DraftState(Protocol):
     """A drafter's state: preallocated rows (`DrafterState`: conv and SSM buffers; `KVState`: KV caches)."""
 
-    @property
-    def max_batch(self) -> int:
-        """Rows this state (or view) holds."""
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def nbytes(self) -> int:
-        """Memory of the buffers behind it."""
+    max_batch: int  # rows this state (or view) holds
+    device: torch.device
+    nbytes: int  # memory of the buffers behind it
 
     def rows(self, start: int, stop: int) -> DraftState:
         """A view of rows [start:stop] (no copy: writes go through)."""
@@ -52,30 +36,17 @@ class DraftState(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the tree engine drafts with (the module docstring); an `nn.Module` besides (`parameters()`)."""
+    """What the tree engine drafts with; an `nn.Module` besides (`parameters()`)."""
 
     capturable: bool  # `step` can be captured in a CUDA graph (fixed shapes, no host sync)
     backend: str  # what runs `step`: 'torch', 'kernels' (Mamba on CUDA) or 'hf'
     state_dtype: torch.dtype | None  # a Mamba drafter's recurrent state (None: `dtype`)
     draft_ids: torch.Tensor | None  # logit column j scores target id draft_ids[j] (None: id j)
-
-    @property
-    def vocab_size(self) -> int:
-        """Width of the logits (the draft vocabulary's size, if it has one)."""
-
-    @property
-    def input_vocab_size(self) -> int:
-        """Token ids the drafter reads."""
-
-    @property
-    def reads_target(self) -> bool:
-        """Whether `extend` / `step` take `features`: the target's final hidden state before each token."""
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
+    vocab_size: int  # width of the logits (the draft vocabulary's size, if it has one)
+    input_vocab_size: int  # token ids the drafter reads
+    reads_target: bool  # `extend` / `step` take `features`: the target's final hidden state before each token
+    device: torch.device
+    dtype: torch.dtype
 
     def allocate_state(self, max_batch: int) -> DraftState: ...
 

@@ -39,8 +39,10 @@ def normalize(text: str) -> str:
     return " ".join(str(text).split()).casefold()
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.casefold())
+def _ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    """The runs of `n` consecutive words of `text` (case folded)."""
+    words = re.findall(r"\w+", text.casefold())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
 @functools.cache
@@ -51,13 +53,7 @@ def heldout_texts() -> frozenset[str]:
 
 @functools.cache
 def _heldout_ngrams(n: int) -> frozenset[tuple[str, ...]]:
-    grams = set()
-    for r in read_spec_bench():
-        if is_heldout(r):
-            for turn in r["turns"]:
-                words = _words(turn)
-                grams.update(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
-    return frozenset(grams)
+    return frozenset(gram for text in heldout_texts() for gram in _ngrams(text, n))
 
 
 def is_heldout_text(text: str) -> bool:
@@ -68,7 +64,4 @@ def is_heldout_text(text: str) -> bool:
 def overlaps_heldout(text: str, n: int = OVERLAP_WORDS) -> bool:
     """True when `text` shares `n` consecutive words with an odd-id question (or is one): the filter for prompts
     a model writes, which may paraphrase or quote an evaluation question."""
-    if is_heldout_text(text):
-        return True
-    words, grams = _words(text), _heldout_ngrams(n)
-    return any(tuple(words[i:i + n]) in grams for i in range(len(words) - n + 1))
+    return is_heldout_text(text) or not _heldout_ngrams(n).isdisjoint(_ngrams(text, n))

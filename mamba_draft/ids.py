@@ -1,8 +1,6 @@
 """What both drafters share below the interface: token-id and row-count checks, and `prefill` / `forward` written
-once on each drafter's own `extend` and `allocate_state` (`SharedCalls`).
-
-Imports only torch, so `model.py` and `transformer.py` use it without a cycle through `drafter.py` (which loads
-either kind).
+once on each drafter's own `extend` and `allocate_state` (`SharedCalls`). Imports only torch, so `model.py` and
+`transformer.py` use it without a cycle through `drafter.py` (which loads either kind).
 """
 from __future__ import annotations
 

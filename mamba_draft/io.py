@@ -18,6 +18,15 @@ import torch
 from safetensors.torch import save_file
 
 
+CACHE_ENV = "MAMBA_DRAFT_CACHE"  # where the package keeps what it derives (GGUF dense copies, row blocks)
+
+
+def cache_root() -> Path | None:
+    """$MAMBA_DRAFT_CACHE (default ~/.cache/mamba-draft); None when it is "off" (nothing kept)."""
+    root = os.environ.get(CACHE_ENV, "~/.cache/mamba-draft")
+    return None if root == "off" else Path(root).expanduser()
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary file next to `path` for the block to fill; it replaces `path` if the block succeeds."""

@@ -11,7 +11,7 @@ import torch
 def write_rows(cache: torch.Tensor, new: torch.Tensor, starts: list[int], positions: torch.Tensor) -> None:
     """cache[b, :, starts[b] : starts[b] + n] = new[b] for every row b (cache (B, heads, slots, dim), new (B, heads, n,
     dim), positions (B, n) = starts + arange(n)): one slice copy when the rows start together (a tree level, a single
-    prompt), else one scatter (a scatter copies the whole cache on CPU: ~10x a slice copy at 300 slots)."""
+    prompt), else one scatter (which copies the whole cache on CPU: far dearer than a slice copy)."""
     new = new.to(cache.dtype)
     n = new.shape[2]
     if all(start == starts[0] for start in starts):

@@ -2,12 +2,11 @@
 drafter's steps without transformers' per-call machinery.
 
 A drafter of a few layers steps one token on a few rows, where transformers' `LlamaModel.forward` spends more time
-on masks, cache objects, attention dispatch and output bookkeeping than on arithmetic (2-layer d576 Llama, 300-token
-context, bf16, 2-core AMD EPYC: ~5.7 ms a step, ~1.6 ms of it in products). This body calls the model's own modules
-(embedding, rotary embedding, RMSNorms, activation) and replaces the rest with a handful of ops per layer: one
-product for q/k/v and one for gate/up (the weights concatenated, rebuilt whenever a source weight changes), every
-product on a prepacked weight where that gives the same bits (`packed_linear`), the new keys written at each row's
-own slots, and grouped-query attention (`cpu_attention.grouped_attention`: no repeated keys) over the used slots.
+on masks, cache objects, attention dispatch and output bookkeeping than on arithmetic. This body calls the model's
+own modules (embedding, rotary embedding, RMSNorms, activation) and replaces the rest with a handful of ops per
+layer: one product for q/k/v and one for gate/up (the weights concatenated, `_Fused`), every product on a prepacked
+weight where that gives the same bits (`packed_linear`), the new keys written at each row's own slots, and
+grouped-query attention (`cpu_attention.grouped_attention`: no repeated keys) over the used slots.
 
 `LlamaBody.of(model)` returns None for a model of another shape; `TransformerDrafter` also checks the body's logits
 against transformers' own before using it, so a look-alike that computes something else (scaled embeddings, q/k
@@ -91,13 +90,11 @@ class LlamaBody:
         mask = visible[:, None]  # (B, 1, n, width)
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            head_dim = attn.head_dim
             x = layer.input_layernorm(hidden)
             q, k, v = self.qkv[i].linear(x, attn.q_proj, attn.k_proj, attn.v_proj).split(
                 (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), dim=-1)
-            q = _rotate(q.view(batch, n, -1, head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(batch, n, -1, head_dim).transpose(1, 2), cos, sin)
-            v = v.view(batch, n, -1, head_dim).transpose(1, 2)
+            q, k, v = (t.view(batch, n, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             write_rows(keys[i], k, starts, positions)
             write_rows(values[i], v, starts, positions)
             # in the cache's dtype (fp32 on CPU: TransformerDrafter.cache_dtype), a kv head's queries as one block

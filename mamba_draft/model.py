@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import DRAFT_IDS, check_draft_ids
+from .checkpoint import DRAFT_IDS, check_draft_ids, check_tensors, load_checkpoint, save_checkpoint
 from .config import MambaConfig
 from .ids import SharedCalls, check_batch
 from .kernels import Kernels, load_kernels
@@ -225,11 +225,11 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(h).split([cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)
         A = -torch.exp(self.A_log.float())
+        G, N, P = cfg.ngroups, cfg.d_state, cfg.headdim
+        sizes = [cfg.d_inner, G * N, G * N]  # x, B, C
         if kernels is not None:
             xbc = kernels.causal_conv1d_update(xbc, conv_state, weight, self.conv1d.bias, "silu")
-            gn = cfg.ngroups * cfg.d_state
-            x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
-            P, N = cfg.headdim, cfg.d_state
+            x, B, C = xbc.split(sizes, dim=-1)
             dt_bias, softplus = self.dt_bias, True  # the kernel adds the bias and applies softplus (>= 0)
             if cfg.dt_limit != (0.0, math.inf):
                 # The kernel has no dt_limit: bias, softplus and clamp here, and a zero bias for the kernel (it reads
@@ -239,21 +239,20 @@ class Mamba2Mixer(nn.Module):
             # Broadcast per-head scalars over headdim with zero strides: the kernel detects this (TIE_HDIM).
             y = kernels.selective_state_update(
                 ssm_state, x.reshape(-1, cfg.nheads, P), dt[..., None].expand(-1, -1, P),
-                A[:, None, None].expand(-1, P, N), B.reshape(-1, cfg.ngroups, N), C.reshape(-1, cfg.ngroups, N),
+                A[:, None, None].expand(-1, P, N), B.reshape(-1, G, N), C.reshape(-1, G, N),
                 self.D[:, None].expand(-1, P), z=None, dt_bias=dt_bias[:, None].expand(-1, P),
                 dt_softplus=softplus)
             return self._out(y.flatten(-2), z, h.dtype)
         xbc = _conv_step(xbc, conv_state, weight, self.conv1d.bias)
         # heads h = g * R + r share group g's B and C: broadcast them (no repeat_interleave copies)
-        G, N = cfg.ngroups, cfg.d_state
-        gn, rows = G * N, xbc.shape[0]
-        x, B, C = xbc.float().split([cfg.d_inner, gn, gn], dim=-1)
-        x = x.view(rows, G, -1, cfg.headdim)  # (b, G, R, P)
+        rows = xbc.shape[0]
+        x, B, C = xbc.float().split(sizes, dim=-1)
+        x = x.view(rows, G, -1, P)  # (b, G, R, P)
         dt = self._dt(dt)  # (b, H)
         decay = torch.exp(dt * A).view(rows, G, -1, 1, 1)
         dx = (dt.view(rows, G, -1, 1) * x)[..., None]  # (b, G, R, P, 1)
-        state = _ssm_update(ssm_state.view(rows, G, -1, cfg.headdim, N), decay, dx, B.view(rows, G, 1, 1, N))
-        # y = state @ C as a product and a sum over N: 3x cheaper than a batched matmul of (P, N) @ (N, 1) on CPU
+        state = _ssm_update(ssm_state.view(rows, G, -1, P, N), decay, dx, B.view(rows, G, 1, 1, N))
+        # y = state @ C as a product and a sum over N: cheaper than a batched matmul of (P, N) @ (N, 1) on CPU
         y = (state * C.view(rows, G, 1, 1, N)).sum(-1) + x * self.D.float().view(G, -1, 1)
         return self._out(y.flatten(1), z, h.dtype)
 
@@ -265,16 +264,11 @@ class Block(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = MambaMixer(cfg) if cfg.arch == "mamba1" else Mamba2Mixer(cfg)
 
-    def _residual(self, h: torch.Tensor) -> torch.Tensor:
-        return h.float() if self.residual_in_fp32 else h
-
-    def forward(self, h, conv_state, ssm_state):
+    def forward(self, h, conv_state, ssm_state, one_position: bool = False):
+        """A block of positions h (B, L, d), or with `one_position` the torch step on h (B, d)."""
         x = self.norm(h.to(self.norm.weight.dtype))
-        return self._residual(h) + self.mixer(x, conv_state, ssm_state)
-
-    def step(self, h, conv_state, ssm_state):
-        x = self.norm(h.to(self.norm.weight.dtype))
-        return self._residual(h) + self.mixer.step(x, conv_state, ssm_state, None)
+        mix = self.mixer.step(x, conv_state, ssm_state, None) if one_position else self.mixer(x, conv_state, ssm_state)
+        return (h.float() if self.residual_in_fp32 else h) + mix
 
     def kernel_step(self, out, residual, conv_state, ssm_state, kernels: Kernels):
         """The step with the kernels, on the previous layer's output and residual stream (None at the first
@@ -316,7 +310,6 @@ class MambaDrafter(SharedCalls, nn.Module):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
         self.head_cache = PackCache()  # the head's prepacked copy (bf16 on CPU; packed_linear)
-        self.backend = "torch"
         self.set_backend(backend)
 
     # ---- construction ----
@@ -328,8 +321,6 @@ class MambaDrafter(SharedCalls, nn.Module):
         """Load an HF-format (`MambaForCausalLM`/`Mamba2ForCausalLM`) or mamba_ssm-format directory, a hub id, or
         `smollm2` (the shipped drafter). `embedding`: the target's input embedding, for a drafter stored without
         its own (checked by digest; not given, the target is loaded for it); ignored by a drafter with its own."""
-        from .checkpoint import load_checkpoint
-
         config, tensors = load_checkpoint(path, revision=revision, embedding=embedding)
         return cls.from_state_dict(config, tensors, device=device, dtype=dtype, backend=backend,
                                    state_dtype=state_dtype)
@@ -349,26 +340,11 @@ class MambaDrafter(SharedCalls, nn.Module):
         return model
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into the parameters, with errors that name every missing/unexpected/misshaped key.
-
-        A `DRAFT_IDS` entry (the draft-vocabulary id map, if the checkpoint has one) sets the draft vocabulary.
-        """
-        tensors = dict(tensors)
+        """Copy HF-named tensors into the parameters, with errors that name every missing/unexpected/misshaped key
+        (`check_tensors`). A `DRAFT_IDS` entry (the draft-vocabulary id map, if the checkpoint has one) sets the
+        draft vocabulary."""
+        tensors = check_tensors(self, tensors)
         draft_ids = tensors.pop(DRAFT_IDS, None)
-        expected = {k: v for k, v in self.state_dict().items()}
-        if self.config.tie_embeddings:
-            expected.pop("lm_head.weight")
-            tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match the config: missing {missing[:8]}"
-                             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                             f"{'...' if len(unexpected) > 8 else ''}")
-        bad = [f"{k}: checkpoint {tuple(tensors[k].shape)} vs config {tuple(v.shape)}"
-               for k, v in expected.items() if tuple(tensors[k].shape) != tuple(v.shape)]
-        if bad:
-            raise ValueError("shape mismatch between config.json and weights: " + "; ".join(bad[:8]))
         self.load_state_dict(tensors, strict=False, assign=False)
         if self.config.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
@@ -376,8 +352,6 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     def save_pretrained(self, directory, *, format: str = "hf", overwrite: bool = False) -> None:
         """Write HF format (config.json + model.safetensors) or mamba_ssm format (config.json + pytorch_model.bin)."""
-        from .checkpoint import save_checkpoint
-
         save_checkpoint(self.config, self.checkpoint_tensors(), directory, format=format, overwrite=overwrite)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -397,9 +371,8 @@ class MambaDrafter(SharedCalls, nn.Module):
         if draft_ids is None:
             self.draft_ids = self.draft_head = None
             return
-        ids = check_draft_ids(draft_ids, self.config.real_vocab_size, self.device)
-        self.draft_ids = ids
-        self.draft_head = self.lm_head.weight[ids].detach().clone()
+        self.draft_ids = check_draft_ids(draft_ids, self.config.real_vocab_size, self.device)
+        self.draft_head = self.lm_head.weight[self.draft_ids].detach().clone()
 
     def set_backend(self, backend: str) -> None:
         """'torch' (reference), 'kernels' (mamba-ssm + causal-conv1d on CUDA) or 'auto' (kernels when usable)."""
@@ -420,10 +393,8 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        """Width of the logits this drafter returns: the draft vocabulary if it has one, else the real vocabulary.
-
-        Logit column j scores target id `draft_ids[j]` when a draft vocabulary is set, id j otherwise.
-        """
+        """Width of the logits: the draft vocabulary's (column j scores target id `draft_ids[j]`), else the real
+        vocabulary's (column j scores id j)."""
         return self.draft_ids.numel() if self.draft_ids is not None else self.config.real_vocab_size
 
     @property
@@ -449,25 +420,22 @@ class MambaDrafter(SharedCalls, nn.Module):
     def row_bytes(self, context: int = 0) -> int:
         """Bytes of one state row (conv + SSM buffers, every layer): the same at any context length."""
         cfg = self.config
-        conv = torch.tensor([], dtype=self.dtype).element_size() * cfg.conv_dim * cfg.d_conv
-        ssm = torch.tensor([], dtype=self.state_dtype or self.dtype).element_size() * \
-            int(torch.Size(cfg.ssm_state_shape).numel())
-        return cfg.n_layer * (conv + ssm)
+        ssm = (self.state_dtype or self.dtype).itemsize * math.prod(cfg.ssm_state_shape)
+        return cfg.n_layer * (self.dtype.itemsize * cfg.conv_dim * cfg.d_conv + ssm)
 
     def allocate_state(self, max_batch: int) -> DrafterState:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = self.config
-        return DrafterState.allocate(cfg.n_layer, max_batch, (cfg.conv_dim, cfg.d_conv), cfg.ssm_state_shape,
-                                     device=self.device, conv_dtype=self.dtype,
-                                     ssm_dtype=self.state_dtype or self.dtype)
+        zeros = lambda *shape, dtype: torch.zeros(cfg.n_layer, max_batch, *shape, device=self.device, dtype=dtype)
+        return DrafterState(zeros(cfg.conv_dim, cfg.d_conv, dtype=self.dtype),
+                            zeros(*cfg.ssm_state_shape, dtype=self.state_dtype or self.dtype))
 
     # ---- compute ----
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits from the final norm's output."""
-        if self.draft_head is not None:
-            weight = self.draft_head
-        else:
-            weight = self.lm_head.weight[: self.config.real_vocab_size]  # skip padded vocabulary rows entirely
+        """Logits from the final norm's output (padded vocabulary rows skipped entirely)."""
+        weight = self.lm_head.weight[: self.config.real_vocab_size] if self.draft_head is None else self.draft_head
         return self.head_cache.linear(h.to(weight.dtype), weight)
 
     @property
@@ -481,9 +449,8 @@ class MambaDrafter(SharedCalls, nn.Module):
         score that token), `features` (B, L, H) / (B, H), in one linear map (EAGLE's fusion); where the target has
         not computed that state (the prompt, and drafted tokens inside a round), with the learned `stand_in`
         (features None: every position). The state is RMS-normalised first (`feature_norm`, which training starts
-        at the embedding's scale): a target's final-norm state runs ~15x the size of its embedding rows (SmolLM2:
-        RMS 2.0, single dimensions to 20, against 0.14), and unnormalised it swamps the token in the fused input.
-        An external drafter takes no features."""
+        at the embedding's scale): a target's final-norm state is far larger than its embedding rows and would
+        swamp the token in the fused input. An external drafter takes no features."""
         h = self.backbone.embeddings(input_ids)
         if not self.reads_target:
             if features is not None:
@@ -496,28 +463,26 @@ class MambaDrafter(SharedCalls, nn.Module):
                              f"target state per token), got {tuple(features.shape)}")
         return self.backbone.fuse(torch.cat([h, self.backbone.feature_norm(features.to(h.dtype))], dim=-1))
 
-    def _run(self, input_ids: torch.Tensor, state: DrafterState | None,
-             features: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (None: from zero, kept nowhere)."""
+    def _run(self, input_ids: torch.Tensor, state: DrafterState | None, features: torch.Tensor | None = None,
+             one_position: bool = False) -> torch.Tensor:
+        """Hidden states (B, L, d_model) for a block continuing rows [0:B] of `state` (None: from zero, kept nowhere);
+        with `one_position`, (B, d_model) for one token per row (B,) by the torch step."""
         h = self.embed(input_ids, features)
-        rows = input_ids.shape[0]
+        batch = input_ids.shape[0]
         for i, layer in enumerate(self.backbone.layers):
-            h = layer(h, None if state is None else state.conv[i, :rows], None if state is None else state.ssm[i, :rows])
+            rows = (None, None) if state is None else (state.conv[i, :batch], state.ssm[i, :batch])
+            h = layer(h, *rows, one_position)
         return h
 
     def train_forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable full-sequence logits (B, L, vocab_size) from a zero state, and the final-norm hidden
-        states (B, L, d_model) they come from: the training forward.
-
-        The same chunked scans as prefill (Mamba-2: SSD matmuls; Mamba-1: a linear recurrence), linear in L, with
-        autograd through them. With a draft vocabulary the head rows are gathered here, so gradients reach the
-        (possibly tied) full-vocabulary weights.
-        """
+        states (B, L, d_model) they come from: the training forward, by prefill's chunked scans (linear in L). With a
+        draft vocabulary the head rows are gathered here, so gradients reach the (possibly tied) full weights."""
         ids = input_ids.to(device=self.device, dtype=torch.long)
         h = self.backbone.norm_f(self._run(ids, None, features))
-        weight = self.lm_head.weight[self.draft_ids] if self.draft_ids is not None \
-            else self.lm_head.weight[: self.config.real_vocab_size]
+        weight = self.lm_head.weight[: self.config.real_vocab_size] if self.draft_ids is None \
+            else self.lm_head.weight[self.draft_ids]
         return F.linear(h.to(weight.dtype), weight), h
 
     @torch.no_grad()
@@ -536,26 +501,20 @@ class MambaDrafter(SharedCalls, nn.Module):
     def step(self, token_ids: torch.Tensor, state: DrafterState, features: torch.Tensor | None = None,
              with_hidden: bool = False):
         """Feed one token per row (B,) (and, reading the target, its feature (B, H), `embed`) to rows [0:B] of
-        `state` (in place); returns logits (B, V), with `with_hidden` also the final-norm states (B, d) (`extend`).
-
-        No allocation outside temporaries, no host sync, no data-dependent branching: CUDA-graph capturable.
-        """
+        `state` (in place); returns logits (B, V), with `with_hidden` also the final-norm states (B, d) (`extend`)."""
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be an int64/int32 tensor, got "
                             f"{token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
         if token_ids.dim() != 1:
             raise ValueError(f"step takes one token per row, shape (B,), got {tuple(token_ids.shape)}")
         batch = check_batch(token_ids.shape[0], state)
-        h = self.embed(token_ids, features)
-        if self.backend == "kernels":  # ~10 kernels a layer: a captured step costs its kernel count (docs/benchmarks)
-            kernels, residual = load_kernels(), None
+        if self.backend == "kernels":
+            kernels, residual, h = load_kernels(), None, self.embed(token_ids, features)
             for i, layer in enumerate(self.backbone.layers):
                 h, residual = layer.kernel_step(h, residual, state.conv[i, :batch], state.ssm[i, :batch], kernels)
             norm = self.backbone.norm_f
             normed = kernels.rms_norm(h, norm.weight, None, residual=residual, prenorm=False,
                                       residual_in_fp32=self.config.residual_in_fp32, eps=norm.eps)
         else:
-            for i, layer in enumerate(self.backbone.layers):
-                h = layer.step(h, state.conv[i, :batch], state.ssm[i, :batch])
-            normed = self.backbone.norm_f(h)
+            normed = self.backbone.norm_f(self._run(token_ids, state, features, one_position=True))
         return (self._head(normed), normed) if with_hidden else self._head(normed)

@@ -3,25 +3,19 @@ few-row products of decoding.
 
 A bf16 `F.linear` on CPU hands oneDNN a plain row-major weight, which it reorders into its blocked layout on every
 call. Reordered once (`torch.ops.mkldnn._reorder_linear_weight`), the same primitive runs on the stored copy and
-gives the same bits, so a packed model's output equals the unpacked one's token for token (2-core AMD EPYC with
-AVX512-BF16, 2 threads, SmolLM2-135M's 211 linear layers at 1 row: 22.8 -> 15.9 ms; a decoding step 42 -> 39 ms).
-Packed only where a probe shows the same bits (bf16 on CPUs whose oneDNN takes bf16; for fp32 the packed kernels
-round differently, and a oneDNN held to AVX2 refuses bf16: layers stay as they are).
+gives the same bits, so a packed model's output equals the unpacked one's token for token. Packed only where a probe
+shows the same bits (bf16 on CPUs whose oneDNN takes bf16; for fp32 the packed kernels round differently, and a
+oneDNN held to AVX2 refuses bf16: layers stay as they are). Costs one packed copy of each weight in memory.
 
 `PackCache` keeps the packed copy of the weight it was last given and holds that weight's storage, so another
 tensor (`.to()`, a replaced buffer) never matches it; an in-place edit (`load_state_dict`, `mul_`) bumps the
 version: either way the next call repacks instead of reading a stale copy. Autograd goes through `F.linear`.
-Memory: one packed copy per layer (SmolLM2-135M in bf16: +270 MB).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -33,7 +27,7 @@ def exact_pack(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     try:
-        packed = _pack(weight)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except (RuntimeError, AttributeError):  # no bf16 support in this oneDNN / CPU, or a torch without the op
         return None
     generator = torch.Generator().manual_seed(0)

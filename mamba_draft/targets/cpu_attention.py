@@ -1,20 +1,14 @@
 """Attention for CPU targets: grouped (key heads never repeated) and row-stable (trees round as decoding does).
 
 transformers' eager and sdpa attention repeat every key/value head for the query heads that share it: on a CPU that
-copy of the whole KV cache each layer and step is most of a batched decoding step (SmolLM2-135M, bf16, batch 64,
-400 keys: sdpa 18.5 ms a layer, the same product with the shared heads grouped 1.1 ms). `grouped_attention` is
-eager's arithmetic (additive mask, fp32 softmax) with the G query heads of a key head multiplied together.
+copy of the whole KV cache each layer and step is most of a batched decoding step. `grouped_attention` is eager's
+arithmetic (additive mask, fp32 softmax) with the G query heads of a key head multiplied together.
 
-Row-stable attention adds one guarantee: a query's output does not depend on what else shares its forward.
-Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a
-probability-weighted sum of values rounds with the positions of the terms: a tree node whose ancestors sit behind
-masked siblings rounded differently from the decoding step that computes the same token after the same context,
-and speculative output in bf16 drifted from plain decoding (mamba_draft.targets.row_blocks). Here each row reduces over its
-visible keys in position order, in fixed blocks added one after another (`row_stable_attention`), so a tree node,
-a decoding step and a prefill row compute the same bits for the same context.
-
-Registered with transformers as attn_implementation="grouped" and "row_stable" (`mamba_draft.targets.
-default_attention` picks row_stable for bf16/fp16 targets on CPU).
+`row_stable_attention` adds one guarantee: a query's output does not depend on what else shares its forward.
+Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a weighted
+sum of values rounds with the positions of its terms: a tree node whose ancestors sit behind masked siblings would
+round differently from the decoding step computing the same token after the same context (why that matters:
+`row_blocks`). Both are registered with transformers as attn_implementation "grouped" and "row_stable" (`register`).
 """
 from __future__ import annotations
 
@@ -130,10 +124,9 @@ def _layout(attention_mask: torch.Tensor | None, batch: int, queries: int, keys:
 def _items(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """A batch of small products, left (..., M, K) @ right (..., K, N) broadcast over the leading dims, run as
     `bmm` calls of exactly ITEMS contiguous products each (the last call zero-padded). A library picks its kernel,
-    and so its rounding, by the whole call: on an AVX512 Xeon a transposed key block read in place rounded the same
-    scores differently from a copied one, and a bmm of 1 item differently from the same item among 6 (a size
-    threshold picks another kernel). Fixed calls of fixed, contiguous items give a product the same bits wherever
-    it sits and whatever else the forward computes (the assumption mamba_draft.targets.row_blocks checks for linear rows)."""
+    and so its rounding, by the whole call (its item count, an operand's strides); fixed calls of fixed, contiguous
+    items give a product the same bits wherever it sits and whatever else the forward computes (the assumption
+    mamba_draft.targets.row_blocks checks for linear rows)."""
     batch = tuple(max(a, b) for a, b in zip(left.shape[:-2], right.shape[:-2]))  # same rank, sizes equal or 1
     (m, k), n = left.shape[-2:], right.shape[-1]
     count = math.prod(batch)
@@ -176,8 +169,7 @@ def _softmax(scores: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> to
 def _blocks_sum(parts: torch.Tensor) -> torch.Tensor:
     """parts (B, KVH, n, nb, G, D) -> their sum over blocks (B, KVH, n, G, D) float32, added in block order in
     float64 (a block that is all padding adds an exact 0), as a CPU cumsum accumulates: small sums take one cumsum,
-    large ones (a prefill's) a loop of in-place adds, 8x faster there and the same bits
-    (tests/test_cpu_attention.py)."""
+    large ones (a prefill's) a loop of in-place adds, faster there and the same bits (tests/test_cpu_attention.py)."""
     if parts[:, :, :, 0].numel() < LOOP_SUM_MIN:
         return torch.cumsum(parts, 3, dtype=torch.float32)[:, :, :, -1]
     total = parts[:, :, :, 0].double()
@@ -193,14 +185,10 @@ def _blocks(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.view(batch, kv_heads, width // BLOCK, BLOCK, dim)
 
 
-def _contiguous(layout: _Contiguous, query, key, value, scaling):
-    batch, heads, queries, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
+def _contiguous(layout: _Contiguous, q, key, value, scaling):
+    """q (B, KVH, q, G, D) -> outputs (B, KVH, q, G, D) float32, rows seeing one run of keys."""
     if layout.starts is not None:  # left padding: each batch row's keys from its first visible one
-        key = torch.stack([key[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
-        value = torch.stack([value[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)])
-    q = query.view(batch, kv_heads, groups, queries, dim).transpose(2, 3)  # (B, KVH, q, G, D)
+        key, value = (torch.stack([x[b].roll(-s, dims=-2) for b, s in enumerate(layout.starts)]) for x in (key, value))
     widest = max(width for _, _, width in layout.chunks)  # pad once; each chunk views its blocks
     keys, values = _blocks(key, widest), _blocks(value, widest)
     outs = []
@@ -209,33 +197,28 @@ def _contiguous(layout: _Contiguous, query, key, value, scaling):
         scores = _scores(q[:, :, first:stop], keys[:, :, :blocks]) * scaling
         probs = _softmax(scores, layout.bias[:, :, first:stop, :width], value.dtype)
         outs.append(_blocks_sum(_weighted(probs, values[:, :, :blocks])))
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)  # (B, KVH, q, G, D)
-    return out.transpose(1, 2).reshape(batch, queries, heads, dim)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def _gathered(layout: _Gathered, query, key, value, scaling):
-    batch, heads, queries, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
+def _gathered(layout: _Gathered, q, key, value, scaling):
+    """As `_contiguous`, for rows with gaps."""
+    batch, kv_heads, queries, _, dim = q.shape
     full, width = layout.full, layout.index.shape[-1]
     base = full * BLOCK
-    q = query.view(batch, kv_heads, groups, queries, dim).transpose(2, 3)  # (B, KVH, q, G, D)
     own = layout.index[:, :, base:]  # (B, q, own blocks * BLOCK): each row's keys past the shared blocks, in order
 
     def gather(x):  # (B, KVH, K, D) -> each row's own blocks (B, KVH, q, own blocks, BLOCK, D); whole rows of D
         rows = torch.stack([x[b].index_select(1, own[b].flatten()) for b in range(batch)])
         return rows.view(batch, kv_heads, queries, -1, BLOCK, dim)
 
-    shared_keys, shared_values = _blocks(key, base), _blocks(value, base)
     scores = _scores(q, gather(key))
     if full:  # the blocks every row sees, read in place
-        scores = torch.cat([_scores(q, shared_keys), scores], dim=3)
+        scores = torch.cat([_scores(q, _blocks(key, base)), scores], dim=3)
     probs = _softmax(scores * scaling, layout.bias.view(batch, 1, queries, width), value.dtype)
     parts = _weighted(probs[:, :, :, full:], gather(value))
     if full:
-        parts = torch.cat([_weighted(probs[:, :, :, :full], shared_values), parts], dim=3)
-    out = _blocks_sum(parts).to(query.dtype)  # (B, KVH, q, G, D)
-    return out.transpose(1, 2).reshape(batch, queries, heads, dim)
+        parts = torch.cat([_weighted(probs[:, :, :, :full], _blocks(value, base)), parts], dim=3)
+    return _blocks_sum(parts)
 
 
 def row_stable_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
@@ -244,16 +227,17 @@ def row_stable_attention(module, query, key, value, attention_mask, scaling=None
     A row's visible keys in position order are its logical sequence, cut into blocks of `BLOCK`. Its scores sit in
     that order (masked ones after, whole blocks), so the softmax reduces them as any other forward holding the same
     row does (a trailing masked term adds an exact 0); the probability-weighted sum of values is one product per
-    block, added block after block. So a tree node, a decoding step and a prefill row round alike for the same
-    logical sequence, whatever else shares the forward. Rows that see one run of keys (prefills, chains, decoding)
-    use the keys in place; rows with gaps (tree nodes) share the blocks every row sees and gather only their own
-    last block or two (copying the shared cache for every row cost 0.5 ms a layer for a 21-node tree)."""
-    batch, heads, queries, _ = query.shape
+    block, added block after block. Rows that see one run of keys (prefills, chains, decoding) use the keys in place;
+    rows with gaps (tree nodes) share the blocks every row sees and gather only their own last block or two."""
+    batch, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
     layout = _layout(attention_mask, batch, queries, key.shape[2], query.device)
     if layout is None:
         return grouped_attention(module, query, key, value, attention_mask, scaling)
+    q = query.view(batch, kv_heads, heads // kv_heads, queries, dim).transpose(2, 3)  # (B, KVH, q, G, D)
     run = _contiguous if isinstance(layout, _Contiguous) else _gathered
-    return run(layout, query, key, value, _scaling(query, scaling)), None
+    out = run(layout, q, key, value, _scaling(query, scaling)).to(query.dtype)
+    return out.transpose(1, 2).reshape(batch, queries, heads, dim), None
 
 
 def register(name: str = ROW_STABLE) -> str:

@@ -2,28 +2,18 @@
 result does not depend on how many rows share its forward.
 
 Why: a CPU GEMM library picks its kernel, and with it the order in which a dot product's terms are added, by the
-shape of the product, so the same row rounds differently in products of different row counts (torch 2.13, oneDNN /
-MKL; a 256-row product as reference):
+shape of the product, so the same row rounds differently in products of different row counts (which counts, per CPU
+kind: docs/benchmarks.md, "Exact on every CPU kind"). Speculative decoding verifies a token in a forward of several
+rows that plain decoding computes in a forward of one, so such a flip can change a greedy choice. What holds wherever
+measured is the structure of a GEMM: for a *fixed* shape, each output row is computed from its own input row and the
+weight only, by the same kernel wherever the row sits. So here every product of n rows is ⌈n/R⌉ products of exactly
+R rows (the last one zero-padded), and a position's logits are the same bits in a decoding step, a tree
+verification, a batch and a prefill, on any CPU.
 
-- Intel Xeon with AVX512 but no BF16/AMX: 1, 2, 3, 5, 17 rows differ (bf16: 1.4e-4 of the outputs by one ulp; fp32:
-  up to 90 % of them in the last bit), 4, 8, 16, 32 rows agree;
-- Intel Xeon with AMX: every row count below 256 differs (1.2e-4, then 3.4e-5 from 64 rows);
-- AMD EPYC with AVX512-BF16: only a 1-row product differs.
-
-Speculative decoding verifies a token in a forward of several rows that plain decoding computes in a forward of
-one, so such a flip can change a greedy choice: no threshold found by probing one machine holds on another. What
-holds wherever measured (all three kinds, every layer shape of SmolLM2, random permutations and a row alone among
-zero rows) is the structure of a GEMM: for a *fixed* shape, each output row is computed from its own input row and
-the weight only, by the same kernel wherever the row sits. So here every product of n rows is ⌈n/R⌉ products of
-exactly R rows (the last one zero-padded): a decoding step, a tree verification, a batch and a prefill run one
-kernel on one shape, and a position's logits are the same bits in all of them, on any CPU.
-
-R is chosen per machine by cost (`choose_rows`: the model's own layers timed at each candidate, the cheapest
-for the forwards the engine runs without making a one-token step dearer), and the one assumption above is
-checked for that R on every layer shape before it is used (`_position_free`); R = 1 (every row its own product)
-needs no assumption and is the fallback. The choice is kept per CPU, torch build, thread count and model shapes
-(a small JSON file beside the GGUF dense copies), so a machine decodes with the same R, and the same bits, every
-time.
+R is chosen per machine by cost (`choose_rows`), and the one assumption above is checked for that R on every layer
+shape before it is used (`_position_free`); R = 1 needs no assumption and is the fallback. The choice is kept per
+CPU, torch build, thread count and model shapes (a small JSON file), so a machine decodes with the same R, and the
+same bits, every time.
 """
 from __future__ import annotations
 
@@ -33,12 +23,13 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from ..io import cache_root, write_json
 
 
 CANDIDATES = (1, 2, 4, 8, 16)  # block sizes tried for decoding and verification forwards
@@ -46,7 +37,6 @@ PREFILL_ROWS = 64  # the block of a prompt's prefill: near a large product's cos
 WORKLOAD = (1, 4, 9)  # forwards the CPU engine runs most: a decoding step, a small tree, a prompt-lookup round
 STEP_SLACK = 1.2  # a block may cost at most this much more than the cheapest one (a one-token step's products)
 ROWS_ENV = "MAMBA_DRAFT_ROW_BLOCK"  # force R (tests, kernel sweeps); otherwise chosen by cost
-CACHE_ENV = "MAMBA_DRAFT_CACHE"  # same root as the GGUF dense copies; "off" keeps nothing
 
 
 class RowBlocks:
@@ -63,21 +53,17 @@ class RowBlocks:
         features = x.shape[-1]
         n = x.numel() // features
         block = self.block
-        if n == block:  # the common cases stay one call: a prefill's blocks, trees that fill a block
-            return super().forward(x)
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        # one call for a prefill's blocks and trees that fill a block; a plain product for training
+        if n == block or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
         pad = self._pad
         if pad is None or pad.shape[0] != block or pad.dtype != x.dtype or pad.device != x.device:
             pad = self._pad = x.new_zeros(block, features)
-        if n < block:  # a decoding step, a small tree: one padded block (rows past n may hold an earlier call's
-            pad[:n].copy_(x.reshape(n, features))  # rows: no row of a product reads another)
-            return super().forward(pad)[:n].view(*x.shape[:-1], -1)
         flat = x.reshape(n, features)
         whole = n - n % block
         blocks = [super(RowBlocks, self).forward(flat[i:i + block]) for i in range(0, whole, block)]
-        if whole < n:
-            pad[: n - whole].copy_(flat[whole:])
+        if whole < n or not blocks:  # the rest in one padded block (a decoding step, a small tree: all of it)
+            pad[: n - whole].copy_(flat[whole:])  # rows past them may hold an earlier call's: no row reads another
             blocks.append(super(RowBlocks, self).forward(pad)[: n - whole])
         return torch.cat(blocks).view(*x.shape[:-1], -1)
 
@@ -94,9 +80,8 @@ def _blocked(cls: type) -> type:
 
 def _row_wise(module: nn.Module) -> bool:
     """Layers whose forward maps (..., in) to (..., out) one row at a time through a matrix product."""
-    if isinstance(module, nn.Linear):
-        return True
-    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D"
+                                             and type(module).__module__.startswith("transformers"))
 
 
 def unblocked_forward(layer: nn.Module):
@@ -112,9 +97,8 @@ def row_block(model: nn.Module) -> int | None:
 
 def low_precision_cpu(model: nn.Module) -> bool:
     """Whether `model`'s row-wise layers are bf16/fp16 on a CPU: where a row count's rounding flips a greedy choice
-    often enough to see (bf16: 1.4e-4 of a product's outputs move by one ulp, 2^-8 of the value; fp32 moves the
-    last of 24 bits, far below any logit gap seen, and blocks there cost a memory-bound product a weight pass per
-    block: fp32 SmolLM2 on an AVX512 Xeon, one decoding step 33 -> 38 ms in blocks of 2)."""
+    often enough to see (fp32 moves the last of 24 bits, far below any logit gap seen, and blocks there cost a
+    memory-bound product a weight pass per block)."""
     layer = next((m for m in model.modules() if _row_wise(m)), None)
     return layer is not None and layer.weight.device.type == "cpu" and layer.weight.dtype in (torch.bfloat16,
                                                                                               torch.float16)
@@ -151,8 +135,7 @@ def prefilling(model: nn.Module):
     A prompt's positions are computed by a prefill in every path the engine compares (speculative or plain
     decoding, one prompt or a batch: the prompt's last token goes through the first decoding or verification
     forward in all of them), so a prefill only has to agree with other prefills, and large blocks keep it at a
-    large product's cost: a 300-token prefill re-reads every weight 150 times in blocks of 2 rows (fp32 on an
-    AVX512 Xeon: 1.0 s, against 0.39 s for one product and 0.4 s in blocks of 64)."""
+    large product's cost (in blocks of R rows, a long prompt would re-read every weight n / R times)."""
     layers = [m for m in model.modules() if isinstance(m, RowBlocks)]
     for layer in layers:
         layer.block = layer.prefill_rows
@@ -165,22 +148,18 @@ def prefilling(model: nn.Module):
 
 def _forced_rows() -> int | None:
     value = os.environ.get(ROWS_ENV)
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
+    if value and (not value.isdigit() or int(value) < 1):
         raise ValueError(f"{ROWS_ENV} must be a positive number of rows, got {value!r}")
-    return int(value)
+    return int(value) if value else None
 
 
 def _shapes(model: nn.Module) -> dict[tuple, list[nn.Module]]:
     """The model's row-wise layers grouped by what a product's cost and kernel depend on."""
     groups: dict[tuple, list[nn.Module]] = {}
-    for m in model.modules():
-        if _row_wise(m):
-            weight = m.weight
-            key = (isinstance(m, nn.Linear), tuple(weight.shape), getattr(m, "bias", None) is not None,
-                   str(weight.dtype))
-            groups.setdefault(key, []).append(m)
+    for m in filter(_row_wise, model.modules()):
+        key = (isinstance(m, nn.Linear), tuple(m.weight.shape), getattr(m, "bias", None) is not None,
+               str(m.weight.dtype))
+        groups.setdefault(key, []).append(m)
     return groups
 
 
@@ -212,7 +191,7 @@ def block_costs(model: nn.Module, candidates=CANDIDATES, repeats: int = 5) -> di
 def pick_rows(costs: dict[int, float], workload=WORKLOAD, slack: float = STEP_SLACK) -> int:
     """The block size with the least time over `workload` (a forward of n rows costs ⌈n/R⌉ blocks) among those
     whose one block costs at most `slack` × the cheapest block: a one-token decoding step never gets dearer than
-    the cheapest product allows, and trees get the rows that come nearly free (AMX: 16 rows cost ~1.06x one)."""
+    the cheapest product allows, and trees get the rows that come nearly free."""
     cheapest = min(costs.values())
     allowed = [r for r, c in costs.items() if c <= slack * cheapest]
     return min(allowed, key=lambda r: (sum(-(-n // r) for n in workload) * costs[r], -r))
@@ -231,12 +210,11 @@ def _position_free(layer: nn.Module, rows: int) -> bool:
     shifted = product(x.roll(1, 0)).roll(-1, 0)
     others = torch.randn(rows, _in_features(layer), generator=g).to(layer.weight.dtype)
     for place in (0, rows - 1):
-        alone = torch.zeros_like(x)
-        alone[place] = x[0]
-        beside = others.clone()
-        beside[place] = x[0]
-        if not (torch.equal(product(alone)[place], reference[0]) and torch.equal(product(beside)[place], reference[0])):
-            return False
+        for neighbours in (torch.zeros_like(x), others):  # the row alone among zeros, then beside random rows
+            block = neighbours.clone()
+            block[place] = x[0]
+            if not torch.equal(product(block)[place], reference[0]):
+                return False
     return torch.equal(shifted, reference)
 
 
@@ -246,7 +224,8 @@ def choose_rows(model: nn.Module) -> int:
     (R = 1 always is), and kept."""
     groups = _shapes(model)
     key = _machine_key(groups)
-    store = _store_path()
+    root = cache_root()
+    store = None if root is None else root / "row_blocks.json"
     kept = _read(store).get(key)
     if isinstance(kept, int) and kept in CANDIDATES:
         return kept
@@ -257,7 +236,8 @@ def choose_rows(model: nn.Module) -> int:
             break
         costs.pop(rows)
     if store is not None:
-        _write(store, key, rows)
+        with contextlib.suppress(OSError):  # best effort; atomic: a reader sees the old file or the new one
+            write_json(store, {**_read(store), key: rows})
     return rows
 
 
@@ -272,15 +252,10 @@ def _machine_key(groups: dict) -> str:
         flags = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("flags")), "")
     except OSError:
         pass
-    identity = [cpu, flags, torch.__version__, torch.get_num_threads(), sorted(map(list, groups))]
-    for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"):
-        identity.append(os.environ.get(name, ""))
+    identity = [cpu, flags, torch.__version__, torch.get_num_threads(), sorted(map(list, groups))] + [
+        os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                              "MKL_CBWR")]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
-
-
-def _store_path() -> Path | None:
-    root = os.environ.get(CACHE_ENV, "~/.cache/mamba-draft")
-    return None if root == "off" else Path(root).expanduser() / "row_blocks.json"
 
 
 def _read(path: Path | None) -> dict:
@@ -291,16 +266,3 @@ def _read(path: Path | None) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _write(path: Path, key: str, rows: int) -> None:
-    """Add one choice to the store, atomically (a reader sees the old file or the new one); best effort."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**_read(path), key: rows}
-        fd, tmp = tempfile.mkstemp(prefix=".row_blocks.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
