@@ -62,10 +62,11 @@ class RowBlocks:
         flat = x.reshape(n, features)
         whole = n - n % block
         blocks = [super(RowBlocks, self).forward(flat[i:i + block]) for i in range(0, whole, block)]
-        if whole < n or not blocks:  # the rest in one padded block (a decoding step, a small tree: all of it)
+        if whole < n:  # the rest in one padded block (a decoding step, a small tree: all of it)
             pad[: n - whole].copy_(flat[whole:])  # rows past them may hold an earlier call's: no row reads another
             blocks.append(super(RowBlocks, self).forward(pad)[: n - whole])
-        return torch.cat(blocks).view(*x.shape[:-1], -1)
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # one block: no copy on the decoding path
+        return out.view(*x.shape[:-1], -1)
 
     def _apply(self, fn, recurse=True):  # .to() / .float(): the padding buffer follows on the next call
         self._pad = None
