@@ -139,11 +139,16 @@ class Call:
             self.streamer.put(torch.tensor(committed[0]))
         return committed, finished
 
-    def keep(self, rows: list[int]) -> None:
-        """Only batch rows `rows` go on (finished rows dropped)."""
-        self.active = [self.active[b] for b in rows]
+    def drop_finished(self, target_state, finished: list[bool]) -> list[int] | None:
+        """Finished rows leave the batch (this call's rows and the target cache's) -> the rows kept (None: all)."""
+        keep = [b for b, done in enumerate(finished) if not done]
+        if len(keep) == len(finished):
+            return None
+        target_state.drop_rows(keep)
+        self.active = [self.active[b] for b in keep]
         if self.generators is not None:
-            self.generators = [self.generators[b] for b in rows]
+            self.generators = [self.generators[b] for b in keep]
+        return keep
 
     def finish(self, target_state, **stats) -> GenerateResult | BatchGenerateResult:
         """Fill the batch's and the rows' stats (the total waits for the device), end the stream -> the committed

@@ -31,10 +31,9 @@ import torch
 from tree_search.calls import check_batch_prompts
 from tree_search.graphs import StepRunner, drafter_key
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
-from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
+from tree_search.sampling import SamplingParams, sample_without_replacement, soft_probs
 from tree_search.tree import Forest, Tree, TreeConfig
 
-_SOFTMAX = SamplingParams(temperature=1.0)
 LOOKUP_ROWS = 3  # row 0 committed, rows 1-2 the lookup drafter's live + snapshot scratch rows
 
 
@@ -211,9 +210,9 @@ class TreeDrafter:
             (prev_start, prev_stop), (start, stop) = tree.levels[level - 1], tree.levels[level]
             logits = logits[:, :vocab]
             if sampled or record_probs:
-                q = logits_to_probs(logits, params if not params.greedy else _SOFTMAX)
+                q = soft_probs(logits, params)
                 self._record(buf.probs[:, prev_start:prev_stop], q.view(batch, prev_stop - prev_start, vocab))
-            kids = _draw(q, n, generator, batch) if sampled else torch.topk(logits, n, dim=-1).indices
+            kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
             # kids (B·B_{l-1}, n) row-major is batch row, parent, child: each batch row's level in tree order
             buf.tokens[:, start:stop] = self._to_target(kids).view(batch, -1)
             if level < config.depth:
@@ -256,7 +255,7 @@ class TreeDrafter:
         buf.tokens[:, 0] = roots
         buf.tokens[0, 1:] = lookup.tokens
         if record_probs:
-            self._record(buf.probs[0, : config.depth], logits_to_probs(lookup.logits[:, : self.vocab], _SOFTMAX))
+            self._record(buf.probs[0, : config.depth], soft_probs(lookup.logits[:, : self.vocab], SamplingParams()))
         return buf, lookup
 
     def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
@@ -361,14 +360,3 @@ class TreeDrafter:
         The logits stay valid until the next step over any of these rows (`StepRunner.run`)."""
         self.calls += 1
         return self.runner.run(start, stop, tokens, parents)
-
-
-def _draw(q: torch.Tensor, n: int, generator, batch: int) -> torch.Tensor:
-    """`sample_without_replacement` of q (B·m, V); with B generators, batch row b's m rows draw their noise from
-    generator b, as that prompt alone would draw it."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return sample_without_replacement(q, n, generator)
-    noise = torch.empty_like(q)
-    for rows, gen in zip(noise.view(batch, -1, q.shape[-1]), generator):
-        rows.exponential_(generator=gen)
-    return torch.topk(q / noise, n, dim=-1).indices

@@ -138,25 +138,39 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A seeded generator on `device`, or None (torch's global RNG) when no seed is given."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(int(seed))
+def soft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`logits_to_probs`, but a plain softmax (temperature 1) when greedy, where that one is one-hot: the
+    distribution a greedy draft is recorded and judged by."""
+    return logits_to_probs(logits, params if not params.greedy else SamplingParams(temperature=1.0))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def exponential_noise(probs: torch.Tensor, generator=None) -> torch.Tensor:
+    """Exp(1) noise shaped like `probs` (..., V): from one generator (None: torch's global RNG), or from B generators,
+    generator b filling batch row b's block of rows, as that prompt alone would draw it."""
+    noise = torch.empty_like(probs)
+    if generator is None or isinstance(generator, torch.Generator):
+        return noise.exponential_(generator=generator)
+    for rows, row_generator in zip(noise.view(len(generator), -1, probs.shape[-1]), generator):
+        rows.exponential_(generator=row_generator)
+    return noise
+
+
+def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
     """One draw per row of `probs` (..., V) -> (...,), via argmax(p / Exp(1)): exact and no host sync."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(-1)
+    return (probs / exponential_noise(probs, generator)).argmax(-1)
 
 
-def sample_without_replacement(probs: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def choose(logits: torch.Tensor, params: SamplingParams, generator=None) -> torch.Tensor:
+    """The token after each row of `logits` (..., V): the argmax when greedy, else one draw from the processed
+    distribution (`generator` as `exponential_noise` takes it)."""
+    return logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), generator)
+
+
+def sample_without_replacement(probs: torch.Tensor, n: int, generator=None) -> torch.Tensor:
     """n distinct draws per row, in draw order, without replacement (Gumbel/exponential top-k).
 
     Ranking p / E with E ~ Exp(1) is the Plackett–Luce order, i.e. successive draws from the renormalised
     remainder. Rows with fewer than n supported tokens are padded with zero-probability tokens, which
     verifiers must skip (they were never drawn).
     """
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return torch.topk(probs / noise, n, dim=-1).indices
+    return torch.topk(probs / exponential_noise(probs, generator), n, dim=-1).indices

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from tree_search.sampling import SamplingParams, logits_to_probs, sample
+from tree_search.sampling import SamplingParams, choose, soft_probs
 from tree_search.verifiers.base import VerifyInput, register_verifier
 from tree_search.verifiers.lossy import LossyVerifier, Paths
 
@@ -50,19 +50,6 @@ def js_divergence(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 0.5 * (kl_am + kl_bm)
 
 
-def _distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    if sampling.greedy:
-        return torch.softmax(logits.float(), dim=-1)
-    return logits_to_probs(logits, sampling)
-
-
-def head_choices(head_logits: torch.Tensor, sampling: SamplingParams, generator=None) -> torch.Tensor:
-    """(K, N, V) -> (K, N): each head's token, argmax when greedy, else a sample of its processed distribution."""
-    if sampling.greedy:
-        return head_logits.argmax(-1)
-    return sample(logits_to_probs(head_logits, sampling), generator)
-
-
 def naive_accept(tokens: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
     """Eq. 4: (N,) tokens, (K, N) head choices -> (N,) token equals some head's choice."""
     return (choices == tokens).any(dim=0)
@@ -76,8 +63,8 @@ def js_accept(
     sampling: SamplingParams,
 ) -> torch.Tensor:
     """Eqs. 6-7: (N,) accept if JS(q, c) <= max_k JS(p_k, c) or the token is the heads' plurality token."""
-    heads = _distribution(head_logits, sampling)  # (K, N, V)
-    centroid = _distribution(head_logits.mean(dim=0), sampling)  # (N, V)
+    heads = soft_probs(head_logits, sampling)  # (K, N, V)
+    centroid = soft_probs(head_logits.mean(dim=0), sampling)  # (N, V)
     vocab = max(draft_probs.shape[-1], centroid.shape[-1])  # padded vocabularies: missing tokens have mass 0
     q = torch.nn.functional.pad(draft_probs.float(), (0, vocab - draft_probs.shape[-1]))
     heads = torch.nn.functional.pad(heads, (0, vocab - heads.shape[-1]))
@@ -121,7 +108,7 @@ class DropMatchVerifier(LossyVerifier):
         generator = self._generator(inp.hidden.device)
         with torch.no_grad():
             head_logits = dropout_head_logits(inp.hidden, inp.lm_head, self.p, self.num_heads, generator)
-        choices = head_choices(head_logits, inp.sampling, generator)[:, node_parents]  # one draw per position
+        choices = choose(head_logits, inp.sampling, generator)[:, node_parents]  # one draw per position
         if self.criterion == "naive":
             return naive_accept(inp.tokens, choices)
         parent_logits, parent_q = head_logits[:, node_parents], inp.draft_probs[node_parents]

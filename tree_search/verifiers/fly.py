@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from tree_search.sampling import logits_to_probs
+from tree_search.sampling import soft_probs
 from tree_search.verifiers.base import VerifyInput, register_verifier
 from tree_search.verifiers.lossy import LossyVerifier, Paths
 
@@ -60,9 +60,6 @@ class FLyVerifier(LossyVerifier):
         self.theta, self.window, self.entropy = float(theta), window, entropy
 
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
-        if inp.sampling.greedy:
-            probs = torch.softmax(inp.target_logits.float(), dim=-1)
-        else:
-            probs = logits_to_probs(inp.target_logits, inp.sampling)
+        probs = soft_probs(inp.target_logits, inp.sampling)
         entropy = target_entropy(probs, self.entropy)[paths.parents]  # of the distribution each node was judged by
         return fly_mask(paths.native, paths.valid, entropy, self.theta, self.window)

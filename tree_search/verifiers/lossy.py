@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from tree_search.sampling import logits_to_probs, sample
+from tree_search.sampling import choose
 from tree_search.tree import Tree
 from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult
 
@@ -52,18 +52,11 @@ def _path_grid(tree: Tree, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return nodes.to(device), parents.to(device), node_parents.to(device)
 
 
-def target_choices(inp: VerifyInput) -> torch.Tensor:
-    """(T+1,) the target's own next token after every node: argmax when greedy, else one sample per node."""
-    if inp.sampling.greedy:
-        return inp.target_logits.argmax(-1)
-    return sample(logits_to_probs(inp.target_logits, inp.sampling), inp.generator)
-
-
 def build_paths(inp: VerifyInput) -> Paths:
     """Lay the tree out as root-to-leaf paths and mark the natively accepted (exactly matching) nodes."""
     nodes, parents, node_parents = _path_grid(inp.tree, inp.tokens.device)
     valid = nodes >= 0
-    choice = target_choices(inp)
+    choice = choose(inp.target_logits, inp.sampling, inp.generator)  # one draw per node when sampling
     native = (inp.tokens[nodes.clamp(min=0)] == choice[parents]) & valid
     return Paths(nodes, parents, valid, choice, native, node_parents)
 
