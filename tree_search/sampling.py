@@ -12,11 +12,8 @@ MIN_TEMPERATURE = 1e-3  # below this, refused: see SamplingParams
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become a distribution. temperature 0 = greedy (argmax).
-
-    A positive temperature must be finite and at least MIN_TEMPERATURE (1e-3): colder sampling is greedy decoding
-    in all but exactness (logits / 1e-45 overflow float32 and every draw came out as token 0), so it is refused
-    with a pointer to temperature 0; from 1e-3 up, logits / T stay finite for any |logit| < 3e35.
+    """How logits become a distribution. temperature 0 = greedy (argmax); a positive one is at least
+    MIN_TEMPERATURE, as logits / T overflow float32 below it (colder sampling is greedy decoding in all but exactness).
     """
 
     temperature: float = 0.0
@@ -89,14 +86,10 @@ def check_generation_config(config, params: SamplingParams) -> None:
 
 def resolve_sampling(target=None, temperature: float | None = None, top_p: float | None = None,
                      top_k: int | None = None) -> SamplingParams:
-    """The sampling `target.generate(...)` would do: explicit values win, None takes the target's generation_config,
-    unset fields there take transformers' defaults (no target: those defaults alone).
-
-    temperature None -> greedy unless generation_config.do_sample, else its temperature; when sampling, top_k None ->
-    generation_config.top_k (50 by default) and top_p None -> generation_config.top_p (1.0). top_k 0 is no top-k.
-    Explicit values are validated even where greedy decoding ignores them. A generation_config that sets any other
-    processor `target.generate` would apply (repetition_penalty, no_repeat_ngram_size, suppress_tokens, min_p, beams,
-    ...) is refused with a ValueError naming it (`check_generation_config`): tree_search does not apply them.
+    """The sampling `target.generate(...)` would do: explicit values win, None takes the target's generation_config
+    (temperature None: greedy unless it sets do_sample), unset fields there take transformers' defaults. Explicit
+    values are validated even where greedy decoding ignores them; other processors are refused
+    (`check_generation_config`).
     """
     explicit = SamplingParams(0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
                               1.0 if top_p is None else top_p)

@@ -17,12 +17,7 @@ from tree_search.tree import Tree
 
 
 def check_tree_support(model: torch.nn.Module) -> None:
-    """Refuse targets whose attention cannot take an arbitrary 4D mask, naming the model class.
-
-    Cheap static checks first (attention implementation, cache layers, encoder-decoders), then a probe, once per
-    (model, attention implementation, dtype, device): two sibling nodes must not see each other. A model that
-    silently falls back to a causal mask fails the probe.
-    """
+    """Refuse targets whose attention cannot take an arbitrary 4D mask, naming the model class (module docstring)."""
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedTargetError(f"{name} is an encoder-decoder; tree verification needs a decoder-only causal LM")
@@ -54,14 +49,9 @@ def check_tree_support(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def _probe_tree_mask(model: torch.nn.Module) -> bool:
-    """Prefix a, root b, siblings c and d: d's logits must equal those of the chain b, d (a plain sequence).
-
-    Both run through a TargetCache (a prefill of a, then one forward), so they differ only by the mask and by the
-    row count of their forward; targets without row blocks (fp32, GPU) may round those differently, so the
-    tolerance scales with the dtype's epsilon (bf16: 2^-7, a few rounding steps through the layers) and the logit
-    magnitude. d's logits must also be closer to the chain's than to the causal chain b, c, d that a
-    mask-ignoring model computes.
-    """
+    """Prefix a, root b, siblings c and d: d's logits must equal those of the chain b, d, and be closer to them than
+    to the causal chain b, c, d's (what a mask-ignoring model computes). The forwards differ in row count, which
+    targets without row blocks may round differently: the tolerance scales with the dtype's epsilon."""
     device = next(model.parameters()).device
     vocab = min(target_vocab_size(model), int(model.config.vocab_size))
     a, b, c, d = (t % vocab for t in (1, 2, 3, 4))
