@@ -7,12 +7,7 @@ from __future__ import annotations
 import torch
 
 from tree_search.verifiers.base import (
-    Verifier,
-    VerifyInput,
-    VerifyResult,
-    register_verifier,
-    route_params,
-    verifier_class,
+    Verifier, VerifyInput, VerifyResult, register_verifier, route_params, verifier_class,
 )
 from tree_search.verifiers.lossy import LossyVerifier, Paths, accept_longest, build_paths
 
@@ -36,10 +31,8 @@ class AnyOf(LossyVerifier):
         classes = [verifier_class(v) if isinstance(v, str) else type(v) for v in verifiers]
         for v, cls in zip(verifiers, classes):  # checked before any constructor runs (autojudge reads a file)
             if not issubclass(cls, LossyVerifier) or issubclass(cls, AnyOf):
-                raise ValueError(
-                    f"anyof combines lossy rule verifiers (dropmatch, fly, topk, autojudge), got {v!r}; "
-                    "a lossless verifier adds nothing to an any-of combination"
-                )
+                raise ValueError(f"anyof combines lossy rule verifiers (dropmatch, fly, topk, autojudge), got {v!r}; "
+                                 "a lossless verifier adds nothing to an any-of combination")
         names = [cls.name for cls in classes]
         if len(set(names)) != len(names):
             raise ValueError(f"anyof got the same verifier twice: {names}")

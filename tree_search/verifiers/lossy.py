@@ -1,13 +1,10 @@
 """Lossy verification as acceptance rules over root-to-leaf paths, OR-ed with exact matching.
 
-Every lossy verifier here works the same way. The target's own choice at each node is its argmax (greedy) or
-one sample from its processed distribution (the lossless "naive sampling" rule), drawn once per node. A path
-node is *natively* accepted when its token equals the target's choice at its parent; a rule may additionally
-accept mismatching nodes (`lossy_mask`). Each root-to-leaf path is accepted up to its first node that neither
-matches nor is accepted by the rule; the longest accepted prefix wins (ties: fewest lossy accepts, then tree
-order), and the next token is the target's choice at the last accepted node. The target's logits below an
-accepted mismatch are exact for the new context: the tree forward already had the draft token in it.
-With a rule that never fires this is token-for-token the greedy (or naive-sampling) verifier.
+The target's own choice at each node is its argmax (greedy) or one sample of its processed distribution, drawn once
+per node. A path node is *natively* accepted when its token equals the target's choice at its parent; a rule may
+also accept mismatching nodes (`lossy_mask`). The longest accepted path prefix wins (ties: fewest lossy accepts, then
+tree order), and the next token is the target's choice at its last node: exact for the new context, as the tree
+forward already had the draft tokens in it. With a rule that never fires this is the greedy (or naive-sampling) rule.
 """
 from __future__ import annotations
 
@@ -47,7 +44,6 @@ def _path_grid(tree: Tree, device: torch.device) -> tuple[torch.Tensor, torch.Te
     for i, path in enumerate(leaf_paths):
         nodes[i, : len(path)] = torch.tensor(path, dtype=torch.long)
     parents = torch.cat([torch.zeros(len(leaf_paths), 1, dtype=torch.long), nodes[:, :-1].clamp(min=0)], dim=1)
-    parents = parents[:, :depth]
     node_parents = torch.tensor(tree.parents, dtype=torch.long).clamp(min=0)
     return nodes.to(device), parents.to(device), node_parents.to(device)
 
@@ -81,12 +77,8 @@ def accept_longest(paths: Paths, lossy: dict[str, torch.Tensor]) -> VerifyResult
     counts = [(mask[best] & on_path).sum() for mask in lossy.values()]
     summary = torch.stack([length[best], lossy_count[best], paths.choice[last][0], *counts])
     n, lossy_accepts, next_token, *by_rule = summary.tolist()  # the round's one host sync (plus the path row)
-    return VerifyResult(
-        path=paths.nodes[best, :n].tolist(),
-        next_token=next_token,
-        lossy_accepts=lossy_accepts,
-        info={"lossy_accepts_by": dict(zip(lossy, by_rule))},
-    )
+    return VerifyResult(paths.nodes[best, :n].tolist(), next_token, lossy_accepts,
+                        {"lossy_accepts_by": dict(zip(lossy, by_rule))})
 
 
 class LossyVerifier(Verifier):

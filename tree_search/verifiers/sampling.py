@@ -8,17 +8,12 @@ from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, regi
 from tree_search.verifiers.greedy import greedy_walk
 
 
-def accept_among_children(
-    p: torch.Tensor,
-    q: torch.Tensor,
-    candidates: list[int],
-    generator: torch.Generator | None,
-) -> tuple[int | None, torch.Tensor]:
+def accept_among_children(p: torch.Tensor, q: torch.Tensor, candidates: list[int],
+                          generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
     """Try candidates x1..xk (drawn from q without replacement, in draw order) against the target p.
 
-    Accept xi with prob min(1, p_i(xi)/q_i(xi)); on rejection p_{i+1} = norm(max(p_i − q_i, 0)) and
-    q_{i+1} = q_i without xi, renormalised. Returns (index of the accepted candidate or None, the
-    distribution to sample the next token from if none was accepted: the final residual).
+    Accept xi with prob min(1, p_i(xi)/q_i(xi)); on rejection p_{i+1} = norm(max(p_i − q_i, 0)) and q_{i+1} = q_i
+    without xi, renormalised. Returns (the accepted candidate's index or None, the final residual to sample from).
     Candidates with zero remaining draft mass were never drawn (padding of a small support) and are skipped.
     """
     p, q = p.clone(), q.clone()
@@ -76,9 +71,8 @@ class SamplingVerifier(Verifier):
             path.append(node)
 
 
-def _accept_point_masses(
-    p: torch.Tensor, candidates: list[int], generator: torch.Generator | None
-) -> tuple[int | None, torch.Tensor]:
+def _accept_point_masses(p: torch.Tensor, candidates: list[int],
+                         generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
     """Lossless test for deterministic (top-k) candidates: accept x w.p. p(x); on rejection p <- norm(p without x)."""
     p = p.clone()
     for i, x in enumerate(candidates):
