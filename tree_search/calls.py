@@ -6,6 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from mamba_draft.checkpoint import check_draft_ids
 from tree_search.policy import TreePolicy, is_auto
@@ -317,14 +318,10 @@ def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, 
             raise ValueError(f"prompt {b} must be a list or 1-D tensor of integer token ids, got "
                              f"{row.dtype} {tuple(row.shape)}")
         rows.append(row)
-    lengths = [row.numel() for row in rows]
-    width = max(lengths)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)  # pad id 0: masked out, but the target embeds it
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, width - row.numel():] = row.cpu()
-        mask[b, width - row.numel():] = 1
-    return ids, mask, lengths
+    rows = [row.long().cpu() for row in rows]  # pad id 0: masked out, but the target embeds it
+    ids = pad_sequence(rows, batch_first=True, padding_side="left")
+    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side="left")
+    return ids, mask, [row.numel() for row in rows]
 
 
 def check_batch_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:

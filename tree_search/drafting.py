@@ -117,18 +117,11 @@ class TreeDrafter:
                 self.trees = {k: v for k, v in self.trees.items() if k[0] != config}  # views of the old storage
             device, scratch = self.device, forest.levels[-1][0]
             self.trees[key] = DraftTree(
-                config=config,
-                tree=tree,
-                forest=forest,
-                rows=forest.rows.to(device),
-                parent_rows=[p.to(device) for p in forest.parent_rows],
+                config, tree, forest, forest.rows.to(device), [p.to(device) for p in forest.parent_rows],
                 parents=torch.tensor((0,) + tree.parents[1:], device=device),
-                # a root is never a leaf
-                leaf=(torch.tensor(tree.depths, device=device) == config.depth) & (config.depth > 0),
-                scratch=torch.arange(scratch, scratch + batch, device=device),
-                tokens=tokens[:batch],
-                probs=probs[:batch],
-            )
+                leaf=(torch.tensor(tree.depths, device=device) == config.depth) & (config.depth > 0),  # root: never
+                scratch=torch.arange(scratch, scratch + batch, device=device), tokens=tokens[:batch],
+                probs=probs[:batch])
         return self.trees[key]
 
     @torch.no_grad()
@@ -151,16 +144,9 @@ class TreeDrafter:
         return torch.cat(logits)
 
     @torch.no_grad()
-    def draft(
-        self,
-        config: TreeConfig,
-        roots: torch.Tensor,
-        root_logits: torch.Tensor,
-        params: SamplingParams,
-        mode: str,
-        record_probs: bool,
-        generator: torch.Generator | Sequence[torch.Generator] | None,
-    ) -> DraftTree:
+    def draft(self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor, params: SamplingParams,
+              mode: str, record_probs: bool, generator: torch.Generator | Sequence[torch.Generator] | None
+              ) -> DraftTree:
         """Fill B trees' tokens level by level (and, if recorded, each node's draft distribution) from root states
         in rows 0..B-1; roots (B,), root_logits (B, V).
 
@@ -203,10 +189,8 @@ class TreeDrafter:
         return buf
 
     @torch.no_grad()
-    def draft_chain_lookup(
-        self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor, context: torch.Tensor,
-        record_probs: bool,
-    ) -> tuple[DraftTree, LookupDraft]:
+    def draft_chain_lookup(self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor,
+                           context: torch.Tensor, record_probs: bool) -> tuple[DraftTree, LookupDraft]:
         """One prompt's greedy chain (roots (1,), root_logits (1, V)) skipping steps with prompt lookup: the same
         tokens and q as `draft` on a chain. context: (L,) committed tokens up to the root. Drafts on scratch rows
         from a copy of row 0, which stays committed: follow with `extend`."""

@@ -233,24 +233,21 @@ class TargetCache:
         self._valid[:, root] = self.style.visible
         if not longest:  # a root-only round (decode), or nothing accepted: no slot to move, no copy to the device
             self.positions += 1
-            if not self.static and n > 1:
-                self.cache.crop(-(n - 1))
-            self.slots = root + 1
-            return
-        span = n - 1 if self.static else longest  # static: fixed shapes per tree size (self-copies beyond a path)
-        # one host -> device copy, pinned and non-blocking: each row's source slots, then its path length
-        index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + span))
-                              + [len(path)] for path in paths])
-        if self.device.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(self.device, non_blocking=True)
-        kept = index[:, -1]
-        if any(path != list(range(1, len(path) + 1)) for path in paths):  # chains from node 1 are in place
-            self._move(index[:, :-1], root, n)
-        holes = torch.arange(span, device=self.device) >= kept[:, None]
-        self._valid[:, root + 1 : root + 1 + span] = self.style.visible
-        self._valid[:, root + 1 : root + 1 + span].masked_fill_(holes, self.style.hidden)
-        self.positions += 1 + kept
+        else:
+            span = n - 1 if self.static else longest  # static: fixed shapes per tree size (self-copies past a path)
+            # one host -> device copy, pinned and non-blocking: each row's source slots, then its path length
+            index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + span))
+                                  + [len(path)] for path in paths])
+            if self.device.type == "cuda":
+                index = index.pin_memory()
+            index = index.to(self.device, non_blocking=True)
+            kept = index[:, -1]
+            if any(path != list(range(1, len(path) + 1)) for path in paths):  # chains from node 1 are in place
+                self._move(index[:, :-1], root, n)
+            holes = torch.arange(span, device=self.device) >= kept[:, None]
+            self._valid[:, root + 1 : root + 1 + span] = self.style.visible
+            self._valid[:, root + 1 : root + 1 + span].masked_fill_(holes, self.style.hidden)
+            self.positions += 1 + kept
         if not self.static and n - 1 - longest:
             self.cache.crop(-(n - 1 - longest))
         self.slots = root + 1 + longest
@@ -306,9 +303,8 @@ class TargetCache:
         index = order[:, None, :slots, None]
         for layer in self.cache.layers:
             if layer.is_initialized:
-                for kv in (layer.keys[: layer.rows], layer.values[: layer.rows]):
-                    moved = torch.take_along_dim(kv[:, :, : self.slots], index, dim=2)  # gathered before the write
-                    kv[:, :, :slots] = moved
+                for kv in (layer.keys[: layer.rows], layer.values[: layer.rows]):  # gathered before the write:
+                    kv[:, :, :slots] = torch.take_along_dim(kv[:, :, : self.slots], index, dim=2)
         kept = self._arange[: self.slots] < counts[:, None]
         self._valid[:, : self.slots] = self.style.hidden
         self._valid[:, : self.slots].masked_fill_(kept, self.style.visible)
