@@ -58,21 +58,14 @@ def draft_argmax(draft: DraftLogits, prompt: list[int], response: list[int], dev
     return logits.argmax(-1).tolist()
 
 
-@torch.no_grad()
-def draft_token_feature(target, ids: list[int]) -> torch.Tensor:
-    """(H,) the target's final hidden state at the last position of `ids` (the draft token), in float32."""
-    device = next(target.parameters()).device
-    out = target(input_ids=torch.tensor([ids], device=device), output_hidden_states=True, use_cache=False)
-    return out.hidden_states[-1][0, -1].float().cpu()
-
-
 def mine_prompt(target, draft: DraftLogits, prompt: list[int], task: AnswerTask, decode: Callable[[list[int]], str],
                 max_new_tokens: int, eos_token_id: int | None = None,
                 draft_device=None) -> tuple[list[Mismatch], list[int]]:
     """Algorithm 1 on one prompt. Returns the labelled mismatches and the final response."""
     if not prompt:
         raise ValueError("mine_prompt needs a non-empty prompt")
-    draft_device = draft_device or next(target.parameters()).device
+    device = next(target.parameters()).device
+    draft_device = draft_device or device
     response = target_greedy(target, prompt, max_new_tokens, eos_token_id)
     reference = task.extract(decode(response))
     drafted = draft_argmax(draft, prompt, response, draft_device)
@@ -85,7 +78,10 @@ def mine_prompt(target, draft: DraftLogits, prompt: list[int], task: AnswerTask,
         swapped = response[:t] + [drafted[t]]
         alternative = swapped + target_greedy(target, prompt + swapped, max_new_tokens - len(swapped), eos_token_id)
         important = not task.equivalent(reference, task.extract(decode(alternative)))
-        feature = draft_token_feature(target, prompt + swapped)
+        with torch.no_grad():  # the target's final hidden state at the draft token
+            out = target(input_ids=torch.tensor([prompt + swapped], device=device), output_hidden_states=True,
+                         use_cache=False)
+        feature = out.hidden_states[-1][0, -1].float().cpu()
         found.append(Mismatch(t, response[t], drafted[t], important, feature))
         if not important:  # keep the draft token and continue the search from the new response
             response = alternative
@@ -105,10 +101,6 @@ def save_prompt_record(path: Path, mismatches: Sequence[Mismatch], hidden_size: 
         "draft_tokens": as_long([m.draft_token for m in mismatches]),
     }
     save_safetensors(path, tensors, {"info": json.dumps(info)})
-
-
-def prompt_record_path(out_dir: Path, index: int) -> Path:
-    return Path(out_dir) / f"prompt_{index:06d}.safetensors"
 
 
 def check_or_write_manifest(out_dir: Path, manifest: dict) -> None:
@@ -137,7 +129,7 @@ def mine(target, draft: DraftLogits, prompts: Sequence[list[int]], task: AnswerT
     counts = {"prompts": 0, "skipped": 0, "important": 0, "unimportant": 0}
     bar = tqdm(list(enumerate(prompts)), desc="mining mismatches", unit="prompt")
     for index, prompt in bar:
-        path = prompt_record_path(out_dir, index)
+        path = out_dir / f"prompt_{index:06d}.safetensors"
         if path.exists():
             counts["skipped"] += 1
             continue

@@ -23,16 +23,13 @@ def check_tree_support(model: torch.nn.Module) -> None:
         raise UnsupportedTargetError(f"{name} is an encoder-decoder; tree verification needs a decoder-only causal LM")
     attn = attn_implementation(model)
     if "flash" in attn or attn == "flex_attention":
-        raise UnsupportedTargetError(
-            f"{name} uses attn_implementation={attn!r}, which ignores arbitrary 4D tree masks; "
-            "load it with attn_implementation='sdpa', 'eager' or 'row_stable'"
-        )
+        raise UnsupportedTargetError(f"{name} uses attn_implementation={attn!r}, which ignores arbitrary 4D tree "
+                                     "masks; load it with attn_implementation='sdpa', 'eager' or 'row_stable'")
     foreign = foreign_cache_layer(model)
     if foreign is not None:
-        raise UnsupportedTargetError(
-            f"{name} uses {foreign} cache layers; tree verification needs attention KV caches "
-            "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the accepted path"
-        )
+        raise UnsupportedTargetError(f"{name} uses {foreign} cache layers; tree verification needs attention KV caches "
+                                     "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the "
+                                     "accepted path")
     facts, key = TargetFacts.of(model), probe_key(model)
     if key in facts.tree_mask_ok:
         return
@@ -41,9 +38,8 @@ def check_tree_support(model: torch.nn.Module) -> None:
     except Exception as err:  # the model's forward rejected a 4D mask, depth positions or our cache
         raise UnsupportedTargetError(f"{name} cannot run a tree-attention forward: {err}") from err
     if not ok:
-        raise UnsupportedTargetError(
-            f"{name} ignores 4D attention masks (attn_implementation={attn!r}), so it cannot verify a draft tree"
-        )
+        raise UnsupportedTargetError(f"{name} ignores 4D attention masks (attn_implementation={attn!r}), so it cannot "
+                                     "verify a draft tree")
     facts.tree_mask_ok.add(key)
 
 

@@ -62,10 +62,7 @@ def accept_longest(paths: Paths, lossy: dict[str, torch.Tensor]) -> VerifyResult
 
     Counts lossy acceptances on the chosen prefix per rule (a node accepted by two rules counts for both).
     """
-    extra = torch.zeros_like(paths.native)
-    for mask in lossy.values():
-        extra |= mask
-    accepted = (paths.native | extra) & paths.valid
+    accepted = torch.stack([paths.native, *lossy.values()]).any(dim=0) & paths.valid
     prefix = accepted.long().cumprod(dim=1)
     length = prefix.sum(dim=1)
     lossy_count = (prefix.bool() & ~paths.native).sum(dim=1)

@@ -54,19 +54,18 @@ class SamplingVerifier(Verifier):
             raise ValueError("the sampling verifier needs draft_probs (the distribution each node's children came from)")
         # Host syncs per tried child: the accept/reject walk is inherently sequential Python on a few nodes.
         target_probs = logits_to_probs(inp.target_logits, inp.sampling)
-        node, path, rejected = 0, [], 0
+        node, path = 0, []
         while True:
             kids = inp.tree.children[node]
-            p = target_probs[node]
-            if inp.draft_mode == "topk":
-                # Deterministic candidates (q = point mass per child, EAGLE-2 rule): accept x w.p. p(x), else zero it.
-                pick, p = _accept_point_masses(p, [tokens[c] for c in kids], inp.generator)
+            candidates = [tokens[c] for c in kids]
+            if inp.draft_mode == "topk":  # deterministic candidates (a point mass per child, EAGLE-2 rule)
+                pick, p = _accept_point_masses(target_probs[node], candidates, inp.generator)
             else:
-                pick, p = accept_among_children(p, inp.draft_probs[node].float(), [tokens[c] for c in kids], inp.generator)
+                pick, p = accept_among_children(target_probs[node], inp.draft_probs[node].float(), candidates,
+                                                inp.generator)
             if pick is None:
-                rejected += len(kids)
                 next_token = int(sample(p, inp.generator).item())
-                return VerifyResult(path=path, next_token=next_token, info={"rejected_children": rejected})
+                return VerifyResult(path=path, next_token=next_token, info={"rejected_children": len(kids)})
             node = kids[pick]
             path.append(node)
 
