@@ -1,15 +1,12 @@
 """Tree drafting on the drafter's state (Mamba or Transformer) for B prompts at once: one drafter step per level.
 
-The B trees form a `tree.Forest`; node i of batch row b lives in state row `rows[b, i]`, rows 0..B-1 being the
-roots (each row's state after its last committed token). A level forks its parents' rows into its own and steps them
-together (through a `graphs.StepRunner`), so the drafter holds the state after every non-leaf node; leaves are never
-stepped (`resync` steps an accepted one). Per row the forest gives the same tokens and q as drafting that prompt's
-tree alone. A call reads `prefill` -> `draft` -> `resync` -> ...; `extend` / `read` feed rows committed tokens they
-missed, `compact` drops finished rows. Lookup chains run on scratch rows 1-2, leaving row 0 committed.
+The B trees form a `tree.Forest`, rows 0..B-1 holding each row's state after its last committed token. A level forks
+its parents' rows into its own and steps them together (`graphs.StepRunner`), so the drafter holds the state after
+every non-leaf node; leaves are never stepped (`resync` steps an accepted one). Per row the forest gives the same
+tokens and q as drafting that prompt's tree alone. A call reads `prefill` -> `draft` -> `resync` -> ...
 
 With a draft vocabulary (`drafter.draft_ids`, EAGLE-3's d2t) logit column j is target id draft_ids[j]; everything
-leaving this module is in target ids, and a recorded q is scattered into the full target-vocabulary buffer (zero
-outside the subset), which is all lossless rejection sampling needs.
+leaving this module is in target ids, a recorded q scattered into the full target vocabulary (zero outside).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The any-of combinator: `"a+b"` accepts a path node if any of several lossy rules accepts it.
-
-`get_verifier("a+b", **params)` builds `AnyOf("a+b", **params)`; this is the one place that splits such a name.
-"""
+"""The any-of combinator: `get_verifier("a+b", **params)` builds `AnyOf("a+b", **params)`, which accepts a path
+node if any of the lossy rules a, b accepts it; this is the one place that splits such a name."""
 from __future__ import annotations
 
 import torch
@@ -14,11 +12,8 @@ from tree_search.verifiers.lossy import LossyVerifier, Paths, accept_longest, bu
 
 @register_verifier
 class AnyOf(LossyVerifier):
-    """Accept a path node if any of several lossy verifiers accepts it (e.g. AutoJudge + DropMatch).
-
-    verifiers: names or LossyVerifier instances (or one 'a+b' string). Parameters go to every named verifier
-    whose constructor takes them; '<name>.<param>' targets one verifier; a parameter nobody takes is an error.
-    """
+    """Accept a path node if any of several lossy verifiers accepts it (e.g. AutoJudge + DropMatch). verifiers:
+    names or LossyVerifier instances (or one 'a+b' string); parameters are routed as `route_params` says."""
 
     name = "anyof"
 
