@@ -120,7 +120,7 @@ class SpeculativeGenerator:
                  chat_template: bool = True, **options) -> TextResult | list[TextResult]:
         """One prompt -> TextResult; a list of prompts (strings or message lists) -> one TextResult each, decoded
         as a batch. options: as `tree_search.generate` takes them."""
-        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and not _is_message(prompt[0])
+        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and not isinstance(prompt[0], dict)
         prompts = list(prompt) if batch else [prompt]
         ids = [self.encode(p, system_prompt, chat_template) for p in prompts]
         result = self.decoder.generate(ids if batch else torch.tensor([ids[0]]), max_new_tokens=max_new_tokens,
@@ -134,7 +134,7 @@ class SpeculativeGenerator:
         """`generate` for one prompt, yielding its text as rounds commit (transformers' TextIteratorStreamer)."""
         from transformers import TextIteratorStreamer
 
-        if isinstance(prompt, (list, tuple)) and prompt and not _is_message(prompt[0]):
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
             raise ValueError("stream takes one prompt; generate decodes a list of prompts as a batch")
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         failure = []
@@ -152,10 +152,6 @@ class SpeculativeGenerator:
         thread.join()
         if failure:
             raise failure[0]
-
-
-def _is_message(item) -> bool:
-    return isinstance(item, dict)
 
 
 def check_messages(messages) -> None:
