@@ -30,9 +30,8 @@ class TreeConfig:
                 raise ValueError(f"TreeConfig branching factors must be positive integers, got {branching!r}")
         object.__setattr__(self, "branching", branching)
         if self.num_nodes > MAX_TREE_NODES:
-            raise ValueError(
-                f"TreeConfig{branching} has {self.num_nodes} draft nodes, over the budget of {MAX_TREE_NODES}"
-            )
+            raise ValueError(f"TreeConfig{branching} has {self.num_nodes} draft nodes, over the budget of "
+                             f"{MAX_TREE_NODES}")
 
     @classmethod
     def parse(cls, spec: str | TreeConfig | tuple[int, ...] | list[int]) -> TreeConfig:
