@@ -26,12 +26,9 @@ def tree_reward(n_accept: int, gamma: int, lambda_gamma: float) -> float:
 
 
 def time_reward(n_accept: int, round_time: float, throughput_scale: float) -> float:
-    """r = (N_accept / T_round) / S: the round's measured tokens per second, in units of S.
-
-    Unlike Eq. 2 this charges what a round really cost, verifying a wider tree included. Throughput rather than time
-    per token: its mean over an arm's rounds is the arm's throughput, while a mean of T/N would favour steady arms
-    (E[1/N] > 1/E[N]) and one unlucky 1-token round could shut an arm out.
-    """
+    """r = (N_accept / T_round) / S: the round's measured tokens per second, in units of S. Unlike Eq. 2 it charges
+    what a round really cost. Throughput rather than time per token: a mean of T/N would favour steady arms
+    (E[1/N] > 1/E[N]) and one unlucky 1-token round could shut an arm out."""
     if n_accept < 1:
         raise ValueError(f"n_accept must be >= 1 (a round always commits the bonus token), got {n_accept}")
     if round_time <= 0 or throughput_scale <= 0:
@@ -54,13 +51,11 @@ class ArmStats:
 class UCBBandit:
     """UCB1 over tree configurations: pull every arm once, then argmax r̂_k + λ_UCB·sqrt(2 ln t / n_k).
 
-    lambda_gamma: the draft/target per-step cost ratio in the reward; a float, or "auto" to estimate it online as
-    the running ratio of measured drafter time per level to target verify time.
-    persistent: keep the statistics across `generate` calls instead of resetting at the start of each.
-    reward: "paper" (Eq. 2, `tree_reward`) or "time" (`time_reward`, in units of the throughput of all rounds so
-    far, which keeps it on the scale of the exploration bonus).
-    lambda_ucb: exploration weight; None = 0.1 (the paper's) for the paper reward and 0.5 for the time reward, whose
-    values spread wider: below ~0.4 one unlucky first round shuts a good chain out (tests/test_bandit.py).
+    lambda_gamma: the draft/target per-step cost ratio in the reward, or "auto": the running ratio of measured drafter
+    time per level to target verify time. persistent: keep the statistics across `generate` calls. reward: "paper"
+    (Eq. 2, `tree_reward`) or "time" (`time_reward`, in units of the throughput of all rounds so far, on the scale of
+    the exploration bonus). lambda_ucb: None = 0.1 (the paper's) for the paper reward and 0.5 for the time reward,
+    whose values spread wider: below ~0.4 one unlucky first round shuts a good chain out (tests/test_bandit.py).
     """
 
     arms: tuple[TreeConfig, ...] = DEFAULT_ARMS

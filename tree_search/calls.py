@@ -234,13 +234,9 @@ def default_lookup_tokens(tree, device: str | torch.device, batch: bool, prompt_
 
 
 def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
-    """Refuse a drafter/target vocabulary mismatch; returns how many distinct tokens the drafter can propose.
-
-    Different logit widths are accepted only when a tokenizer shows both cover its real vocabulary (checkpoints pad
-    their embeddings); the drafter then proposes ids below the narrower width. With a draft vocabulary
-    (`drafter.draft_ids`) the drafter must read every token the target may commit and propose only distinct ids of
-    the target's vocabulary.
-    """
+    """Refuse a drafter/target vocabulary mismatch -> how many distinct tokens the drafter can propose. Different
+    logit widths pass only when a tokenizer shows both cover its real vocabulary (checkpoints pad their embeddings);
+    the drafter then proposes ids below the narrower width."""
     if drafter.draft_ids is not None:
         return check_draft_vocab(target, drafter, tokenizer)
     target_vocab, draft_vocab = target_vocab_size(target), int(drafter.vocab_size)
@@ -256,7 +252,8 @@ def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
 
 
 def check_draft_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
-    """check_vocab for a drafter with a draft vocabulary; returns its size."""
+    """check_vocab for a drafter with a draft vocabulary (`drafter.draft_ids`): it must read every token the target
+    may commit and propose only distinct ids of the target's vocabulary -> its size."""
     target_vocab, reads, ids = target_vocab_size(target), int(drafter.input_vocab_size), drafter.draft_ids
     needed, owner = (len(tokenizer), "the tokenizer") if tokenizer is not None \
         else (target_vocab, f"target {type(target).__name__}")

@@ -221,13 +221,11 @@ class TreeDrafter:
 
     @torch.no_grad()
     def resync(self, buf: DraftTree, accepted, next_tokens) -> torch.Tensor:
-        """Row b's root row <- its deepest accepted node's row, then every row steps its next token -> the next root
-        logits (B, V), valid until the next step of rows 0..B-1. accepted (B,): each row's deepest accepted node
-        (0 = none); next_tokens (B,): the token after it; each a device tensor or host ints.
+        """Row b's root row <- its deepest accepted node's row (accepted (B,), 0 = none), then every row steps its
+        next token (next_tokens (B,)) -> the next root logits (B, V), valid until the next step of rows 0..B-1.
 
         An accepted leaf was never stepped: first every row steps its node's token from the parent's row into the
-        last level's first B rows (unused by drafting), and leaves fork from there; always for a device tensor (no
-        sync to find out), for host ints only when some row accepted a leaf.
+        last level's first B rows (unused by drafting); for host ints only when some row accepted a leaf.
         """
         batch = buf.batch
         acc, nxt = self._as_rows(accepted, batch, len(buf.tree)), self._as_rows(next_tokens, batch, self.out_vocab)

@@ -59,13 +59,10 @@ class _Shape:
 
 
 class TargetCache:
-    """The target model plus one KV cache for B prompts, each row holding its committed sequence minus its root.
-
+    """The target model plus one KV cache for B prompts, each row holding its committed sequence minus its root:
     prefill(ids, mask) -> tree_forward(tokens, tree) -> commit(paths) -> ...; decode(tokens) is a root-only round;
-    drop_rows(keep) lets finished rows go. `static=None`: static storage on CUDA when `max_len` is given and the model
-    allows it (`use_static`). A static cache's `max_len` must cover the padded prompts + max_new_tokens + the widest
-    tree; a forward beyond it is refused before it runs.
-    """
+    drop_rows(keep) lets finished rows go. `static=None`: static storage where `use_static` allows it; its `max_len`
+    must cover the padded prompts + max_new_tokens + the widest tree (a forward beyond it is refused)."""
 
     def __init__(self, model: torch.nn.Module, static: bool | None = None, max_len: int | None = None,
                  graphs: bool = False) -> None:

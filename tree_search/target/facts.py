@@ -66,12 +66,9 @@ def window_capacity(model: torch.nn.Module) -> int | None:
 
 
 def local_window(model: torch.nn.Module) -> int | None:
-    """The window of local attention layers that hide keys by their slot in the forward (None: no such layers).
-
-    GPT-Neo's "local" layers (window_size W) see key slots (s - W, s] from query slot s, whatever the positions and
-    the 4D mask say. A tree's siblings sit at different slots but one depth, so past W slots they lose keys their
-    position still sees; within W slots local attention equals global attention and the tree mask is exact.
-    """
+    """The window of local attention layers that hide keys by their slot in the forward (None: no such layers):
+    GPT-Neo's "local" layers see key slots (s - W, s] from query slot s, whatever the positions and the 4D mask say,
+    so past W slots a tree's siblings lose keys their depth still sees; within W slots the tree mask is exact."""
     config = model.config
     window = getattr(config, "window_size", None)
     if "local" in (getattr(config, "attention_layers", None) or ()) and isinstance(window, int) and window > 0:
