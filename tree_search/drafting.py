@@ -145,11 +145,8 @@ class TreeDrafter:
               mode: str, record_probs: bool, generator: torch.Generator | Sequence[torch.Generator] | None
               ) -> DraftTree:
         """Fill B trees' tokens level by level (and, if recorded, each node's draft distribution) from root states
-        in rows 0..B-1; roots (B,), root_logits (B, V).
-
-        mode "topk": the N most likely distinct tokens per node; "sample" (temperature > 0): N draws without
-        replacement from the processed q, which is then always recorded. generator: one for the whole batch, or B of
-        them, row b drawing from generator b exactly as it would alone.
+        in rows 0..B-1. mode "topk": the N most likely distinct tokens per node; "sample": N draws without
+        replacement from the processed q, then always recorded. generator: one, or B (row b draws from generator b).
         """
         batch = roots.shape[0]
         buf = self.buffers(config, batch)

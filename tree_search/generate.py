@@ -48,12 +48,10 @@ class CallOptions:
 
 
 class SpeculativeDecoder:
-    """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape.
-
-    tree: a policy spec (`tree_search.policy`), a TreeConfig / tuple, or a policy object. verifier: None is "greedy"
-    when a call's sampling is greedy, else "sampling" (both lossless). prompt_lookup: FLy's lookup inside the
-    drafter's greedy chains. lookup_tokens K > 0: prompt-lookup rounds of <= K tokens verified instead of a draft
-    (one prompt only); None: `calls.default_lookup_tokens`.
+    """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape (`tree`: a
+    policy spec, a TreeConfig / tuple, or a policy object). verifier None: "greedy" when a call's sampling is greedy,
+    else "sampling". prompt_lookup: FLy's lookup inside the drafter's greedy chains. lookup_tokens K > 0:
+    prompt-lookup rounds of <= K tokens (one prompt only); None: `calls.default_lookup_tokens`.
     """
 
     def __init__(self, target: torch.nn.Module, drafter=None, *, tree="auto", verifier: str | Verifier | None = None,

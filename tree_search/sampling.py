@@ -160,10 +160,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator=None) -> torc
 
 
 def sample_without_replacement(probs: torch.Tensor, n: int, generator=None) -> torch.Tensor:
-    """n distinct draws per row, in draw order, without replacement (Gumbel/exponential top-k).
-
-    Ranking p / E with E ~ Exp(1) is the Plackett–Luce order, i.e. successive draws from the renormalised
-    remainder. Rows with fewer than n supported tokens are padded with zero-probability tokens, which
-    verifiers must skip (they were never drawn).
-    """
+    """n distinct draws per row, in draw order, without replacement: ranking p / E, E ~ Exp(1), is the Plackett–Luce
+    order. Rows with fewer than n supported tokens are padded with zero-probability tokens, which verifiers must skip
+    (they were never drawn)."""
     return torch.topk(probs / exponential_noise(probs, generator), n, dim=-1).indices

@@ -15,11 +15,8 @@ _SPEC = re.compile(r" *[0-9]+ *(?:, *[0-9]+ *)*")  # "3,2,2,1,1", "3, 2": ASCII 
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Static tree shape: every node at depth d has `branching[d]` children (depth 0 = root).
-
-    Level i holds B_i = N1·…·Ni nodes; a chain is `(1, ..., 1)`. No levels, `TreeConfig(())` (spec "none"), is
-    no speculation: the root alone, a plain decoding step (a bandit arm to fall back on when drafting does not pay).
-    """
+    """Static tree shape: every node at depth d has `branching[d]` children (depth 0 = root); a chain is
+    `(1, ..., 1)`. `TreeConfig(())` (spec "none") is no speculation: the root alone, a plain decoding step."""
 
     branching: tuple[int, ...]
 
