@@ -11,32 +11,24 @@ from dataclasses import dataclass, field
 from tree_search.tree import TreeConfig
 
 DEFAULT_ARMS = (TreeConfig((3, 3, 2, 1)), TreeConfig((3, 2, 2, 1, 1)), TreeConfig((2, 2, 2, 1, 1, 1)))
-# The CPU default (`tree="auto"`). The paper's 38-48-node trees are built for GPUs, where verifying a wide tree is
-# nearly free; on a CPU every verified node costs time (SmolLM2-135M, bf16, 2 cores: a tree 3,2,2,1,1 round took
-# 171 ms against 50 ms for a plain step). Small shapes with the measured-time reward, and `none` for stretches where
-# drafts do not pay; chosen on even-id (training-side) Spec-Bench questions on both CPU kinds (docs/benchmarks.md).
+# The CPU default (`tree="auto"`): the paper's wide trees are built for GPUs, where verifying one is nearly free; on a
+# CPU every verified node costs time, so small shapes with the measured-time reward, and `none` where drafts do not
+# pay (chosen on even-id Spec-Bench questions: docs/benchmarks.md).
 CPU_ARMS = (TreeConfig(()), TreeConfig((1, 1)), TreeConfig((1, 1, 1)), TreeConfig((2, 1)))
 
 
 def tree_reward(n_accept: int, gamma: int, lambda_gamma: float) -> float:
-    """r = −(1/N_accept + λ_γ·γ/N_accept): minus the inverse speedup of one round (paper Eq. 2 / A.4).
-
-    N_accept counts the tokens the round committed (accepted draft tokens + the bonus/correction token, ≥ 1).
-    """
+    """r = −(1/N_accept + λ_γ·γ/N_accept): minus the inverse speedup of one round (paper Eq. 2 / A.4); N_accept
+    counts the tokens the round committed (bonus/correction token included, ≥ 1)."""
     if n_accept < 1:
         raise ValueError(f"n_accept must be >= 1 (a round always commits the bonus token), got {n_accept}")
     return -(1.0 + lambda_gamma * gamma) / n_accept
 
 
 def time_reward(n_accept: int, round_time: float, throughput_scale: float) -> float:
-    """r = (N_accept / T_round) / S: the round's measured tokens per second, in units of S.
-
-    Unlike Eq. 2 this charges what a round really cost, including verifying a wider tree (nearly free on a GPU,
-    not on a CPU), so the bandit can discover that a long chain beats a wide tree on a given machine. Throughput
-    rather than time per token: it is linear in N_accept, so its mean over an arm's rounds (of similar cost) is
-    the arm's throughput, while a mean of T/N would favour steady arms (E[1/N] > 1/E[N]) and one unlucky
-    1-token round would sink an arm's estimate far enough to shut it out.
-    """
+    """r = (N_accept / T_round) / S: the round's measured tokens per second, in units of S. Unlike Eq. 2 it charges
+    what a round really cost. Throughput rather than time per token: a mean of T/N would favour steady arms
+    (E[1/N] > 1/E[N]) and one unlucky 1-token round could shut an arm out."""
     if n_accept < 1:
         raise ValueError(f"n_accept must be >= 1 (a round always commits the bonus token), got {n_accept}")
     if round_time <= 0 or throughput_scale <= 0:
@@ -59,17 +51,11 @@ class ArmStats:
 class UCBBandit:
     """UCB1 over tree configurations: pull every arm once, then argmax r̂_k + λ_UCB·sqrt(2 ln t / n_k).
 
-    lambda_gamma: the draft/target per-step cost ratio in the reward; a float, or "auto" to estimate it
-    online as the running ratio of measured drafter time per level to target verify time.
-    persistent: keep the statistics across `generate` calls instead of resetting at the start of each.
-    reward: "paper" (Eq. 2, `tree_reward`) or "time" (`time_reward`): an arm's value is its mean measured tokens
-    per second per round (draft + verify + commit + resync), in units of the throughput of all rounds so far,
-    which keeps it on the scale of the exploration bonus.
-    lambda_ucb: exploration weight; None = 0.1 (the paper's) for the paper reward and 0.5 for the time reward,
-    whose values spread wider (a chain round commits 1 or 6 tokens in nearly the same time): below ~0.4 one unlucky
-    first round shuts a good chain out (tests/test_bandit.py). The price: where every draft loses, each losing arm is
-    still pulled ~3 ln t times (real pair, 2-core CPU, even-id prompts, 64 tokens, bandit restarted per call:
-    0.5 / 0.2 / 0.1 gave 0.84 / 0.95 / 1.09x batched plain decoding at batch 8); `persistent` amortises that.
+    lambda_gamma: the draft/target per-step cost ratio in the reward, or "auto": the running ratio of measured drafter
+    time per level to target verify time. persistent: keep the statistics across `generate` calls. reward: "paper"
+    (Eq. 2, `tree_reward`) or "time" (`time_reward`, in units of the throughput of all rounds so far, on the scale of
+    the exploration bonus). lambda_ucb: None = 0.1 (the paper's) for the paper reward and 0.5 for the time reward,
+    whose values spread wider: below ~0.4 one unlucky first round shuts a good chain out (tests/test_bandit.py).
     """
 
     arms: tuple[TreeConfig, ...] = DEFAULT_ARMS
@@ -130,10 +116,9 @@ class UCBBandit:
         return max(range(len(scores)), key=scores.__getitem__)
 
     def spread(self, arm: int) -> float:
-        """The exploration bonus's per-arm factor: 1/sqrt(n) (UCB1) for the paper reward. For the time reward,
+        """The exploration bonus's per-arm factor: 1/sqrt(n) (UCB1) for the paper reward; for the time reward
         sqrt(1 + M2) / n, M2 the sum of squared deviations of the arm's rewards (in units of the overall throughput):
-        UCB1's bonus after one pull, then shrinking with the spread the arm has shown (≈ σ/sqrt(n)). A batch's round
-        averages many rows, so an arm whose drafts keep losing is dropped after a few pulls instead of ~3 ln t."""
+        UCB1's after one pull, then shrinking with the spread the arm has shown (≈ σ/sqrt(n))."""
         s = self.stats[arm]
         if self.reward == "paper":
             return 1.0 / math.sqrt(s.pulls)

@@ -6,6 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from mamba_draft.checkpoint import check_draft_ids
 from tree_search.policy import TreePolicy, is_auto
@@ -139,15 +140,20 @@ class Call:
             self.streamer.put(torch.tensor(committed[0]))
         return committed, finished
 
-    def keep(self, rows: list[int]) -> None:
-        """Only batch rows `rows` go on (finished rows dropped)."""
-        self.active = [self.active[b] for b in rows]
+    def drop_finished(self, target_state, finished: list[bool]) -> list[int] | None:
+        """Finished rows leave the batch (this call's rows and the target cache's) -> the rows kept (None: all)."""
+        keep = [b for b, done in enumerate(finished) if not done]
+        if len(keep) == len(finished):
+            return None
+        target_state.drop_rows(keep)
+        self.active = [self.active[b] for b in keep]
         if self.generators is not None:
-            self.generators = [self.generators[b] for b in rows]
+            self.generators = [self.generators[b] for b in keep]
+        return keep
 
     def finish(self, target_state, **stats) -> GenerateResult | BatchGenerateResult:
-        """Fill the batch's and the rows' stats (the total waits for the device), end the stream -> the committed
-        sequences: one GenerateResult for one prompt, else a BatchGenerateResult."""
+        """Fill the batch's and the rows' stats, end the stream -> one GenerateResult for one prompt, else a
+        BatchGenerateResult."""
         total = self.stats
         total.total_time = self.recorder.total_time()
         total.target_forwards = target_state.forwards
@@ -157,11 +163,8 @@ class Call:
         width = self.ids.shape[1]
         for b, (length, out, row) in enumerate(zip(self.lengths, self.out, self.row_stats)):
             row.new_tokens = len(out)
-            total.new_tokens += row.new_tokens
-            total.accepted_lengths += row.accepted_lengths
-            total.cut_tokens += row.cut_tokens
-            total.lossy_accepts += row.lossy_accepts
-            total.round_info += row.round_info
+            for name in ("new_tokens", "accepted_lengths", "cut_tokens", "lossy_accepts", "round_info"):
+                setattr(total, name, getattr(total, name) + getattr(row, name))
             for rule, n in row.lossy_accepts_by.items():
                 total.lossy_accepts_by[rule] = total.lossy_accepts_by.get(rule, 0) + n
             tokens = torch.cat([self.ids[b, width - length:], torch.tensor(out, dtype=torch.long,
@@ -172,7 +175,6 @@ class Call:
         if self.batched:
             return BatchGenerateResult(rows, total)
         return GenerateResult(rows[0].tokens, total)
-
 
 
 def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: TreePolicy) -> None:
@@ -194,10 +196,8 @@ def check_options(verifier: Verifier, policy: TreePolicy, params: SamplingParams
                   lookup_tokens: int = 0) -> None:
     """Refuse verifier / tree / sampling / prompt-lookup combinations that cannot work (no model needed)."""
     if verifier.greedy_only and not params.greedy:
-        raise ValueError(
-            f"verifier {verifier.name!r} is for temperature 0; "
-            f"use verifier='sampling' for temperature {params.temperature}"
-        )
+        raise ValueError(f"verifier {verifier.name!r} is for temperature 0; "
+                         f"use verifier='sampling' for temperature {params.temperature}")
     if not isinstance(prompt_lookup, bool):
         raise TypeError(f"prompt_lookup must be True or False, got {prompt_lookup!r}")
     if isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int) or not 0 <= lookup_tokens <= 64:
@@ -208,15 +208,12 @@ def check_options(verifier: Verifier, policy: TreePolicy, params: SamplingParams
     if not prompt_lookup:
         return
     if not params.greedy:
-        raise ValueError(
-            f"prompt_lookup drafts the drafter's greedy chain, so it needs temperature 0 (got {params.temperature})"
-        )
+        raise ValueError(f"prompt_lookup drafts the drafter's greedy chain, so it needs temperature 0 "
+                         f"(got {params.temperature})")
     trees = [str(arm) for arm in policy.arms if max(arm.branching, default=1) > 1]
     if trees:
-        raise ValueError(
-            f"prompt_lookup drafts chains only (every branching factor 1), but tree arm(s) {', '.join(trees)} branch; "
-            "pass a chain such as tree='1,1,1,1,1'"
-        )
+        raise ValueError(f"prompt_lookup drafts chains only (every branching factor 1), but tree arm(s) "
+                         f"{', '.join(trees)} branch; pass a chain such as tree='1,1,1,1,1'")
 
 
 def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -230,51 +227,41 @@ def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], 
 
 def default_lookup_tokens(tree, device: str | torch.device, batch: bool, prompt_lookup: bool) -> int:
     """`lookup_tokens=None`: with `tree="auto"`, prompt-lookup rounds of up to `LOOKUP_TOKENS` for one prompt on a
-    CPU, as the default policy's arms were chosen with (SmolLM2-135M, even-id Spec-Bench questions, both CPU kinds);
-    none for a batch, with `prompt_lookup` (the other use of lookup), on other devices or for a tree given."""
+    CPU (as the default policy's arms were chosen with); none for a batch, with `prompt_lookup`, on other devices or
+    for a tree given."""
     cpu = torch.device(device).type == "cpu"
     return LOOKUP_TOKENS if is_auto(tree) and cpu and not batch and not prompt_lookup else 0
 
 
 def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
-    """Refuse a drafter/target vocabulary mismatch; returns how many distinct tokens the drafter can propose.
-
-    Different logit widths are accepted only when a tokenizer shows both cover its real vocabulary (checkpoints
-    pad their embeddings to multiples of 8/128); the drafter then only proposes ids below the narrower width.
-    With a draft vocabulary (`drafter.draft_ids`) the drafter must read every token the target may commit (the
-    target's vocabulary, or the tokenizer's) and propose only distinct ids of the target's vocabulary.
-    Padding ids the target may still sample past the drafter's embedding are clamped by TreeDrafter.
-    """
+    """Refuse a drafter/target vocabulary mismatch -> how many distinct tokens the drafter can propose. Different
+    logit widths pass only when a tokenizer shows both cover its real vocabulary (checkpoints pad their embeddings);
+    the drafter then proposes ids below the narrower width."""
     if drafter.draft_ids is not None:
         return check_draft_vocab(target, drafter, tokenizer)
     target_vocab, draft_vocab = target_vocab_size(target), int(drafter.vocab_size)
     if tokenizer is not None:
         real = len(tokenizer)
         if min(target_vocab, draft_vocab) < real:
-            raise ValueError(
-                f"vocabulary mismatch: tokenizer has {real} tokens but the target covers {target_vocab} "
-                f"and the drafter {draft_vocab}"
-            )
+            raise ValueError(f"vocabulary mismatch: tokenizer has {real} tokens but the target covers {target_vocab} "
+                             f"and the drafter {draft_vocab}")
     elif draft_vocab != target_vocab:
-        raise ValueError(
-            f"vocabulary mismatch: drafter has {draft_vocab} tokens, target {type(target).__name__} has "
-            f"{target_vocab}; pass the tokenizer if both only pad the same real vocabulary"
-        )
+        raise ValueError(f"vocabulary mismatch: drafter has {draft_vocab} tokens, target {type(target).__name__} has "
+                         f"{target_vocab}; pass the tokenizer if both only pad the same real vocabulary")
     return min(target_vocab, draft_vocab)
 
 
 def check_draft_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
-    """check_vocab for a drafter with a draft vocabulary; returns its size."""
+    """check_vocab for a drafter with a draft vocabulary (`drafter.draft_ids`): it must read every token the target
+    may commit and propose only distinct ids of the target's vocabulary -> its size."""
     target_vocab, reads, ids = target_vocab_size(target), int(drafter.input_vocab_size), drafter.draft_ids
     needed, owner = (len(tokenizer), "the tokenizer") if tokenizer is not None \
         else (target_vocab, f"target {type(target).__name__}")
     if target_vocab < needed:
         raise ValueError(f"vocabulary mismatch: tokenizer has {needed} tokens but the target covers {target_vocab}")
     if reads < needed:
-        raise ValueError(
-            f"vocabulary mismatch: the drafter reads {reads} token ids but {owner} has {needed}; a drafter with a "
-            "draft vocabulary must still read every token the target can commit"
-        )
+        raise ValueError(f"vocabulary mismatch: the drafter reads {reads} token ids but {owner} has {needed}; a "
+                         "drafter with a draft vocabulary must still read every token the target can commit")
     return check_draft_ids(ids, target_vocab, vocab_name="the target's vocabulary ").numel()
 
 
@@ -328,14 +315,10 @@ def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, 
             raise ValueError(f"prompt {b} must be a list or 1-D tensor of integer token ids, got "
                              f"{row.dtype} {tuple(row.shape)}")
         rows.append(row)
-    lengths = [row.numel() for row in rows]
-    width = max(lengths)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)  # pad id 0: masked out, but the target embeds it
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, width - row.numel():] = row.cpu()
-        mask[b, width - row.numel():] = 1
-    return ids, mask, lengths
+    rows = [row.long().cpu() for row in rows]  # pad id 0: masked out, but the target embeds it
+    ids = pad_sequence(rows, batch_first=True, padding_side="left")
+    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side="left")
+    return ids, mask, [row.numel() for row in rows]
 
 
 def check_batch_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
@@ -368,10 +351,9 @@ def check_batch_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
 
 def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int,
-                       tree_depth: int = 0, tree_nodes: int = 0) -> None:
-    """A call's limits: budget, token ids (pads too: the target embeds them), positions per row,
-    and the sliding window, which the batch cache's shared slots (the padded width, then every round's longest
-    path) fill at least as fast as the longest row."""
+                 tree_depth: int = 0, tree_nodes: int = 0) -> None:
+    """A call's limits: budget, token ids (pads too: the target embeds them), positions per row, and the sliding
+    window, which the batch cache's shared slots fill at least as fast as the longest row."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     vocab = target_vocab_size(target)
@@ -387,9 +369,8 @@ def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int],
     if window is not None and ids.shape[1] + max_new_tokens + tree_nodes > window:
         raise ValueError(f"the padded prompts ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes "
                          f"({tree_nodes}) exceed {_window_limit(target, window)}")
-    # A local window has no runtime guard (nothing drops keys, TargetCache's slot check knows sliding caches
-    # only), so bound the slots up front: a round adds 1 + its longest accepted path (<= tree depth) to the shared
-    # slots, holes of rows that accepted less included, and a round runs only while some row has < max_new_tokens.
+    # A local window has no runtime guard, so bound the shared slots up front: a round adds 1 + its longest accepted
+    # path (<= tree depth), and runs only while some row has < max_new_tokens.
     local = local_window(target)
     slots = ids.shape[1] + (max_new_tokens - 1) * (1 + tree_depth) + tree_nodes
     if local is not None and ids.shape[0] > 1 and tree_depth and slots > local:
@@ -409,8 +390,8 @@ def _window_limit(target: torch.nn.Module, window: int) -> str:
 
 
 def check_drafter_room(drafter, batch: int, tree_rows: int, out_vocab: int, context: int) -> None:
-    """Refuse a batch whose drafter state (one row per node of every row's largest tree, each holding up to `context`
-    tokens for a Transformer drafter), step logits and recorded draft distributions would not fit in the drafter
+    """Refuse a batch whose drafter state rows (one per node of every row's largest tree, up to `context` tokens
+    each for a Transformer drafter), step logits and recorded draft distributions would not fit in the drafter
     device's whole memory (a clear error instead of an OOM)."""
     weight_size = torch.tensor([], dtype=drafter.dtype).element_size()
     per_node = drafter.row_bytes(context) + int(drafter.vocab_size) * weight_size + out_vocab * 4

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import yaml
@@ -74,12 +73,9 @@ def run(args: argparse.Namespace) -> int:
              "--lookup-tokens")
     if args.system_prompt is not None and args.no_chat_template:
         fail("--system-prompt needs the chat template; drop --no-chat-template")
-    if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
-            fail(f"prompt file {args.prompt_file} does not exist")
-        text = args.prompt_file.read_text()
-    else:
-        text = args.prompt
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        fail(f"prompt file {args.prompt_file} does not exist")
+    text = args.prompt if args.prompt_file is None else args.prompt_file.read_text()
     for name, what in ((args.target, "target"), (None if args.autoregressive else args.drafter, "drafter")):
         if name is not None:
             try:
@@ -130,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if len(stats.lossy_accepts_by) > 1:
         lines.append("lossy accepts by rule: " + ", ".join(f"{k} {v}" for k, v in stats.lossy_accepts_by.items()))
     lines += [f"  tree {shape}: {arm['pulls']} rounds, mean reward {arm['mean_reward']:.3f}" for shape, arm in stats.arms.items()]
-    print("\n" + "\n".join(lines), file=sys.stdout)
+    print("\n" + "\n".join(lines))
     return 0
 
 

@@ -30,10 +30,8 @@ def divergence(reference: Sequence[int], candidate: Sequence[int]) -> Divergence
 
 
 def summarize(divergences: Sequence[Divergence]) -> dict[str, float]:
-    """Benchmark-level aggregate: share of identical outputs, mean first-divergence position, mean differing fraction.
-
-    The mean first-divergence position is over the diverging outputs only (NaN when none diverged).
-    """
+    """Benchmark-level aggregate: share of identical outputs, mean first-divergence position (over the diverging
+    outputs only, NaN when none diverged), mean differing fraction."""
     if not divergences:
         raise ValueError("summarize() needs at least one Divergence")
     diverged = [d.first_divergence for d in divergences if d.first_divergence is not None]

@@ -1,24 +1,12 @@
-"""Tree drafting on the drafter's state (Mamba or Transformer) for B prompts at once, B = 1 included: one drafter
-step per level over all of that level's rows.
+"""Tree drafting on the drafter's state (Mamba or Transformer) for B prompts at once: one drafter step per level.
 
-B prompts draft together in a forest (`tree.Forest`: B copies of one tree, level-major, so each level of all B trees
-is one contiguous row range and one step). Node i of batch row b lives in state row `rows[b, i]`; rows 0..B-1 are the
-roots (each row's state after its last committed token). A level forks its parents' rows into its own rows
-(`gather_`) and steps them together, so the drafter holds the state after every non-leaf node; leaves are never
-stepped (their state is only needed if one is accepted, and then `resync` steps it). Every fork + step goes through a
-`graphs.StepRunner`: on CUDA each row range is a captured graph reused across rounds, calls and tree shapes.
+The B trees form a `tree.Forest`, rows 0..B-1 holding each row's state after its last committed token. A level forks
+its parents' rows into its own and steps them together (`graphs.StepRunner`), so the drafter holds the state after
+every non-leaf node; leaves are never stepped (`resync` steps an accepted one). Per row the forest gives the same
+tokens and q as drafting that prompt's tree alone. A call reads `prefill` -> `draft` -> `resync` -> ...
 
-A call reads `prefill` (left-padded prompts, each row encoded without its padding) -> `draft` -> `resync` -> ...;
-`extend` feeds rows committed tokens they missed, `compact` drops finished rows. Per row, the forest gives the same
-tokens and q as drafting that prompt's tree alone (`tests/test_batch_drafting.py` checks it against a single-tree
-reference). One prompt's prompt-lookup proposals (`proposal`) and lookup chains fill the same buffers as a batch of
-one: chains at temperature 0 can be drafted with prompt lookup (`draft_chain_lookup`, eager, host-driven), on scratch
-rows 1-2, leaving row 0 committed so `extend` continues it in one call.
-
-A drafter with a draft vocabulary (`drafter.draft_ids`, EAGLE-3's d2t) scores only those target ids: logit column j
-is target id draft_ids[j]. Everything leaving this module is in target ids: drafted tokens are mapped through
-draft_ids, and a recorded draft distribution q is scattered into the full target-vocabulary buffer (exactly zero
-outside the subset), which is all the lossless rejection sampling needs.
+With a draft vocabulary (`drafter.draft_ids`, EAGLE-3's d2t) logit column j is target id draft_ids[j]; everything
+leaving this module is in target ids, a recorded q scattered into the full target vocabulary (zero outside).
 """
 from __future__ import annotations
 
@@ -31,20 +19,16 @@ import torch
 from tree_search.calls import check_batch_prompts
 from tree_search.graphs import StepRunner, drafter_key
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
-from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
+from tree_search.sampling import SamplingParams, sample_without_replacement, soft_probs
 from tree_search.tree import Forest, Tree, TreeConfig
 
-_SOFTMAX = SamplingParams(temperature=1.0)
 LOOKUP_ROWS = 3  # row 0 committed, rows 1-2 the lookup drafter's live + snapshot scratch rows
 
 
 @dataclass
 class DraftTree:
-    """Buffers of one tree shape for B prompts, refilled every round.
-
-    tokens / probs are per batch row in the tree's node order (what the target verifies, row by row); the drafter
-    state follows the forest layout: node i of batch row b lives in state row rows[b, i].
-    """
+    """Buffers of one tree shape for B prompts, refilled every round: tokens / probs per batch row in the tree's
+    node order (what the target verifies), the drafter state in the forest's layout."""
 
     config: TreeConfig
     tree: Tree
@@ -73,7 +57,6 @@ class TreeDrafter:
         self.drafter = drafter
         self.device = drafter.device
         self.out_vocab = out_vocab  # width of the probs buffers (the target's vocabulary)
-        # Draft column -> target id, fixed for this TreeDrafter. None = identity (column j is id j): no extra op.
         self.draft_ids = drafter.draft_ids
         if self.draft_ids is None:
             self.vocab = min(int(drafter.vocab_size), out_vocab)  # draft tokens are chosen among ids < vocab
@@ -82,20 +65,15 @@ class TreeDrafter:
                 raise ValueError(f"draft vocabulary id {int(self.draft_ids.max())} is outside the target's "
                                  f"vocabulary [0, {out_vocab})")
             self.vocab = self.draft_ids.numel()  # every column is a valid target id
-        # The drafter reads every token the target commits. check_vocab guarantees that for every real token (the
-        # target's vocabulary, or the tokenizer's when given), but a target head padded wider than the drafter's
-        # embedding (e.g. Pythia's 50304 rows vs a 50280-token Mamba drafter) can still sample a padding id at
-        # temperature > 0. Refusing such pairs would lock out standard target/drafter pairs, so those ids are
-        # clamped to the drafter's last readable id instead: they are no tokenizer's tokens, and only what the
-        # drafter reads changes (later drafts may be accepted less), never what the target verifies, so the output
-        # stays exact. Drafted tokens are always readable; only committed target tokens go through the clamp.
+        # A target head padded wider than the drafter's embedding (Pythia's 50304 rows vs a 50280-token drafter) may
+        # sample a padding id at temperature > 0: committed ids the drafter cannot read are clamped to its last one
+        # (`_readable`). Only what the drafter reads changes, never what the target verifies: the output stays exact.
         readable = int(drafter.input_vocab_size)
         self.read_limit = readable - 1 if readable < out_vocab else None
         self.state = drafter.allocate_state(max_rows)
         self.roots = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # row b's root (its last token)
         self.first_row = torch.zeros(1, dtype=torch.long, device=self.device)  # row 0's index (the lookup's fork)
-        # Per-shape buffers. Token/probs storage is per shape, sized for the largest batch seen; smaller batches
-        # (after `compact`) view its first rows instead of allocating again.
+        # per shape, sized for the largest batch seen: smaller batches (after `compact`) view its first rows
         self.trees: dict[tuple[TreeConfig, int], DraftTree] = {}
         self.storage: dict[TreeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
         self.runner = StepRunner(drafter, self.state)  # runner.use_graphs: the CUDA-graph switch
@@ -103,12 +81,9 @@ class TreeDrafter:
 
     @classmethod
     def of(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
-        """The drafter's own TreeDrafter, kept on it as `drafter.tree_drafter` (state, buffers and graphs survive
-        across generate calls; a plain attribute: no submodule, nothing in the state dict, a copy starts without).
-
-        Rebuilt, graphs dropped, when the drafter moved, changed dtype or backend, reallocated its weights
-        (`drafter_key`), got a new vocabulary map, or when more rows or another output width are needed.
-        """
+        """The drafter's own TreeDrafter, kept on it as `drafter.tree_drafter` across generate calls; rebuilt, graphs
+        dropped, when its weights, dtype or backend (`drafter_key`) or vocabulary map changed, or when more rows or
+        another output width are needed."""
         kept = getattr(drafter, "tree_drafter", None)
         if (kept is None or kept.state.max_batch < max_rows or kept.out_vocab != out_vocab
                 or kept.draft_ids is not drafter.draft_ids or kept.runner.key != drafter_key(drafter)):
@@ -139,65 +114,39 @@ class TreeDrafter:
                 self.trees = {k: v for k, v in self.trees.items() if k[0] != config}  # views of the old storage
             device, scratch = self.device, forest.levels[-1][0]
             self.trees[key] = DraftTree(
-                config=config,
-                tree=tree,
-                forest=forest,
-                rows=forest.rows.to(device),
-                parent_rows=[p.to(device) for p in forest.parent_rows],
+                config, tree, forest, forest.rows.to(device), [p.to(device) for p in forest.parent_rows],
                 parents=torch.tensor((0,) + tree.parents[1:], device=device),
-                # a root is never a leaf
-                leaf=(torch.tensor(tree.depths, device=device) == config.depth) & (config.depth > 0),
-                scratch=torch.arange(scratch, scratch + batch, device=device),
-                tokens=tokens[:batch],
-                probs=probs[:batch],
-            )
+                leaf=(torch.tensor(tree.depths, device=device) == config.depth) & (config.depth > 0),  # root: never
+                scratch=torch.arange(scratch, scratch + batch, device=device), tokens=tokens[:batch],
+                probs=probs[:batch])
         return self.trees[key]
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Encode B left-padded prompts (B, L) into state rows 0..B-1; returns each row's next-token logits (B, V).
-
-        attention_mask (B, L): 1 on prompt tokens, 0 on the left padding (None: no padding). A Mamba state has no
-        mask, so a pad token would change every later state: each row is encoded from its unpadded tokens only, rows of
-        equal length together (one drafter call per run of equal lengths). `roots[:B]` <- the last prompt tokens.
-        """
+        """Encode B left-padded prompts (B, L) into state rows 0..B-1 -> each row's next-token logits (B, V).
+        A Mamba state has no mask: each row is encoded from its unpadded tokens, one call per run of equal lengths."""
         ids = torch.as_tensor(input_ids)
         lengths = check_batch_prompts(ids, attention_mask)  # (B, L) integer ids, left padding, no empty prompt
         batch, width = ids.shape
         if batch > self.roots.shape[0]:
             raise ValueError(f"a batch of {batch} prompts exceeds the {self.roots.shape[0]} state rows allocated")
         ids = ids.to(device=self.device, dtype=torch.long)
-        readable = ids if self.read_limit is None else ids.clamp(max=self.read_limit)  # see __init__
-        logits, start = [], 0
-        for length, run in itertools.groupby(lengths):
-            stop = start + len(list(run))
-            part, _ = self.drafter.prefill(readable[start:stop, width - length:], state=self.state.rows(start, stop))
+        readable, logits = self._readable(ids), []
+        for start, stop in _runs(lengths):
+            part, _ = self.drafter.prefill(readable[start:stop, width - lengths[start]:],
+                                           state=self.state.rows(start, stop))
             logits.append(part)
             self.calls += 1
-            start = stop
         self.roots[:batch] = ids[:, -1]
         return torch.cat(logits)
 
     @torch.no_grad()
-    def draft(
-        self,
-        config: TreeConfig,
-        roots: torch.Tensor,
-        root_logits: torch.Tensor,
-        params: SamplingParams,
-        mode: str,
-        record_probs: bool,
-        generator: torch.Generator | Sequence[torch.Generator] | None,
-    ) -> DraftTree:
-        """Fill B trees' tokens level by level (and, if recorded, each node's draft distribution), one drafter step
-        per level over all B trees' nodes of that level. Their root states are state rows 0..B-1 (`prefill` /
-        `resync` / `extend`); roots (B,), root_logits (B, V).
-
-        mode "topk": the N most likely distinct tokens per node. mode "sample" (temperature > 0): N draws without
-        replacement from the processed draft distribution q, which is then always recorded. With a draft vocabulary
-        both happen in draft space (temperature / top-k / top-p over the subset) and are then mapped to target ids.
-        generator: one for the whole batch, or B of them, row b drawing from generator b exactly as it would alone
-        (so a batch can reproduce B single-prompt runs).
+    def draft(self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor, params: SamplingParams,
+              mode: str, record_probs: bool, generator: torch.Generator | Sequence[torch.Generator] | None
+              ) -> DraftTree:
+        """Fill B trees' tokens level by level (and, if recorded, each node's draft distribution) from root states
+        in rows 0..B-1. mode "topk": the N most likely distinct tokens per node; "sample": N draws without
+        replacement from the processed q, then always recorded. generator: one, or B (row b draws from generator b).
         """
         batch = roots.shape[0]
         buf = self.buffers(config, batch)
@@ -211,9 +160,9 @@ class TreeDrafter:
             (prev_start, prev_stop), (start, stop) = tree.levels[level - 1], tree.levels[level]
             logits = logits[:, :vocab]
             if sampled or record_probs:
-                q = logits_to_probs(logits, params if not params.greedy else _SOFTMAX)
+                q = soft_probs(logits, params)
                 self._record(buf.probs[:, prev_start:prev_stop], q.view(batch, prev_stop - prev_start, vocab))
-            kids = _draw(q, n, generator, batch) if sampled else torch.topk(logits, n, dim=-1).indices
+            kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
             # kids (B·B_{l-1}, n) row-major is batch row, parent, child: each batch row's level in tree order
             buf.tokens[:, start:stop] = self._to_target(kids).view(batch, -1)
             if level < config.depth:
@@ -222,9 +171,8 @@ class TreeDrafter:
 
     @torch.no_grad()
     def proposal(self, roots: torch.Tensor, tokens: list[int], record_probs: bool) -> DraftTree:
-        """One prompt's chain of given tokens (a prompt-lookup proposal) after its root (roots: (1,)), in the buffers of
-        its length for a batch of one; no drafter call. With `record_probs` each node's draft distribution is a point
-        mass on its token: a deterministic proposal, which lossless sampling accepts with the target's probability."""
+        """One prompt's chain of given tokens (a prompt-lookup proposal) after its root (roots: (1,)); no drafter
+        call. Its recorded q is a point mass per token: lossless sampling accepts it with the target's probability."""
         buf = self.buffers(TreeConfig((1,) * len(tokens)), 1)
         buf.tokens[:, 0] = roots
         buf.tokens[0, 1:] = torch.tensor(tokens, device=self.device)
@@ -235,29 +183,27 @@ class TreeDrafter:
         return buf
 
     @torch.no_grad()
-    def draft_chain_lookup(
-        self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor, context: torch.Tensor,
-        record_probs: bool,
-    ) -> tuple[DraftTree, LookupDraft]:
-        """One prompt's chain (batch of one: roots (1,), root_logits (1, V)) of the drafter's greedy tokens, skipping
-        steps with prompt lookup (temperature 0 only).
-
-        context: (L,) committed tokens up to the root. Row 0 (the committed state) is copied to scratch row 1 and
-        left untouched; follow with `extend`. Same tokens (and recorded probs) as `draft` on a chain.
-        """
+    def draft_chain_lookup(self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor,
+                           context: torch.Tensor, record_probs: bool) -> tuple[DraftTree, LookupDraft]:
+        """One prompt's greedy chain (roots (1,), root_logits (1, V)) skipping steps with prompt lookup: the same
+        tokens and q as `draft` on a chain. context: (L,) committed tokens up to the root. Drafts on scratch rows
+        from a copy of row 0, which stays committed: follow with `extend`."""
         buf = self.buffers(config, 1)
         self.state.gather_(1, self.first_row)
-        if self.read_limit is not None:  # look up in what the drafter read, so proposals are readable (see __init__)
-            context = context.clamp(max=self.read_limit)
-        lookup = draft_chain_with_lookup(self.drafter, self.state.rows(1, LOOKUP_ROWS), root_logits[0], context,
+        lookup = draft_chain_with_lookup(self.drafter, self.state.rows(1, LOOKUP_ROWS), root_logits[0],
+                                         self._readable(context),  # what the drafter read: proposals it can read
                                          config.depth, vocab=self.vocab, keep_logits=record_probs,
                                          draft_ids=self.draft_ids)
         self.calls += lookup.drafter_calls
         buf.tokens[:, 0] = roots
         buf.tokens[0, 1:] = lookup.tokens
         if record_probs:
-            self._record(buf.probs[0, : config.depth], logits_to_probs(lookup.logits[:, : self.vocab], _SOFTMAX))
+            self._record(buf.probs[0, : config.depth], soft_probs(lookup.logits[:, : self.vocab], SamplingParams()))
         return buf, lookup
+
+    def _readable(self, ids: torch.Tensor) -> torch.Tensor:
+        """Committed ids clamped to what the drafter can read (see __init__)."""
+        return ids if self.read_limit is None else ids.clamp(max=self.read_limit)
 
     def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
         """Draft logit columns -> target token ids (a gather, no sync)."""
@@ -272,16 +218,11 @@ class TreeDrafter:
 
     @torch.no_grad()
     def resync(self, buf: DraftTree, accepted, next_tokens) -> torch.Tensor:
-        """Move each row's deepest accepted node's state to its root row and step the next token; returns the next
-        root logits (B, V), valid until the next step of rows 0..B-1. No re-encoding: non-leaf nodes already have
-        their state.
+        """Row b's root row <- its deepest accepted node's row (accepted (B,), 0 = none), then every row steps its
+        next token (next_tokens (B,)) -> the next root logits (B, V), valid until the next step of rows 0..B-1.
 
-        accepted (B,): each row's deepest accepted node (tree numbering, 0 = none); next_tokens (B,): the token after
-        it (the new root, kept in `roots`). Either a device tensor or a host sequence of ints.
-        Row b's root row <- its accepted node's row, then all rows step their next token: one B-row step. An accepted
-        last-level node was never stepped: first all B rows step from their node's parent row with its token into
-        the last level's first B rows (free: drafting never uses them), and leaf rows fork from there. That step runs
-        when a host `accepted` has a leaf, and always for a device tensor (no sync to find out): one more B-row step.
+        An accepted leaf was never stepped: first every row steps its node's token from the parent's row into the
+        last level's first B rows (unused by drafting); for host ints only when some row accepted a leaf.
         """
         batch = buf.batch
         acc, nxt = self._as_rows(accepted, batch, len(buf.tree)), self._as_rows(next_tokens, batch, self.out_vocab)
@@ -293,20 +234,15 @@ class TreeDrafter:
             scratch = buf.forest.levels[-1][0]
             self._step(buf.tokens.gather(1, acc[:, None])[:, 0], scratch, scratch + batch, parents)
             source = torch.where(buf.leaf[acc], buf.scratch, source)
-        if self.read_limit is not None:
-            nxt = nxt.clamp(max=self.read_limit)  # a padding id the drafter cannot read (see __init__)
-        return self._step(nxt, 0, batch, source)
+        return self._step(self._readable(nxt), 0, batch, source)
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows 0..B-1, each the state after its row's last read token, read their next (B, k) committed tokens in one
-        drafter call (the catch-up after k no-speculation rounds, or a lookup chain's accepted tokens + next token);
-        returns the logits after them (B, V), valid until the next step of these rows. `roots[:B]` <- the last column
-        (each row's next root)."""
+        """Rows 0..B-1 read their next (B, k) committed tokens in one drafter call -> the logits after them (B, V),
+        valid until the next step of these rows; the last column becomes the roots."""
         batch = tokens.shape[0]
         self.roots[:batch] = tokens[:, -1]
-        if self.read_limit is not None:
-            tokens = tokens.clamp(max=self.read_limit)  # a committed padding id the drafter cannot read (see __init__)
+        tokens = self._readable(tokens)
         if tokens.shape[1] == 1:
             return self._step(tokens[:, 0], 0, batch)  # a step (graph-captured on CUDA) is cheaper than a 1-token scan
         self.calls += 1
@@ -314,33 +250,27 @@ class TreeDrafter:
 
     @torch.no_grad()
     def read(self, tokens: list[list[int]], features: list[torch.Tensor]) -> torch.Tensor:
-        """Rows 0..B-1 (each the state after its row's last read token) read their own committed tokens, each with
-        its target state (m_b, H) (a drafter that reads the target), in one drafter call per run of rows reading as
-        many; returns the logits after them (B, V). `roots[:B]` <- each row's last token."""
-        logits, start = [], 0
-        for length, run in itertools.groupby(len(row) for row in tokens):
-            stop = start + len(list(run))
-            ids = torch.tensor(tokens[start:stop], device=self.device)
-            if self.read_limit is not None:
-                ids = ids.clamp(max=self.read_limit)  # a committed padding id the drafter cannot read (see __init__)
+        """Rows 0..B-1 read their own committed tokens, each with its target states (m_b, H) (a drafter that reads
+        the target), one drafter call per run of rows reading as many -> the logits after them (B, V)."""
+        logits = []
+        for start, stop in _runs([len(row) for row in tokens]):
+            ids = self._readable(torch.tensor(tokens[start:stop], device=self.device))
             logits.append(self.drafter.extend(ids, self.state.rows(start, stop), last_only=True,
                                               features=torch.stack(features[start:stop])))
             self.calls += 1
-            start = stop
         self.roots[: len(tokens)] = torch.tensor([row[-1] for row in tokens], device=self.device)
         return torch.cat(logits)
 
     @torch.no_grad()
     def compact(self, rows) -> None:
-        """Keep only batch rows `rows` (indices, in their new order): their root states and roots move to rows
-        0..len(rows)-1, so later rounds step only those. Index the root logits the same way (`logits[rows]`)."""
+        """Keep only batch rows `rows` (in their new order): their root states and roots move to rows 0..len(rows)-1.
+        Index the root logits the same way (`logits[rows]`)."""
         index = self._as_rows(rows, len(rows), self.roots.shape[0])
         self.state.gather_(0, index)
         self.roots[: len(rows)] = self.roots[index]
 
     def _as_rows(self, values, batch: int, limit: int | None = None) -> torch.Tensor:
-        """(batch,) int64 on the device from a tensor (no check of the values: no sync) or a host sequence (checked
-        against [0, limit))."""
+        """(batch,) int64 on the device from a tensor (unchecked: no sync) or host ints (checked in [0, limit))."""
         if isinstance(values, torch.Tensor):
             if values.shape != (batch,):
                 raise ValueError(f"expected {batch} values, one per batch row, got shape {tuple(values.shape)}")
@@ -356,19 +286,15 @@ class TreeDrafter:
         return host.to(self.device, non_blocking=True)
 
     def _step(self, tokens: torch.Tensor, start: int, stop: int, parents: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [start:stop] <- rows `parents` (if given), then one drafter step with `tokens` (stop - start,).
-
-        The logits stay valid until the next step over any of these rows (`StepRunner.run`)."""
+        """Rows [start:stop] <- rows `parents` (if given), then one drafter step with `tokens` (`StepRunner.run`)."""
         self.calls += 1
         return self.runner.run(start, stop, tokens, parents)
 
 
-def _draw(q: torch.Tensor, n: int, generator, batch: int) -> torch.Tensor:
-    """`sample_without_replacement` of q (B·m, V); with B generators, batch row b's m rows draw their noise from
-    generator b, as that prompt alone would draw it."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return sample_without_replacement(q, n, generator)
-    noise = torch.empty_like(q)
-    for rows, gen in zip(noise.view(batch, -1, q.shape[-1]), generator):
-        rows.exponential_(generator=gen)
-    return torch.topk(q / noise, n, dim=-1).indices
+def _runs(lengths: list[int]):
+    """(start, stop) of each run of equal lengths."""
+    start = 0
+    for _, run in itertools.groupby(lengths):
+        stop = start + len(list(run))
+        yield start, stop
+        start = stop

@@ -1,20 +1,14 @@
-"""Speculative generation, one engine for any number of prompts: draft -> verify -> commit -> resync, and plain
+"""Speculative generation, one engine for any number of prompts (one prompt is a batch of one), and plain
 autoregressive decoding on the same harness (the fair baseline).
 
-`SpeculativeDecoder(target, drafter, tree=..., verifier=...)` holds a pair and the tree policy; `.generate(prompts,
-...)` decodes B prompts (one prompt is a batch of one) in rounds: **draft** one tree per row (`strategies`: one
-drafter step per tree level for all rows, Mamba or Transformer drafter; or a prompt-lookup proposal) -> **verify**
-every row in one target forward (`target.TargetCache`: left-padded rows sharing slots; static cache and captured
-verification on CUDA), then the verifier decides each row -> **commit** each row's path -> **resync** the drafter. A
-row stops at its own EOS / max_new_tokens and leaves the batch (target cache and drafter state). The policy picks one
-tree shape per round for the whole batch and is rewarded with the batch's tokens per second (time reward) or the
-paper reward on the rows' mean accepted length. A `none` round is one plain decoding step of every row and leaves
-the drafter alone: the next drafted round feeds it the tokens it missed in one call.
+Each round: **draft** one tree per row (`strategies`), or a prompt-lookup proposal -> **verify** every row in one
+target forward (`target.TargetCache`), the verifier deciding each row -> **commit** each row's path -> **resync** the
+drafter. A row leaves the batch at its own EOS / max_new_tokens. The policy picks one tree shape per round for the
+whole batch; a `none` round is a plain decoding step that leaves the drafter alone (it catches up when it next drafts).
 
 Per row the output is what that prompt gives alone: token-identical to the target's greedy decoding at temperature
-0, and at temperature > 0 row b draws all its randomness (drafting and verification) from its own generator seeded
-`seed + b`. What a call is (inputs, checks, stats, results) lives in `calls`, phase timing in `recorder`; what the
-engine reuses across calls lives on the models (`TargetFacts`, the drafter's `TreeDrafter`), not in this module.
+0, and at temperature > 0 row b draws all its randomness from its own generator seeded `seed + b`. What the engine
+reuses across calls lives on the models (`TargetFacts`, the drafter's `TreeDrafter`), not in this module.
 """
 from __future__ import annotations
 
@@ -29,7 +23,7 @@ from tree_search.calls import (
 from tree_search.policy import parse_policy
 from tree_search.prompt_lookup import NgramLookup
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
-from tree_search.sampling import SamplingParams, logits_to_probs, make_generator, resolve_sampling
+from tree_search.sampling import choose, resolve_sampling
 from tree_search.strategies import drafting_strategy
 from tree_search.target import TargetCache, target_vocab_size
 from tree_search.target.cache import ROOT_ONLY
@@ -54,15 +48,10 @@ class CallOptions:
 
 
 class SpeculativeDecoder:
-    """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape.
-
-    tree: the policy grammar (`tree_search.policy`: "auto", "none", "3,2,2,1,1", "chain:5", "bandit[:A/B]",
-    "bandit-time[:A/B]"), a TreeConfig / tuple, or a policy object (a bandit with persistent=True keeps its
-    statistics across calls). verifier: None is "greedy" when a call's sampling is greedy, else "sampling" (both
-    lossless). prompt_lookup: FLy's multi-level acceleration for chains at temperature 0 (lookup proposals pre-checked
-    by the drafter). lookup_tokens K > 0: prompt-lookup rounds (when the last 2-4 committed tokens occurred before,
-    the <= K tokens that followed them are verified instead of a draft; any verifier, one prompt only); None: 8 with
-    tree "auto" for one prompt on a CPU, else 0 (`calls.default_lookup_tokens`).
+    """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape (`tree`: a
+    policy spec, a TreeConfig / tuple, or a policy object). verifier None: "greedy" when a call's sampling is greedy,
+    else "sampling". prompt_lookup: FLy's lookup inside the drafter's greedy chains. lookup_tokens K > 0:
+    prompt-lookup rounds of <= K tokens (one prompt only); None: `calls.default_lookup_tokens`.
     """
 
     def __init__(self, target: torch.nn.Module, drafter=None, *, tree="auto", verifier: str | Verifier | None = None,
@@ -115,7 +104,8 @@ class SpeculativeDecoder:
         name, lossless = (verifier.name, verifier.lossless) if verifier is not None else ("autoregressive", True)
         stats = [GenerateStats(prompt_tokens=n, verifier=name, lossless=lossless, sampling=asdict(params))
                  for n in [sum(lengths), *lengths]]
-        generators = None if seed is None else [make_generator(seed + b, self.device) for b in range(len(lengths))]
+        generators = None if seed is None else [torch.Generator(device=self.device).manual_seed(seed + b)
+                                                for b in range(len(lengths))]
         return Call(ids.to(self.device), mask.to(self.device), lengths, batched, m, params,
                     eos_set(self.target, options.eos_token_id), stats[0], stats[1:], generators, options.streamer,
                     verifier, lookup)
@@ -155,7 +145,7 @@ class SpeculativeDecoder:
                 results, proposed, hidden = self.verify(target, draft, call, drafts.reads_target)
             else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root)
                 scores, hidden = target.tree_forward(drafts.roots(rows)[:, None], ROOT_ONLY, drafts.reads_target)
-                plain = next_tokens(scores[:, 0], call.params, call.generators)
+                plain = choose(scores[:, 0], call.params, call.generators)
                 results, proposed = [PLAIN] * rows, [[t] for t in plain.tolist()]  # the one host transfer
             rec.mark(VERIFIED)
             committed, finished = call.emit(proposed, results, call.verifier.name)
@@ -201,16 +191,13 @@ class SpeculativeDecoder:
         features)) for its next draft to catch up on; finished rows leave the batch. Returns the drafter's logits
         after each remaining root."""
         resync, features = committed
-        keep = [b for b, done in enumerate(finished) if not done]
-        if len(keep) < len(finished):
-            target.drop_rows(keep)
+        keep = call.drop_finished(target, finished)
         call.recorder.mark(RESYNC)
         if isinstance(resync, tuple):
             logits = drafts.resync(*resync)
         else:  # tree "none" alone never drafts: nothing to catch up on
             drafts.skip(resync, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
-        if len(keep) < len(finished):
-            call.keep(keep)
+        if keep is not None:
             drafts.compact(keep)
             logits = logits[keep] if logits is not None else None
         call.recorder.mark(DONE)
@@ -218,9 +205,8 @@ class SpeculativeDecoder:
 
     def verify(self, target: TargetCache, draft, call: Call, want_hidden: bool = False):
         """One target forward over every row's tree, the verifier's decision per row -> (results, each row's
-        proposed tokens: accepted path + next token, the final hidden states if the verifier or `want_hidden` asks),
-        with the round's one device -> host transfer (the trees' tokens, a few dozen per row, come over at once, so
-        no index tensor has to go the other way first)."""
+        proposed tokens: accepted path + next token, the final hidden states if asked for), with the round's one
+        device -> host transfer (the trees' tokens come along, so no index tensor has to go the other way first)."""
         verifier, params = call.verifier, call.params
         scores, hidden = target.tree_forward(draft.tokens, draft.tree, want_hidden or verifier.needs_hidden)
         if verifier.walks_argmax(params):  # one batched argmax and one host copy instead of B verifier calls
@@ -245,15 +231,13 @@ class SpeculativeDecoder:
         target, rec = self.start(call, 1), call.recorder
         logits = target.decode(call.ids[:, -1])
         while True:
-            tokens = next_tokens(logits, call.params, call.generators)
+            tokens = choose(logits, call.params, call.generators)
             proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
             _, finished = call.emit(proposed, [PLAIN] * len(proposed), "autoregressive")
             if all(finished):
                 break
-            keep = [b for b, done in enumerate(finished) if not done]
-            if len(keep) < len(finished):
-                target.drop_rows(keep)
-                call.keep(keep)
+            keep = call.drop_finished(target, finished)
+            if keep is not None:
                 tokens = tokens[keep]
             rec.mark(VERIFY)
             logits = target.decode(tokens)
@@ -262,29 +246,13 @@ class SpeculativeDecoder:
         return call.finish(target)
 
 
-def next_tokens(logits: torch.Tensor, params: SamplingParams, generators: list | None) -> torch.Tensor:
-    """Each row's next token (B,) from the target's logits (B, V): argmax, or a sample of the processed distribution
-    with row b's noise from generators[b] (as `sampling.sample` draws it for that row alone)."""
-    if params.greedy:
-        return logits.argmax(-1)
-    probs = logits_to_probs(logits, params)
-    noise = torch.empty_like(probs)
-    if generators is None:
-        noise.exponential_()
-    else:
-        for row, generator in zip(noise, generators):
-            row.exponential_(generator=generator)
-    return (probs / noise).argmax(-1)
-
-
 @torch.no_grad()
 def generate(target: torch.nn.Module, drafter, input_ids, *, tree="auto", verifier: str | Verifier | None = None,
              verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
              lookup_tokens: int | None = None, **options) -> GenerateResult | BatchGenerateResult:
     """Tree speculative decoding of one prompt (-> GenerateResult) or a batch (-> BatchGenerateResult): the
-    `SpeculativeDecoder` of this pair for one call. options: max_new_tokens, temperature / top_p / top_k (None: the
-    target's generation_config, as `target.generate` does: greedy unless it sets do_sample), eos_token_id (None:
-    the generation_config's), seed (row b: seed + b), streamer (one prompt), attention_mask (left-padded ids)."""
+    `SpeculativeDecoder` of this pair for one call. options: `CallOptions` (sampling None: the target's
+    generation_config, as `target.generate` does)."""
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
     decoder = SpeculativeDecoder(target, drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
@@ -294,6 +262,5 @@ def generate(target: torch.nn.Module, drafter, input_ids, *, tree="auto", verifi
 
 @torch.no_grad()
 def generate_autoregressive(target: torch.nn.Module, input_ids, **options) -> GenerateResult | BatchGenerateResult:
-    """One target forward per token (for all rows) on the same cache, sampling and stats code as `generate` (the
-    baseline); the same inputs and options, no drafter."""
+    """The baseline: `generate` without a drafter, one target forward per token for all rows."""
     return SpeculativeDecoder(target).generate(input_ids, **options)

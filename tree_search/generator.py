@@ -4,11 +4,8 @@
     generator = SpeculativeGenerator("smollm2", drafter="smollm2")
     print(generator.generate("What is a state-space model?", max_new_tokens=64).text)
 
-Names are what `mamba-draft generate` takes (an HF directory, a hub id, a .gguf file, `smollm2`), or already-loaded
-models. Device, dtype, attention and tree policy default to what the command chooses on this machine: one function,
-`run_defaults`, decides them for both. A prompt is a string (the tokenizer's chat template applied, as the command
-does) or a list of chat messages; a list of prompts is a batch. `stream` yields the text as rounds commit
-(transformers' `TextIteratorStreamer`). `tree_search.generate(target, drafter, input_ids)` stays the low-level call.
+Names are what `mamba-draft generate` takes, or already-loaded models; defaults are the command's (`run_defaults`).
+A prompt is a string (through the chat template) or a list of chat messages; a list of prompts is a batch.
 """
 from __future__ import annotations
 
@@ -40,9 +37,9 @@ class RunDefaults:
 
 
 def run_defaults(device: str | None = None, dtype: str | torch.dtype = "auto") -> RunDefaults:
-    """The defaults of `mamba-draft generate` and `SpeculativeGenerator`: CUDA when available, else the CPU; bf16
-    where the device multiplies it natively, else fp32 (`resolve_dtype`); the attention that keeps speculative output
-    equal to plain decoding in that dtype (`default_attention`); the device's own tree policy ("auto")."""
+    """The defaults of `mamba-draft generate` and `SpeculativeGenerator`: CUDA when available, else the CPU; the
+    device's dtype (`resolve_dtype`) and the attention that keeps speculative output equal to plain decoding in it
+    (`default_attention`); the device's own tree policy ("auto")."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -78,11 +75,9 @@ class TextResult:
 
 
 class SpeculativeGenerator:
-    """A target and a drafter (names, paths, hub ids, GGUF files or loaded models) with their tokenizer and the
-    engine (`SpeculativeDecoder`) that decodes with them; drafter None decodes plainly.
-
-    device / dtype: `run_defaults` unless given (dtype "auto", float32, bfloat16, ...; a loaded target keeps its
-    own). tree, verifier, verifier_params, prompt_lookup, lookup_tokens: as `tree_search.generate` takes them.
+    """A target and a drafter (names or loaded models) with their tokenizer and the engine (`SpeculativeDecoder`);
+    drafter None decodes plainly. device / dtype: `run_defaults` unless given (a loaded target keeps its own); the
+    other options as `tree_search.generate` takes them.
     """
 
     def __init__(self, target, drafter=None, *, tokenizer=None, device: str | None = None,
@@ -110,8 +105,7 @@ class SpeculativeGenerator:
                                           prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens)
 
     def encode(self, prompt, system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
-        """Token ids of one prompt: a string (the chat template's user turn, after `system_prompt`, unless
-        chat_template=False) or a list of {"role", "content"} messages (the chat template)."""
+        """Token ids of one prompt: a string (`encode_prompt`) or a list of {"role", "content"} messages."""
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt, use_chat_template=chat_template, system_prompt=system_prompt)
         check_messages(prompt)
@@ -125,9 +119,8 @@ class SpeculativeGenerator:
     def generate(self, prompt, *, max_new_tokens: int = 128, system_prompt: str | None = None,
                  chat_template: bool = True, **options) -> TextResult | list[TextResult]:
         """One prompt -> TextResult; a list of prompts (strings or message lists) -> one TextResult each, decoded
-        as a batch. options: temperature, top_p, top_k, seed, eos_token_id, streamer (one prompt), as
-        `tree_search.generate` takes them (sampling None: the target's generation_config)."""
-        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and not _is_message(prompt[0])
+        as a batch. options: as `tree_search.generate` takes them."""
+        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and not isinstance(prompt[0], dict)
         prompts = list(prompt) if batch else [prompt]
         ids = [self.encode(p, system_prompt, chat_template) for p in prompts]
         result = self.decoder.generate(ids if batch else torch.tensor([ids[0]]), max_new_tokens=max_new_tokens,
@@ -141,7 +134,7 @@ class SpeculativeGenerator:
         """`generate` for one prompt, yielding its text as rounds commit (transformers' TextIteratorStreamer)."""
         from transformers import TextIteratorStreamer
 
-        if isinstance(prompt, (list, tuple)) and prompt and not _is_message(prompt[0]):
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
             raise ValueError("stream takes one prompt; generate decodes a list of prompts as a batch")
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         failure = []
@@ -159,10 +152,6 @@ class SpeculativeGenerator:
         thread.join()
         if failure:
             raise failure[0]
-
-
-def _is_message(item) -> bool:
-    return isinstance(item, dict)
 
 
 def check_messages(messages) -> None:

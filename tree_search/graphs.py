@@ -1,18 +1,11 @@
 """CUDA-graph runner for the drafter's one-token steps (the pattern of mamba_ssm's `DecodingCGCache`).
 
-A `StepRunner` is bound to one drafter and one `DrafterState`. `run(start, stop, tokens, parents)` steps rows
-[start:stop], first forking them from `parents` (`state.gather_`) when given. With `use_graphs` (default: on CUDA)
-each (start, stop, fork) is captured once and replayed: the runner owns the static inputs the graphs read (token
-ids, parent-row indices), so any caller and any tree shape that steps the same rows shares the same graph (a
-(3, 2) tree and a (3, 1, 1) tree share level 1's graph). All graphs allocate from one memory pool; their output is
-copied inside the graph into the runner's `logits` buffer, so nothing a caller reads lives in the pool:
-
-    the logits returned for rows [start:stop] stay valid until the next `run` over any of those rows.
-
-With graphs off (always on CPU) `run` is the same fork + step, eager, returning a fresh tensor.
-
-Graphs hold raw addresses of the weights and of the state, and bake in the step's kernels: `drafter_key` is what they
-depend on; a runner whose `key` differs from the drafter's must not be replayed (TreeDrafter rebuilds it).
+A `StepRunner` steps row ranges of one `DrafterState`, first forking them from parent rows when asked. With
+`use_graphs` (default: on CUDA) each (start, stop, fork) is captured once and replayed: the runner owns the static
+inputs the graphs read, so any tree shape that steps the same rows shares the graph. Their output is copied inside
+the graph into the runner's `logits`: the logits returned for rows [start:stop] stay valid until the next `run` over
+any of those rows. Graphs bake in the weights' and state's addresses and the step's kernels (`drafter_key`): a runner
+whose `key` differs from the drafter's must not be replayed.
 """
 from __future__ import annotations
 
@@ -22,9 +15,8 @@ import torch
 
 
 def weights_key(module: torch.nn.Module) -> tuple:
-    """Address, dtype and device of every parameter and buffer: what state, buffers and graphs built on a module's
-    weights depend on. Addresses catch what dtype and device alone miss: `.to(bfloat16).to(float32)` or
-    `load_state_dict(assign=True)` reallocate the weights and leave graphs reading freed memory."""
+    """Address, dtype and device of every parameter and buffer: what graphs built on a module's weights depend on
+    (addresses catch reallocations such as `.to(bfloat16).to(float32)`, which dtype and device alone miss)."""
     return tuple((t.data_ptr(), t.dtype, t.device) for t in itertools.chain(module.parameters(), module.buffers()))
 
 
@@ -54,9 +46,7 @@ class StepRunner:
 
     def run(self, start: int, stop: int, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start:stop] <- rows `parents` (if given), then step them with `tokens` (stop - start ids, row-major
-        in any shape: a batched level's (B, n) token block is copied in without flattening it first).
-
-        Returns the logits (stop - start, V); with graphs, a view of `self.logits` (see the module docstring)."""
+        in any shape) -> the logits (stop - start, V); with graphs, a view of `self.logits`."""
         if not self.use_graphs:
             if parents is not None:
                 self.state.gather_(start, parents)
@@ -89,8 +79,7 @@ class StepRunner:
         return body
 
     def _capture(self, body, start: int, stop: int) -> torch.cuda.CUDAGraph:
-        """Capture `body` into the shared pool; the warm-ups (Triton compiles, cuBLAS workspaces) run on a side stream
-        on the live rows, which are restored afterwards."""
+        """Capture `body` into the shared pool; the warm-ups run on the live rows, restored afterwards."""
         rows = self.state.rows(start, stop)
         backup = rows.clone()
         if self.pool is None:

@@ -8,8 +8,7 @@
     bandit[:A/B/...]            UCB over the arms A, B, ... (default: the paper's three), the paper's reward (Eq. 2)
     bandit-time[:A/B/...]       the same with the measured-time reward (tokens per second of each round)
 
-`parse_policy` reads it for `generate(tree=...)`, `mamba-draft generate --tree`, the bench's methods, the demo and
-`regenerate`. A policy is any object with the `TreePolicy` surface: `UCBBandit` and `FixedShape` are the two here.
+A policy is any object with the `TreePolicy` surface: `UCBBandit` and `FixedShape` are the two here.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit, tree_reward
+from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit
 from tree_search.tree import TreeConfig
 
 GRAMMAR = "auto, none, a shape like 3,2,2,1,1, chain:N, bandit[:A/B/...] or bandit-time[:A/B/...]"
@@ -40,31 +39,12 @@ class TreePolicy(Protocol):
     def summary(self) -> dict[str, dict[str, float]]: ...
 
 
-class FixedShape:
-    """Always the same tree shape; scores its rounds with the paper's reward (Eq. 2, λ_γ 0.1) so that reports read
-    like a bandit's."""
-
-    reward = "paper"
+class FixedShape(UCBBandit):
+    """Always the same tree shape: a one-arm bandit, so its rounds are scored with the paper's reward (Eq. 2,
+    λ_γ 0.1) and reports read like a bandit's."""
 
     def __init__(self, tree: TreeConfig | str | tuple[int, ...]) -> None:
-        self.arms = (TreeConfig.parse(tree),)
-        self.pulls, self.reward_sum = 0, 0.0
-
-    def start_call(self) -> None:
-        self.pulls, self.reward_sum = 0, 0.0
-
-    def select(self) -> int:
-        return 0
-
-    def update(self, arm: int, n_accept: float, draft_time: float | None = None,
-               verify_time: float | None = None) -> float:
-        self.pulls += 1
-        self.reward_sum += tree_reward(n_accept, self.arms[0].depth, 0.1)
-        return self.reward_sum / self.pulls
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        mean = self.reward_sum / self.pulls if self.pulls else float("nan")
-        return {str(self.arms[0]): {"pulls": self.pulls, "mean_reward": mean}}
+        super().__init__(arms=(TreeConfig.parse(tree),))
 
 
 def default_policy(device: str | torch.device) -> UCBBandit:
@@ -80,8 +60,7 @@ def is_auto(spec) -> bool:
 
 def parse_policy(spec, device: str | torch.device = "cpu", persistent: bool = False) -> TreePolicy:
     """A policy from the grammar above, or a TreeConfig / tuple shape; a policy object passes through unchanged.
-    `persistent` keeps a bandit's statistics across generate calls (`auto` always restarts per call, as generate's
-    own default does). Raises ValueError naming the grammar on anything else."""
+    `persistent` keeps a bandit's statistics across generate calls (`auto` always restarts per call)."""
     if isinstance(spec, TreePolicy):
         return spec
     if isinstance(spec, (TreeConfig, tuple, list)):

@@ -1,15 +1,9 @@
 """Prompt lookup: the tokens that followed an earlier occurrence of the context's last n-gram, as a draft.
 
-Two uses. `NgramLookup` proposes them to the target directly (`generate(lookup_tokens=K)`, prompt-lookup decoding,
-Saxena 2023): a round whose context's last 2-4 tokens occurred before (in the prompt or the output) verifies the
-<= K tokens that followed them instead of the drafter's tree. And FLy's multi-level acceleration below, which keeps
-the drafter's own greedy chain and only saves drafter calls:
-
-Long chains (K up to ~25, which lossy verifiers such as FLy can use) make the drafter's sequential steps the
-bottleneck. The same `NgramLookup` (here n = max_ngram..1) proposes the tokens that followed the latest earlier
-occurrence of the context's last n-gram; the drafter checks a whole proposal in one `extend` call and keeps the prefix equal to its own greedy
-choices, plus its next greedy token. The drafted chain is therefore exactly the drafter's greedy chain; only the
-number of drafter calls changes.
+Two uses of `NgramLookup`: proposing them to the target directly (`generate(lookup_tokens=K)`, prompt-lookup
+decoding), and FLy's multi-level acceleration (`draft_chain_with_lookup`), where the drafter checks a whole proposal
+in one call and keeps the prefix equal to its own greedy choices: the chain is exactly the drafter's greedy chain, in
+fewer drafter calls.
 """
 from __future__ import annotations
 
@@ -17,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+LOOKUP_NGRAM = 4  # the drafter's chain looks up its context's last 4..1 tokens
+PROPOSED_TOKENS = 6  # ... and checks up to 6 that followed them in one drafter call
 
 class NgramLookup:
     """A growing token list with, for every n-gram (n = min_ngram..max_ngram), where the token after its most recent
@@ -60,29 +56,16 @@ class LookupDraft:
 
 
 @torch.no_grad()
-def draft_chain_with_lookup(
-    drafter,
-    state,
-    logits: torch.Tensor,
-    context: torch.Tensor,
-    num_tokens: int,
-    max_ngram: int = 4,
-    num_proposed: int = 6,
-    vocab: int | None = None,
-    keep_logits: bool = False,
-    draft_ids: torch.Tensor | None = None,
-) -> LookupDraft:
+def draft_chain_with_lookup(drafter, state, logits: torch.Tensor, context: torch.Tensor, num_tokens: int,
+                            vocab: int | None = None, keep_logits: bool = False,
+                            draft_ids: torch.Tensor | None = None) -> LookupDraft:
     """Draft the drafter's greedy chain of `num_tokens` tokens, using prompt lookup to skip drafter steps.
 
-    drafter: a `MambaDrafter`; state: a `DrafterState` with >= 2 rows whose row 0 holds the state after `context`
-    (rows 0 and 1 are used as scratch and left in an unspecified drafted state: resync from the committed state).
-    logits: (V,) the drafter's next-token logits after `context`; context: (L,) token ids up to the root token.
-    vocab: greedy choices are made among logit columns < vocab (the target's vocabulary when the drafter's is padded
-    wider).
-    keep_logits: also return the logits each drafted token was chosen from (for verifiers that read draft probs).
-    draft_ids: the drafter's draft vocabulary (logit column j scores target id draft_ids[j]; None = identity). The
-    drafted tokens are target ids, so lookup proposals (target ids from the context) compare against them directly.
-    Host-side control flow (one sync per proposal): meant for the CPU / eager path.
+    state: a `DrafterState` with >= 2 rows whose row 0 holds the state after `context` (both are left in a drafted
+    state: resync from the committed one). logits: (V,) the drafter's logits after `context` (L,). vocab: greedy
+    choices among logit columns < vocab. keep_logits: also return the logits each token was chosen from.
+    draft_ids: the drafter's draft vocabulary (column j is target id draft_ids[j]), so drafted tokens are target ids
+    like the proposals. Host-side control flow (one sync per proposal): meant for the CPU / eager path.
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
@@ -100,7 +83,7 @@ def draft_chain_with_lookup(
 
     chooser = [logits.view(1, -1)]  # chooser[i]: the logits token i was the argmax of
     tokens = [int(greedy_ids(logits))]
-    history = NgramLookup(context.tolist() + tokens, num_proposed, max_ngram, min_ngram=1)
+    history = NgramLookup(context.tolist() + tokens, PROPOSED_TOKENS, LOOKUP_NGRAM, min_ngram=1)
     calls = proposed = accepted = 0
     while len(tokens) < num_tokens:
         last = torch.tensor([tokens[-1]], device=context.device)
@@ -124,17 +107,11 @@ def draft_chain_with_lookup(
         chooser.append(block[: agree + 1])
         if agree < proposal.numel() and len(tokens) < num_tokens:  # live row ran past the agreed prefix: rebuild
             state.gather_(0, restore_row)
-            advance(drafter, torch.cat([last, proposal[:agree]]), live)
+            rebuilt = torch.cat([last, proposal[:agree]])
+            if rebuilt.numel() == 1:  # a step is cheaper than a 1-token extend
+                drafter.step(rebuilt, live)
+            else:
+                drafter.extend(rebuilt.view(1, -1), live, last_only=True)
             calls += 1
     kept = torch.cat(chooser)[:num_tokens] if keep_logits else None
     return LookupDraft(torch.tensor(tokens[:num_tokens], device=context.device), calls, proposed, accepted, kept)
-
-
-def advance(drafter, tokens: torch.Tensor, state) -> torch.Tensor:
-    """Feed (n,) tokens to row 0 of `state` in one drafter call (a step when n = 1: cheaper than a 1-token extend).
-
-    Returns the logits after the last token (V,).
-    """
-    if tokens.numel() == 1:
-        return drafter.step(tokens, state)[0]
-    return drafter.extend(tokens.view(1, -1), state, last_only=True)[0]

@@ -1,7 +1,5 @@
-"""Prompt files: Spec-Bench JSONL (`turns`, `category`) or plain JSONL with a `prompt` field, and their encoding.
-
-Lives in tree_search (AutoJudge mining reads prompt files) so that benchmarks can import it, never the reverse.
-"""
+"""Prompt files: Spec-Bench JSONL (`turns`, `category`) or plain JSONL with a `prompt` field, and their encoding
+(here, not in benchmarks, as AutoJudge mining reads prompt files too)."""
 from __future__ import annotations
 
 import json
@@ -50,12 +48,10 @@ SPLITS = ("all", "heldout", "train")
 
 def load_prompts(path: str | Path, limit: int | None = None, per_category: int | None = None,
                  split: str = "all") -> list[Prompt]:
-    """Read every line of a prompt file (validating all of them) and return the selected prompts.
+    """Read every line of a prompt file (validating all of them; blank lines skipped) -> the selected prompts.
 
-    `split`: "heldout" keeps only odd-id Spec-Bench questions (evaluation), "train" drops them (any path that tunes
-    or trains on the prompts), "all" keeps every line. `per_category` then keeps the first N prompts of each
-    category (Spec-Bench subsets), `limit` caps the total.
-    Blank lines are skipped; any malformed line raises ValueError naming the file and line number.
+    `split`: "heldout" keeps only odd-id Spec-Bench questions (evaluation), "train" drops them, "all" keeps every
+    line. `per_category` then keeps the first N prompts of each category, `limit` caps the total.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -85,11 +81,8 @@ def load_prompts(path: str | Path, limit: int | None = None, per_category: int |
 
 
 def encode_prompt(tokenizer, text: str, use_chat_template: bool = True, system_prompt: str | None = None) -> list[int]:
-    """Token ids for one prompt: the tokenizer's chat template when it has one (a user turn after an optional system
-    turn, then the assistant's generation prompt, as HF chat models expect), else the raw text.
-
-    A system prompt needs the template: refused (ValueError) when the text is encoded raw.
-    """
+    """Token ids for one prompt: the tokenizer's chat template when it has one (an optional system turn, the user
+    turn, the generation prompt), else the raw text, which takes no system prompt."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         messages.append({"role": "user", "content": text})

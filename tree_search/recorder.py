@@ -1,8 +1,5 @@
-"""The stats side of `generate`: phase times and per-round counts, kept off the device's critical path.
-
-A round's phase boundaries are marked with CUDA events on a GPU (`perf_counter` on CPU) and read once per round, with
-one wait on the round's last mark, instead of a device synchronize at every boundary.
-"""
+"""The stats side of `generate`: phase times and per-round counts. A round's phase boundaries are CUDA events on a
+GPU (`perf_counter` on CPU), read once per round with one wait, instead of a device synchronize at every boundary."""
 from __future__ import annotations
 
 import time
@@ -40,11 +37,8 @@ class Recorder:
         return self.events[start].elapsed_time(self.events[stop]) / 1000.0
 
     def round_times(self, finished: bool) -> tuple[float, float]:
-        """Read the round's marks (one wait, on its last) and add its draft and verify time to the stats.
-
-        Returns the (draft, verify) seconds the policy is charged: the whole round, so committing to the target cache
-        counts as verification and resyncing the drafter as drafting. The last round ends at VERIFIED.
-        """
+        """Read the round's marks (one wait, on its last), add its draft and verify time to the stats -> the
+        (draft, verify) seconds the policy is charged: the whole round, commit as verification, resync as drafting."""
         self._wait(VERIFIED if finished else DONE)
         draft, verify = self._seconds(DRAFT, VERIFY), self._seconds(VERIFY, VERIFIED)
         self.stats.verify_time += verify
@@ -66,7 +60,6 @@ class Recorder:
         stats.accepted_lengths.append(committed)
         stats.cut_tokens = proposed - committed
         stats.lossy_accepts += result.lossy_accepts
-        # The verifier's own per-rule breakdown, else all under its name.
         by_rule = result.info.get("lossy_accepts_by")
         if by_rule is None:
             by_rule = {verifier_name: result.lossy_accepts} if result.lossy_accepts else {}

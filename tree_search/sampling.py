@@ -12,11 +12,8 @@ MIN_TEMPERATURE = 1e-3  # below this, refused: see SamplingParams
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become a distribution. temperature 0 = greedy (argmax).
-
-    A positive temperature must be finite and at least MIN_TEMPERATURE (1e-3): colder sampling is greedy decoding
-    in all but exactness (logits / 1e-45 overflow float32 and every draw came out as token 0), so it is refused
-    with a pointer to temperature 0; from 1e-3 up, logits / T stay finite for any |logit| < 3e35.
+    """How logits become a distribution. temperature 0 = greedy (argmax); a positive one is at least
+    MIN_TEMPERATURE, as logits / T overflow float32 below it (colder sampling is greedy decoding in all but exactness).
     """
 
     temperature: float = 0.0
@@ -89,14 +86,10 @@ def check_generation_config(config, params: SamplingParams) -> None:
 
 def resolve_sampling(target=None, temperature: float | None = None, top_p: float | None = None,
                      top_k: int | None = None) -> SamplingParams:
-    """The sampling `target.generate(...)` would do: explicit values win, None takes the target's generation_config,
-    unset fields there take transformers' defaults (no target: those defaults alone).
-
-    temperature None -> greedy unless generation_config.do_sample, else its temperature; when sampling, top_k None ->
-    generation_config.top_k (50 by default) and top_p None -> generation_config.top_p (1.0). top_k 0 is no top-k.
-    Explicit values are validated even where greedy decoding ignores them. A generation_config that sets any other
-    processor `target.generate` would apply (repetition_penalty, no_repeat_ngram_size, suppress_tokens, min_p, beams,
-    ...) is refused with a ValueError naming it (`check_generation_config`): tree_search does not apply them.
+    """The sampling `target.generate(...)` would do: explicit values win, None takes the target's generation_config
+    (temperature None: greedy unless it sets do_sample), unset fields there take transformers' defaults. Explicit
+    values are validated even where greedy decoding ignores them; other processors are refused
+    (`check_generation_config`).
     """
     explicit = SamplingParams(0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
                               1.0 if top_p is None else top_p)
@@ -138,25 +131,36 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A seeded generator on `device`, or None (torch's global RNG) when no seed is given."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(int(seed))
+def soft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`logits_to_probs`, but a plain softmax (temperature 1) when greedy, where that one is one-hot: the
+    distribution a greedy draft is recorded and judged by."""
+    return logits_to_probs(logits, params if not params.greedy else SamplingParams(temperature=1.0))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def exponential_noise(probs: torch.Tensor, generator=None) -> torch.Tensor:
+    """Exp(1) noise shaped like `probs` (..., V): from one generator (None: torch's global RNG), or from B generators,
+    generator b filling batch row b's block of rows, as that prompt alone would draw it."""
+    noise = torch.empty_like(probs)
+    if generator is None or isinstance(generator, torch.Generator):
+        return noise.exponential_(generator=generator)
+    for rows, row_generator in zip(noise.view(len(generator), -1, probs.shape[-1]), generator):
+        rows.exponential_(generator=row_generator)
+    return noise
+
+
+def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
     """One draw per row of `probs` (..., V) -> (...,), via argmax(p / Exp(1)): exact and no host sync."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(-1)
+    return (probs / exponential_noise(probs, generator)).argmax(-1)
 
 
-def sample_without_replacement(probs: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """n distinct draws per row, in draw order, without replacement (Gumbel/exponential top-k).
+def choose(logits: torch.Tensor, params: SamplingParams, generator=None) -> torch.Tensor:
+    """The token after each row of `logits` (..., V): the argmax when greedy, else one draw from the processed
+    distribution (`generator` as `exponential_noise` takes it)."""
+    return logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), generator)
 
-    Ranking p / E with E ~ Exp(1) is the Plackett–Luce order, i.e. successive draws from the renormalised
-    remainder. Rows with fewer than n supported tokens are padded with zero-probability tokens, which
-    verifiers must skip (they were never drawn).
-    """
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return torch.topk(probs / noise, n, dim=-1).indices
+
+def sample_without_replacement(probs: torch.Tensor, n: int, generator=None) -> torch.Tensor:
+    """n distinct draws per row, in draw order, without replacement: ranking p / E, E ~ Exp(1), is the Plackett–Luce
+    order. Rows with fewer than n supported tokens are padded with zero-probability tokens, which verifiers must skip
+    (they were never drawn)."""
+    return torch.topk(probs / exponential_noise(probs, generator), n, dim=-1).indices

@@ -1,16 +1,10 @@
 """Drafting strategies: how `generate` fills a round's drafts for its B rows and resyncs the drafter after it.
 
-`TreeDrafting` drafts one tree per row, level by level (`TreeDrafter.draft`: one drafter step per level for all
-rows); `LookupDrafting` drafts one prompt's chains at temperature 0 with prompt lookup (FLy's multi-level
-acceleration: the same greedy chain in fewer drafter calls when the text repeats). Both have
-`prefill(ids, mask) -> root logits (B, V)`, `draft(config, logits) -> Draft`, `resync(draft, results, proposed) ->
-next root logits`, `proposal(tokens)` (given tokens as one row's chain: prompt-lookup rounds), `skip(tokens)` (a round
-committed (B, m) tokens without the drafter), `catch_up(logits)`, `compact(rows)`, `roots` (each row's next root, on
-the device), `calls` (drafter calls since construction) and `calls_saved` (vs drafting every chain step by step).
-
-No-speculation rounds (the `none` arm) and prompt-lookup rounds leave the drafter alone: the tokens they commit wait
-in `behind` and the next drafted round feeds them in one drafter call (`TreeDrafter.extend`: rows 0..B-1 still
-hold the state after the last token each read, since drafting forks other rows and only resync / extend move them).
+`TreeDrafting` drafts one tree per row, level by level; `TargetAwareDrafting` does so for a drafter that reads the
+target; `LookupDrafting` drafts one prompt's greedy chains with prompt lookup (FLy: the same chain in fewer drafter
+calls). No-speculation and prompt-lookup rounds leave the drafter alone: the tokens they commit wait in `behind` and
+the next drafted round feeds them in one drafter call (rows 0..B-1 still hold the state after the last token each
+read: drafting forks other rows, and only resync / extend move them).
 """
 from __future__ import annotations
 
@@ -56,8 +50,8 @@ class TreeDrafting:
         return self.drafts.prefill(ids, mask)
 
     def catch_up(self, logits: torch.Tensor) -> torch.Tensor:
-        """The drafter's logits after each root: `logits`, or, after rounds that left the drafter alone, those of
-        feeding it the tokens they committed (ending with the root) in one call."""
+        """The drafter's logits after each root: `logits`, or, after rounds that left the drafter alone, those after
+        the tokens they committed (ending with the root), fed in one call."""
         if not self.behind:
             return logits
         tokens, self.behind = torch.cat(self.behind, dim=1), []
@@ -78,13 +72,13 @@ class TreeDrafting:
 
     def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
                features: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The drafter's logits after each row's committed path and next token: the accepted nodes' states are the
-        drafted rows' (`TreeDrafter.resync`). `features`: for a drafter that reads the target only."""
+        """The drafter's logits after each row's committed path and next token (`TreeDrafter.resync`). `features`:
+        for a drafter that reads the target only."""
         return self.drafts.resync(draft, [r.path[-1] if r.path else 0 for r in results], [p[-1] for p in proposed])
 
     def skip(self, tokens: torch.Tensor, catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
         """A round committed `tokens` (B, m) without drafting; the drafter reads them when it next drafts (if
-        `catch_up`: a call that never drafts keeps nothing)."""
+        `catch_up`)."""
         self.drafts.roots[: tokens.shape[0]] = tokens[:, -1]
         if catch_up:
             self.behind.append(tokens)
@@ -97,12 +91,9 @@ class TreeDrafting:
 
 class TargetAwareDrafting(TreeDrafting):
     """Trees of a drafter that reads the target (`MambaDrafter.reads_target`): every committed token is read with
-    the target's final hidden state at the position before it, which the round's verification forward computed
-    (`features`: per row, the states at the root and the accepted nodes), while tokens drafted inside a round read
-    the drafter's learned stand-in. So a round's committed tokens are read again from each row's root state (rows
-    0..B-1, which drafting leaves alone), in one drafter call per run of rows committing as many tokens, instead of
-    keeping the drafted rows' states as `TreeDrafting.resync` does. The prompt is read with the stand-in, as in
-    training (no target state is cached for prompt positions)."""
+    the target's final hidden state before it (`features`, from the round's verification forward), while drafted
+    tokens and the prompt read the drafter's learned stand-in. So a round's committed tokens are read again from
+    each row's root state instead of keeping the drafted rows' states as `TreeDrafting.resync` does."""
 
     reads_target = True
 
@@ -116,8 +107,8 @@ class TargetAwareDrafting(TreeDrafting):
         return self.catch_up(None)
 
     def skip(self, tokens, catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
-        """A round's committed tokens per row (host lists; the call's first roots come as a tensor, once) and, to
-        be read, their target states."""
+        """A round's committed tokens per row (host lists; the call's first roots as a tensor) and their target
+        states."""
         rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
         self.drafts.roots[: len(rows)] = torch.tensor([row[-1] for row in rows], device=self.drafts.device)
         if not catch_up:
@@ -142,10 +133,8 @@ class TargetAwareDrafting(TreeDrafting):
 
 
 class LookupDrafting(TreeDrafting):
-    """One prompt's greedy chain, with prompt-lookup proposals checked in one drafter call each (chains, greedy).
-
-    Keeps the committed text on the device for the lookup, appended in place each round (no per-round rebuild).
-    """
+    """One prompt's greedy chain, with prompt-lookup proposals checked in one drafter call each; the committed text
+    the lookup reads stays on the device, appended in place each round."""
 
     def __init__(self, drafts: TreeDrafter, record_probs: bool, capacity: int) -> None:
         super().__init__(drafts, None, "topk", record_probs)  # greedy chains: no sampling state

@@ -1,6 +1,8 @@
 """Draft-tree topology: `TreeConfig` (N1, ..., Nγ) and the parent-pointer `Tree` everything else derives from."""
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -13,11 +15,8 @@ _SPEC = re.compile(r" *[0-9]+ *(?:, *[0-9]+ *)*")  # "3,2,2,1,1", "3, 2": ASCII 
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Static tree shape: every node at depth d has `branching[d]` children (depth 0 = root).
-
-    Level i holds B_i = N1·…·Ni nodes; a chain is `(1, ..., 1)`. No levels, `TreeConfig(())` (spec "none"), is
-    no speculation: the root alone, a plain decoding step (a bandit arm to fall back on when drafting does not pay).
-    """
+    """Static tree shape: every node at depth d has `branching[d]` children (depth 0 = root); a chain is
+    `(1, ..., 1)`. `TreeConfig(())` (spec "none") is no speculation: the root alone, a plain decoding step."""
 
     branching: tuple[int, ...]
 
@@ -28,15 +27,13 @@ class TreeConfig:
                 raise ValueError(f"TreeConfig branching factors must be positive integers, got {branching!r}")
         object.__setattr__(self, "branching", branching)
         if self.num_nodes > MAX_TREE_NODES:
-            raise ValueError(
-                f"TreeConfig{branching} has {self.num_nodes} draft nodes, over the budget of {MAX_TREE_NODES}"
-            )
+            raise ValueError(f"TreeConfig{branching} has {self.num_nodes} draft nodes, over the budget of "
+                             f"{MAX_TREE_NODES}")
 
     @classmethod
     def parse(cls, spec: str | TreeConfig | tuple[int, ...] | list[int]) -> TreeConfig:
-        """Build from `"3,2,2,1,1"` (comma-separated positive ints, spaces allowed around them), `"none"` (no
-        speculation), a tuple/list of ints, or pass a TreeConfig through. Anything else (`"3,,2"`, `""`, `"(3,2)"`,
-        `"3;2"`, `()`) is a ValueError."""
+        """Build from `"3,2,2,1,1"` (spaces allowed around the numbers), `"none"` (no speculation), a tuple/list of
+        ints, or pass a TreeConfig through; anything else is a ValueError."""
         if isinstance(spec, TreeConfig):
             return spec
         if isinstance(spec, str):
@@ -67,11 +64,7 @@ class TreeConfig:
     @property
     def level_sizes(self) -> tuple[int, ...]:
         """(B_1, ..., B_γ), B_i = N1·…·Ni."""
-        sizes, b = [], 1
-        for n in self.branching:
-            b *= n
-            sizes.append(b)
-        return tuple(sizes)
+        return tuple(itertools.accumulate(self.branching, operator.mul))
 
     @property
     def num_nodes(self) -> int:
@@ -100,11 +93,8 @@ class TreeConfig:
 
 @dataclass(frozen=True)
 class Tree:
-    """A rooted tree as a parent-pointer array in level order.
-
-    Node 0 is the root (the last committed token, parent -1); every other node's parent has a smaller index
-    and nodes of one level are contiguous. Masks, depths, levels, children and leaf paths derive from it.
-    """
+    """A rooted tree as a parent-pointer array in level order: node 0 is the root (the last committed token,
+    parent -1), every other node's parent has a smaller index and nodes of one level are contiguous."""
 
     parents: tuple[int, ...]
 
@@ -114,10 +104,7 @@ class Tree:
         for i, p in enumerate(self.parents[1:], start=1):
             if not 0 <= p < i:
                 raise ValueError(f"Tree node {i} has parent {p}; parents must precede their children")
-        depths = [0]
-        for p in self.parents[1:]:
-            depths.append(depths[p] + 1)
-        if depths != sorted(depths):
+        if list(self.depths) != sorted(self.depths):
             raise ValueError("Tree nodes must be in level order (depth non-decreasing)")
 
     def __len__(self) -> int:
@@ -180,11 +167,8 @@ class Tree:
 
 @dataclass(frozen=True)
 class Forest:
-    """`batch` copies of one `Tree` in one row space, level-major, for drafting B prompts at once.
-
-    Rows 0..B-1 are the B roots; level l of all trees is the contiguous range [B*start_l, B*stop_l), ordered by batch
-    row, then as in the tree (so by parent). One drafter step per level then still covers the whole batch.
-    """
+    """`batch` copies of one `Tree` in one row space, level-major, for drafting B prompts at once: level l of all
+    trees is the contiguous range [B*start_l, B*stop_l) (one drafter step), ordered by batch row, then as in the tree."""
 
     tree: Tree
     batch: int

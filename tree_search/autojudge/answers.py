@@ -1,6 +1,7 @@
 """Pluggable answer extraction and equivalence for AutoJudge mining (GSM8K final number built in, exact string fallback)."""
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,18 +36,11 @@ def gsm8k_answer(text: str) -> Fraction | None:
     return _to_number(numbers[-1]) if numbers else None
 
 
-def exact_answer(text: str) -> str:
-    """The whole response, whitespace-trimmed: tokens matter only if they change the text itself."""
-    return text.strip()
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a == b  # Fraction equality makes "3.5" and "3.50" the same number; None == None (both unreadable)
-
-
+# Fraction equality makes "3.5" and "3.50" the same number; None == None (both unreadable). "exact": the whole
+# response, whitespace-trimmed (tokens matter only if they change the text itself).
 TASKS: dict[str, AnswerTask] = {
-    "gsm8k": AnswerTask(gsm8k_answer, _same),
-    "exact": AnswerTask(exact_answer, _same),
+    "gsm8k": AnswerTask(gsm8k_answer, operator.eq),
+    "exact": AnswerTask(str.strip, operator.eq),
 }
 
 

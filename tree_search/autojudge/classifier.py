@@ -1,9 +1,6 @@
 """The AutoJudge head: standardised target hidden state -> logistic P(important), stored as safetensors (no pickle).
-
-Feature ("DT" setup of the AutoJudge paper): the target's last-layer hidden state (what its LM head consumes) at
-the position holding the draft token itself. In a verified tree that is `VerifyInput.hidden[node]` of the
-mismatching node, so the judge needs nothing beyond the target's own tree forward.
-"""
+Its feature (the paper's "DT" setup) is the target's final hidden state at the draft token: `VerifyInput.hidden` of
+the mismatching node, so the judge needs nothing beyond the target's own tree forward."""
 from __future__ import annotations
 
 import json
@@ -34,10 +31,8 @@ class JudgeHead:
     def __post_init__(self) -> None:
         shapes = {t.shape for t in (self.mean, self.scale, self.weight)}
         if len(shapes) != 1 or self.mean.dim() != 1 or self.bias.numel() != 1:
-            raise ValueError(
-                f"JudgeHead needs mean/scale/weight of one shape (H,) and a scalar bias, got "
-                f"{self.mean.shape}, {self.scale.shape}, {self.weight.shape}, {self.bias.shape}"
-            )
+            raise ValueError(f"JudgeHead needs mean/scale/weight of one shape (H,) and a scalar bias, got "
+                             f"{self.mean.shape}, {self.scale.shape}, {self.weight.shape}, {self.bias.shape}")
 
     @property
     def hidden_size(self) -> int:
@@ -50,10 +45,8 @@ class JudgeHead:
     def prob_important(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) target hidden states -> (...,) P(important)."""
         if hidden.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"AutoJudge head was trained on hidden size {self.hidden_size}, but the target's hidden states "
-                f"have size {hidden.shape[-1]}: the judge file belongs to another target model"
-            )
+            raise ValueError(f"AutoJudge head was trained on hidden size {self.hidden_size}, but the target's hidden "
+                             f"states have size {hidden.shape[-1]}: the judge file belongs to another target model")
         standardised = (hidden.to(self.mean.dtype) - self.mean) / self.scale
         return torch.sigmoid(standardised @ self.weight + self.bias)
 

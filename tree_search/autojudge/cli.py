@@ -62,10 +62,8 @@ def _mine(args: argparse.Namespace) -> int:
     check_or_write_manifest(Path(args.out), {**manifest, "hidden_size": target.config.hidden_size,
                                              "max_new_tokens": args.max_new_tokens})
     encoded = [encode_prompt(tokenizer, p.text, use_chat_template=not args.no_chat_template) for p in prompts]
-    counts = mine(
-        target, drafter.forward, encoded, task, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        args.out, args.max_new_tokens, tokenizer.eos_token_id, manifest,
-    )
+    counts = mine(target, drafter.forward, encoded, task, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                  args.out, args.max_new_tokens, tokenizer.eos_token_id, manifest)
     print(json.dumps(counts))
     return 0
 

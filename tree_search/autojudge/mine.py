@@ -1,14 +1,11 @@
 """AutoJudge mining (Algorithm 1 of the paper): label target/draft mismatches important or unimportant.
 
-Per prompt: the target's greedy response y and its answer a; the draft's teacher-forced argmax over y gives the
-mismatches. The earliest mismatch t is tried: the draft token goes in and the target regenerates the rest. If
-the answer is still equivalent the mismatch is unimportant and the search continues from the new response,
-otherwise it is important and y is kept. Then the next mismatch after t, until none is left.
-
-Each mismatch is saved with its classifier feature: the target's final hidden state (what its LM head consumes,
-the same tensor the tree forward hands verifiers as `VerifyInput.hidden`) at the position holding the draft
-token, computed by a parallel forward over prompt + y[:t] + draft token. One safetensors file per prompt,
-written atomically, so an interrupted run resumes where it stopped.
+Per prompt: the target's greedy response y and its answer; the draft's teacher-forced argmax over y gives the
+mismatches. The earliest mismatch t is tried: the draft token goes in and the target regenerates the rest. If the
+answer is still equivalent the mismatch is unimportant and the search continues from the new response, otherwise it
+is important and y is kept; then the next mismatch after t. Each mismatch is saved with its classifier feature, the
+target's final hidden state at the draft token (`VerifyInput.hidden` of that node), in one safetensors file per
+prompt, written atomically, so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -44,14 +41,9 @@ def target_greedy(target, ids: list[int], max_new_tokens: int, eos_token_id: int
         return []
     device = next(target.parameters()).device
     prompt = torch.tensor([ids], device=device)
-    out = target.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id if eos_token_id is not None else 0,
-    )
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=eos_token_id,
+                          pad_token_id=eos_token_id if eos_token_id is not None else 0)
     new = out[0, len(ids):].tolist()
     if eos_token_id is not None and eos_token_id in new:
         new = new[: new.index(eos_token_id) + 1]
@@ -66,28 +58,14 @@ def draft_argmax(draft: DraftLogits, prompt: list[int], response: list[int], dev
     return logits.argmax(-1).tolist()
 
 
-@torch.no_grad()
-def draft_token_feature(target, ids: list[int]) -> torch.Tensor:
-    """(H,) the target's final hidden state at the last position of `ids` (the draft token), in float32."""
-    device = next(target.parameters()).device
-    out = target(input_ids=torch.tensor([ids], device=device), output_hidden_states=True, use_cache=False)
-    return out.hidden_states[-1][0, -1].float().cpu()
-
-
-def mine_prompt(
-    target,
-    draft: DraftLogits,
-    prompt: list[int],
-    task: AnswerTask,
-    decode: Callable[[list[int]], str],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    draft_device=None,
-) -> tuple[list[Mismatch], list[int]]:
+def mine_prompt(target, draft: DraftLogits, prompt: list[int], task: AnswerTask, decode: Callable[[list[int]], str],
+                max_new_tokens: int, eos_token_id: int | None = None,
+                draft_device=None) -> tuple[list[Mismatch], list[int]]:
     """Algorithm 1 on one prompt. Returns the labelled mismatches and the final response."""
     if not prompt:
         raise ValueError("mine_prompt needs a non-empty prompt")
-    draft_device = draft_device or next(target.parameters()).device
+    device = next(target.parameters()).device
+    draft_device = draft_device or device
     response = target_greedy(target, prompt, max_new_tokens, eos_token_id)
     reference = task.extract(decode(response))
     drafted = draft_argmax(draft, prompt, response, draft_device)
@@ -100,7 +78,10 @@ def mine_prompt(
         swapped = response[:t] + [drafted[t]]
         alternative = swapped + target_greedy(target, prompt + swapped, max_new_tokens - len(swapped), eos_token_id)
         important = not task.equivalent(reference, task.extract(decode(alternative)))
-        feature = draft_token_feature(target, prompt + swapped)
+        with torch.no_grad():  # the target's final hidden state at the draft token
+            out = target(input_ids=torch.tensor([prompt + swapped], device=device), output_hidden_states=True,
+                         use_cache=False)
+        feature = out.hidden_states[-1][0, -1].float().cpu()
         found.append(Mismatch(t, response[t], drafted[t], important, feature))
         if not important:  # keep the draft token and continue the search from the new response
             response = alternative
@@ -122,10 +103,6 @@ def save_prompt_record(path: Path, mismatches: Sequence[Mismatch], hidden_size: 
     save_safetensors(path, tensors, {"info": json.dumps(info)})
 
 
-def prompt_record_path(out_dir: Path, index: int) -> Path:
-    return Path(out_dir) / f"prompt_{index:06d}.safetensors"
-
-
 def check_or_write_manifest(out_dir: Path, manifest: dict) -> None:
     """Refuse to resume into a directory mined with other models / task / settings; else record the settings."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,25 +111,15 @@ def check_or_write_manifest(out_dir: Path, manifest: dict) -> None:
         previous = json.loads(path.read_text())
         if previous != manifest:
             changed = sorted(k for k in set(previous) | set(manifest) if previous.get(k) != manifest.get(k))
-            raise ValueError(
-                f"{out_dir} was mined with different settings ({', '.join(changed)}); use another --out directory"
-            )
+            raise ValueError(f"{out_dir} was mined with different settings ({', '.join(changed)}); "
+                             "use another --out directory")
         return
     write_json(path, manifest, sort_keys=True)
 
 
-def mine(
-    target,
-    draft: DraftLogits,
-    prompts: Sequence[list[int]],
-    task: AnswerTask,
-    decode: Callable[[list[int]], str],
-    out_dir: str | os.PathLike,
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    manifest: dict | None = None,
-    draft_device=None,
-) -> dict[str, int]:
+def mine(target, draft: DraftLogits, prompts: Sequence[list[int]], task: AnswerTask, decode: Callable[[list[int]], str],
+         out_dir: str | os.PathLike, max_new_tokens: int, eos_token_id: int | None = None, manifest: dict | None = None,
+         draft_device=None) -> dict[str, int]:
     """Mine every prompt not already done in `out_dir` (one file per prompt). Returns counts for this call."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -162,7 +129,7 @@ def mine(
     counts = {"prompts": 0, "skipped": 0, "important": 0, "unimportant": 0}
     bar = tqdm(list(enumerate(prompts)), desc="mining mismatches", unit="prompt")
     for index, prompt in bar:
-        path = prompt_record_path(out_dir, index)
+        path = out_dir / f"prompt_{index:06d}.safetensors"
         if path.exists():
             counts["skipped"] += 1
             continue

@@ -33,10 +33,8 @@ class TrainConfig:
 
 
 def threshold_for_recall(probs: np.ndarray, labels: np.ndarray, recall: float) -> float:
-    """Largest threshold t such that P(important) >= t still flags `recall` of the important examples.
-
-    A mismatch is accepted when P(important) < t, so important examples with P >= t stay rejected.
-    """
+    """Largest threshold t such that P(important) >= t still flags `recall` of the important examples (a mismatch
+    is accepted when P(important) < t)."""
     important = np.sort(probs[labels == 1])
     keep = int(np.ceil(recall * len(important)))  # flag the `keep` most confident important examples
     return float(important[len(important) - keep])
@@ -50,13 +48,11 @@ def train_judge(features: torch.Tensor, labels: torch.Tensor, cfg: TrainConfig =
         raise ValueError(f"features must be (N, H) with one label each, got {tuple(features.shape)} and {tuple(labels.shape)}")
     counts = np.bincount(y, minlength=2)
     if len(counts) > 2 or counts.min() < 2:
-        raise ValueError(
-            f"need at least 2 important and 2 unimportant mismatches (labels 0/1) to train and validate, got "
-            f"{counts[1] if len(counts) > 1 else 0} important and {counts[0]} unimportant; mine more prompts"
-        )
-    x_train, x_val, y_train, y_val = train_test_split(
-        x, y, test_size=cfg.val_fraction, stratify=y, random_state=cfg.seed
-    )
+        raise ValueError(f"need at least 2 important and 2 unimportant mismatches (labels 0/1) to train and validate, "
+                         f"got {counts[1] if len(counts) > 1 else 0} important and {counts[0]} unimportant; "
+                         "mine more prompts")
+    x_train, x_val, y_train, y_val = train_test_split(x, y, test_size=cfg.val_fraction, stratify=y,
+                                                      random_state=cfg.seed)
     if len(np.unique(y_val)) < 2 or len(np.unique(y_train)) < 2:
         raise ValueError("the train/validation split lost a class; mine more prompts or change --val-fraction")
     scaler = StandardScaler().fit(x_train)

@@ -1,10 +1,5 @@
-"""The target side of tree verification, for any Hugging Face causal LM.
-
-- `facts`: what the engine reads of a model once (logits width, limits, windows, cache layers, mask convention),
-  kept on the model;
-- `tree_mask`: whether its attention takes a tree's 4D mask (static checks + a probe);
-- `cache`: `TargetCache`, one KV cache for B prompts: prefill, tree forward, commit, decode, drop rows.
-"""
+"""The target side of tree verification, for any Hugging Face causal LM: what the engine reads of a model
+(`facts`), whether its attention takes a tree's 4D mask (`tree_mask`), and one KV cache for B prompts (`cache`)."""
 from tree_search.target.cache import TargetCache, use_static
 from tree_search.target.facts import (
     TargetFacts, UnsupportedTargetError, local_window, max_positions, static_cache_refusal, target_vocab_size,

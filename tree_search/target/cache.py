@@ -1,18 +1,12 @@
 """The target's side of a round: one KV cache for B left-padded prompts, a tree forward over every row's draft tree
-(4D ancestor mask, depth positions) returning logits and final hidden states, and the commit of each row's accepted
-path. One prompt is a batch of one.
+(4D ancestor mask, depth positions) and the commit of each row's accepted path.
 
-All rows share the cache's slots; `valid` (B, slots) says which slot holds a token of a row: left pads and the
-holes a shorter accepted path leaves stay invalid (masked for every later query). RoPE positions are per row
-(`positions`: pads and holes do not count), so each row's keys equal those of encoding that row alone.
-
-Two storages, the same tokens:
-- dynamic (HF DynamicCache; the default on CPU): a forward appends its keys, commit moves the accepted rows and
-  crops the tail. It attends over the slots in use only.
-- static (`max_len` slots per layer preallocated; the default on CUDA): a forward of n tokens writes slots [S, S+n)
-  and attends through a (B, 1, n, max_len) mask; commit moves the accepted rows in place. Every input lives in
-  per-(B, n) buffers (`_Shape`), so `graphs=True` (CUDA) captures one graph per (B, n, want_hidden) forward and per
-  (B, n) commit, and the only host -> device copy of a round is the accepted paths.
+All rows share the cache's slots; `valid` (B, slots) says which slot holds a token of a row: left pads and the holes
+a shorter accepted path leaves stay invalid. RoPE positions are per row (pads and holes do not count), so each row's
+keys equal those of encoding that row alone. Two storages hold the same tokens: dynamic (HF DynamicCache, the
+default on CPU: it attends over the slots in use only) and static (`max_len` slots per layer preallocated, the
+default on CUDA: every input lives in per-(B, n) buffers, so `graphs=True` captures one graph per forward shape and
+per commit shape, and a round's only host -> device copy is the accepted paths).
 """
 from __future__ import annotations
 
@@ -33,9 +27,8 @@ ROOT_ONLY = Tree((-1,))
 
 
 class _SlotLayer(StaticLayer):
-    """A preallocated KV layer (HF's StaticLayer storage, (B, heads, max_len, head_dim)) written at the slots its
-    TargetCache chose: all layers read one shared index buffer, filled once per forward, so a captured graph reads
-    the slots from a fixed address. `rows`: the batch rows in use (finished rows are compacted out of the first)."""
+    """A preallocated KV layer (B, heads, max_len, head_dim) written at the slots in one index buffer all layers
+    share (a fixed address for captured graphs). `rows`: the batch rows in use, the first ones."""
 
     def __init__(self, max_cache_len: int, slots: torch.Tensor) -> None:
         super().__init__(max_cache_len)
@@ -52,8 +45,7 @@ class _SlotLayer(StaticLayer):
 
 
 class _Shape:
-    """The static path's fixed-shape buffers for B rows of trees of n tokens: every input of their forward and
-    commit, so one captured graph per (B, n) reads them all from fixed addresses."""
+    """Every input of the static forward and commit of B rows of n-token trees, at fixed addresses for graphs."""
 
     def __init__(self, batch: int, n: int, max_len: int, style: MaskStyle, device: torch.device) -> None:
         self.ids = torch.zeros(batch, n, dtype=torch.long, device=device)
@@ -67,21 +59,16 @@ class _Shape:
 
 
 class TargetCache:
-    """The target model plus one KV cache for B prompts, each row holding its committed sequence minus its root.
-
+    """The target model plus one KV cache for B prompts, each row holding its committed sequence minus its root:
     prefill(ids, mask) -> tree_forward(tokens, tree) -> commit(paths) -> ...; decode(tokens) is a root-only round;
-    drop_rows(keep) lets finished rows go. `static=None` picks static storage on CUDA when `max_len` is given and
-    the model allows it (`static_cache_refusal`), else dynamic: on a CPU the dynamic cache is as fast or faster
-    (it attends over the slots in use, not max_len). `max_len` must cover every forward of a static cache: the
-    padded prompts + max_new_tokens + the widest tree; a forward beyond it is refused before it runs.
-    """
+    drop_rows(keep) lets finished rows go. `static=None`: static storage where `use_static` allows it; its `max_len`
+    must cover the padded prompts + max_new_tokens + the widest tree (a forward beyond it is refused)."""
 
     def __init__(self, model: torch.nn.Module, static: bool | None = None, max_len: int | None = None,
                  graphs: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        # A low-precision CPU target's linear layers multiply in fixed blocks of rows (in place, once per model;
-        # mamba_draft.targets.row_blocks), so a position's logits do not depend on how many tokens share its forward.
+        # row blocks: a position's logits do not depend on how many tokens share its forward
         if low_precision_cpu(model):
             make_row_invariant(model)
         self.style = MaskStyle(model)
@@ -111,9 +98,9 @@ class TargetCache:
 
     @classmethod
     def for_call(cls, model: torch.nn.Module, max_len: int, graphs: bool = True) -> TargetCache:
-        """The cache of one generate call: a fresh dynamic one where static storage does not apply (any CPU), else
-        the model's static one, kept on it (`TargetFacts.static_cache`: buffers and graphs survive across calls)
-        while it has room and the model's weights, attention, dtype and device are unchanged."""
+        """The cache of one generate call: a fresh dynamic one where static storage does not apply, else the static
+        one kept on the model (`TargetFacts.static_cache`) while it has room and the model's weights, attention, dtype
+        and device are unchanged."""
         device = next(model.parameters()).device
         if not use_static(model, device, None, max_len):
             return cls(model, static=False)
@@ -134,15 +121,14 @@ class TargetCache:
         return self._valid[:, : self.slots] == self.style.visible
 
     def _tree_inputs(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tree's own mask block and depths, moved to the device once per tree, not per round."""
+        """The tree's own mask block and depths, moved to the device once per tree."""
         if tree not in self._trees:
             self._trees[tree] = self.style.block(tree, self.device), torch.tensor(tree.depths, device=self.device)
         return self._trees[tree]
 
     def _reserve(self, slots: int) -> None:
-        """Room for `slots` columns: the static storage's bound (squeezing out the holes when full), or the
-        dynamic validity buffer, grown geometrically so rounds rarely allocate; a sliding-window cache must not
-        fill its window."""
+        """Room for `slots` columns: within the static storage (squeezing out the holes when full), or in the dynamic
+        validity buffer, grown geometrically; never past a sliding window."""
         if self.static:
             if slots > self.max_len:
                 slots -= self.slots - self._compact()
@@ -157,15 +143,10 @@ class TargetCache:
             raise ValueError(f"the batch cache needs {slots} slots, beyond the {self._window} that "
                              f"{type(self.model).__name__}'s sliding-window cache holds exactly")
 
-    # ---------------------------------------------------------------------------------------------- the round
-
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Encode left-padded prefixes (B, L) into a fresh cache -> the last column's logits (B, V) (None if L = 0).
-
-        A row may be all pads (the prefix of a one-token prompt): its cache starts empty and its logits here are
-        meaningless. Every query also sees itself, so pad rows attend to something and stay finite.
-        """
+        An all-pad row (a one-token prompt's prefix) starts empty; every query sees itself: its logits stay finite."""
         input_ids = input_ids.to(self.device)
         batch, length = input_ids.shape
         valid = (torch.ones(input_ids.shape, dtype=torch.bool, device=self.device) if attention_mask is None
@@ -181,8 +162,7 @@ class TargetCache:
         if length == 0:
             return None
         self._reserve(length)
-        # Without pads a dynamic cache's forwards need no mask but the causal one transformers builds itself (and
-        # skips where it can, as its own generate does: sdpa's causal path over no mask is the faster one).
+        # without pads a dynamic cache needs no mask: transformers' own causal one takes sdpa's faster path
         self._dense = attention_mask is None or bool(valid.all())  # the call's one sync, before any round
         mask = None if self._dense and not self.static else self._prefill_mask(valid)
         if self.static:
@@ -208,11 +188,9 @@ class TargetCache:
     @torch.no_grad()
     def tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One target forward of every row's tree: tokens (B, T+1), node order as in `tree`, tokens[:, 0] the roots.
-
-        Row b's node i sees row b's valid slots plus its own ancestors, at position positions[b] + depth(i).
-        Returns logits (B, T+1, V) and, if asked, final hidden states (B, T+1, H); then `commit`.
-        """
+        """One target forward of every row's tree: tokens (B, T+1) in `tree`'s node order, tokens[:, 0] the roots.
+        Row b's node i sees row b's valid slots and its ancestors, at position positions[b] + depth(i).
+        Returns logits (B, T+1, V) and, if asked, final hidden states (B, T+1, H); then `commit`."""
         n, batch = len(tree), self.batch_size
         if tokens.shape != (batch, n):
             raise ValueError(f"tree_forward needs tokens of shape ({batch}, {n}), got {tuple(tokens.shape)}")
@@ -227,17 +205,16 @@ class TargetCache:
             mask = torch.empty(batch, 1, n, self.slots + n, dtype=self.style.dtype, device=self.device)
             mask[:, 0, :, : self.slots] = self._valid[:, None, : self.slots]
             mask[:, 0, :, self.slots :] = block
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=self.positions[:, None] + depths,
-                         **{self._cache_keyword: self.cache}, use_cache=True, output_hidden_states=want_hidden)
+        return self._call(self.model, tokens, mask, self.positions[:, None] + depths, want_hidden)
+
+    def _call(self, forward, ids: torch.Tensor, mask, positions: torch.Tensor, want_hidden: bool):
+        out = forward(input_ids=ids, attention_mask=mask, position_ids=positions,
+                      **{self._cache_keyword: self.cache}, use_cache=True, output_hidden_states=want_hidden)
         return out.logits, out.hidden_states[-1] if want_hidden else None
 
     def commit(self, paths: list[list[int]]) -> None:
-        """Keep each row's root + accepted `paths[b]` (node indices in depth order) of the last tree forward.
-
-        Row b's path nodes move to the slots right after its root; slots past them up to the longest path are
-        holes (invalid for that row). Each row's valid slots then equal encoding its committed sequence alone; its
-        position advances by 1 + len(path). A round whose paths are all chains from node 1 moves nothing.
-        """
+        """Keep each row's root + accepted `paths[b]` (node indices in depth order) of the last tree forward: the
+        path's nodes move right after the root, slots past them up to the longest path are holes of that row."""
         tree, root = self._pending, self.slots
         if tree is None:
             raise ValueError("commit needs a tree_forward first")
@@ -253,41 +230,35 @@ class TargetCache:
         self._valid[:, root] = self.style.visible
         if not longest:  # a root-only round (decode), or nothing accepted: no slot to move, no copy to the device
             self.positions += 1
-            if not self.static and n > 1:
-                self.cache.crop(-(n - 1))
-            self.slots = root + 1
-            return
-        span = n - 1 if self.static else longest  # static: fixed shapes per tree size (self-copies beyond a path)
-        # One host -> device copy: each row's source slots (the path's, then each slot itself), then its path length.
-        # From pinned memory and non-blocking, so the host does not wait for the device (a pageable copy syncs).
-        index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + span))
-                              + [len(path)] for path in paths])
-        if self.device.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(self.device, non_blocking=True)
-        kept = index[:, -1]
-        if any(path != list(range(1, len(path) + 1)) for path in paths):  # chains from node 1 are in place
-            self._move(index[:, :-1], root, n)
-        holes = torch.arange(span, device=self.device) >= kept[:, None]
-        self._valid[:, root + 1 : root + 1 + span] = self.style.visible
-        self._valid[:, root + 1 : root + 1 + span].masked_fill_(holes, self.style.hidden)
-        self.positions += 1 + kept
+        else:
+            span = n - 1 if self.static else longest  # static: fixed shapes per tree size (self-copies past a path)
+            # one host -> device copy, pinned and non-blocking: each row's source slots, then its path length
+            index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + span))
+                                  + [len(path)] for path in paths])
+            if self.device.type == "cuda":
+                index = index.pin_memory()
+            index = index.to(self.device, non_blocking=True)
+            kept = index[:, -1]
+            if any(path != list(range(1, len(path) + 1)) for path in paths):  # chains from node 1 are in place
+                self._move(index[:, :-1], root, n)
+            holes = torch.arange(span, device=self.device) >= kept[:, None]
+            self._valid[:, root + 1 : root + 1 + span] = self.style.visible
+            self._valid[:, root + 1 : root + 1 + span].masked_fill_(holes, self.style.hidden)
+            self.positions += 1 + kept
         if not self.static and n - 1 - longest:
             self.cache.crop(-(n - 1 - longest))
         self.slots = root + 1 + longest
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token per row (B,) and return the logits after it (B, V): the batched autoregressive step,
-        a root-only tree forward and its commit."""
+        """Append one token per row (B,) -> the logits after it (B, V): a root-only tree forward and its commit."""
         logits, _ = self.tree_forward(tokens.view(-1, 1), ROOT_ONLY)
         self.commit([[]] * self.batch_size)
         return logits[:, 0]
 
     def drop_rows(self, keep) -> None:
-        """Keep only rows `keep` (increasing row indices) in the cache and every per-row buffer, so finished rows
-        cost no more target work. A dynamic cache also drops the slots no remaining row uses (pads of a dropped
-        longer prompt, holes): it is copied here anyway."""
+        """Keep only rows `keep` (increasing row indices); a dynamic cache, copied anyway, also drops the slots no
+        remaining row uses."""
         keep = torch.as_tensor(keep, dtype=torch.long).flatten()
         if keep.numel() == 0:
             raise ValueError("drop_rows needs at least one row to keep")
@@ -319,14 +290,9 @@ class TargetCache:
             self._valid[:, : self.slots] = self._valid[:, cols]
         self._dense = bool(self.valid.all())  # dropped rows may have taken every pad and hole with them
 
-    # ---------------------------------------------------------------------------------------------- storage
-
     def _compact(self) -> int:
-        """Move every row's valid slots to the front of the static storage, in order; returns the new slot count
-        (the most valid slots of any row). Rows share the slot count, which a round advances by the longest
-        accepted path, so a batch's slower rows leave holes that would outgrow `max_len`, while each row holds at
-        most its prompt and its new tokens. Runs when the storage is full: one host sync, on rare rounds only;
-        the storage is rewritten in place, so captured graphs stay valid."""
+        """Move every row's valid slots to the front of the full static storage, in order (in place: graphs stay
+        valid; one host sync) -> the new slot count. Slower rows' holes would outgrow `max_len`; their tokens do not."""
         valid = self.valid
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid slots first, in order
         counts = valid.sum(dim=1)
@@ -334,9 +300,8 @@ class TargetCache:
         index = order[:, None, :slots, None]
         for layer in self.cache.layers:
             if layer.is_initialized:
-                for kv in (layer.keys[: layer.rows], layer.values[: layer.rows]):
-                    moved = torch.take_along_dim(kv[:, :, : self.slots], index, dim=2)  # gathered before the write
-                    kv[:, :, :slots] = moved
+                for kv in (layer.keys[: layer.rows], layer.values[: layer.rows]):  # gathered before the write:
+                    kv[:, :, :slots] = torch.take_along_dim(kv[:, :, : self.slots], index, dim=2)
         kept = self._arange[: self.slots] < counts[:, None]
         self._valid[:, : self.slots] = self.style.hidden
         self._valid[:, : self.slots].masked_fill_(kept, self.style.visible)
@@ -344,8 +309,7 @@ class TargetCache:
         return slots
 
     def _move(self, sources: torch.Tensor, root: int, n: int) -> None:
-        """Slots root+1 ... of every row take that row's `sources` (B, span): in every layer, gather the sources
-        first, then write them (alias-safe: every source is at or after its destination)."""
+        """Slots root+1 ... of every row take that row's `sources` (B, span), gathered before the write."""
         span = sources.shape[1]
         if not self.static:
             src = sources[:, None, :, None]
@@ -390,8 +354,7 @@ class TargetCache:
         return self._shapes[key]
 
     def _static_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool):
-        """Fill the (B, n) buffers (ids, positions, write slots [S, S+n), mask), then run its forward (eager, or
-        its graph)."""
+        """Fill the (B, n) buffers (ids, positions, write slots [S, S+n), mask), then run the forward or its graph."""
         n, start = len(tree), self.slots
         shape = self._shape(n)
         block, depths = self._tree_inputs(tree)
@@ -408,13 +371,10 @@ class TargetCache:
         return shape.outputs[want_hidden]
 
     def _static_call(self, shape: _Shape, want_hidden: bool):
-        out = self.forward(input_ids=shape.ids, attention_mask=shape.mask, position_ids=shape.positions,
-                           **{self._cache_keyword: self.cache}, use_cache=True, output_hidden_states=want_hidden)
-        return out.logits, out.hidden_states[-1] if want_hidden else None
+        return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
 
     def _static_call_into(self, shape: _Shape, want_hidden: bool) -> None:
-        """The captured forward: outputs copied into buffers of their own (allocated at the first, eager warm-up),
-        so another graph's replay in the shared pool cannot overwrite them."""
+        """The captured forward: outputs copied into buffers of their own, out of reach of other graphs' replays."""
         logits, hidden = self._static_call(shape, want_hidden)
         if want_hidden not in shape.outputs:
             shape.outputs[want_hidden] = torch.empty_like(logits), None if hidden is None else torch.empty_like(hidden)
@@ -424,8 +384,7 @@ class TargetCache:
             hidden_out.copy_(hidden)
 
     def _capture(self, body) -> torch.cuda.CUDAGraph:
-        """Capture `body` into the shared pool after warm-up runs on a side stream (cuBLAS workspaces, buffer
-        allocation); the caller makes those runs harmless (a forward rewrites the slots the replay writes)."""
+        """Capture `body` into the shared pool; the caller makes its warm-up runs harmless."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return capture_graph(body, self._pool, self.device)
@@ -435,7 +394,7 @@ def use_static(model: torch.nn.Module, device: torch.device, static: bool | None
     """Resolve TargetCache's `static` argument; refuse a bad `max_len` or a static cache the model cannot use."""
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
         raise ValueError(f"max_len must be a positive int (KV slots to preallocate), got {max_len!r}")
-    if static is None:  # auto: static on CUDA (capturable); on CPU the dynamic cache is as fast or faster
+    if static is None:  # auto: static on CUDA (capturable); on a CPU the dynamic cache is as fast or faster
         return device.type == "cuda" and max_len is not None and static_cache_refusal(model, max_len) is None
     if static:
         if max_len is None:

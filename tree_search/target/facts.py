@@ -1,6 +1,5 @@
-"""What the engine needs to know of a Hugging Face causal LM, read once per model and kept on it (`TargetFacts.of`):
-its logits width, position and window limits, the cache layers HF builds for it, whether its forward takes
-`logits_to_keep`, its 4D-mask convention, the tree-mask verdicts that passed, and a reusable static cache."""
+"""What the engine needs to know of a Hugging Face causal LM: limits, windows, cache layers, mask convention, and the
+per-model facts that cost something to find out, kept on the model (`TargetFacts.of`)."""
 from __future__ import annotations
 
 import inspect
@@ -56,12 +55,9 @@ def sliding_windows(model: torch.nn.Module) -> list[int]:
 
 
 def window_capacity(model: torch.nn.Module) -> int | None:
-    """Tokens a forward (cache + one tree) may span while tree verification stays exact (None = no window).
-
-    Sliding-window caches: the tokens one holds before HF starts dropping its head; once a window is full the cache
-    keeps only its tail and a tree forward's 4D mask would no longer describe it. Local attention windows
-    (`local_window`): the window itself. Generation (cache + one tree) must stay within this.
-    """
+    """Tokens a forward (cache + one tree) may span while tree verification stays exact (None = no window): past a
+    sliding window HF keeps only the cache's tail, which a tree's 4D mask no longer describes; past a local window
+    (`local_window`) the band hides keys."""
     windows = sliding_windows(model)
     local = local_window(model)
     if local is not None:
@@ -70,15 +66,9 @@ def window_capacity(model: torch.nn.Module) -> int | None:
 
 
 def local_window(model: torch.nn.Module) -> int | None:
-    """The window of local attention layers that hide keys by their slot in the forward (None: no such layers).
-
-    GPT-Neo's "local" layers (config.attention_layers, window_size W) mask each query's keys with a fixed band over
-    slots (modeling_gpt_neo: bias = tril ^ tril(-W)): query slot s sees key slots (s - W, s], whatever the position
-    ids and the 4D mask say. A tree's siblings sit at different slots but one depth, so once a forward spans more
-    than W slots they lose keys their position still sees, and no mask can give them back (the band is applied
-    before it). Within W slots the band hides nothing and local attention equals global attention: the tree mask is
-    exact. Nothing drops keys from the cache itself (its layers stay DynamicLayer).
-    """
+    """The window of local attention layers that hide keys by their slot in the forward (None: no such layers):
+    GPT-Neo's "local" layers see key slots (s - W, s] from query slot s, whatever the positions and the 4D mask say,
+    so past W slots a tree's siblings lose keys their depth still sees; within W slots the tree mask is exact."""
     config = model.config
     window = getattr(config, "window_size", None)
     if "local" in (getattr(config, "attention_layers", None) or ()) and isinstance(window, int) and window > 0:
@@ -105,13 +95,8 @@ def foreign_cache_layer(model: torch.nn.Module) -> str | None:
 
 
 def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:
-    """Why a preallocated KV cache of `max_len` slots per layer cannot serve `model` (None: it can).
-
-    Sliding-window layers are served by plain full-length layers as long as the window never fills (nothing is
-    dropped before then, so both hold the same keys); past that HF keeps a rolling buffer our slots cannot describe.
-    Local attention layers (`local_window`) see a static cache's forward as its last slots (they take the band's
-    rows from the key count, max_len), so the band hides nothing only while max_len stays within the window.
-    """
+    """Why a preallocated KV cache of `max_len` slots per layer cannot serve `model` (None: it can). Sliding-window
+    and local attention layers are served exactly only while max_len stays within their window."""
     name = type(model).__name__
     foreign = foreign_cache_layer(model)
     if foreign is not None:
@@ -128,9 +113,8 @@ def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:
 
 
 def last_logits_only(model: torch.nn.Module) -> dict:
-    """`logits_to_keep=1` where the model's forward takes it (transformers' causal LMs, as their own `generate`
-    prefills): a prefill needs the last position's logits only, and the head over every prompt token is a fifth of a
-    135M model's prefill (49k x 576 head) and B x L x V floats of memory."""
+    """`logits_to_keep=1` where the model's forward takes it: a prefill needs the last position's logits only, and
+    the head over every prompt token costs time and B x L x V floats of memory."""
     return {"logits_to_keep": 1} if TargetFacts.of(model).takes_logits_to_keep else {}
 
 
@@ -139,9 +123,8 @@ class UnsupportedTargetError(TypeError):
 
 
 class MaskStyle:
-    """The 4D mask each attention implementation takes (masking_utils): sdpa a boolean one (True = visible), eager
-    and the rest an additive float one in the model's dtype (0 visible, dtype-min hidden); eager adds the mask to
-    the scores, so a boolean one there would hide nothing."""
+    """The 4D mask each attention implementation takes: sdpa a boolean one (True = visible), eager and the rest an
+    additive float one in the model's dtype (0 visible, dtype-min hidden)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         if attn_implementation(model) == "sdpa":

@@ -17,27 +17,19 @@ from tree_search.tree import Tree
 
 
 def check_tree_support(model: torch.nn.Module) -> None:
-    """Refuse targets whose attention cannot take an arbitrary 4D mask, naming the model class.
-
-    Cheap static checks first (attention implementation, cache layers, encoder-decoders), then a probe, once per
-    (model, attention implementation, dtype, device): two sibling nodes must not see each other. A model that
-    silently falls back to a causal mask fails the probe.
-    """
+    """Refuse targets whose attention cannot take an arbitrary 4D mask, naming the model class (module docstring)."""
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedTargetError(f"{name} is an encoder-decoder; tree verification needs a decoder-only causal LM")
     attn = attn_implementation(model)
     if "flash" in attn or attn == "flex_attention":
-        raise UnsupportedTargetError(
-            f"{name} uses attn_implementation={attn!r}, which ignores arbitrary 4D tree masks; "
-            "load it with attn_implementation='sdpa', 'eager' or 'row_stable'"
-        )
+        raise UnsupportedTargetError(f"{name} uses attn_implementation={attn!r}, which ignores arbitrary 4D tree "
+                                     "masks; load it with attn_implementation='sdpa', 'eager' or 'row_stable'")
     foreign = foreign_cache_layer(model)
     if foreign is not None:
-        raise UnsupportedTargetError(
-            f"{name} uses {foreign} cache layers; tree verification needs attention KV caches "
-            "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the accepted path"
-        )
+        raise UnsupportedTargetError(f"{name} uses {foreign} cache layers; tree verification needs attention KV caches "
+                                     "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the "
+                                     "accepted path")
     facts, key = TargetFacts.of(model), probe_key(model)
     if key in facts.tree_mask_ok:
         return
@@ -46,22 +38,16 @@ def check_tree_support(model: torch.nn.Module) -> None:
     except Exception as err:  # the model's forward rejected a 4D mask, depth positions or our cache
         raise UnsupportedTargetError(f"{name} cannot run a tree-attention forward: {err}") from err
     if not ok:
-        raise UnsupportedTargetError(
-            f"{name} ignores 4D attention masks (attn_implementation={attn!r}), so it cannot verify a draft tree"
-        )
+        raise UnsupportedTargetError(f"{name} ignores 4D attention masks (attn_implementation={attn!r}), so it cannot "
+                                     "verify a draft tree")
     facts.tree_mask_ok.add(key)
 
 
 @torch.no_grad()
 def _probe_tree_mask(model: torch.nn.Module) -> bool:
-    """Prefix a, root b, siblings c and d: d's logits must equal those of the chain b, d (a plain sequence).
-
-    Both run through a TargetCache (a prefill of a, then one forward), so they differ only by the mask and by the
-    row count of their forward; targets without row blocks (fp32, GPU) may round those differently, so the
-    tolerance scales with the dtype's epsilon (bf16: 2^-7, a few rounding steps through the layers) and the logit
-    magnitude. d's logits must also be closer to the chain's than to the causal chain b, c, d that a
-    mask-ignoring model computes.
-    """
+    """Prefix a, root b, siblings c and d: d's logits must equal those of the chain b, d, and be closer to them than
+    to the causal chain b, c, d's (what a mask-ignoring model computes). The forwards differ in row count, which
+    targets without row blocks may round differently: the tolerance scales with the dtype's epsilon."""
     device = next(model.parameters()).device
     vocab = min(target_vocab_size(model), int(model.config.vocab_size))
     a, b, c, d = (t % vocab for t in (1, 2, 3, 4))

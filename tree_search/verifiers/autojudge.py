@@ -1,8 +1,5 @@
-"""AutoJudge verifier: accept a mismatching draft token when the trained head says P(important) < threshold.
-
-The head reads the target's final hidden state at the mismatching node itself (the position that encodes the
-draft token, the paper's "DT" features), which the tree forward already computed. Threshold 0 ≡ greedy.
-"""
+"""AutoJudge verifier: accept a mismatching draft token when the trained head says P(important) < threshold, reading
+the target's final hidden state at the mismatching node (`autojudge.classifier`). Threshold 0 ≡ greedy."""
 from __future__ import annotations
 
 import os
@@ -39,10 +36,9 @@ class AutoJudgeVerifier(LossyVerifier):
     def check_target(self, target: torch.nn.Module) -> None:
         hidden_size = getattr(target.config, "hidden_size", None)
         if hidden_size is not None and hidden_size != self.head.hidden_size:
-            raise ValueError(
-                f"AutoJudge head was trained on hidden size {self.head.hidden_size}, but {type(target).__name__} "
-                f"has hidden size {hidden_size}: the judge file belongs to another target model"
-            )
+            raise ValueError(f"AutoJudge head was trained on hidden size {self.head.hidden_size}, but "
+                             f"{type(target).__name__} has hidden size {hidden_size}: the judge file belongs to "
+                             "another target model")
 
     def node_mask(self, hidden: torch.Tensor | None) -> torch.Tensor:
         """(T+1,) bool: the judge deems each node's token unimportant (P(important) < threshold)."""

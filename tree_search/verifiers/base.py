@@ -58,8 +58,7 @@ class Verifier(abc.ABC):
 
     def walks_argmax(self, sampling: SamplingParams) -> bool:
         """Whether, at these sampling settings, `verify` is the greedy walk over each node's target argmax
-        (`greedy.greedy_walk`): then the engine decides every row with one batched argmax and one host copy
-        instead of a `verify` call per row. Default: no."""
+        (`greedy.greedy_walk`): then the engine decides every row with one batched argmax and one host copy."""
         return False
 
     def __repr__(self) -> str:
@@ -98,11 +97,8 @@ def verifier_class(name: str) -> type[Verifier]:
 
 
 def get_verifier(name: str | Verifier, **params) -> Verifier:
-    """Build a verifier by registered name; `"a+b"` builds the any-of combinator `combine.AnyOf` over a and b.
-
-    Parameters may be given as `key` or `<name>.key` (see `route_params`). Unknown names and parameters the
-    verifier does not take raise ValueError naming the known ones. A Verifier instance is passed through.
-    """
+    """Build a verifier by registered name (`"a+b"`: the any-of combinator `combine.AnyOf`), parameters routed by
+    `route_params`; a Verifier instance is passed through. Unknown names and parameters raise ValueError."""
     if isinstance(name, Verifier):
         if params:
             raise ValueError("parameters cannot be applied to an already built verifier instance")
@@ -118,10 +114,8 @@ def get_verifier(name: str | Verifier, **params) -> Verifier:
 
 def route_params(classes: list[type[Verifier]], params: dict) -> list[dict]:
     """Each class's constructor arguments out of `params`: `key` goes to every class whose constructor takes it,
-    `<name>.key` only to the class registered as `name`, and a class taking **kwargs gets them all.
-
-    A parameter no class takes raises ValueError listing what the verifiers do take.
-    """
+    `<name>.key` only to the class registered as `name`, a class taking **kwargs gets them all; a parameter no class
+    takes raises ValueError listing what the verifiers do take."""
     routed: list[dict] = [{} for _ in classes]
     used = set()
     for cls, own in zip(classes, routed):

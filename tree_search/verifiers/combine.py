@@ -1,29 +1,19 @@
-"""The any-of combinator: `"a+b"` accepts a path node if any of several lossy rules accepts it.
-
-`get_verifier("a+b", **params)` builds `AnyOf("a+b", **params)`; this is the one place that splits such a name.
-"""
+"""The any-of combinator: `get_verifier("a+b", **params)` builds `AnyOf("a+b", **params)`, which accepts a path
+node if any of the lossy rules a, b accepts it; this is the one place that splits such a name."""
 from __future__ import annotations
 
 import torch
 
 from tree_search.verifiers.base import (
-    Verifier,
-    VerifyInput,
-    VerifyResult,
-    register_verifier,
-    route_params,
-    verifier_class,
+    Verifier, VerifyInput, VerifyResult, register_verifier, route_params, verifier_class,
 )
 from tree_search.verifiers.lossy import LossyVerifier, Paths, accept_longest, build_paths
 
 
 @register_verifier
 class AnyOf(LossyVerifier):
-    """Accept a path node if any of several lossy verifiers accepts it (e.g. AutoJudge + DropMatch).
-
-    verifiers: names or LossyVerifier instances (or one 'a+b' string). Parameters go to every named verifier
-    whose constructor takes them; '<name>.<param>' targets one verifier; a parameter nobody takes is an error.
-    """
+    """Accept a path node if any of several lossy verifiers accepts it (e.g. AutoJudge + DropMatch). verifiers:
+    names or LossyVerifier instances (or one 'a+b' string); parameters are routed as `route_params` says."""
 
     name = "anyof"
 
@@ -36,10 +26,8 @@ class AnyOf(LossyVerifier):
         classes = [verifier_class(v) if isinstance(v, str) else type(v) for v in verifiers]
         for v, cls in zip(verifiers, classes):  # checked before any constructor runs (autojudge reads a file)
             if not issubclass(cls, LossyVerifier) or issubclass(cls, AnyOf):
-                raise ValueError(
-                    f"anyof combines lossy rule verifiers (dropmatch, fly, topk, autojudge), got {v!r}; "
-                    "a lossless verifier adds nothing to an any-of combination"
-                )
+                raise ValueError(f"anyof combines lossy rule verifiers (dropmatch, fly, topk, autojudge), got {v!r}; "
+                                 "a lossless verifier adds nothing to an any-of combination")
         names = [cls.name for cls in classes]
         if len(set(names)) != len(names):
             raise ValueError(f"anyof got the same verifier twice: {names}")

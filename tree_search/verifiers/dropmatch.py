@@ -1,13 +1,10 @@
 """DropMatch: Monte-Carlo dropout on the target's LM head only, as K cheap "heads" that judge draft tokens.
 
-For each node the target's final hidden state h goes through K independent inverted-dropout masks
-(keep with prob 1-p, scale 1/(1-p)) and the LM head; nothing else of the target is recomputed. Criteria:
-- `naive` (Eq. 4): accept the draft token if it equals any head's choice (argmax when greedy, a sample from the
-  head's processed distribution otherwise). Needs no draft distribution, so it also works across vocabularies.
-- `js` (Eqs. 5-7): centroid c = softmax(mean of head logits); accept if JS(q, c) <= max_k JS(p_k, c), with q the
-  draft distribution the token came from, or if the token is the heads' majority (plurality) token. On a tree
-  all siblings share q, so a JS acceptance admits every sibling and the longest path decides; that is why the
-  default is `naive` (the paper also uses it on EAGLE-3 trees) and `js` suits chains.
+Each node's target final hidden state goes through K independent inverted-dropout masks and the LM head. Criteria:
+- `naive` (Eq. 4): accept the draft token if it equals any head's choice (argmax when greedy, else a sample).
+- `js` (Eqs. 5-7): accept if JS(q, c) <= max_k JS(p_k, c), c = softmax(mean of head logits), q the draft
+  distribution, or if the token is the heads' plurality token. On a tree all siblings share q, so a JS acceptance
+  admits every sibling: the default is `naive` (as the paper's on EAGLE-3 trees) and `js` suits chains.
 Distributions are compared at the sampling temperature (temperature 1 when greedy); p = 0 ≡ greedy.
 """
 from __future__ import annotations
@@ -16,25 +13,19 @@ from typing import Callable
 
 import torch
 
-from tree_search.sampling import SamplingParams, logits_to_probs, sample
+from tree_search.sampling import SamplingParams, choose, soft_probs
 from tree_search.verifiers.base import VerifyInput, register_verifier
 from tree_search.verifiers.lossy import LossyVerifier, Paths
 
 CRITERIA = ("naive", "js")
 
 
-def dropout_head_logits(
-    hidden: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-    p: float,
-    num_heads: int,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def dropout_head_logits(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], p: float,
+                        num_heads: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """(N, H) hidden states -> (K, N, V) logits of K independent inverted-dropout passes through `lm_head`.
 
-    p = 0 is no dropout: every head is exactly `lm_head(hidden)`, computed once (a (K, N, H) batch of identical rows
-    may take another kernel and differ in the last bit), and no mask is drawn, so DropMatch at p = 0 accepts exactly
-    what the target's own head picks."""
+    p = 0 computes `lm_head(hidden)` once and draws no mask (a batch of K identical rows may take another kernel and
+    differ in the last bit), so DropMatch at p = 0 accepts exactly what the target's own head picks."""
     if p == 0.0:
         return lm_head(hidden).expand(num_heads, *hidden.shape[:-1], -1)
     keep = torch.empty((num_heads, *hidden.shape), device=hidden.device, dtype=hidden.dtype)
@@ -50,38 +41,19 @@ def js_divergence(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 0.5 * (kl_am + kl_bm)
 
 
-def _distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    if sampling.greedy:
-        return torch.softmax(logits.float(), dim=-1)
-    return logits_to_probs(logits, sampling)
-
-
-def head_choices(head_logits: torch.Tensor, sampling: SamplingParams, generator=None) -> torch.Tensor:
-    """(K, N, V) -> (K, N): each head's token, argmax when greedy, else a sample of its processed distribution."""
-    if sampling.greedy:
-        return head_logits.argmax(-1)
-    return sample(logits_to_probs(head_logits, sampling), generator)
-
-
 def naive_accept(tokens: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
     """Eq. 4: (N,) tokens, (K, N) head choices -> (N,) token equals some head's choice."""
     return (choices == tokens).any(dim=0)
 
 
-def js_accept(
-    tokens: torch.Tensor,
-    head_logits: torch.Tensor,
-    choices: torch.Tensor,
-    draft_probs: torch.Tensor,
-    sampling: SamplingParams,
-) -> torch.Tensor:
+def js_accept(tokens: torch.Tensor, head_logits: torch.Tensor, choices: torch.Tensor, draft_probs: torch.Tensor,
+              sampling: SamplingParams) -> torch.Tensor:
     """Eqs. 6-7: (N,) accept if JS(q, c) <= max_k JS(p_k, c) or the token is the heads' plurality token."""
-    heads = _distribution(head_logits, sampling)  # (K, N, V)
-    centroid = _distribution(head_logits.mean(dim=0), sampling)  # (N, V)
+    heads = soft_probs(head_logits, sampling)  # (K, N, V)
+    centroid = soft_probs(head_logits.mean(dim=0), sampling)  # (N, V)
     vocab = max(draft_probs.shape[-1], centroid.shape[-1])  # padded vocabularies: missing tokens have mass 0
-    q = torch.nn.functional.pad(draft_probs.float(), (0, vocab - draft_probs.shape[-1]))
-    heads = torch.nn.functional.pad(heads, (0, vocab - heads.shape[-1]))
-    centroid = torch.nn.functional.pad(centroid, (0, vocab - centroid.shape[-1]))
+    q, heads, centroid = (torch.nn.functional.pad(t, (0, vocab - t.shape[-1]))
+                          for t in (draft_probs.float(), heads, centroid))
     spread = js_divergence(heads, centroid).amax(dim=0)  # (N,)
     close = js_divergence(q, centroid) <= spread
     majority = torch.mode(choices, dim=0).values  # ties: torch.mode's pick
@@ -121,7 +93,7 @@ class DropMatchVerifier(LossyVerifier):
         generator = self._generator(inp.hidden.device)
         with torch.no_grad():
             head_logits = dropout_head_logits(inp.hidden, inp.lm_head, self.p, self.num_heads, generator)
-        choices = head_choices(head_logits, inp.sampling, generator)[:, node_parents]  # one draw per position
+        choices = choose(head_logits, inp.sampling, generator)[:, node_parents]  # one draw per position
         if self.criterion == "naive":
             return naive_accept(inp.tokens, choices)
         parent_logits, parent_q = head_logits[:, node_parents], inp.draft_probs[node_parents]

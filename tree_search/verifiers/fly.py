@@ -1,11 +1,9 @@
 """FLy (training-free loosely speculative decoding): entropy gate + deferred window over each root-to-leaf path.
 
-At a mismatch j on a path: if the target's entropy h_j at the parent is below θ the position is deterministic and
-the mismatch is rejected; otherwise the decision is deferred and j is accepted only if the next W draft tokens on
-that path match the target exactly (the target did not "self-correct"). If j+W runs past the drafted path, j is
-rejected. Defaults θ=0.3, W=6 (the paper's). Entropy defaults to the reference implementation's top-3 entropy
--Σ_{top3} p log p over the full-vocabulary softmax (not renormalised, natural log); `entropy="normalized"` is the
-full entropy divided by log|V|. At T > 0 the entropy is taken on the processed target distribution.
+A mismatch j on a path whose parent's target entropy is below θ is rejected; otherwise j is accepted only if the
+next W draft tokens on that path match the target exactly (a window past the path rejects). Defaults θ=0.3, W=6
+(the paper's). Entropy: the reference implementation's top-3 -Σ_{top3} p log p over the full softmax (natural log),
+or `normalized`, the full entropy / log|V|; at T > 0 of the processed target distribution.
 """
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import math
 
 import torch
 
-from tree_search.sampling import logits_to_probs
+from tree_search.sampling import soft_probs
 from tree_search.verifiers.base import VerifyInput, register_verifier
 from tree_search.verifiers.lossy import LossyVerifier, Paths
 
@@ -60,9 +58,6 @@ class FLyVerifier(LossyVerifier):
         self.theta, self.window, self.entropy = float(theta), window, entropy
 
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
-        if inp.sampling.greedy:
-            probs = torch.softmax(inp.target_logits.float(), dim=-1)
-        else:
-            probs = logits_to_probs(inp.target_logits, inp.sampling)
+        probs = soft_probs(inp.target_logits, inp.sampling)
         entropy = target_entropy(probs, self.entropy)[paths.parents]  # of the distribution each node was judged by
         return fly_mask(paths.native, paths.valid, entropy, self.theta, self.window)

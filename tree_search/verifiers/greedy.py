@@ -8,11 +8,8 @@ from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, regi
 
 
 def greedy_walk(tree: Tree, tokens: list[int], target_choice: list[int]) -> tuple[list[int], int]:
-    """Follow the child whose token equals the target's choice at each node; return (path, next token).
-
-    Children of a node carry distinct tokens, so at most one child matches: the accepted path is the
-    longest one on which the draft agrees with the target.
-    """
+    """Follow the child whose token equals the target's choice at each node -> (path, next token); siblings carry
+    distinct tokens, so at most one child matches."""
     node, path = 0, []
     while True:
         want = target_choice[node]

@@ -1,13 +1,10 @@
 """Lossy verification as acceptance rules over root-to-leaf paths, OR-ed with exact matching.
 
-Every lossy verifier here works the same way. The target's own choice at each node is its argmax (greedy) or
-one sample from its processed distribution (the lossless "naive sampling" rule), drawn once per node. A path
-node is *natively* accepted when its token equals the target's choice at its parent; a rule may additionally
-accept mismatching nodes (`lossy_mask`). Each root-to-leaf path is accepted up to its first node that neither
-matches nor is accepted by the rule; the longest accepted prefix wins (ties: fewest lossy accepts, then tree
-order), and the next token is the target's choice at the last accepted node. The target's logits below an
-accepted mismatch are exact for the new context: the tree forward already had the draft token in it.
-With a rule that never fires this is token-for-token the greedy (or naive-sampling) verifier.
+The target's own choice at each node is its argmax (greedy) or one sample of its processed distribution, drawn once
+per node. A path node is *natively* accepted when its token equals the target's choice at its parent; a rule may
+also accept mismatching nodes (`lossy_mask`). The longest accepted path prefix wins (ties: fewest lossy accepts, then
+tree order), and the next token is the target's choice at its last node: exact for the new context, as the tree
+forward already had the draft tokens in it. With a rule that never fires this is the greedy (or naive-sampling) rule.
 """
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from tree_search.sampling import logits_to_probs, sample
+from tree_search.sampling import choose
 from tree_search.tree import Tree
 from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult
 
@@ -47,23 +44,15 @@ def _path_grid(tree: Tree, device: torch.device) -> tuple[torch.Tensor, torch.Te
     for i, path in enumerate(leaf_paths):
         nodes[i, : len(path)] = torch.tensor(path, dtype=torch.long)
     parents = torch.cat([torch.zeros(len(leaf_paths), 1, dtype=torch.long), nodes[:, :-1].clamp(min=0)], dim=1)
-    parents = parents[:, :depth]
     node_parents = torch.tensor(tree.parents, dtype=torch.long).clamp(min=0)
     return nodes.to(device), parents.to(device), node_parents.to(device)
-
-
-def target_choices(inp: VerifyInput) -> torch.Tensor:
-    """(T+1,) the target's own next token after every node: argmax when greedy, else one sample per node."""
-    if inp.sampling.greedy:
-        return inp.target_logits.argmax(-1)
-    return sample(logits_to_probs(inp.target_logits, inp.sampling), inp.generator)
 
 
 def build_paths(inp: VerifyInput) -> Paths:
     """Lay the tree out as root-to-leaf paths and mark the natively accepted (exactly matching) nodes."""
     nodes, parents, node_parents = _path_grid(inp.tree, inp.tokens.device)
     valid = nodes >= 0
-    choice = target_choices(inp)
+    choice = choose(inp.target_logits, inp.sampling, inp.generator)  # one draw per node when sampling
     native = (inp.tokens[nodes.clamp(min=0)] == choice[parents]) & valid
     return Paths(nodes, parents, valid, choice, native, node_parents)
 
@@ -73,10 +62,7 @@ def accept_longest(paths: Paths, lossy: dict[str, torch.Tensor]) -> VerifyResult
 
     Counts lossy acceptances on the chosen prefix per rule (a node accepted by two rules counts for both).
     """
-    extra = torch.zeros_like(paths.native)
-    for mask in lossy.values():
-        extra |= mask
-    accepted = (paths.native | extra) & paths.valid
+    accepted = torch.stack([paths.native, *lossy.values()]).any(dim=0) & paths.valid
     prefix = accepted.long().cumprod(dim=1)
     length = prefix.sum(dim=1)
     lossy_count = (prefix.bool() & ~paths.native).sum(dim=1)
@@ -88,12 +74,8 @@ def accept_longest(paths: Paths, lossy: dict[str, torch.Tensor]) -> VerifyResult
     counts = [(mask[best] & on_path).sum() for mask in lossy.values()]
     summary = torch.stack([length[best], lossy_count[best], paths.choice[last][0], *counts])
     n, lossy_accepts, next_token, *by_rule = summary.tolist()  # the round's one host sync (plus the path row)
-    return VerifyResult(
-        path=paths.nodes[best, :n].tolist(),
-        next_token=next_token,
-        lossy_accepts=lossy_accepts,
-        info={"lossy_accepts_by": dict(zip(lossy, by_rule))},
-    )
+    return VerifyResult(paths.nodes[best, :n].tolist(), next_token, lossy_accepts,
+                        {"lossy_accepts_by": dict(zip(lossy, by_rule))})
 
 
 class LossyVerifier(Verifier):

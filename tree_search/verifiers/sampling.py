@@ -8,17 +8,12 @@ from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, regi
 from tree_search.verifiers.greedy import greedy_walk
 
 
-def accept_among_children(
-    p: torch.Tensor,
-    q: torch.Tensor,
-    candidates: list[int],
-    generator: torch.Generator | None,
-) -> tuple[int | None, torch.Tensor]:
+def accept_among_children(p: torch.Tensor, q: torch.Tensor, candidates: list[int],
+                          generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
     """Try candidates x1..xk (drawn from q without replacement, in draw order) against the target p.
 
-    Accept xi with prob min(1, p_i(xi)/q_i(xi)); on rejection p_{i+1} = norm(max(p_i − q_i, 0)) and
-    q_{i+1} = q_i without xi, renormalised. Returns (index of the accepted candidate or None, the
-    distribution to sample the next token from if none was accepted: the final residual).
+    Accept xi with prob min(1, p_i(xi)/q_i(xi)); on rejection p_{i+1} = norm(max(p_i − q_i, 0)) and q_{i+1} = q_i
+    without xi, renormalised. Returns (the accepted candidate's index or None, the final residual to sample from).
     Candidates with zero remaining draft mass were never drawn (padding of a small support) and are skipped.
     """
     p, q = p.clone(), q.clone()
@@ -59,26 +54,24 @@ class SamplingVerifier(Verifier):
             raise ValueError("the sampling verifier needs draft_probs (the distribution each node's children came from)")
         # Host syncs per tried child: the accept/reject walk is inherently sequential Python on a few nodes.
         target_probs = logits_to_probs(inp.target_logits, inp.sampling)
-        node, path, rejected = 0, [], 0
+        node, path = 0, []
         while True:
             kids = inp.tree.children[node]
-            p = target_probs[node]
-            if inp.draft_mode == "topk":
-                # Deterministic candidates (q = point mass per child, EAGLE-2 rule): accept x w.p. p(x), else zero it.
-                pick, p = _accept_point_masses(p, [tokens[c] for c in kids], inp.generator)
+            candidates = [tokens[c] for c in kids]
+            if inp.draft_mode == "topk":  # deterministic candidates (a point mass per child, EAGLE-2 rule)
+                pick, p = _accept_point_masses(target_probs[node], candidates, inp.generator)
             else:
-                pick, p = accept_among_children(p, inp.draft_probs[node].float(), [tokens[c] for c in kids], inp.generator)
+                pick, p = accept_among_children(target_probs[node], inp.draft_probs[node].float(), candidates,
+                                                inp.generator)
             if pick is None:
-                rejected += len(kids)
                 next_token = int(sample(p, inp.generator).item())
-                return VerifyResult(path=path, next_token=next_token, info={"rejected_children": rejected})
+                return VerifyResult(path=path, next_token=next_token, info={"rejected_children": len(kids)})
             node = kids[pick]
             path.append(node)
 
 
-def _accept_point_masses(
-    p: torch.Tensor, candidates: list[int], generator: torch.Generator | None
-) -> tuple[int | None, torch.Tensor]:
+def _accept_point_masses(p: torch.Tensor, candidates: list[int],
+                         generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
     """Lossless test for deterministic (top-k) candidates: accept x w.p. p(x); on rejection p <- norm(p without x)."""
     p = p.clone()
     for i, x in enumerate(candidates):

@@ -7,12 +7,6 @@ from tree_search.verifiers.base import VerifyInput, register_verifier
 from tree_search.verifiers.lossy import LossyVerifier, Paths
 
 
-def in_top_k(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """(N, V) logits, (N,) tokens -> (N,) bool: fewer than k tokens score strictly higher than `tokens`."""
-    own = logits.gather(-1, tokens.unsqueeze(-1))
-    return (logits > own).sum(-1) < k
-
-
 @register_verifier
 class TopKVerifier(LossyVerifier):
     """Accept a draft token ranked within the target's top-K at its parent (raw logits). K = 1 ≡ greedy."""
@@ -25,5 +19,6 @@ class TopKVerifier(LossyVerifier):
         self.k = k
 
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
-        ranked_ok = in_top_k(inp.target_logits[paths.node_parents], inp.tokens, self.k)
-        return paths.on_paths(ranked_ok)
+        logits = inp.target_logits[paths.node_parents]  # each node's token ranked at its parent
+        own = logits.gather(-1, inp.tokens.unsqueeze(-1))
+        return paths.on_paths((logits > own).sum(-1) < self.k)  # fewer than K tokens score strictly higher
