@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -163,12 +164,12 @@ def _coerce(hint, value, key: str):
             return None
         hint = next(a for a in args if a is not type(None))
         return _coerce(hint, value, key)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
+    if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return tuple(_coerce(args[0], v, key) for v in value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+        if args[-1] is Ellipsis:  # tuple[int, ...]: any length
+            args = (args[0],) * len(value)
+        if len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, key) for a, v in zip(args, value))
     if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -184,14 +185,8 @@ def _coerce(hint, value, key: str):
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    """Plain (YAML-serialisable) dict of a config."""
-    def plain(x):
-        if isinstance(x, tuple):
-            return list(x)
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-    return plain(dataclasses.asdict(cfg))
+    """Plain (YAML-serialisable: tuples as lists) dict of a config."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:

@@ -6,9 +6,7 @@ top-K next-token distribution at every reply position, so distillation needs no 
 
 Each reply becomes the target's chat-template prompt ids + its reply ids (+ the end-of-turn id unless cut), scored
 on the reply; replies are shuffled per epoch (seeded), concatenated and cut into `seq_len` windows, like packed
-pretraining (no padding: every position of a window is real). The iterator is infinite and resumable
-(`state_dict`). Held-out questions never get here: make-data refuses them, and this loader skips any prompt that is
-one (a directory assembled by hand).
+pretraining. The iterator is infinite and resumable (`state_dict`). Held-out questions are skipped.
 """
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ from pathlib import Path
 import torch
 
 from mamba_draft.heldout import is_heldout_text
-from training.data import IGNORE_INDEX, rank_order
-from training.make_data import TOPK, hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
+from training.data import IGNORE_INDEX, epoch_order
+from training.make_data import hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
 from training.regenerate import prompt_ids
 
 
@@ -39,16 +37,14 @@ SPLITS = ("train", "heldout", "all")
 
 
 def heldout_ids(prompt_ids) -> set[str]:
-    """The prompts held out of training: one in HELDOUT by a stable hash of the id, and at least one (the lowest
-    hash) in a directory too small for the rule to pick any."""
+    """The prompts held out of training: one in HELDOUT by a stable hash of the id (at least one: the lowest)."""
     ids = list(prompt_ids)
     held = {i for i in ids if zlib.crc32(i.encode()) % HELDOUT == 0}
     return held or ({min(ids, key=lambda i: (zlib.crc32(i.encode()), i))} if ids else set())
 
 
 def engine_dirs(directory: str | Path) -> list[Path]:
-    """The make-data directories `directory` names: itself, or else the make-data directories directly inside it
-    (sorted by name)."""
+    """The make-data directories `directory` names: itself, or else those directly inside it (sorted by name)."""
     directory = Path(directory).expanduser()
     if (directory / "prompts.jsonl").is_file() or not directory.is_dir():
         return [directory]
@@ -70,7 +66,6 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
         examples += _load_one(part, tokenizer, temperatures, split, hidden_size)
     if not examples:
         raise ValueError(f"{directory}: no usable replies (with cached top-K) at temperatures {temperatures}")
-
     return examples
 
 
@@ -94,24 +89,22 @@ def _load_one(directory: Path, tokenizer, temperatures: list[float] | None, spli
             prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
             reply = record["reply_ids"] + ([] if record["truncated"] else [eos])
             ids, logp = read_topk(directory, temperature, record)
-            n = len(prompt) + len(reply)
-            soft_ids = torch.zeros(n, TOPK, dtype=torch.int32)
-            soft_logp = torch.zeros(n, TOPK, dtype=torch.float16)
-            soft_ids[len(prompt):] = ids.to(torch.int32)  # row t: the distribution that token t was drawn from
-            soft_logp[len(prompt):] = logp.to(torch.float16)
+            # row t: the distribution that token t was drawn from (prompt rows: 0)
+            soft_ids, soft_logp = (after_prompt(x, len(prompt)) for x in (ids.to(torch.int32), logp.to(torch.float16)))
             labels = torch.tensor([IGNORE_INDEX] * len(prompt) + reply)
-            hidden = None
-            if hidden_size:
-                hidden = torch.zeros(n, hidden_size, dtype=torch.bfloat16)
-                hidden[len(prompt):] = read_hidden(directory, temperature, record, hidden_size)
+            hidden = after_prompt(read_hidden(directory, temperature, record, hidden_size), len(prompt)) \
+                if hidden_size else None
             examples.append(EngineExample(torch.tensor(prompt + reply), labels, soft_ids, soft_logp, hidden))
     return examples
 
 
+def after_prompt(rows: torch.Tensor, prompt: int) -> torch.Tensor:
+    """A reply's (positions, ...) rows after `prompt` zero rows: aligned with the example's tokens."""
+    return torch.cat([rows.new_zeros(prompt, *rows.shape[1:]), rows])
+
+
 def check_hidden(directory: Path, temperature: float, width: int, name: str = "the drafter's width") -> None:
-    """The hidden-state file must cover every top-K position, `width` values each (`name`: what asks for that
-    width — the drafter's, which must be the target's: its head is the target's embedding — or the width of the
-    target states a drafter reads)."""
+    """The hidden-state file must cover every top-K position, `width` values each (`name`: what asks for it)."""
     path = hidden_path(directory, temperature)
     if not path.exists():
         raise ValueError(f"{directory}: no cached hidden states for T={temperature:g} (a feature loss, or a drafter "
@@ -159,11 +152,7 @@ class PackedEngine:
         self.epoch, self.pos, self.offset = state["epoch"], state["pos"], state["offset"]
 
     def _current(self) -> EngineExample:
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, rank_order(len(self.examples), self.seed, self.epoch, self.rank, self.world))
-            if not self._order[1]:
-                raise ValueError(f"rank {self.rank} received no examples: fewer replies than ranks")
-        return self.examples[self._order[1][self.pos]]
+        return self.examples[epoch_order(self)[self.pos]]
 
     def _window(self) -> list[tuple[EngineExample, int, int]]:
         """Pieces (example, start, stop) filling one window, advancing the position."""
@@ -209,8 +198,3 @@ def engine_rows(examples: list[EngineExample], max_len: int) -> tuple[list[tuple
         rows.append((e.input_ids[:n].tolist(), scored))
         target_ids.append(choice)
     return rows, target_ids
-
-
-def label_lists(examples: list[EngineExample]):
-    """The scored token ids of every example (for a frequency-ranked draft vocabulary)."""
-    return (e.labels[e.labels != IGNORE_INDEX].tolist() for e in examples)
