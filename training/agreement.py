@@ -84,12 +84,9 @@ def check_gammas(gammas: Sequence[int]) -> tuple[int, ...]:
 
 def measure(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Tensor, draft_logits: torch.Tensor,
             draft_ids: torch.Tensor | None = None, gammas: Sequence[int] = (1, 3, 5)) -> Agreement:
-    """Agreement counts of one batch.
-
-    tokens (B, L) ids; scored (B, L) bool: which tokens count (padding and prompts: False); target_ids (B, L): the
-    target's argmax at each position (position t predicts token t+1); draft_logits (B, L, V): the drafter's logits on
-    the same positions, column j scoring target id draft_ids[j] (id j without a map).
-    """
+    """Agreement counts of one batch. tokens (B, L) ids; scored (B, L) bool: which tokens count; target_ids (B, L):
+    the target's argmax at each position (position t predicts token t+1); draft_logits (B, L, V): the drafter's
+    logits on the same positions, column j scoring target id draft_ids[j] (id j without a map)."""
     if not (tokens.shape == scored.shape == target_ids.shape == draft_logits.shape[:2]) or tokens.dim() != 2:
         raise ValueError(f"shapes disagree: tokens {tuple(tokens.shape)}, scored {tuple(scored.shape)}, "
                          f"target_ids {tuple(target_ids.shape)}, draft_logits {tuple(draft_logits.shape)}")
@@ -183,13 +180,10 @@ def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.T
           batch_size: int, pad_id: int, device: str | torch.device = "cpu", draft_ids: torch.Tensor | None = None,
           vocab: int | None = None, batches: int | None = None,
           features: Sequence[torch.Tensor] | None = None) -> Agreement:
-    """The drafter's agreement over `rows` against the cached target argmax ids.
-
-    `vocab` slices the drafter's logits to the real vocabulary when it has no draft map. `batches` > the batches
-    the rows need runs 1-token dummy forwards after them: under ZeRO-3 every rank must call forward equally often.
-    `features` (a drafter that reads the target): per row, the target's state before each token (L, H); its
-    scored rows are read (`known`), the others get the stand-in, as after a verification (make-data replies).
-    """
+    """The drafter's agreement over `rows` against the cached target argmax ids. `vocab` slices the drafter's
+    logits to the real vocabulary when it has no draft map. `batches` > the batches the rows need runs 1-token
+    dummy forwards after them: under ZeRO-3 every rank must call forward equally often. `features` (a drafter
+    that reads the target): per row, the target's state before each token (L, H), read on its scored rows."""
     total = Agreement(check_gammas(gammas))
     needed = math.ceil(len(rows) / batch_size)
     for b in range(max(needed, batches or 0)):

@@ -34,12 +34,10 @@ class ModelConfig:
     draft_vocab: str | None = None        # or a draft_vocab.safetensors file / drafter directory to reuse
     init_embeddings_from: str | None = None  # target whose input embedding initialises the drafter's (same width)
     freeze_embeddings: bool = False
-    target_hidden_size: int = 0           # > 0: a drafter that reads the target (its final hidden state, this wide,
-                                          # fused with each token's embedding); needs data.kind engine with the
-                                          # target's hidden states cached (make-data --hidden). 0: token ids only
-    drafted_features: str = "stand_in"    # what it reads beside a drafted token: "stand_in" (a learned vector) or
-                                          # "own" (its own final-norm state at the token before: EAGLE; needs
-                                          # distill.feature_weight > 0 and distill.draft_windows)
+    target_hidden_size: int = 0           # > 0: a drafter that reads the target's final hidden state (this wide;
+                                          # engine data made with --hidden). 0: token ids only
+    drafted_features: str = "stand_in"    # beside a drafted token: "stand_in" (a learned vector) or "own" (its own
+                                          # final-norm state at the token before: EAGLE)
 
 
 @dataclass
@@ -72,13 +70,10 @@ class DistillConfig:
     target: str | None = None             # frozen target model (HF dir or hub id); None: plain CE training
     ce_weight: float = 0.0                # loss = ce_weight * CE + kl_weight * KL(target || drafter)
     kl_weight: float = 1.0
-    feature_weight: float = 0.0           # + feature_weight * SmoothL1(drafter state, target's) (engine data cached
-                                          # with make-data --hidden; the drafter must share the target's width)
+    feature_weight: float = 0.0           # + feature_weight * SmoothL1(drafter state, target's) (make-data --hidden)
     temperature: float = 1.0
     draft_windows: int = 0                # K > 1: a drafter that reads the target trains on simulated draft windows
-                                          # (HASS / EAGLE-3's training-time test): a window of 1..K-1 reply
-                                          # positions after a root reads the stand-in, as drafted tokens do in a
-                                          # round of depth <= K; 0: off
+                                          # of 1..K-1 positions read with the stand-in (training.target_features)
     window_rate: float = 0.15             # with draft_windows: the probability that a reply position opens one
 
 

@@ -34,7 +34,6 @@ def cached_kl(logits: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Ten
               to_draft: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over labelled positions of KL(p || q), p the target's cached top-K distribution renormalised over the
     ids the drafter can emit (its draft vocabulary, when `to_draft` maps target ids to draft columns, -100 outside).
-
     soft_ids / soft_logp (B, L, K): row t is the distribution token t was predicted from (aligned with labels)."""
     logits, labels = shift(logits, labels)
     ids, logp = soft_ids[:, 1:], soft_logp[:, 1:].float()

@@ -47,7 +47,8 @@ from mamba_draft.heldout import normalize, overlaps_heldout
 from mamba_draft.io import write_json, write_text
 from mamba_draft.targets import load_causal_lm
 from training.regenerate import (
-    conversation, cut_at_eos, data_attention, eos_token_ids, hf_sample, prompt_ids, read_records, target_tokenizer,
+    Generate, conversation, cut_at_eos, data_attention, eos_token_ids, hf_sample, prompt_ids, read_records,
+    target_tokenizer,
 )
 
 MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
@@ -110,10 +111,6 @@ _REQUEST_START = re.compile(
     r"show|implement|convert|rewrite|edit|plan|recommend|name|define|discuss|outline|prepare|identify|evaluate)\b",
     re.IGNORECASE)
 _ASSISTANT_VOICE = re.compile(r"^(i'm smollm|i am smollm|as an ai|hello! i|hi! i|sure[,!]|certainly[,!])", re.IGNORECASE)
-
-# (model, tokenizer, prompts, *, max_new_tokens, temperature, top_p, eos_token_ids) -> each prompt's new tokens.
-# temperature 0 is greedy; top_p None keeps the target's generation_config. Seeded by the caller (torch's RNG).
-Generate = Callable[..., list[list[int]]]
 
 
 # ------------------------------------------------------------------------------------------ shards
@@ -687,7 +684,6 @@ def run(args: argparse.Namespace) -> int:
     for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("magpie", 0), ("magpie_tasks", 0)):
         if getattr(args, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
-    parse_temperatures(args.temperatures)
     check_device(args.device)
     manifest = make_data(args)
     replies = ", ".join(f"T={t}: {r['replies']} replies, {r['tokens']} tokens" for t, r in manifest["replies"].items())

@@ -87,26 +87,22 @@ def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> transf
                    pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=cfg.tie_word_embeddings)
     if cfg.target_hidden_size and cfg.arch == "llama":
         raise ValueError("model.target_hidden_size is for a Mamba drafter (model.arch mamba1 or mamba2), not llama")
-    reads = {"target_hidden_size": cfg.target_hidden_size} if cfg.target_hidden_size else {}  # MambaConfig reads it
+    shape = dict(vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, **special)
+    mamba = dict(state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
+                 use_bias=False, use_conv_bias=True)  # use_bias False = mamba_ssm layout
+    if cfg.target_hidden_size:  # MambaConfig reads it
+        mamba["target_hidden_size"] = cfg.target_hidden_size
     if cfg.arch == "mamba1":
-        return transformers.MambaConfig(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-            state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
-            use_bias=False, use_conv_bias=True, **special, **reads)  # use_bias False = mamba_ssm layout
+        return transformers.MambaConfig(**shape, **mamba)
     if cfg.arch == "mamba2":
-        inner = cfg.expand * cfg.hidden_size
-        return transformers.Mamba2Config(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-            state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
-            head_dim=cfg.head_dim, num_heads=cfg.num_heads or inner // cfg.head_dim, n_groups=cfg.n_groups,
-            use_bias=False, use_conv_bias=True, **special, **reads)
+        return transformers.Mamba2Config(**shape, **mamba, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
+                                         num_heads=cfg.num_heads or cfg.expand * cfg.hidden_size // cfg.head_dim)
     if cfg.arch == "llama":
         heads = cfg.num_heads or max(1, cfg.hidden_size // 64)
         return transformers.LlamaConfig(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=heads, num_key_value_heads=cfg.num_key_value_heads or heads,
+            **shape, num_attention_heads=heads, num_key_value_heads=cfg.num_key_value_heads or heads,
             intermediate_size=cfg.intermediate_size or 4 * cfg.hidden_size,
-            max_position_embeddings=cfg.max_position_embeddings, **special)
+            max_position_embeddings=cfg.max_position_embeddings)
     raise ValueError(f"model.arch must be mamba1, mamba2 or llama, got {cfg.arch!r}")
 
 
@@ -114,7 +110,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
                 draft_ids: torch.Tensor | None = None) -> torch.nn.Module:
     """A fresh model (seeded init) or `init_from` weights (Mamba: a TrainableDrafter), with the draft vocabulary
     `draft_ids` if given and the embedding copied from `init_embeddings_from` if set."""
-    fresh_fusion = False
+    fusion, fresh_fusion = {}, False
     if cfg.init_from:
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     else:
@@ -126,12 +122,10 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
             model.set_output_embeddings(DraftHead(model.get_output_embeddings(), draft_ids))
             model.draft_ids = draft_ids  # written next to the checkpoints (write_model_dir), exported with them
     else:
-        tensors = dict(model.state_dict())
-        fusion = {}
         if target_reading(model.config, cfg):
             fusion, fresh_fusion = fusion_tensors(model.config, cfg.init_from)
         drafter = TrainableDrafter(model.config)
-        drafter.load_hf_state_dict({**fusion, **tensors})
+        drafter.load_hf_state_dict({**fusion, **model.state_dict()})
         model = drafter
     if cfg.init_embeddings_from:
         copy_target_embeddings(model, cfg.init_embeddings_from)

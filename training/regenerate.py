@@ -119,10 +119,10 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# A batch generator: (model, tokenizer, prompts, *, max_new_tokens, temperature, eos_token_ids, seed) -> each
+# A batch generator: (model, tokenizer, prompts, *, max_new_tokens, temperature, eos_token_ids, seed | top_p) -> each
 # prompt's new tokens, ending at its first EOS or cut at max_new_tokens. temperature 0 is greedy; above 0 it samples
-# with the target's generation_config top-k / top-p. seed: this batch's seed (a generator that draws from torch's
-# global RNG, seeded once, may ignore it).
+# with the target's generation_config top-k / top-p (make-data: top_p None keeps it). seed: this batch's seed (a
+# generator that draws from torch's global RNG, seeded by the caller, may ignore it).
 Generate = Callable[..., list[list[int]]]
 
 

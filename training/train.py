@@ -121,11 +121,8 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
                  to_draft: torch.Tensor | None = None) -> torch.Tensor:
     """CE and/or forward KL to the target. With a draft vocabulary the drafter's logits cover `draft_ids` only:
     labels map to draft columns (ids outside it are not scored) and the target's distribution is renormalised
-    over the subset (q is zero outside it, so that is the KL the drafter can reach).
-
-    A drafter that reads the target (model.target_hidden_size) is fed the batch's cached target states on reply
-    rows outside its simulated draft windows (`batch['windows']`) and its stand-in elsewhere
-    (`training.target_features`)."""
+    over the subset (q is zero outside it, so that is the KL the drafter can reach). A drafter that reads the target
+    is fed the cached target states on reply rows outside its draft windows (`training.target_features`)."""
     reads = {}
     if cfg.model.target_hidden_size:
         reads = {"features": batch["hidden"], "known": known_rows(batch["labels"], batch.get("windows"))}
@@ -259,15 +256,13 @@ def validate_target_reading(cfg: TrainConfig) -> None:
 def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
     """Run (or resume) training; returns the output directory. Works under any launcher or in-process."""
     validate(cfg)
-    latest = Path(cfg.output_dir) / "checkpoints" / "latest"
-    if resume_run and not latest.is_file():
-        raise FileNotFoundError(f"--resume: no 'latest' file in {latest.parent}; nothing to resume from")
-    if not resume_run and latest.is_file():
-        raise FileExistsError(f"{cfg.output_dir} already holds checkpoints: pass --resume or use a new output_dir")
-    rank, world = init_distributed(cfg.build_shm_comm)
     out = Path(cfg.output_dir)
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
-
+    if resume_run and not (ckpt_dir / "latest").is_file():
+        raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
+    if not resume_run and (ckpt_dir / "latest").is_file():
+        raise FileExistsError(f"{cfg.output_dir} already holds checkpoints: pass --resume or use a new output_dir")
+    rank, world = init_distributed(cfg.build_shm_comm)
     ds_config = deepspeed_config(cfg, world)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     data, n_records, draft_ids = build_data(cfg, tokenizer, rank, world)
