@@ -149,9 +149,9 @@ def load_heldout(path: str, tokenizer, max_len: int, max_sequences: int | None =
 
 def pad_batch(rows: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids, attention_mask, scored): causal models never see the padding of a row's own positions."""
-    ids = pad_sequence([torch.tensor(row, dtype=torch.long) for row, _ in rows], True, pad_id)
-    attention = pad_sequence([torch.ones(len(row), dtype=torch.long) for row, _ in rows], True)
-    return ids, attention, pad_sequence([torch.tensor(marks, dtype=torch.bool) for _, marks in rows], True)
+    ids = pad_sequence([torch.tensor(row, dtype=torch.long) for row, _ in rows], batch_first=True, padding_value=pad_id)
+    attention = pad_sequence([torch.ones(len(row), dtype=torch.long) for row, _ in rows], batch_first=True)
+    return ids, attention, pad_sequence([torch.tensor(marks, dtype=torch.bool) for _, marks in rows], batch_first=True)
 
 
 def hf_logits(model) -> LogitsFn:

@@ -123,8 +123,7 @@ def read_shard(path: Path) -> list[dict]:
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):  # torn tail: keep every complete line
-        with open(path, "r+b") as f:
-            f.truncate(end)
+        os.truncate(path, end)
         data = data[:end]
     records = []
     for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
@@ -180,8 +179,7 @@ def repair_topk(out: Path, temperature: float, records: list[dict]) -> int:
         raise ValueError(f"{path} holds {size // topk_bytes()} positions but the replies point at {end}: the file "
                          "was changed by hand")
     if size > end * topk_bytes():
-        with open(path, "r+b") as f:
-            f.truncate(end * topk_bytes())
+        os.truncate(path, end * topk_bytes())
     return end
 
 
@@ -464,8 +462,7 @@ def cut_to_replies(path: Path, records: list[dict], row_bytes: int) -> int:
     ends = [r["topk"][0] + r["topk"][1] for r in records if r.get("topk")]
     done = max((e for e in ends if e * row_bytes <= size), default=0)
     if size != done * row_bytes:
-        with open(path, "r+b") as f:
-            f.truncate(done * row_bytes)
+        os.truncate(path, done * row_bytes)
     return done
 
 

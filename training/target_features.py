@@ -26,6 +26,10 @@ def window_mask(reply: torch.Tensor, k: int, rate: float, generator: torch.Gener
     The draws are of fixed shape, so the mask depends only on the generator's seed and the batch's shape and rows."""
     if reply.dim() != 2 or reply.dtype != torch.bool:
         raise ValueError(f"reply must be a (B, L) bool mask, got {reply.dtype} {tuple(reply.shape)}")
+    if k < 0 or k == 1:
+        raise ValueError(f"draft windows K must be 0 (off) or >= 2, got {k}")
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"window rate must lie in [0, 1], got {rate}")
     device, reply = reply.device, reply.cpu()
     covered = torch.zeros_like(reply)
     if k < 2 or rate == 0.0:
