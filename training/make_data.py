@@ -317,7 +317,8 @@ class Engine:
         # the next replay overwrites, and each batch's new hook recompiles it. Rows come from an eager forward.
         config = self.model.generation_config
         own_setting = config.disable_compile
-        config.disable_compile = own_setting or record_topk
+        if record_topk:
+            config.disable_compile = True
         start = time.perf_counter()
         try:
             rows = self.generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
