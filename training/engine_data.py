@@ -61,75 +61,57 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
     also read the cached hidden states (make-data --hidden), of that width."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if hidden_size:
+        check_hidden_width(directory, hidden_size, temperatures=temperatures)
     examples = []
     for part in engine_dirs(directory):
-        examples += _load_one(part, tokenizer, temperatures, split, hidden_size)
+        prompts = {p["id"]: p["prompt"] for p in read_shard(part / "prompts.jsonl")}
+        held = heldout_ids(prompts)
+        for path, temperature in reply_files(part, temperatures):
+            for record in read_shard(path):
+                text = prompts.get(record["id"])
+                if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
+                    continue
+                if split != "all" and ("heldout" if record["id"] in held else "train") != split:
+                    continue
+                prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
+                reply = record["reply_ids"] + ([] if record["truncated"] else [tokenizer.eos_token_id])
+                ids, logp = read_topk(part, temperature, record)
+                # row t: the distribution token t was drawn from (and its state); prompt rows: 0
+                rows = lambda x: torch.cat([x.new_zeros(len(prompt), *x.shape[1:]), x])
+                hidden = rows(read_hidden(part, temperature, record, hidden_size)) if hidden_size else None
+                labels = torch.tensor([IGNORE_INDEX] * len(prompt) + reply)
+                examples.append(EngineExample(torch.tensor(prompt + reply), labels, rows(ids.to(torch.int32)),
+                                              rows(logp.to(torch.float16)), hidden))
     if not examples:
         raise ValueError(f"{directory}: no usable replies (with cached top-K) at temperatures {temperatures}")
     return examples
 
 
-def _load_one(directory: Path, tokenizer, temperatures: list[float] | None, split: str,
-              hidden_size: int | None) -> list[EngineExample]:
-    prompts = {p["id"]: p["prompt"] for p in read_shard(directory / "prompts.jsonl")}
-    held = heldout_ids(prompts)
-    eos = tokenizer.eos_token_id
-    examples = []
-    for path, temperature in reply_files(directory):
-        if temperatures is not None and temperature not in temperatures:
-            continue
-        if hidden_size:
-            check_hidden(directory, temperature, hidden_size)
-        for record in read_shard(path):
-            text = prompts.get(record["id"])
-            if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
-                continue
-            if split != "all" and ("heldout" if record["id"] in held else "train") != split:
-                continue
-            prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
-            reply = record["reply_ids"] + ([] if record["truncated"] else [eos])
-            ids, logp = read_topk(directory, temperature, record)
-            # row t: the distribution that token t was drawn from (prompt rows: 0)
-            soft_ids, soft_logp = (after_prompt(x, len(prompt)) for x in (ids.to(torch.int32), logp.to(torch.float16)))
-            labels = torch.tensor([IGNORE_INDEX] * len(prompt) + reply)
-            hidden = after_prompt(read_hidden(directory, temperature, record, hidden_size), len(prompt)) \
-                if hidden_size else None
-            examples.append(EngineExample(torch.tensor(prompt + reply), labels, soft_ids, soft_logp, hidden))
-    return examples
-
-
-def after_prompt(rows: torch.Tensor, prompt: int) -> torch.Tensor:
-    """A reply's (positions, ...) rows after `prompt` zero rows: aligned with the example's tokens."""
-    return torch.cat([rows.new_zeros(prompt, *rows.shape[1:]), rows])
-
-
-def check_hidden(directory: Path, temperature: float, width: int, name: str = "the drafter's width") -> None:
-    """The hidden-state file must cover every top-K position, `width` values each (`name`: what asks for it)."""
-    path = hidden_path(directory, temperature)
-    if not path.exists():
-        raise ValueError(f"{directory}: no cached hidden states for T={temperature:g} (a feature loss, or a drafter "
-                         "that reads the target, needs them): run make-data again with --hidden")
-    positions = topk_path(directory, temperature).stat().st_size // topk_bytes()
-    size = path.stat().st_size
-    if size != positions * width * 2:
-        held = f" (states {size // (2 * positions)} wide?)" if positions and size % (2 * positions) == 0 else ""
-        raise ValueError(f"{path} holds {size} bytes{held}, not {positions} positions x {width} bf16 values "
-                         f"({name}): unfinished (rerun make-data --hidden) or made by a target of another width")
-
-
-def reply_files(directory: Path) -> list[tuple[Path, float]]:
-    """The replies-T*.jsonl files of a make-data directory with their temperatures."""
+def reply_files(directory: Path, temperatures: list[float] | None = None) -> list[tuple[Path, float]]:
+    """The replies-T*.jsonl files of a make-data directory with their temperatures (those given, else all)."""
     files = sorted(directory.glob("replies-T*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{directory} holds no replies-T*.jsonl (not a make-data directory?)")
-    return [(path, float(path.stem.split("-T", 1)[1])) for path in files]
+    found = [(path, float(path.stem.split("-T", 1)[1])) for path in files]
+    return [(path, t) for path, t in found if temperatures is None or t in temperatures]
 
 
-def check_hidden_width(directory: str | Path, width: int, name: str) -> None:
-    """`check_hidden` at every temperature of each make-data directory (a cheap check before training starts)."""
-    for part in engine_dirs(directory):
-        for _, temperature in reply_files(part):
-            check_hidden(part, temperature, width, name)
+def check_hidden_width(directory: str | Path, width: int, name: str = "the drafter's width",
+                       temperatures: list[float] | None = None) -> None:
+    """Each make-data directory's hidden-state files (at `temperatures`, else all) must cover every top-K position,
+    `width` values each (`name`: what asks for it): a cheap check before anything is read."""
+    for part, temperature in [(part, t) for part in engine_dirs(directory) for _, t in reply_files(part, temperatures)]:
+        path = hidden_path(part, temperature)
+        if not path.exists():
+            raise ValueError(f"{part}: no cached hidden states for T={temperature:g} (a feature loss, or a drafter "
+                             "that reads the target, needs them): run make-data again with --hidden")
+        positions = topk_path(part, temperature).stat().st_size // topk_bytes()
+        size = path.stat().st_size
+        if size != positions * width * 2:
+            held = f" (states {size // (2 * positions)} wide?)" if positions and size % (2 * positions) == 0 else ""
+            raise ValueError(f"{path} holds {size} bytes{held}, not {positions} positions x {width} bf16 values "
+                             f"({name}): unfinished (rerun make-data --hidden) or made by a target of another width")
 
 
 @dataclass

@@ -45,10 +45,9 @@ from tqdm import tqdm
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.heldout import normalize, overlaps_heldout
 from mamba_draft.io import write_json, write_text
-from mamba_draft.targets import load_causal_lm
 from training.regenerate import (
-    Generate, conversation, cut_at_eos, data_attention, eos_token_ids, hf_sample, prompt_ids, read_records,
-    target_tokenizer,
+    Generate, add_device_arguments, conversation, cut_at_eos, eos_token_ids, hf_sample, load_target, prompt_ids,
+    read_records, target_tokenizer,
 )
 
 MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
@@ -167,20 +166,6 @@ def topk_bytes() -> int:
 def rows_end(records: list[dict]) -> int:
     """The position after the last row the reply records point at."""
     return max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
-
-
-def repair_topk(out: Path, temperature: float, records: list[dict]) -> int:
-    """Cut the top-K file back to what the reply records point at (a kill between the two appends leaves positions
-    no record owns); returns the next free position."""
-    path = topk_path(out, temperature)
-    end = rows_end(records)
-    size = path.stat().st_size if path.exists() else 0
-    if size < end * topk_bytes():
-        raise ValueError(f"{path} holds {size // topk_bytes()} positions but the replies point at {end}: the file "
-                         "was changed by hand")
-    if size > end * topk_bytes():
-        os.truncate(path, end * topk_bytes())
-    return end
 
 
 def read_rows(path: Path, record: dict, row_bytes: int) -> bytearray:
@@ -304,11 +289,11 @@ class Engine:
         with `record_hidden` the head's input at those positions, (positions, hidden_size) bfloat16 (None when the
         generator ran no forward of this model, e.g. a scripted one)."""
         torch.manual_seed(seed)
-        steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        steps: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
 
         def record(module, inputs, output):  # each decoding step's head output: (B, 1, V) (prefill: last position)
-            steps.append(top_logprobs(output[:, -1]))
+            steps.append(pack_rows(*top_logprobs(output[:, -1])))
             if record_hidden:
                 states.append(inputs[0][:, -1].to(torch.bfloat16))
 
@@ -317,8 +302,7 @@ class Engine:
         # the next replay overwrites, and each batch's new hook recompiles it. Rows come from an eager forward.
         config = self.model.generation_config
         own_setting = config.disable_compile
-        if record_topk:
-            config.disable_compile = True
+        config.disable_compile = True if record_topk else own_setting
         start = time.perf_counter()
         try:
             rows = self.generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
@@ -336,14 +320,12 @@ class Engine:
         needed = max(counts)
         if not record_topk or len(steps) < needed:
             return out, None, None
-        ids = torch.stack([i for i, _ in steps[:needed]], dim=1).cpu()  # (B, positions, K); one copy to the host
-        values = torch.stack([v for _, v in steps[:needed]], dim=1).cpu()
-        packed = [pack_rows(ids[b, :n], values[b, :n]) for b, n in enumerate(counts)]
-        hidden = None
-        if record_hidden:
-            stacked = torch.stack(states[:needed], dim=1).cpu()  # (B, positions, hidden_size)
-            hidden = [stacked[b, :n] for b, n in enumerate(counts)]
-        return out, packed, hidden
+
+        def per_reply(rows: list[torch.Tensor]) -> list[torch.Tensor]:  # one copy to the host, cut per reply
+            stacked = torch.stack(rows[:needed], dim=1).cpu()  # (B, positions, ...)
+            return [stacked[b, :n] for b, n in enumerate(counts)]
+
+        return out, per_reply(steps), per_reply(states) if record_hidden else None
 
     def rate(self) -> str:
         return f"{self.tokens / self.seconds:.0f} tok/s" if self.seconds else "-"
@@ -409,14 +391,14 @@ def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_RO
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
                   batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None],
                   hidden: bool = False) -> None:
-    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. With `hidden`, the
-    generating forward's hidden states are appended while the hidden file is level with the top-K file (else
-    `teacher_forced` fills them in)."""
-    todo, next_position, encoded, level = {}, {}, {}, {}
+    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. `teacher_forced` has
+    levelled the row files with the replies, so the generating forward's rows (with `hidden` its hidden states too)
+    append at `rows_end`; a reply whose forward the hook did not see (a scripted generator) gets them from the
+    closing `teacher_forced`."""
+    todo, next_position, encoded = {}, {}, {}
     for t in temperatures:
         records = read_shard(reply_path(out, t))
-        next_position[t] = repair_topk(out, t, records)
-        level[t] = hidden and align_hidden(out, t, records, engine.model.config.hidden_size) == next_position[t]
+        next_position[t] = rows_end(records)
         have = {r["id"] for r in records}
         todo[t] = [p for p in prompts if p["id"] not in have]
         for p in todo[t]:  # only what is still to answer: a late round re-reads every prompt but encodes few
@@ -432,21 +414,17 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
         # the seed depends on the batch's content, not its position: a resumed run draws the same way per batch
         batch_seed = seed + sum(map(ord, batch[0]["id"])) * 1009 + int(t * 1000)
         rows, topk, states = engine.run([encoded[p["id"]] for p in batch], max_new_tokens, t, None, batch_seed,
-                                        record_topk=True, record_hidden=level[t])
+                                        record_topk=True, record_hidden=hidden)
         records = []
         for b, (p, (ids, cut)) in enumerate(zip(batch, rows)):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            span = None
-            if topk is not None:
-                span = [next_position[t], topk[b].size(0)]
-                next_position[t] += span[1]
+            span = None if topk is None else [next_position[t], topk[b].size(0)]
+            next_position[t] += span[1] if span else 0
             records.append({"id": p["id"], "source": p["source"], "temperature": t, "truncated": cut,
                             "reply_ids": ids, "topk": span, "conversations": [
                                 {"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": text}]})
         if states is not None:  # hidden, then top-K, then the reply lines: a kill leaves only a tail to cut
             append_bytes(hidden_path(out, t), torch.cat(states).view(torch.uint8).numpy().tobytes())
-        else:
-            level[t] = False  # the hook saw no forward (scripted or compiled generator): teacher_forced fills these in
         if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
             append_bytes(topk_path(out, t), b"".join(row.numpy().tobytes() for row in topk))
         append_shard(reply_path(out, t), records)
@@ -611,9 +589,7 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     if args.magpie or args.magpie_tasks:
         magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
     dtype = resolve_dtype(args.dtype, args.device)
-    model = load_causal_lm(args.target, dtype=dtype, device=args.device,  # data needs no row blocks: speed
-                           attn_implementation=data_attention(args.device), row_blocks=False)
-    engine = Engine(model, tokenizer, generate or hf_sample)
+    engine = Engine(load_target(args.target, args.device, dtype), tokenizer, generate or hf_sample)
     out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: a bad target leaves nothing behind
 
     prompts_path = out / "prompts.jsonl"
@@ -673,9 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also cache the target's final hidden state at every reply position (hidden_size bf16 "
                         "values per position, from the generating forward; replies made before get one teacher-forced "
                         "forward): what a target-aware drafter reads, and feature-loss targets")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")
+    add_device_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -126,10 +126,12 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 Generate = Callable[..., list[list[int]]]
 
 
-def data_attention(device: str | torch.device) -> str:
-    """The fastest attention for batched decoding (training data needs no batch invariance): grouped on CPU, where
-    sdpa copies the repeated key heads, else sdpa."""
-    return "grouped" if torch.device(device).type == "cpu" else "sdpa"
+def load_target(target: str | os.PathLike, device: str, dtype: torch.dtype):
+    """The target that makes data (regenerate, make-data): training data needs speed, not batch invariance, so no
+    row blocks and the fastest batched attention: grouped on CPU, where sdpa copies the repeated key heads, else
+    sdpa."""
+    return load_causal_lm(target, dtype=dtype, device=device, row_blocks=False,
+                          attn_implementation="grouped" if torch.device(device).type == "cpu" else "sdpa")
 
 
 class TopKSampler:
@@ -224,8 +226,7 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
         raise ValueError(f"nothing to write: all {len(records)} input records were skipped ({summary(counts)})")
 
     tokenizer = target_tokenizer(model)
-    lm = load_causal_lm(model, dtype=resolve_dtype(dtype, device), device=device,  # no row blocks: see above
-                        attn_implementation=data_attention(device), row_blocks=False)
+    lm = load_target(model, device, resolve_dtype(dtype, device))
     eos_ids = eos_token_ids(tokenizer, lm)
     torch.manual_seed(seed)
     slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]
@@ -292,6 +293,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replies that hit --max-new-tokens: mark the record, or drop it")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N input records")
     parser.add_argument("--seed", type=int, default=0)
+    add_device_arguments(parser)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype of the commands that load a target to make data (regenerate, make-data)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")
