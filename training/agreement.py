@@ -563,11 +563,9 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
         if hook is not None:
             hook.remove()
     del target
-    features = None
-    if states:  # row t's feature: the state at t - 1 (what token t's distribution came from); row 0 has none
-        per_row = [batch[i, :len(ids)] for batch, start in zip(states, range(0, len(rows), batch_size))
-                   for i, (ids, _) in enumerate(rows[start:start + batch_size])]
-        features = [torch.cat([torch.zeros_like(h[:1]), h[:-1]]) for h in per_row]
+    # row t's feature: the state at t - 1 (what token t's distribution came from); row 0 has none
+    per_row = zip((h for batch in states for h in batch), rows)  # the batches' rows, in order
+    features = [torch.cat([torch.zeros_like(h[:1]), h[:len(ids) - 1]]) for h, (ids, _) in per_row] or None
 
     def drafter_logits(ids, _, features=None, known=None):
         if features is None:

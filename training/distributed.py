@@ -41,15 +41,10 @@ def use_bf16(precision: str) -> bool:
     return precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
 
 
-def resolve_path(path: str) -> Path:
-    """Config-relative files (configs/deepspeed/*.json) resolve from the cwd, then from the repository."""
-    p = Path(path).expanduser()
-    return p if p.exists() or p.is_absolute() else REPO_ROOT / p
-
-
 def deepspeed_config(cfg: TrainConfig, world: int) -> dict:
     """The DeepSpeed JSON (ZeRO stage, bf16 block, ...) with batch, clipping and optimizer filled from cfg."""
-    path = resolve_path(cfg.deepspeed)
+    path = Path(cfg.deepspeed).expanduser()  # configs/deepspeed/*.json: from the cwd, then from the repository
+    path = path if path.exists() or path.is_absolute() else REPO_ROOT / path
     if not path.is_file():
         raise FileNotFoundError(f"DeepSpeed config not found: {cfg.deepspeed}")
     ds = json.loads(path.read_text())

@@ -197,13 +197,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "static trees (1,1 / 1,1,1 / 2,1 / 2,2,1 / 3,2,2,1,1) under greedy verification")
 
 
-def parse_gammas(spec: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(g) for g in spec.split(","))
-    except ValueError:
-        raise ValueError(f"--gammas expects comma-separated integers, got {spec!r}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     if (args.agreement is None) != (args.target is None):
         raise SystemExit("mamba-draft eval: error: --agreement FILE and --target TARGET go together")
@@ -212,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     try:
         check_device(args.device)
-        gammas = parse_gammas(args.gammas)
+        try:
+            gammas = tuple(int(g) for g in args.gammas.split(","))
+        except ValueError:
+            raise ValueError(f"--gammas expects comma-separated integers, got {args.gammas!r}") from None
         if args.tasks or not (args.agreement or args.depths):
             results.update(evaluate(args.model_dir, args.tasks or DEFAULT_TASKS, args.limit, args.max_len, args.device))
         if args.depths:

@@ -445,29 +445,7 @@ def cut_to_replies(path: Path, records: list[dict], row_bytes: int) -> int:
     return done
 
 
-def align_hidden(out: Path, temperature: float, records: list[dict], width: int) -> int:
-    return cut_to_replies(hidden_path(out, temperature), records, width * 2)
-
-
 HIDDEN_PAIR_BUDGET = 1 << 22  # rows x length^2 of one teacher forward: bounds its attention scores (~150 MB)
-
-
-def assign_spans(out: Path, temperature: float, width: int) -> None:
-    """Give the replies recorded without rows (by a generator whose forward the hook did not see) spans after every
-    existing one, in file order, rewriting the replies file once (atomically); `teacher_forced` then writes their
-    rows. Rows no reply owns (a torn append) are cut first, so no new span can claim them."""
-    path = reply_path(out, temperature)
-    records = read_shard(path)
-    if all(r.get("topk") for r in records):
-        return
-    cut_to_replies(topk_path(out, temperature), records, topk_bytes())
-    align_hidden(out, temperature, records, width)
-    end = rows_end(records)
-    for r in records:
-        if not r.get("topk"):
-            r["topk"] = [end, len(r["reply_ids"]) + (not r["truncated"])]  # the end-of-turn position too
-            end += r["topk"][1]
-    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 @torch.no_grad()
@@ -476,12 +454,25 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperatu
     """Append the rows the generating forward would have recorded for the replies whose rows the files lack: top-K
     rows and, with `hidden`, final-norm hidden states. Row j of a reply is the distribution its token j was drawn
     from, at sequence position len(prompt) - 1 + j of one teacher-forced forward over prompt + reply. Replies go in
-    top-K order, so both files stay aligned with the records' spans."""
+    top-K order, so both files stay aligned with the records' spans.
+
+    Replies recorded without rows (by a generator whose forward the hook did not see) first get spans after every
+    existing one, in file order, rewriting the replies file once (atomically); rows no reply owns (a torn append)
+    are cut before, so no new span can claim them."""
     width = engine.model.config.hidden_size
-    assign_spans(out, temperature, width)
-    records = sorted(read_shard(reply_path(out, temperature)), key=lambda r: r["topk"][0])
+    path = reply_path(out, temperature)
+    records = read_shard(path)
     topk_done = cut_to_replies(topk_path(out, temperature), records, topk_bytes())
-    hidden_done = align_hidden(out, temperature, records, width) if hidden else rows_end(records)
+    if not all(r.get("topk") for r in records):
+        cut_to_replies(hidden_path(out, temperature), records, width * 2)
+        end = rows_end(records)
+        for r in records:
+            if not r.get("topk"):
+                r["topk"] = [end, len(r["reply_ids"]) + (not r["truncated"])]  # the end-of-turn position too
+                end += r["topk"][1]
+        write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    records.sort(key=lambda r: r["topk"][0])
+    hidden_done = cut_to_replies(hidden_path(out, temperature), records, width * 2) if hidden else rows_end(records)
     done = min(topk_done, hidden_done)
     todo = [r for r in records if r["topk"][0] >= done]
     if todo and todo[0]["topk"][0] != done:

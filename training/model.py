@@ -85,8 +85,6 @@ def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> transf
     vocab = cfg.vocab_size or math.ceil(len(tokenizer) / cfg.pad_vocab_multiple) * cfg.pad_vocab_multiple
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=cfg.tie_word_embeddings)
-    if cfg.target_hidden_size and cfg.arch == "llama":
-        raise ValueError("model.target_hidden_size is for a Mamba drafter (model.arch mamba1 or mamba2), not llama")
     shape = dict(vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, **special)
     mamba = dict(state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
                  use_bias=False, use_conv_bias=True)  # use_bias False = mamba_ssm layout

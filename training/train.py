@@ -194,6 +194,7 @@ def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> tuple[int, in
 
 def validate(cfg: TrainConfig) -> None:
     """Cheap checks before any process group, model or data work."""
+    m, d = cfg.model, cfg.distill
     if not cfg.output_dir:
         raise ValueError("output_dir is empty")
     if cfg.micro_batch_size < 1 or cfg.global_batch_size < 1:
@@ -202,23 +203,18 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"data.kind must be pretrain, sft or engine, got {cfg.data.kind!r}")
     if cfg.data.path and data_lib.is_local(cfg.data.path) and not glob.glob(str(Path(cfg.data.path).expanduser())):
         raise FileNotFoundError(f"data.path {cfg.data.path!r} matches no file")
-    if cfg.model.init_from and data_lib.is_local(cfg.model.init_from) and not Path(cfg.model.init_from).exists():
-        raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
-    if cfg.distill.feature_weight and cfg.data.kind != "engine":
+    if m.init_from and data_lib.is_local(m.init_from) and not Path(m.init_from).exists():
+        raise FileNotFoundError(f"model.init_from {m.init_from!r} does not exist")
+    if d.feature_weight and cfg.data.kind != "engine":
         raise ValueError("distill.feature_weight needs data.kind: engine (the target's hidden states cached by "
                          "make-data --hidden)")
-    if cfg.distill.feature_weight and cfg.model.arch == "llama":
+    if d.feature_weight and m.arch == "llama":
         raise ValueError("distill.feature_weight trains a Mamba drafter's final state, not a Llama's")
-    validate_target_reading(cfg)
     use_bf16(cfg.precision)
     check_eval_config(cfg)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
-
-
-def validate_target_reading(cfg: TrainConfig) -> None:
-    """model.target_hidden_size needs a Mamba drafter and engine data whose cached hidden states are that wide."""
-    m, d = cfg.model, cfg.distill
+    # a drafter that reads the target: a Mamba drafter on engine data whose cached hidden states are that wide
     if m.target_hidden_size < 0:
         raise ValueError(f"model.target_hidden_size must be >= 0 (0: token ids only), got {m.target_hidden_size}")
     if d.draft_windows < 0 or d.draft_windows == 1:
@@ -248,8 +244,8 @@ def validate_target_reading(cfg: TrainConfig) -> None:
                          f"{m.hidden_size} must equal model.target_hidden_size {m.target_hidden_size}")
     from training.engine_data import check_hidden_width
 
-    for path in dict.fromkeys([cfg.data.path] + ([cfg.eval.data] if cfg.eval.data and Path(cfg.eval.data).is_dir()
-                                                 else [])):
+    eval_dir = [cfg.eval.data] if cfg.eval.data and Path(cfg.eval.data).is_dir() else []
+    for path in dict.fromkeys([cfg.data.path] + eval_dir):
         check_hidden_width(path, m.target_hidden_size, "model.target_hidden_size")
 
 
