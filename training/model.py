@@ -115,16 +115,14 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config(cfg, tokenizer), dtype=torch.float32)
     check_vocab(model.config, tokenizer, cfg.init_from or "model")
-    if model.config.model_type not in ("mamba", "mamba2"):
-        if draft_ids is not None:
-            model.set_output_embeddings(DraftHead(model.get_output_embeddings(), draft_ids))
-            model.draft_ids = draft_ids  # written next to the checkpoints (write_model_dir), exported with them
-    else:
-        if target_reading(model.config, cfg):
-            fusion, fresh_fusion = fusion_tensors(model.config, cfg.init_from)
+    if model.config.model_type in ("mamba", "mamba2"):
+        fusion, fresh_fusion = fusion_tensors(model.config, cfg)
         drafter = TrainableDrafter(model.config)
         drafter.load_hf_state_dict({**fusion, **model.state_dict()})
         model = drafter
+    elif draft_ids is not None:
+        model.set_output_embeddings(DraftHead(model.get_output_embeddings(), draft_ids))
+        model.draft_ids = draft_ids  # written next to the checkpoints (write_model_dir), exported with them
     if cfg.init_embeddings_from:
         copy_target_embeddings(model, cfg.init_embeddings_from)
     if fresh_fusion:  # target states enter at the scale of the token embeddings they join
@@ -136,28 +134,25 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
     return model.train()
 
 
-def target_reading(config: transformers.PretrainedConfig, cfg: ModelConfig) -> bool:
-    """Whether the drafter reads the target; sets `config.target_hidden_size` (written with the model) from
-    model.target_hidden_size, which may turn an `init_from` external drafter into one that reads the target."""
+def fusion_tensors(config: transformers.PretrainedConfig, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], bool]:
+    """The input fusion of a drafter that reads the target ({} for one that does not), and whether it is fresh.
+
+    model.target_hidden_size sets `config.target_hidden_size` (written with the model), which may turn an `init_from`
+    external drafter into one that reads the target. The fusion is `init_from`'s own if it has one, else the identity
+    on the token embedding and zero on the target state, with a zero stand-in (the drafter starts as the external
+    one it would otherwise be; the target half trains from there)."""
     have = getattr(config, "target_hidden_size", 0) or 0
     if have and have != cfg.target_hidden_size:
         raise ValueError(f"model.init_from {cfg.init_from!r} reads a target state {have} wide: set "
                          f"model.target_hidden_size {have}, not {cfg.target_hidden_size}")
-    if cfg.target_hidden_size:
-        config.target_hidden_size = cfg.target_hidden_size
-        config.drafted_features = cfg.drafted_features
-    return bool(cfg.target_hidden_size)
-
-
-def fusion_tensors(config: transformers.PretrainedConfig,
-                   init_from: str | None) -> tuple[dict[str, torch.Tensor], bool]:
-    """The input fusion of a drafter that reads the target, and whether it is fresh: `init_from`'s own if it has
-    one, else the identity on the token embedding and zero on the target state, with a zero stand-in (the drafter
-    starts as the external one it would otherwise be; the target half trains from there)."""
-    if init_from and getattr(config, "target_hidden_size", 0):
+    if not cfg.target_hidden_size:
+        return {}, False
+    config.target_hidden_size = cfg.target_hidden_size
+    config.drafted_features = cfg.drafted_features
+    if cfg.init_from:
         from mamba_draft.checkpoint import load_checkpoint
 
-        _, tensors = load_checkpoint(init_from)
+        _, tensors = load_checkpoint(cfg.init_from)
         own = {k: v for k, v in tensors.items()
                if k.startswith(("backbone.fuse.", "backbone.stand_in", "backbone.feature_norm."))}
         if own:
