@@ -188,17 +188,14 @@ def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.T
     needed = math.ceil(len(rows) / batch_size)
     for b in range(max(needed, batches or 0)):
         part = slice(b * batch_size, (b + 1) * batch_size)
-        if not rows[part]:
-            dummy = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
-            extra = {} if features is None else {
-                "features": torch.zeros(1, 1, features[0].shape[-1], device=device),
-                "known": torch.zeros(1, 1, dtype=torch.bool, device=device)}
-            logits_fn(dummy, torch.ones_like(dummy), **extra)
-            continue
-        ids, attention, scored = pad_batch(rows[part], pad_id)
+        dummy = not rows[part]  # past the rows: a 1-token forward, its logits unused
+        ids, attention, scored = pad_batch([([pad_id], [False])] if dummy else rows[part], pad_id)
         extra = {} if features is None else {"features": pad_sequence(
-            [f.float() for f in features[part]], batch_first=True).to(device), "known": scored.to(device)}
+            [torch.zeros(1, features[0].shape[-1])] if dummy else [f.float() for f in features[part]],
+            batch_first=True).to(device), "known": scored.to(device)}
         logits = logits_fn(ids.to(device), attention.to(device), **extra)
+        if dummy:
+            continue
         if draft_ids is None and vocab:
             logits = logits[..., :vocab]
         target = pad_sequence(list(target_ids[part]), batch_first=True, padding_value=-1)
