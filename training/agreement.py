@@ -8,14 +8,10 @@ to a target id through `draft_ids`) are compared, both teacher-forced on the tru
     tau_gamma = mean_i (1 + run_i),   run_i = how many of the tokens i, i+1, ..., i+gamma-1 agree before the first
                                       disagreement, unscored token or end of the sequence
 
-tau_gamma is the number of tokens a greedy chain of gamma drafts started before token i yields per target forward:
-its accepted drafts plus the target's bonus token. It is exact where the held-out text follows the target's greedy
-path (x_i == g_i along the run, e.g. replies regenerated greedily with `training.regenerate`); elsewhere the later
-drafts are conditioned on the reference tokens instead of the target's, and tau is the usual teacher-forced
-estimate. `greedy_path` is the fraction of scored tokens with x_i == g_i (1.0: tau is exact).
-
-Used by the training loop (`eval.*` config fields: `HeldoutEval`, `plot_agreement`) and by
-`mamba-draft eval DRAFTER --target TARGET --agreement FILE` (`drafter_agreement`).
+tau_gamma is the tokens a greedy chain of gamma drafts started before token i yields per target forward (accepted
+drafts plus the target's bonus token). It is exact where the held-out text follows the target's greedy path
+(x_i == g_i along the run); elsewhere it is the usual teacher-forced estimate. `greedy_path` is the fraction of
+scored tokens with x_i == g_i (1.0: tau is exact).
 """
 from __future__ import annotations
 
@@ -27,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from training import data as data_lib
 from training.config import DataConfig, TrainConfig
@@ -53,9 +50,7 @@ class Agreement:
     def __add__(self, other: "Agreement") -> "Agreement":
         if self.gammas != other.gammas:
             raise ValueError(f"cannot pool agreement over gammas {self.gammas} and {other.gammas}")
-        return Agreement(self.gammas, self.positions + other.positions, self.matches + other.matches,
-                         self.greedy_path + other.greedy_path,
-                         tuple(a + b for a, b in zip(self.accepted, other.accepted)))
+        return Agreement.from_counts(self.gammas, [a + b for a, b in zip(self.counts(), other.counts())])
 
     @property
     def agreement(self) -> float:
@@ -67,11 +62,9 @@ class Agreement:
 
     def as_dict(self, prefix: str = "") -> dict:
         """{agreement, tau1, tau3, ..., greedy_path, positions}, keys prefixed (e.g. 'heldout_')."""
-        out = {f"{prefix}agreement": self.agreement}
-        out.update({f"{prefix}tau{g}": t for g, t in self.tau.items()})
-        out[f"{prefix}greedy_path"] = self.greedy_path / self.positions if self.positions else math.nan
-        out[f"{prefix}positions"] = self.positions
-        return out
+        greedy_path = self.greedy_path / self.positions if self.positions else math.nan
+        return {f"{prefix}agreement": self.agreement, **{f"{prefix}tau{g}": t for g, t in self.tau.items()},
+                f"{prefix}greedy_path": greedy_path, f"{prefix}positions": self.positions}
 
     def counts(self) -> list[int]:
         return [self.positions, self.matches, self.greedy_path, *self.accepted]
@@ -91,13 +84,9 @@ def check_gammas(gammas: Sequence[int]) -> tuple[int, ...]:
 
 def measure(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Tensor, draft_logits: torch.Tensor,
             draft_ids: torch.Tensor | None = None, gammas: Sequence[int] = (1, 3, 5)) -> Agreement:
-    """Agreement counts of one batch.
-
-    tokens (B, L) ids; scored (B, L) bool: which tokens count (padding and prompts: False); target_ids (B, L): the
-    target's argmax at each position (position t predicts token t+1); draft_logits (B, L, V): the drafter's logits on
-    the same positions, column j scoring target id draft_ids[j] (id j without a map).
-    """
-    gammas = check_gammas(gammas)
+    """Agreement counts of one batch. tokens (B, L) ids; scored (B, L) bool: which tokens count; target_ids (B, L):
+    the target's argmax at each position (position t predicts token t+1); draft_logits (B, L, V): the drafter's
+    logits on the same positions, column j scoring target id draft_ids[j] (id j without a map)."""
     if not (tokens.shape == scored.shape == target_ids.shape == draft_logits.shape[:2]) or tokens.dim() != 2:
         raise ValueError(f"shapes disagree: tokens {tuple(tokens.shape)}, scored {tuple(scored.shape)}, "
                          f"target_ids {tuple(target_ids.shape)}, draft_logits {tuple(draft_logits.shape)}")
@@ -132,12 +121,9 @@ def measure_ids(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Te
 # ------------------------------------------------------------------------------------------ held-out data
 
 def load_heldout(path: str, tokenizer, max_len: int, max_sequences: int | None = None) -> tuple[list[Row], Counter]:
-    """The first `max_sequences` records of a local held-out file as (ids, scored) rows, and the skipped ones.
-
-    Chat records (ShareGPT `conversations` or `messages`, as SFT reads them) are rendered with the chat template
-    and score their assistant tokens; `text` records get an EOS in front (as pretraining packs them) and score
-    every token. Both are truncated to `max_len` tokens.
-    """
+    """The first `max_sequences` records of a local held-out file as (ids, scored) rows, and the skipped ones: chat
+    records (as SFT reads them) score their assistant tokens; `text` records get an EOS in front (as pretraining
+    packs them) and score every token. Both are truncated to `max_len` tokens."""
     if not Path(path).expanduser().is_file():
         raise FileNotFoundError(f"held-out file {path} does not exist")
     records = data_lib.load_records(DataConfig(path=str(Path(path).expanduser())))
@@ -163,13 +149,9 @@ def load_heldout(path: str, tokenizer, max_len: int, max_sequences: int | None =
 
 def pad_batch(rows: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids, attention_mask, scored): causal models never see the padding of a row's own positions."""
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    scored = torch.zeros(ids.shape, dtype=torch.bool)
-    for i, (row, marks) in enumerate(rows):
-        ids[i, :len(row)], attention[i, :len(row)], scored[i, :len(row)] = torch.tensor(row), 1, torch.tensor(marks)
-    return ids, attention, scored
+    ids = pad_sequence([torch.tensor(row, dtype=torch.long) for row, _ in rows], batch_first=True, padding_value=pad_id)
+    attention = pad_sequence([torch.ones(len(row), dtype=torch.long) for row, _ in rows], batch_first=True)
+    return ids, attention, pad_sequence([torch.tensor(marks, dtype=torch.bool) for _, marks in rows], batch_first=True)
 
 
 def hf_logits(model) -> LogitsFn:
@@ -198,36 +180,25 @@ def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.T
           batch_size: int, pad_id: int, device: str | torch.device = "cpu", draft_ids: torch.Tensor | None = None,
           vocab: int | None = None, batches: int | None = None,
           features: Sequence[torch.Tensor] | None = None) -> Agreement:
-    """The drafter's agreement over `rows` against the cached target argmax ids.
-
-    `vocab` slices the drafter's logits to the real vocabulary when it has no draft map. `batches` > the batches
-    the rows need runs 1-token dummy forwards after them: under ZeRO-3 every rank must call forward equally often.
-    `features` (a drafter that reads the target): per row, the target's state before each token (L, H); its
-    scored rows are read (`known`), the others get the stand-in, as after a verification (make-data replies).
-    """
-    gammas = check_gammas(gammas)
-    total = Agreement(gammas)
+    """The drafter's agreement over `rows` against the cached target argmax ids. `vocab` slices the drafter's
+    logits to the real vocabulary when it has no draft map. `batches` > the batches the rows need runs 1-token
+    dummy forwards after them: under ZeRO-3 every rank must call forward equally often. `features` (a drafter
+    that reads the target): per row, the target's state before each token (L, H), read on its scored rows."""
+    total = Agreement(check_gammas(gammas))
     needed = math.ceil(len(rows) / batch_size)
     for b in range(max(needed, batches or 0)):
-        chunk = rows[b * batch_size:(b + 1) * batch_size]
-        if not chunk:
-            dummy = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
-            extra = {} if features is None else {
-                "features": torch.zeros(1, 1, features[0].shape[-1], device=device),
-                "known": torch.zeros(1, 1, dtype=torch.bool, device=device)}
-            logits_fn(dummy, torch.ones_like(dummy), **extra)
-            continue
-        ids, attention, scored = pad_batch(chunk, pad_id)
-        extra = {}
-        if features is not None:
-            extra = {"features": torch.nn.utils.rnn.pad_sequence(
-                [f.float() for f in features[b * batch_size:(b + 1) * batch_size]], batch_first=True).to(device),
-                "known": scored.to(device)}
+        part = slice(b * batch_size, (b + 1) * batch_size)
+        dummy = not rows[part]  # past the rows: a 1-token forward, its logits unused
+        ids, attention, scored = pad_batch([([pad_id], [False])] if dummy else rows[part], pad_id)
+        extra = {} if features is None else {"features": pad_sequence(
+            [torch.zeros(1, features[0].shape[-1])] if dummy else [f.float() for f in features[part]],
+            batch_first=True).to(device), "known": scored.to(device)}
         logits = logits_fn(ids.to(device), attention.to(device), **extra)
+        if dummy:
+            continue
         if draft_ids is None and vocab:
             logits = logits[..., :vocab]
-        target = torch.nn.utils.rnn.pad_sequence(list(target_ids[b * batch_size:(b + 1) * batch_size]),
-                                                 batch_first=True, padding_value=-1)
+        target = pad_sequence(list(target_ids[part]), batch_first=True, padding_value=-1)
         total = total + measure(ids, scored, target, logits, draft_ids, gammas)
     return total
 
@@ -262,13 +233,10 @@ class HeldoutEval:
     """Held-out agreement during training, run by every rank on its share (record i % world) of the first
     `eval.max_sequences` records and summed; the target's argmax ids are computed once here and cached.
 
-    `eval.data` may be a make-data directory: then the rows are its held-out replies (`engine_data.HELDOUT`), the
-    target's choices come from its cached top-K (no target forward), and 3- and 4-gram tables fitted on its
-    training replies are scored on the same rows once, logged beside the drafter (`ngram3_agreement`, ...).
-
-    A drafter that reads the target (model.target_hidden_size; eval.data a make-data directory with cached states)
-    is scored with the target's states on reply rows, and its per-depth acceptance (`depth_acceptance`) is logged
-    too: heldout_depth1 .. heldout_depth5, heldout_chain_tau, heldout_depth_roots."""
+    With a make-data directory as `eval.data`, the rows are its held-out replies, the target's choices its cached
+    top-1, and 3- and 4-gram tables fitted on its training replies are logged beside the drafter (`ngram3_*`, ...);
+    a drafter that reads the target is fed the target's states on reply rows, and its per-depth acceptance
+    (`depth_acceptance`) is logged too (heldout_depth1 .., heldout_chain_tau, heldout_depth_roots)."""
 
     def __init__(self, cfg: TrainConfig, tokenizer, rank: int, world: int, device, dtype: torch.dtype,
                  target=None):
@@ -288,22 +256,22 @@ class HeldoutEval:
             train_rows, _ = engine_rows(load_engine(e.data, tokenizer, split="train"), ENGINE_EVAL_LEN)
             self.baselines = ngram_baselines(train_rows, rows, target_ids, self.gammas)
             self.rows, self.target_ids = rows[rank::world], target_ids[rank::world]
-            self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)
             if width:
                 self.features = [x.hidden[:len(ids)] for x, (ids, _) in zip(held, rows)][rank::world]
                 self.examples = held[rank::world]
-            return
-        rows, _ = load_heldout(e.data, tokenizer, cfg.data.seq_len, e.max_sequences)
-        self.rows = rows[rank::world]
-        self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)  # the same on every rank
-        name = e.target or cfg.distill.target
-        if target is None or name != cfg.distill.target:
-            from mamba_draft.targets import load_causal_lm
-            from training.model import check_vocab
+        else:
+            rows, _ = load_heldout(e.data, tokenizer, cfg.data.seq_len, e.max_sequences)
+            self.rows = rows[rank::world]
+            name = e.target or cfg.distill.target
+            if target is None or name != cfg.distill.target:
+                from mamba_draft.targets import load_causal_lm
+                from training.model import check_vocab
 
-            target = load_causal_lm(name, dtype=dtype, device=device, attn_implementation=None, row_blocks=False)
-            check_vocab(target.config, tokenizer, f"eval.target {name!r}")
-        self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device, self.vocab)
+                target = load_causal_lm(name, dtype=dtype, device=device, attn_implementation=None, row_blocks=False)
+                check_vocab(target.config, tokenizer, f"eval.target {name!r}")
+            self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device,
+                                         self.vocab)
+        self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)  # the same on every rank
 
     @torch.no_grad()
     def __call__(self, engine) -> dict:
@@ -349,7 +317,7 @@ class DepthAcceptance:
     def __add__(self, other: "DepthAcceptance") -> "DepthAcceptance":
         if len(self.accepted) != len(other.accepted):
             raise ValueError(f"cannot pool acceptance to depth {len(self.accepted)} and {len(other.accepted)}")
-        return DepthAcceptance(self.roots + other.roots, tuple(a + b for a, b in zip(self.accepted, other.accepted)))
+        return DepthAcceptance.from_counts([a + b for a, b in zip(self.counts(), other.counts())])
 
     @property
     def rates(self) -> list[float]:
@@ -405,9 +373,7 @@ def inference_copy(module):
 def chain_roots(example, depths: int, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
     """The rows of a make-data reply a chain of `depths` drafts can start after (its roots: the last committed
     token), where the target's greedy continuation is known: the next `depths` rows are reply rows (their cached
-    top-1 is the target's greedy choice there) and the reply follows that choice for the first depths-1 of them (a
-    sampled reply that leaves the greedy path no longer says what the target would choose after a matching
-    draft). Every reply row of a greedy reply with `depths` rows after it qualifies."""
+    top-1 is the target's greedy choice) and the reply follows that choice for the first depths-1 of them."""
     n = min(max_len, example.input_ids.numel())
     reply = example.labels[:n] != data_lib.IGNORE_INDEX
     greedy = reply & (example.input_ids[:n] == example.soft_ids[:n, 0].long())
@@ -430,17 +396,13 @@ def draft_ranks(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_
                 seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
     """(roots, depths) long: where the target's greedy token ranks among the drafter's proposals at each depth
     after a root, on make-data replies (`engine_data.EngineExample`s), as the engine drafts: for up to
-    `roots_per_reply` roots per reply (`chain_roots`, drawn with `seed`), read the committed prefix (prompt and
-    reply up to the root), then step `depths` times, each time on the target's token (the node greedy
-    verification accepts while it is among the drafts). 0: the drafter's first choice (a chain's draft); outside
-    its draft vocabulary: `OUTSIDE`, beyond any tree's width. A chain's acceptance (`DepthAcceptance.from_ranks`)
-    and any tree's (`tree_tau`) follow from the ranks.
+    `roots_per_reply` roots per reply (`chain_roots`, drawn with `seed`), read the committed prefix, then step
+    `depths` times, each time on the target's token. 0: the drafter's first choice; outside its draft vocabulary:
+    `OUTSIDE`. A chain's acceptance (`DepthAcceptance.from_ranks`) and any tree's (`tree_tau`) follow.
 
-    A drafter that reads the target (`reads_target`; the examples need `hidden`, load_engine(hidden_size=...))
-    reads the prompt with its stand-in, the committed reply with the target's cached states, and the tokens after
-    the root with the stand-in (the target has not run on them) or, with drafted_features 'own', with its own
-    final-norm state where it drafted each; an external drafter reads token ids only. Any drafter with
-    `allocate_state` / `prefill` / `extend` / `step` (`mamba_draft.drafter.Drafter`) works."""
+    A drafter that reads the target (the examples need `hidden`) reads the prompt with its stand-in, the committed
+    reply with the target's cached states, and the tokens after the root with the stand-in or, with
+    drafted_features 'own', its own final-norm state. Any `mamba_draft.drafter.Drafter` works."""
     if depths < 1 or roots_per_reply < 1:
         raise ValueError(f"depths and roots_per_reply must be >= 1, got {depths} and {roots_per_reply}")
     reads = getattr(drafter, "reads_target", False)
@@ -497,9 +459,8 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> torc
 def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "heldout", depths: int = DEPTHS,
                             roots_per_reply: int = ROOTS_PER_REPLY, max_replies: int | None = None,
                             temperatures: list[float] | None = None, seed: int = 0, device: str = "cpu") -> dict:
-    """`draft_ranks` of a saved drafter (`mamba_draft.load_drafter`) on a make-data directory's (or a directory of
-    them: `engine_data.engine_dirs`) `split` replies, rendered with the tokenizer of the target that made them (its
-    manifest); the drafter's embedding, if it ships without one, comes from that target by digest.
+    """`draft_ranks` of a saved drafter on the `split` replies of a make-data directory (or a directory of them),
+    rendered with the tokenizer of the target that made them (its manifest).
     {depth1 .. depth5, chain_tau, depth_roots, replies, tree_tau: {shape: τ} for `TREE_SHAPES`}."""
     from mamba_draft import load_drafter
     from training.engine_data import engine_dirs, load_engine
@@ -535,9 +496,8 @@ def ngram_baselines(train_rows: Sequence[Row], rows: Sequence[Row], target_ids: 
 
 
 def plot_agreement(metrics: Path | dict[str, Path], out: Path) -> bool:
-    """Held-out agreement vs training tokens as a PNG: one metrics.jsonl, or {recipe label: metrics.jsonl} (one line
-    each; the n-gram lines are the first run's, so compare runs on the same data). False (nothing written) without
-    records."""
+    """Held-out agreement vs training tokens as a PNG: one metrics.jsonl, or {recipe label: metrics.jsonl} (the
+    n-gram lines are the first run's). False (nothing written) without records."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
     runs = {"drafter": metrics} if isinstance(metrics, (str, Path)) else dict(metrics)
@@ -572,10 +532,9 @@ def plot_agreement(metrics: Path | dict[str, Path], out: Path) -> bool:
 def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *, gammas: Sequence[int] = (1, 3, 5),
                       max_sequences: int | None = None, max_len: int = 2048, batch_size: int = 4,
                       device: str = "cpu") -> dict:
-    """Agreement and tau of a saved drafter (`mamba_draft.load_drafter`: a Mamba checkpoint or any small causal
-    LM, with its draft vocabulary) with a target (HF directory, hub id, .gguf or 'smollm2'), on a held-out file
-    rendered with the target's tokenizer. A drafter that reads the target is given the target's final hidden state
-    (its head's input, from the same forward) before each scored token, and its stand-in before the others."""
+    """Agreement and tau of a saved drafter (`mamba_draft.load_drafter`) with a target, on a held-out file rendered
+    with the target's tokenizer. A drafter that reads the target is given the target's final hidden state before
+    each scored token, and its stand-in before the others."""
     from mamba_draft import load_drafter
     from mamba_draft.targets import load_causal_lm, load_tokenizer
 
@@ -601,11 +560,9 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
         if hook is not None:
             hook.remove()
     del target
-    features = None
-    if states:  # row t's feature: the state at t - 1 (what token t's distribution came from); row 0 has none
-        per_row = [batch[i, :len(ids)] for batch, start in zip(states, range(0, len(rows), batch_size))
-                   for i, (ids, _) in enumerate(rows[start:start + batch_size])]
-        features = [torch.cat([torch.zeros_like(h[:1]), h[:-1]]) for h in per_row]
+    # row t's feature: the state at t - 1 (what token t's distribution came from); row 0 has none
+    per_row = zip((h for batch in states for h in batch), rows)  # the batches' rows, in order
+    features = [torch.cat([torch.zeros_like(h[:1]), h[:len(ids) - 1]]) for h, (ids, _) in per_row] or None
 
     def drafter_logits(ids, _, features=None, known=None):
         if features is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,12 +34,10 @@ class ModelConfig:
     draft_vocab: str | None = None        # or a draft_vocab.safetensors file / drafter directory to reuse
     init_embeddings_from: str | None = None  # target whose input embedding initialises the drafter's (same width)
     freeze_embeddings: bool = False
-    target_hidden_size: int = 0           # > 0: a drafter that reads the target (its final hidden state, this wide,
-                                          # fused with each token's embedding); needs data.kind engine with the
-                                          # target's hidden states cached (make-data --hidden). 0: token ids only
-    drafted_features: str = "stand_in"    # what it reads beside a drafted token: "stand_in" (a learned vector) or
-                                          # "own" (its own final-norm state at the token before: EAGLE; needs
-                                          # distill.feature_weight > 0 and distill.draft_windows)
+    target_hidden_size: int = 0           # > 0: a drafter that reads the target's final hidden state (this wide;
+                                          # engine data made with --hidden). 0: token ids only
+    drafted_features: str = "stand_in"    # beside a drafted token: "stand_in" (a learned vector) or "own" (its own
+                                          # final-norm state at the token before: EAGLE)
 
 
 @dataclass
@@ -71,13 +70,10 @@ class DistillConfig:
     target: str | None = None             # frozen target model (HF dir or hub id); None: plain CE training
     ce_weight: float = 0.0                # loss = ce_weight * CE + kl_weight * KL(target || drafter)
     kl_weight: float = 1.0
-    feature_weight: float = 0.0           # + feature_weight * SmoothL1(drafter state, target's) (engine data cached
-                                          # with make-data --hidden; the drafter must share the target's width)
+    feature_weight: float = 0.0           # + feature_weight * SmoothL1(drafter state, target's) (make-data --hidden)
     temperature: float = 1.0
     draft_windows: int = 0                # K > 1: a drafter that reads the target trains on simulated draft windows
-                                          # (HASS / EAGLE-3's training-time test): a window of 1..K-1 reply
-                                          # positions after a root reads the stand-in, as drafted tokens do in a
-                                          # round of depth <= K; 0: off
+                                          # of 1..K-1 positions read with the stand-in (training.target_features)
     window_rate: float = 0.15             # with draft_windows: the probability that a reply position opens one
 
 
@@ -163,12 +159,12 @@ def _coerce(hint, value, key: str):
             return None
         hint = next(a for a in args if a is not type(None))
         return _coerce(hint, value, key)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
+    if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return tuple(_coerce(args[0], v, key) for v in value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+        if args[-1] is Ellipsis:  # tuple[int, ...]: any length
+            args = (args[0],) * len(value)
+        if len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, key) for a, v in zip(args, value))
     if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -184,14 +180,8 @@ def _coerce(hint, value, key: str):
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    """Plain (YAML-serialisable) dict of a config."""
-    def plain(x):
-        if isinstance(x, tuple):
-            return list(x)
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-    return plain(dataclasses.asdict(cfg))
+    """Plain (YAML-serialisable: tuples as lists) dict of a config."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:

@@ -1,9 +1,7 @@
 """Data: packed pretraining sequences and assistant-masked SFT conversations, as resumable per-rank iterators.
 
-Both iterators are infinite (they loop over epochs, reshuffled from `seed + epoch`), shard documents
-across ranks as `i % world == rank` (nothing dropped: a short shard just wraps into its next epoch
-sooner), and expose `state_dict()` / `load_state_dict()` so a resumed run continues with the exact
-batch it would have seen.
+Both iterators are infinite (they loop over epochs, reshuffled from `seed + epoch`), shard documents across ranks
+(nothing dropped), and expose `state_dict()` / `load_state_dict()` so a resumed run sees the exact batch it would have.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ from training.config import DataConfig
 
 IGNORE_INDEX = -100
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -68,6 +65,15 @@ def rank_order(n: int, seed: int, epoch: int, rank: int, world: int) -> list[int
     """This rank's record indices for one epoch: a seeded permutation, then every world-th record."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(n, generator=g)[rank::world].tolist()
+
+
+def epoch_order(data) -> list[int]:
+    """The `rank_order` of `data` (SFTExamples, PackedEngine) for its current epoch, cached on it as `_order`."""
+    if data._order is None or data._order[0] != data.epoch:
+        data._order = (data.epoch, rank_order(len(data.examples), data.seed, data.epoch, data.rank, data.world))
+    if not data._order[1]:
+        raise ValueError(f"rank {data.rank} received no examples: fewer examples than ranks")
+    return data._order[1]
 
 
 # ------------------------------------------------------------------------------------------- pretraining
@@ -135,12 +141,11 @@ def render_sft(messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_len
     text = render(messages, False)
     spans = []  # character spans of assistant replies (including the template's end-of-turn tokens)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start, end = len(render(messages[:i], True)), len(render(messages[:i + 1], False))
-        if not text.startswith(render(messages[:i + 1], False)):
-            return [], [], "template_not_prefix_stable"
-        spans.append((start, end))
+        if m["role"] == "assistant":
+            upto = render(messages[:i + 1], False)
+            if not text.startswith(upto):
+                return [], [], "template_not_prefix_stable"
+            spans.append((len(render(messages[:i], True)), len(upto)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
     labels = [tok if any(s <= a < e for s, e in spans) else IGNORE_INDEX
               for tok, (a, _) in zip(enc["input_ids"], enc["offset_mapping"])]
@@ -191,18 +196,11 @@ class SFTExamples:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = state["epoch"], state["pos"]
 
-    def _epoch_order(self) -> list[int]:
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, rank_order(len(self.examples), self.seed, self.epoch, self.rank, self.world))
-        if not self._order[1]:
-            raise ValueError(f"rank {self.rank} received no SFT examples: fewer examples than ranks")
-        return self._order[1]
-
     def _next_index(self) -> int:
-        if self.pos >= len(self._epoch_order()):
+        if self.pos >= len(epoch_order(self)):
             self.epoch, self.pos = self.epoch + 1, 0
         self.pos += 1
-        return self._epoch_order()[self.pos - 1]
+        return epoch_order(self)[self.pos - 1]
 
     def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
         rows = [self.examples[self._next_index()] for _ in range(batch_size)]

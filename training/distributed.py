@@ -19,13 +19,10 @@ SINGLE_PROCESS_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_
 def init_distributed(build_shm_comm: bool = True) -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (once per process); returns (rank, world_size).
 
-    Under a launcher (`deepspeed`, `torchrun`) the env vars are set; a plain `python` process becomes a world of
-    one (otherwise DeepSpeed would try MPI discovery) and keeps it for later runs in the same process: DeepSpeed
-    caches its process groups per process, so the group is not torn down between in-process runs.
-    `build_shm_comm=False` skips the JIT compile of DeepSpeed's CPU shared-memory op: it only serves
-    `inference_all_reduce` (tensor-parallel inference), which training never calls; gradients go through the
-    process group (gloo on CPU, nccl on GPU) either way.
-    """
+    Under a launcher the env vars are set; a plain `python` process becomes a world of one (else DeepSpeed would try
+    MPI discovery) and keeps it for later in-process runs (DeepSpeed caches its process groups per process).
+    `build_shm_comm=False` skips the JIT compile of DeepSpeed's CPU shared-memory op: it only serves tensor-parallel
+    inference, which training never does."""
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -44,15 +41,10 @@ def use_bf16(precision: str) -> bool:
     return precision == "bf16" or (precision == "auto" and torch.cuda.is_available())
 
 
-def resolve_path(path: str) -> Path:
-    """Config-relative files (configs/deepspeed/*.json) resolve from the cwd, then from the repository."""
-    p = Path(path).expanduser()
-    return p if p.exists() or p.is_absolute() else REPO_ROOT / p
-
-
 def deepspeed_config(cfg: TrainConfig, world: int) -> dict:
     """The DeepSpeed JSON (ZeRO stage, bf16 block, ...) with batch, clipping and optimizer filled from cfg."""
-    path = resolve_path(cfg.deepspeed)
+    path = Path(cfg.deepspeed).expanduser()  # configs/deepspeed/*.json: from the cwd, then from the repository
+    path = path if path.exists() or path.is_absolute() else REPO_ROOT / path
     if not path.is_file():
         raise FileNotFoundError(f"DeepSpeed config not found: {cfg.deepspeed}")
     ds = json.loads(path.read_text())

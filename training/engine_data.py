@@ -6,9 +6,7 @@ top-K next-token distribution at every reply position, so distillation needs no 
 
 Each reply becomes the target's chat-template prompt ids + its reply ids (+ the end-of-turn id unless cut), scored
 on the reply; replies are shuffled per epoch (seeded), concatenated and cut into `seq_len` windows, like packed
-pretraining (no padding: every position of a window is real). The iterator is infinite and resumable
-(`state_dict`). Held-out questions never get here: make-data refuses them, and this loader skips any prompt that is
-one (a directory assembled by hand).
+pretraining. The iterator is infinite and resumable (`state_dict`). Held-out questions are skipped.
 """
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ from pathlib import Path
 import torch
 
 from mamba_draft.heldout import is_heldout_text
-from training.data import IGNORE_INDEX, rank_order
-from training.make_data import TOPK, hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
+from training.data import IGNORE_INDEX, epoch_order
+from training.make_data import hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
 from training.regenerate import prompt_ids
 
 
@@ -39,16 +37,14 @@ SPLITS = ("train", "heldout", "all")
 
 
 def heldout_ids(prompt_ids) -> set[str]:
-    """The prompts held out of training: one in HELDOUT by a stable hash of the id, and at least one (the lowest
-    hash) in a directory too small for the rule to pick any."""
+    """The prompts held out of training: one in HELDOUT by a stable hash of the id (at least one: the lowest)."""
     ids = list(prompt_ids)
     held = {i for i in ids if zlib.crc32(i.encode()) % HELDOUT == 0}
     return held or ({min(ids, key=lambda i: (zlib.crc32(i.encode()), i))} if ids else set())
 
 
 def engine_dirs(directory: str | Path) -> list[Path]:
-    """The make-data directories `directory` names: itself, or else the make-data directories directly inside it
-    (sorted by name)."""
+    """The make-data directories `directory` names: itself, or else those directly inside it (sorted by name)."""
     directory = Path(directory).expanduser()
     if (directory / "prompts.jsonl").is_file() or not directory.is_dir():
         return [directory]
@@ -65,78 +61,57 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
     also read the cached hidden states (make-data --hidden), of that width."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if hidden_size:
+        check_hidden_width(directory, hidden_size, temperatures=temperatures)
     examples = []
     for part in engine_dirs(directory):
-        examples += _load_one(part, tokenizer, temperatures, split, hidden_size)
+        prompts = {p["id"]: p["prompt"] for p in read_shard(part / "prompts.jsonl")}
+        held = heldout_ids(prompts)
+        for path, temperature in reply_files(part, temperatures):
+            for record in read_shard(path):
+                text = prompts.get(record["id"])
+                if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
+                    continue
+                if split != "all" and ("heldout" if record["id"] in held else "train") != split:
+                    continue
+                prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
+                reply = record["reply_ids"] + ([] if record["truncated"] else [tokenizer.eos_token_id])
+                ids, logp = read_topk(part, temperature, record)
+                # row t: the distribution token t was drawn from (and its state); prompt rows: 0
+                rows = lambda x: torch.cat([x.new_zeros(len(prompt), *x.shape[1:]), x])
+                hidden = rows(read_hidden(part, temperature, record, hidden_size)) if hidden_size else None
+                labels = torch.tensor([IGNORE_INDEX] * len(prompt) + reply)
+                examples.append(EngineExample(torch.tensor(prompt + reply), labels, rows(ids.to(torch.int32)),
+                                              rows(logp.to(torch.float16)), hidden))
     if not examples:
         raise ValueError(f"{directory}: no usable replies (with cached top-K) at temperatures {temperatures}")
-
     return examples
 
 
-def _load_one(directory: Path, tokenizer, temperatures: list[float] | None, split: str,
-              hidden_size: int | None) -> list[EngineExample]:
-    prompts = {p["id"]: p["prompt"] for p in read_shard(directory / "prompts.jsonl")}
-    held = heldout_ids(prompts)
-    eos = tokenizer.eos_token_id
-    examples = []
-    for path, temperature in reply_files(directory):
-        if temperatures is not None and temperature not in temperatures:
-            continue
-        if hidden_size:
-            check_hidden(directory, temperature, hidden_size)
-        for record in read_shard(path):
-            text = prompts.get(record["id"])
-            if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
-                continue
-            if split != "all" and ("heldout" if record["id"] in held else "train") != split:
-                continue
-            prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
-            reply = record["reply_ids"] + ([] if record["truncated"] else [eos])
-            ids, logp = read_topk(directory, temperature, record)
-            n = len(prompt) + len(reply)
-            soft_ids = torch.zeros(n, TOPK, dtype=torch.int32)
-            soft_logp = torch.zeros(n, TOPK, dtype=torch.float16)
-            soft_ids[len(prompt):] = ids.to(torch.int32)  # row t: the distribution that token t was drawn from
-            soft_logp[len(prompt):] = logp.to(torch.float16)
-            labels = torch.tensor([IGNORE_INDEX] * len(prompt) + reply)
-            hidden = None
-            if hidden_size:
-                hidden = torch.zeros(n, hidden_size, dtype=torch.bfloat16)
-                hidden[len(prompt):] = read_hidden(directory, temperature, record, hidden_size)
-            examples.append(EngineExample(torch.tensor(prompt + reply), labels, soft_ids, soft_logp, hidden))
-    return examples
-
-
-def check_hidden(directory: Path, temperature: float, width: int, name: str = "the drafter's width") -> None:
-    """The hidden-state file must cover every top-K position, `width` values each (`name`: what asks for that
-    width — the drafter's, which must be the target's: its head is the target's embedding — or the width of the
-    target states a drafter reads)."""
-    path = hidden_path(directory, temperature)
-    if not path.exists():
-        raise ValueError(f"{directory}: no cached hidden states for T={temperature:g} (a feature loss, or a drafter "
-                         "that reads the target, needs them): run make-data again with --hidden")
-    positions = topk_path(directory, temperature).stat().st_size // topk_bytes()
-    size = path.stat().st_size
-    if size != positions * width * 2:
-        held = f" (states {size // (2 * positions)} wide?)" if positions and size % (2 * positions) == 0 else ""
-        raise ValueError(f"{path} holds {size} bytes{held}, not {positions} positions x {width} bf16 values "
-                         f"({name}): unfinished (rerun make-data --hidden) or made by a target of another width")
-
-
-def reply_files(directory: Path) -> list[tuple[Path, float]]:
-    """The replies-T*.jsonl files of a make-data directory with their temperatures."""
+def reply_files(directory: Path, temperatures: list[float] | None = None) -> list[tuple[Path, float]]:
+    """The replies-T*.jsonl files of a make-data directory with their temperatures (those given, else all)."""
     files = sorted(directory.glob("replies-T*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{directory} holds no replies-T*.jsonl (not a make-data directory?)")
-    return [(path, float(path.stem.split("-T", 1)[1])) for path in files]
+    found = [(path, float(path.stem.split("-T", 1)[1])) for path in files]
+    return [(path, t) for path, t in found if temperatures is None or t in temperatures]
 
 
-def check_hidden_width(directory: str | Path, width: int, name: str) -> None:
-    """`check_hidden` at every temperature of each make-data directory (a cheap check before training starts)."""
-    for part in engine_dirs(directory):
-        for _, temperature in reply_files(part):
-            check_hidden(part, temperature, width, name)
+def check_hidden_width(directory: str | Path, width: int, name: str = "the drafter's width",
+                       temperatures: list[float] | None = None) -> None:
+    """Each make-data directory's hidden-state files (at `temperatures`, else all) must cover every top-K position,
+    `width` values each (`name`: what asks for it): a cheap check before anything is read."""
+    for part, temperature in [(part, t) for part in engine_dirs(directory) for _, t in reply_files(part, temperatures)]:
+        path = hidden_path(part, temperature)
+        if not path.exists():
+            raise ValueError(f"{part}: no cached hidden states for T={temperature:g} (a feature loss, or a drafter "
+                             "that reads the target, needs them): run make-data again with --hidden")
+        positions = topk_path(part, temperature).stat().st_size // topk_bytes()
+        size = path.stat().st_size
+        if size != positions * width * 2:
+            held = f" (states {size // (2 * positions)} wide?)" if positions and size % (2 * positions) == 0 else ""
+            raise ValueError(f"{path} holds {size} bytes{held}, not {positions} positions x {width} bf16 values "
+                             f"({name}): unfinished (rerun make-data --hidden) or made by a target of another width")
 
 
 @dataclass
@@ -159,11 +134,7 @@ class PackedEngine:
         self.epoch, self.pos, self.offset = state["epoch"], state["pos"], state["offset"]
 
     def _current(self) -> EngineExample:
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, rank_order(len(self.examples), self.seed, self.epoch, self.rank, self.world))
-            if not self._order[1]:
-                raise ValueError(f"rank {self.rank} received no examples: fewer replies than ranks")
-        return self.examples[self._order[1][self.pos]]
+        return self.examples[epoch_order(self)[self.pos]]
 
     def _window(self) -> list[tuple[EngineExample, int, int]]:
         """Pieces (example, start, stop) filling one window, advancing the position."""
@@ -209,8 +180,3 @@ def engine_rows(examples: list[EngineExample], max_len: int) -> tuple[list[tuple
         rows.append((e.input_ids[:n].tolist(), scored))
         target_ids.append(choice)
     return rows, target_ids
-
-
-def label_lists(examples: list[EngineExample]):
-    """The scored token ids of every example (for a frequency-ranked draft vocabulary)."""
-    return (e.labels[e.labels != IGNORE_INDEX].tolist() for e in examples)

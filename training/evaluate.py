@@ -24,7 +24,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mamba_draft.devices import check_device
-from training.agreement import drafter_agreement, engine_depth_acceptance
+from training.agreement import drafter_agreement, engine_depth_acceptance, pad_batch
 
 DEFAULT_TASKS = "hellaswag,arc_easy,piqa"
 
@@ -48,8 +48,8 @@ def hellaswag_item(doc: dict) -> Item:
 
 
 def arc_item(doc: dict) -> Item:
-    labels = list(doc["choices"]["label"])
-    return Item(f"Question: {doc['question']}\nAnswer:", list(doc["choices"]["text"]), labels.index(doc["answerKey"]))
+    gold = list(doc["choices"]["label"]).index(doc["answerKey"])
+    return Item(f"Question: {doc['question']}\nAnswer:", list(doc["choices"]["text"]), gold)
 
 
 def piqa_item(doc: dict) -> Item:
@@ -107,29 +107,19 @@ def load_task(name: str, path: str | None, limit: int | None) -> list[Item]:
 
 @torch.no_grad()
 def continuation_logprobs(model, tokenizer, context: str, continuations: list[str]) -> list[float]:
-    """Sum of log p(continuation tokens | context) for each continuation, in one right-padded batch.
-
-    As lm-eval-harness: encode context+continuation together and split at the context's token length.
-    """
+    """Sum of log p(continuation tokens | context) for each continuation, in one right-padded batch; as
+    lm-eval-harness, context+continuation are encoded together and split at the context's token length."""
     device = next(model.parameters()).device
     ctx_ids = tokenizer(context, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
-    seqs, starts = [], []
+    start, seqs = len(ctx_ids), []
     for cont in continuations:
         whole = tokenizer(context + cont, add_special_tokens=False)["input_ids"]
-        cont_ids = whole[len(ctx_ids):] if whole[:len(ctx_ids)] == ctx_ids else tokenizer(cont, add_special_tokens=False)["input_ids"]
+        cont_ids = whole[start:] if whole[:start] == ctx_ids else tokenizer(cont, add_special_tokens=False)["input_ids"]
         seqs.append(ctx_ids + cont_ids)
-        starts.append(len(ctx_ids))
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id or 0, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    ids, mask, _ = pad_batch([(s, [True] * len(s)) for s in seqs], tokenizer.pad_token_id or 0)
     logprobs = F.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1).cpu()
-    scores = []
-    for i, (s, start) in enumerate(zip(seqs, starts)):
-        targets = torch.tensor(s[start:])
-        scores.append(logprobs[i, start - 1:len(s) - 1].gather(-1, targets[:, None]).sum().item())
-    return scores
+    return [logprobs[i, start - 1:len(s) - 1].gather(-1, torch.tensor(s[start:])[:, None]).sum().item()
+            for i, s in enumerate(seqs)]
 
 
 def multiple_choice(model, tokenizer, items: list[Item], desc: str) -> dict:
@@ -207,13 +197,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "static trees (1,1 / 1,1,1 / 2,1 / 2,2,1 / 3,2,2,1,1) under greedy verification")
 
 
-def parse_gammas(spec: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(g) for g in spec.split(","))
-    except ValueError:
-        raise ValueError(f"--gammas expects comma-separated integers, got {spec!r}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     if (args.agreement is None) != (args.target is None):
         raise SystemExit("mamba-draft eval: error: --agreement FILE and --target TARGET go together")
@@ -222,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     try:
         check_device(args.device)
-        gammas = parse_gammas(args.gammas)
+        try:
+            gammas = tuple(int(g) for g in args.gammas.split(","))
+        except ValueError:
+            raise ValueError(f"--gammas expects comma-separated integers, got {args.gammas!r}") from None
         if args.tasks or not (args.agreement or args.depths):
             results.update(evaluate(args.model_dir, args.tasks or DEFAULT_TASKS, args.limit, args.max_len, args.device))
         if args.depths:

@@ -34,7 +34,6 @@ def cached_kl(logits: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Ten
               to_draft: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over labelled positions of KL(p || q), p the target's cached top-K distribution renormalised over the
     ids the drafter can emit (its draft vocabulary, when `to_draft` maps target ids to draft columns, -100 outside).
-
     soft_ids / soft_logp (B, L, K): row t is the distribution token t was predicted from (aligned with labels)."""
     logits, labels = shift(logits, labels)
     ids, logp = soft_ids[:, 1:], soft_logp[:, 1:].float()
@@ -53,9 +52,8 @@ def cached_kl(logits: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Ten
 def feature_loss(hidden: torch.Tensor, target_hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean over labelled positions and features of SmoothL1(drafter's final hidden state, the target's) (EAGLE).
 
-    hidden (B, L, d): the drafter's state after its final norm at position t, which predicts token t+1;
-    target_hidden (B, L, d): row t is the target's state its distribution for token t came from (aligned with
-    labels, like the cached top-K). The drafter multiplies the target's own (tied, frozen) embedding, so matching
-    the state matches the target's logits over the whole vocabulary, not only its top-K."""
+    hidden (B, L, d): the drafter's final-norm state at position t, which predicts token t+1; target_hidden
+    (B, L, d): row t is the target's state its distribution for token t came from (aligned with labels). With the
+    target's tied embedding as head, matching the state matches the target's logits over the whole vocabulary."""
     mask = labels[:, 1:] != IGNORE_INDEX
     return F.smooth_l1_loss(hidden[:, :-1][mask].float(), target_hidden[:, 1:][mask].float())

@@ -4,31 +4,27 @@
         [--temperatures 0,0.7]
 
 Prompts come from the target itself (Magpie, Xu et al. 2024: sample what follows the chat template's user-turn
-header; with --magpie-tasks also after a system turn that names a kind of task — `TASKS`: math, code, writing,
-translation, articles to summarize, ... — as Magpie's domain-steered variants do) and from user prompt files (ShareGPT / JSONL / Spec-Bench, as `regenerate` reads them). A generated prompt
-is kept when it ended its turn, is new (whitespace/case-folded), reads as a request, and shares no 8-word run with
-an odd-id Spec-Bench question; every drop is counted by reason. Held-out questions in a prompt file are skipped.
-Every prompt is then answered at each temperature (0 = greedy; > 0 samples with the target's generation_config
-top-k / top-p, as `target.generate` and the benchmark do), in left-padded batches sorted by length.
+header; with --magpie-tasks after a system turn naming a kind of task, `TASKS`) and from user prompt files (as
+`regenerate` reads them). A generated prompt is kept when it ended its turn, is new, reads as a request and shares
+no 8-word run with a held-out Spec-Bench question; every drop is counted by reason. Every prompt is answered at
+each temperature (0 = greedy; > 0 samples with the target's generation_config top-k / top-p) in left-padded
+batches sorted by length.
 
-DIR is append-only and resumable: rerun the same command after an interruption (even SIGKILL) and it continues
-where it stopped, losing at most the batch in flight; a larger --magpie extends a finished run.
+DIR is append-only and resumable: rerun the same command after an interruption (even SIGKILL) and it loses at most
+the batch in flight; a larger --magpie extends a finished run.
     manifest.json         settings and counts (rewritten atomically after every batch)
     prompts.jsonl         {id, source, prompt, batch[, task]}: every accepted prompt
     magpie.jsonl          {batch, samples, kept, dropped{reason: n}}: one line per finished Magpie batch
     magpie-tasks.jsonl    the same for steered batches (and their task)
     replies-T{t}.jsonl    {id, source, temperature, truncated, reply_ids, topk, conversations}: ShareGPT records
-                          that `training.train` reads as SFT / distillation data (data.path: DIR/replies-*.jsonl)
+                          that `training.train` reads as SFT / distillation data
     topk-T{t}.bin         the target's top-K next-token log-probabilities at every reply position (the end-of-turn
-                          position too), recorded from the generating forward itself (temperature 1, whatever the
-                          sampling temperature): per position K int32 ids then K float16 log-probs; a record's
-                          `topk` is [first position, count]. Dense distillation targets at no extra forward.
-    hidden-T{t}.bin       with --hidden: the target's last hidden state (after its final norm: what its head
-                          multiplies) at the same positions, bfloat16, hidden_size values per position, recorded by
-                          the same hook from the generating forward; replies made without --hidden get theirs from
-                          one teacher-forced forward per batch. Read memory-mapped (`read_hidden`).
-Replies made elsewhere travel without their row files: copy the .jsonl files into DIR and rerun; the top-K (and with
---hidden the hidden) rows of replies that lack them come from one teacher-forced forward before anything new is made.
+                          one too), from the generating forward at temperature 1: per position K int32 ids then K
+                          float16 log-probs; a record's `topk` is [first position, count]
+    hidden-T{t}.bin       with --hidden: the target's last hidden state after its final norm at the same positions,
+                          bfloat16, hidden_size values per position (`read_hidden`)
+Replies made elsewhere travel without their row files: copy the .jsonl files into DIR and rerun; their missing rows
+come from one teacher-forced forward before anything new is made.
 """
 from __future__ import annotations
 
@@ -43,29 +39,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.heldout import normalize, overlaps_heldout
 from mamba_draft.io import write_json, write_text
-from mamba_draft.targets import load_causal_lm
 from training.regenerate import (
-    conversation, data_attention, eos_token_ids, hf_sample, prompt_ids, read_records, target_tokenizer,
+    Generate, add_device_arguments, conversation, cut_at_eos, eos_token_ids, hf_sample, load_target, prompt_ids,
+    read_records, target_tokenizer,
 )
 
 MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
 TOPK = 20  # cached target log-probs per reply position
 ROUND_BATCHES = 8  # Magpie batches (of each kind) between two reply passes
 TASK_SEED = 1 << 20  # steered batch b samples with seed + TASK_SEED + b (plain batch b: seed + b)
-# tokens (prompt + reply cap) per row of a full reply batch: longer prompts get fewer rows (Spec-Bench's RAG and
-# summarisation prompts run to 1,700 tokens: 64 of them would hold ~8x the KV cache of a batch of short prompts)
-REPLY_ROW_TOKENS = 512
+REPLY_ROW_TOKENS = 512  # tokens (prompt + reply cap) per row of a full reply batch: longer prompts get fewer rows
+
+
 @dataclass(frozen=True)
 class Task:
-    """A kind of request Magpie is steered to write (`--magpie-tasks`): a system turn telling the target what its
-    users ask, sampled from before the user turn (the reply is still written under the default template, as every
-    benchmark prompt is). `instruction`: the sample is a text users paste (an article, a passage), capped at `tokens`
-    and cut back to its last full sentence; this request is appended to it."""
+    """A kind of request Magpie is steered to write (`--magpie-tasks`) by a system turn before the user turn (the
+    reply is still written under the default template). With an `instruction`, the sample is a text users paste,
+    capped at `tokens` and cut back to its last full sentence, and the instruction is appended to it."""
     name: str
     system: str
     tokens: int = MAGPIE_TOKENS
@@ -115,25 +111,18 @@ _REQUEST_START = re.compile(
     re.IGNORECASE)
 _ASSISTANT_VOICE = re.compile(r"^(i'm smollm|i am smollm|as an ai|hello! i|hi! i|sure[,!]|certainly[,!])", re.IGNORECASE)
 
-# (model, tokenizer, prompts, *, max_new_tokens, temperature, top_p, eos_token_ids) -> each prompt's new tokens.
-# temperature 0 is greedy; top_p None keeps the target's generation_config. Seeded by the caller (torch's RNG).
-Generate = Callable[..., list[list[int]]]
-
 
 # ------------------------------------------------------------------------------------------ shards
 
 def read_shard(path: Path) -> list[dict]:
-    """The records of an append-only JSONL file, after cutting a torn last line (a write killed mid-line).
-
-    Only the tail can be torn by an interrupted append; a bad line elsewhere means the file was edited or is not
-    ours, and is an error rather than something to silently drop."""
+    """The records of an append-only JSONL file, after cutting a torn last line (a write killed mid-line); a bad
+    line elsewhere is an error: only the tail can be torn by an interrupted append."""
     if not path.exists():
         return []
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):  # torn tail: keep every complete line
-        with open(path, "r+b") as f:
-            f.truncate(end)
+        os.truncate(path, end)
         data = data[:end]
     records = []
     for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
@@ -170,44 +159,38 @@ def hidden_path(out: Path, temperature: float) -> Path:
     return out / f"hidden-T{temperature:g}.bin"
 
 
-def topk_bytes(k: int = TOPK) -> int:
-    return k * (4 + 2)
+def topk_bytes() -> int:
+    return TOPK * (4 + 2)
 
 
-def repair_topk(out: Path, temperature: float, records: list[dict]) -> int:
-    """Cut the top-K file back to what the reply records point at (a kill between the two appends leaves positions
-    no record owns); returns the next free position."""
-    path = topk_path(out, temperature)
-    end = max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
-    size = path.stat().st_size if path.exists() else 0
-    if size < end * topk_bytes():
-        raise ValueError(f"{path} holds {size // topk_bytes()} positions but the replies point at {end}: the file "
-                         "was changed by hand")
-    if size > end * topk_bytes():
-        with open(path, "r+b") as f:
-            f.truncate(end * topk_bytes())
-    return end
+def rows_end(records: list[dict]) -> int:
+    """The position after the last row the reply records point at."""
+    return max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
+
+
+def read_rows(path: Path, record: dict, row_bytes: int) -> bytearray:
+    """The bytes of a reply's rows in a per-position file."""
+    start, count = record["topk"]
+    with open(path, "rb") as f:
+        f.seek(start * row_bytes)
+        return bytearray(f.read(count * row_bytes))
 
 
 def read_topk(out: Path, temperature: float, record: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A reply's cached (positions, K) int64 ids and float32 log-probs."""
-    start, count = record["topk"]
-    with open(topk_path(out, temperature), "rb") as f:
-        f.seek(start * topk_bytes())
-        raw = torch.frombuffer(bytearray(f.read(count * topk_bytes())), dtype=torch.uint8).view(count, -1)
+    raw = torch.frombuffer(read_rows(topk_path(out, temperature), record, topk_bytes()), dtype=torch.uint8)
+    raw = raw.view(record["topk"][1], -1)
     return raw[:, :TOPK * 4].view(torch.int32).long(), raw[:, TOPK * 4:].view(torch.float16).float()
 
 
 def read_hidden(out: Path, temperature: float, record: dict, width: int) -> torch.Tensor:
     """A reply's cached (positions, width) bfloat16 hidden states, aligned with its top-K rows."""
-    start, count = record["topk"]
-    with open(hidden_path(out, temperature), "rb") as f:
-        f.seek(start * width * 2)
-        raw = f.read(count * width * 2)
+    count = record["topk"][1]
+    raw = read_rows(hidden_path(out, temperature), record, width * 2)
     if len(raw) != count * width * 2:
         raise ValueError(f"{hidden_path(out, temperature)} ends before reply {record['id']}: finish it with "
                          "make-data --hidden")
-    return torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(count, width)
+    return torch.frombuffer(raw, dtype=torch.bfloat16).view(count, width)
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -279,11 +262,16 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
 
 # ------------------------------------------------------------------------------------------ generation
 
-def cut_at_eos(row: list[int], eos_ids: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
-    """(tokens before the first EOS, True when no EOS came within max_new_tokens)."""
-    row = row[:max_new_tokens]
-    end = next((j for j, t in enumerate(row) if t in eos_ids), None)
-    return (row, True) if end is None else (row[:end], False)
+def top_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TOPK most likely next tokens of each row: (..., K) int32 ids and float16 log-probs."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(TOPK, dim=-1)
+    return ids.to(torch.int32), values.to(torch.float16)
+
+
+def pack_rows(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(positions, topk_bytes()) uint8 top-K file rows: K int32 ids, then K float16 log-probs per position."""
+    n = ids.shape[0]
+    return torch.cat([ids.view(torch.uint8).reshape(n, -1), values.view(torch.uint8).reshape(n, -1)], dim=1)
 
 
 class Engine:
@@ -297,17 +285,15 @@ class Engine:
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float | None,
             seed: int, record_topk: bool = False, record_hidden: bool = False,
             ) -> tuple[list[tuple[list[int], bool]], list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """Each prompt's (reply tokens before EOS, cut), with `record_topk` its top-K file rows: (positions,
-        topk_bytes()) uint8, K int32 ids then K float16 log-probs per position, and with `record_hidden` the head's
-        input at those positions: (positions, hidden_size) bfloat16 (None when the generator ran no forward of this
-        model, e.g. a scripted one)."""
+        """Each prompt's (reply tokens before EOS, cut), with `record_topk` its top-K file rows (`pack_rows`) and
+        with `record_hidden` the head's input at those positions, (positions, hidden_size) bfloat16 (None when the
+        generator ran no forward of this model, e.g. a scripted one)."""
         torch.manual_seed(seed)
-        steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        steps: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
 
         def record(module, inputs, output):  # each decoding step's head output: (B, 1, V) (prefill: last position)
-            values, ids = torch.log_softmax(output[:, -1].float(), dim=-1).topk(TOPK, dim=-1)
-            steps.append((ids.to(torch.int32), values.to(torch.float16)))
+            steps.append(pack_rows(*top_logprobs(output[:, -1])))
             if record_hidden:
                 states.append(inputs[0][:, -1].to(torch.bfloat16))
 
@@ -316,8 +302,7 @@ class Engine:
         # the next replay overwrites, and each batch's new hook recompiles it. Rows come from an eager forward.
         config = self.model.generation_config
         own_setting = config.disable_compile
-        if record_topk:
-            config.disable_compile = True
+        config.disable_compile = True if record_topk else own_setting
         start = time.perf_counter()
         try:
             rows = self.generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
@@ -330,20 +315,17 @@ class Engine:
         if len(rows) != len(prompts):
             raise RuntimeError(f"the batch generator returned {len(rows)} rows for {len(prompts)} prompts")
         out = [cut_at_eos(list(row), self.eos_ids, max_new_tokens) for row in rows]
-        self.tokens += sum(len(ids) + (not cut) for ids, cut in out)  # the EOS is a generated token too
-        needed = max(len(ids) + (not cut) for ids, cut in out)
+        counts = [len(ids) + (not cut) for ids, cut in out]  # the EOS is a generated token too
+        self.tokens += sum(counts)
+        needed = max(counts)
         if not record_topk or len(steps) < needed:
             return out, None, None
-        counts = [len(r) + (not c) for r, c in out]
-        ids = torch.stack([i for i, _ in steps[:needed]], dim=1).cpu()  # (B, positions, K); one copy to the host
-        values = torch.stack([v for _, v in steps[:needed]], dim=1).cpu()
-        packed = [torch.cat([ids[b, :n].view(torch.uint8).reshape(n, -1), values[b, :n].view(torch.uint8)
-                             .reshape(n, -1)], dim=1) for b, n in enumerate(counts)]
-        hidden = None
-        if record_hidden:
-            stacked = torch.stack(states[:needed], dim=1).cpu()  # (B, positions, hidden_size)
-            hidden = [stacked[b, :n] for b, n in enumerate(counts)]
-        return out, packed, hidden
+
+        def per_reply(rows: list[torch.Tensor]) -> list[torch.Tensor]:  # one copy to the host, cut per reply
+            stacked = torch.stack(rows[:needed], dim=1).cpu()  # (B, positions, ...)
+            return [stacked[b, :n] for b, n in enumerate(counts)]
+
+        return out, per_reply(steps), per_reply(states) if record_hidden else None
 
     def rate(self) -> str:
         return f"{self.tokens / self.seconds:.0f} tok/s" if self.seconds else "-"
@@ -353,8 +335,8 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
                    prompts_path: Path, progress: bool, on_batch: Callable[[], None],
                    tasks: tuple[Task, ...] = ()) -> None:
     """Sample Magpie batches until `count` samples have been drawn in all; each finished batch appends its kept
-    prompts, then its summary line (a batch without a summary line is redone; `seen` drops the re-drawn copies).
-    With `tasks`, batch b is steered by tasks[b % len(tasks)] (`--magpie-tasks`, its own log and ids)."""
+    prompts, then its summary line (a batch without one is redone; `seen` drops the re-drawn copies). With `tasks`,
+    batch b is steered by tasks[b % len(tasks)] (its own log and ids)."""
     log_path = out / ("magpie-tasks.jsonl" if tasks else "magpie.jsonl")
     done = {r["batch"] for r in read_shard(log_path)}
     batches = -(-count // batch_size)
@@ -365,6 +347,7 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
                unit="sample", disable=not progress)
     for b in todo:
         task = tasks[b % len(tasks)] if tasks else None
+        tag = {"task": task.name} if task else {}
         n = min(batch_size, count - b * batch_size)
         prefix = magpie_prefix(engine.tokenizer, task.system if task else None)
         rows, _, _ = engine.run([prefix] * n, task.tokens if task else MAGPIE_TOKENS, MAGPIE_TEMPERATURE,
@@ -384,12 +367,10 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
                 dropped[reason] += 1
                 continue
             seen.add(normalize(text))
-            record = {"id": f"{'task' if task else 'magpie'}:{b}:{row}", "source": "magpie_task" if task else "magpie",
-                      "prompt": text, "batch": b}
-            kept.append(record | ({"task": task.name} if task else {}))
+            kept.append({"id": f"{'task' if task else 'magpie'}:{b}:{row}",
+                         "source": "magpie_task" if task else "magpie", "prompt": text, "batch": b} | tag)
         append_shard(prompts_path, kept)
-        append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)}
-                                | ({"task": task.name} if task else {})])
+        append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)} | tag])
         on_batch()
         bar.update(n)
         bar.set_postfix(kept=len(kept), speed=engine.rate())
@@ -398,8 +379,7 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
 
 def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_ROW_TOKENS) -> list[tuple[int, int]]:
     """[start, stop) spans of `sizes` (tokens per row, longest first) holding at most `batch_size` rows and
-    `batch_size * row_tokens` tokens (a single row may exceed it): long prompts go in smaller batches, so a batch's
-    KV cache stays within what a batch of ordinary prompts takes."""
+    `batch_size * row_tokens` tokens (a single row may exceed it): a batch's KV cache stays bounded."""
     spans, start, budget = [], 0, batch_size * row_tokens
     while start < len(sizes):
         rows = max(1, min(batch_size, budget // max(1, sizes[start])))
@@ -411,14 +391,14 @@ def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_RO
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
                   batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None],
                   hidden: bool = False) -> None:
-    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. With `hidden`, the
-    generating forward's hidden states are appended too while the hidden file is level with the top-K file (else
-    `teacher_forced` fills them in afterwards)."""
-    todo, next_position, encoded, level = {}, {}, {}, {}
+    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. `teacher_forced` has
+    levelled the row files with the replies, so the generating forward's rows (with `hidden` its hidden states too)
+    append at `rows_end`; a reply whose forward the hook did not see (a scripted generator) gets them from the
+    closing `teacher_forced`."""
+    todo, next_position, encoded = {}, {}, {}
     for t in temperatures:
         records = read_shard(reply_path(out, t))
-        next_position[t] = repair_topk(out, t, records)
-        level[t] = hidden and align_hidden(out, t, records, engine.model.config.hidden_size) == next_position[t]
+        next_position[t] = rows_end(records)
         have = {r["id"] for r in records}
         todo[t] = [p for p in prompts if p["id"] not in have]
         for p in todo[t]:  # only what is still to answer: a late round re-reads every prompt but encodes few
@@ -434,21 +414,17 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
         # the seed depends on the batch's content, not its position: a resumed run draws the same way per batch
         batch_seed = seed + sum(map(ord, batch[0]["id"])) * 1009 + int(t * 1000)
         rows, topk, states = engine.run([encoded[p["id"]] for p in batch], max_new_tokens, t, None, batch_seed,
-                                        record_topk=True, record_hidden=level[t])
+                                        record_topk=True, record_hidden=hidden)
         records = []
         for b, (p, (ids, cut)) in enumerate(zip(batch, rows)):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            span = None
-            if topk is not None:
-                span = [next_position[t], topk[b].size(0)]
-                next_position[t] += span[1]
+            span = None if topk is None else [next_position[t], topk[b].size(0)]
+            next_position[t] += span[1] if span else 0
             records.append({"id": p["id"], "source": p["source"], "temperature": t, "truncated": cut,
                             "reply_ids": ids, "topk": span, "conversations": [
                                 {"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": text}]})
         if states is not None:  # hidden, then top-K, then the reply lines: a kill leaves only a tail to cut
             append_bytes(hidden_path(out, t), torch.cat(states).view(torch.uint8).numpy().tobytes())
-        else:
-            level[t] = False  # the hook saw no forward (scripted or compiled generator): teacher_forced fills these in
         if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
             append_bytes(topk_path(out, t), b"".join(row.numpy().tobytes() for row in topk))
         append_shard(reply_path(out, t), records)
@@ -459,59 +435,44 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
 
 
 def cut_to_replies(path: Path, records: list[dict], row_bytes: int) -> int:
-    """Cut a per-position file (top-K or hidden rows) back to the last whole reply it holds: a kill mid-append, or
-    rows no reply owns; returns the positions it covers."""
+    """Cut a per-position file (top-K or hidden rows) back to the last whole reply it holds; returns the positions
+    it covers."""
     size = path.stat().st_size if path.exists() else 0
     ends = [r["topk"][0] + r["topk"][1] for r in records if r.get("topk")]
     done = max((e for e in ends if e * row_bytes <= size), default=0)
     if size != done * row_bytes:
-        with open(path, "r+b") as f:
-            f.truncate(done * row_bytes)
+        os.truncate(path, done * row_bytes)
     return done
 
 
-def align_hidden(out: Path, temperature: float, records: list[dict], width: int) -> int:
-    return cut_to_replies(hidden_path(out, temperature), records, width * 2)
-
-
 HIDDEN_PAIR_BUDGET = 1 << 22  # rows x length^2 of one teacher forward: bounds its attention scores (~150 MB)
-
-
-def assign_spans(out: Path, temperature: float, width: int) -> None:
-    """Give the replies recorded without rows (a generator whose forward the hook does not see: a scripted one, or
-    transformers' compiled static-cache decoding on CUDA) spans after every existing one, in file order, rewriting
-    the replies file once (atomically); `teacher_forced` then writes their rows. Rows past the last owned position
-    (a torn append) are cut first, so no new span can claim them."""
-    path = reply_path(out, temperature)
-    records = read_shard(path)
-    if all(r.get("topk") for r in records):
-        return
-    cut_to_replies(topk_path(out, temperature), records, topk_bytes())
-    align_hidden(out, temperature, records, width)
-    end = max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
-    for r in records:
-        if not r.get("topk"):
-            r["topk"] = [end, len(r["reply_ids"]) + (not r["truncated"])]  # the end-of-turn position too
-            end += r["topk"][1]
-    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 @torch.no_grad()
 def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperature: float, hidden: bool,
                    progress: bool, on_batch: Callable[[], None]) -> None:
     """Append the rows the generating forward would have recorded for the replies whose rows the files lack: top-K
-    rows (replies made on another machine, whose top-K file stayed there, or by a generator the hook did not see)
-    and, with `hidden`, final-norm hidden states (replies made without --hidden).
+    rows and, with `hidden`, final-norm hidden states. Row j of a reply is the distribution its token j was drawn
+    from, at sequence position len(prompt) - 1 + j of one teacher-forced forward over prompt + reply. Replies go in
+    top-K order, so both files stay aligned with the records' spans.
 
-    Row j of a reply is the distribution its token j was drawn from, computed at sequence position
-    len(prompt) - 1 + j; one teacher-forced forward over prompt + reply gives all of them. Replies go in top-K
-    order, so both files stay aligned with the records' spans; a torn tail is cut back to the last whole reply."""
+    Replies recorded without rows (by a generator whose forward the hook did not see) first get spans after every
+    existing one, in file order, rewriting the replies file once (atomically); rows no reply owns (a torn append)
+    are cut before, so no new span can claim them."""
     width = engine.model.config.hidden_size
-    assign_spans(out, temperature, width)
-    records = sorted(read_shard(reply_path(out, temperature)), key=lambda r: r["topk"][0])
-    end = max((r["topk"][0] + r["topk"][1] for r in records), default=0)
+    path = reply_path(out, temperature)
+    records = read_shard(path)
     topk_done = cut_to_replies(topk_path(out, temperature), records, topk_bytes())
-    hidden_done = align_hidden(out, temperature, records, width) if hidden else end
+    if not all(r.get("topk") for r in records):
+        cut_to_replies(hidden_path(out, temperature), records, width * 2)
+        end = rows_end(records)
+        for r in records:
+            if not r.get("topk"):
+                r["topk"] = [end, len(r["reply_ids"]) + (not r["truncated"])]  # the end-of-turn position too
+                end += r["topk"][1]
+        write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    records.sort(key=lambda r: r["topk"][0])
+    hidden_done = cut_to_replies(hidden_path(out, temperature), records, width * 2) if hidden else rows_end(records)
     done = min(topk_done, hidden_done)
     todo = [r for r in records if r["topk"][0] >= done]
     if todo and todo[0]["topk"][0] != done:
@@ -532,11 +493,10 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperatu
                 break
             batch.append((record, ids))
         seqs = [ids + record["reply_ids"] for record, ids in batch]
-        length = max(map(len, seqs))
-        input_ids = torch.full((len(seqs), length), tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        for b, seq in enumerate(seqs):  # right padding: every real position keeps its own index
-            input_ids[b, :len(seq)], mask[b, :len(seq)] = torch.tensor(seq), 1
+        # right padding: every real position keeps its own index
+        input_ids = pad_sequence([torch.tensor(q) for q in seqs], batch_first=True,
+                                 padding_value=tokenizer.pad_token_id or 0)
+        mask = pad_sequence([torch.ones(len(q), dtype=torch.long) for q in seqs], batch_first=True)
         device = engine.model.device
         states = base(input_ids=input_ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         hidden_rows, topk_rows = [], []
@@ -547,10 +507,8 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperatu
                 raise RuntimeError(f"reply {record['id']}: {count} top-K rows but {rows.shape[0]} positions")
             if hidden and first >= hidden_done:
                 hidden_rows.append(rows.to(torch.bfloat16).cpu())
-            if first >= topk_done:  # as Engine.run's hook packs them: K int32 ids, then K float16 log-probs
-                values, top = torch.log_softmax(head(rows).float(), dim=-1).topk(TOPK, dim=-1)
-                topk_rows.append(torch.cat([top.to(torch.int32).cpu().view(torch.uint8).reshape(count, -1),
-                                            values.to(torch.float16).cpu().view(torch.uint8).reshape(count, -1)], 1))
+            if first >= topk_done:
+                topk_rows.append(pack_rows(*(x.cpu() for x in top_logprobs(head(rows)))))
         if hidden_rows:
             append_bytes(hidden_path(out, temperature), torch.cat(hidden_rows).view(torch.uint8).numpy().tobytes())
         if topk_rows:
@@ -573,15 +531,12 @@ def settings_of(args: argparse.Namespace) -> dict:
 
 
 def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: list[float],
-                   dropped_files: Counter, engine: Engine | None) -> dict:
+                   dropped_files: Counter, engine: Engine) -> dict:
     """Counts recomputed from the shards themselves (so they are right after any interruption)."""
     prompts = read_shard(out / "prompts.jsonl")
     def summary(lines: list[dict]) -> dict:
-        dropped = Counter()
-        for line in lines:
-            dropped.update(line["dropped"])
         return {"samples": sum(line["samples"] for line in lines), "kept": sum(line["kept"] for line in lines),
-                "dropped": dict(dropped)}
+                "dropped": dict(sum((Counter(line["dropped"]) for line in lines), Counter()))}
 
     replies = {}
     for t in sorted({*temperatures, *(float(p.stem.split("-T", 1)[1]) for p in out.glob("replies-T*.jsonl"))}):
@@ -598,8 +553,7 @@ def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: 
                 "magpie_tasks": summary(read_shard(out / "magpie-tasks.jsonl"))
                 | {"by_task": dict(Counter(p["task"] for p in prompts if "task" in p))},
                 "replies": replies,
-                "last_run": {"tokens_per_s": round(engine.tokens / engine.seconds, 1) if engine and engine.seconds
-                             else None}}
+                "last_run": {"tokens_per_s": round(engine.tokens / engine.seconds, 1) if engine.seconds else None}}
     write_json(out / "manifest.json", manifest)
     return manifest
 
@@ -626,24 +580,21 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     if args.magpie or args.magpie_tasks:
         magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
     dtype = resolve_dtype(args.dtype, args.device)
-    model = load_causal_lm(args.target, dtype=dtype, device=args.device,  # data needs no row blocks: speed
-                           attn_implementation=data_attention(args.device), row_blocks=False)
-    engine = Engine(model, tokenizer, generate or hf_sample)
+    engine = Engine(load_target(args.target, args.device, dtype), tokenizer, generate or hf_sample)
     out.mkdir(parents=True, exist_ok=True)  # only once the target loaded: a bad target leaves nothing behind
 
     prompts_path = out / "prompts.jsonl"
-    existing = read_shard(prompts_path)
-    seen = {normalize(p["prompt"]) for p in existing}
+    seen = {normalize(p["prompt"]) for p in read_shard(prompts_path)}
     new, dropped_files = file_prompts(args.prompts, seen)
     append_shard(prompts_path, new)
-    write_manifest(out, settings, dtype, temperatures, dropped_files, None)
-    # Magpie in rounds, each answered before the next: an interrupted run holds replies of every source
+
     def manifest():
         return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
 
+    manifest()
     # replies made elsewhere (a GPU machine whose top-K file stayed there) get their rows before new ones append
     fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
-    step = ROUND_BATCHES * args.batch_size
+    step = ROUND_BATCHES * args.batch_size  # Magpie in rounds, each answered before the next
     for round_ in range(1, max(1, -(-max(args.magpie, args.magpie_tasks) // step)) + 1):
         for count, tasks in ((args.magpie, ()), (args.magpie_tasks, TASKS)):
             magpie_batches(engine, out, min(count, round_ * step), args.batch_size, args.seed, seen, prompts_path,
@@ -689,19 +640,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also cache the target's final hidden state at every reply position (hidden_size bf16 "
                         "values per position, from the generating forward; replies made before get one teacher-forced "
                         "forward): what a target-aware drafter reads, and feature-loss targets")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")
+    add_device_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("max_new_tokens", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("magpie", "magpie_tasks"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-    parse_temperatures(args.temperatures)
+    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("magpie", 0), ("magpie_tasks", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
     check_device(args.device)
     manifest = make_data(args)
     replies = ", ".join(f"T={t}: {r['replies']} replies, {r['tokens']} tokens" for t, r in manifest["replies"].items())

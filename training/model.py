@@ -14,16 +14,13 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.modeling_outputs import CausalLMOutput
 
 from mamba_draft import MambaConfig, MambaDrafter
-from mamba_draft.checkpoint import DRAFT_VOCAB, read_draft_ids
 from training.config import ModelConfig
 from training.target_features import fed_features, own_features
 
 
 class TrainableDrafter(MambaDrafter):
-    """A MambaDrafter whose forward is the differentiable full-sequence pass (what DeepSpeed's engine calls).
-
-    `hf_config` is the transformers config the run's model/ directory and the export are written with.
-    """
+    """A MambaDrafter whose forward is the differentiable full-sequence pass (what DeepSpeed's engine calls);
+    `hf_config` is the transformers config the run's model/ directory and the export are written with."""
 
     def __init__(self, hf_config: transformers.PretrainedConfig):
         super().__init__(MambaConfig.from_hf_dict(hf_config.to_dict()), backend="torch")
@@ -40,12 +37,9 @@ class TrainableDrafter(MambaDrafter):
                 features: torch.Tensor | None = None, known: torch.Tensor | None = None,
                 own: torch.Tensor | None = None, **_) -> CausalLMOutput:
         """Logits and the final-norm state (the feature loss's input). A drafter that reads the target takes
-        `features` (B, L, H), the target's state before each token (`MambaDrafter.embed`; None: the stand-in
-        everywhere); with `known` (B, L) bool, only those rows of `features` are read and the others get the learned
-        stand-in (`training.target_features`): how training feeds it the engine's pattern. With `own` (B, L) bool
-        (drafted_features 'own': the draft-window rows), those rows read instead the drafter's own final-norm state
-        at the row before, from a first pass without gradients (`own_features`)."""
-        # attention_mask is unused: padding sits after the real tokens (right padding) and carries no labels.
+        `features` (B, L, H), the target's state before each token (None: the stand-in everywhere); only the `known`
+        (B, L) rows of it are read, the others get the stand-in; `own` (B, L) rows read the drafter's own state at
+        the row before instead (`training.target_features`). attention_mask is unused: padding is on the right."""
         if known is not None:
             if features is None:
                 raise ValueError("known marks rows of features: pass features too")
@@ -55,13 +49,12 @@ class TrainableDrafter(MambaDrafter):
                 first = self.train_forward(input_ids, features)[1]
             features = own_features(features, own, first)
         logits, hidden = self.train_forward(input_ids, features)
-        return CausalLMOutput(logits=logits, hidden_states=(hidden,))  # the final-norm state: feature-loss input
+        return CausalLMOutput(logits=logits, hidden_states=(hidden,))
 
 
 class DraftHead(torch.nn.Module):
-    """A Transformer's output layer scoring only the draft vocabulary during training (its logits are (.., |draft|),
-    like a Mamba drafter's): 12x less head work for SmolLM2's 49,152 ids at 4,096. The weight (tied or not) keeps
-    its parameter name, so checkpoints export to the ordinary full-vocabulary model."""
+    """A Transformer's output layer scoring only the draft vocabulary during training (logits (.., |draft|), like a
+    Mamba drafter's). The weight keeps its parameter name, so checkpoints export to the full-vocabulary model."""
 
     def __init__(self, head: torch.nn.Linear, draft_ids: torch.Tensor):
         super().__init__()
@@ -81,7 +74,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
     tokenizer = target_tokenizer(name_or_path)  # an HF directory or hub id, a .gguf file, or 'smollm2'
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {name_or_path!r} has no eos token; packing and chat rendering need one")
+        raise ValueError(f"tokenizer {name_or_path!r} has no eos token; packing, chat rendering and replies need one")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padded positions carry label -100, so the id is irrelevant
     return tokenizer
@@ -92,57 +85,44 @@ def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> transf
     vocab = cfg.vocab_size or math.ceil(len(tokenizer) / cfg.pad_vocab_multiple) * cfg.pad_vocab_multiple
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=cfg.tie_word_embeddings)
-    if cfg.target_hidden_size and cfg.arch == "llama":
-        raise ValueError("model.target_hidden_size is for a Mamba drafter (model.arch mamba1 or mamba2), not llama")
-    reads = {"target_hidden_size": cfg.target_hidden_size} if cfg.target_hidden_size else {}  # MambaConfig reads it
+    shape = dict(vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, **special)
+    mamba = dict(state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
+                 use_bias=False, use_conv_bias=True)  # use_bias False = mamba_ssm layout
+    if cfg.target_hidden_size:  # MambaConfig reads it
+        mamba["target_hidden_size"] = cfg.target_hidden_size
     if cfg.arch == "mamba1":
-        return transformers.MambaConfig(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-            state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
-            use_bias=False, use_conv_bias=True, **special, **reads)  # use_bias False = mamba_ssm layout
+        return transformers.MambaConfig(**shape, **mamba)
     if cfg.arch == "mamba2":
-        inner = cfg.expand * cfg.hidden_size
-        return transformers.Mamba2Config(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-            state_size=cfg.state_size, expand=cfg.expand, conv_kernel=cfg.conv_kernel,
-            head_dim=cfg.head_dim, num_heads=cfg.num_heads or inner // cfg.head_dim, n_groups=cfg.n_groups,
-            use_bias=False, use_conv_bias=True, **special, **reads)
+        return transformers.Mamba2Config(**shape, **mamba, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
+                                         num_heads=cfg.num_heads or cfg.expand * cfg.hidden_size // cfg.head_dim)
     if cfg.arch == "llama":
         heads = cfg.num_heads or max(1, cfg.hidden_size // 64)
         return transformers.LlamaConfig(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=heads, num_key_value_heads=cfg.num_key_value_heads or heads,
+            **shape, num_attention_heads=heads, num_key_value_heads=cfg.num_key_value_heads or heads,
             intermediate_size=cfg.intermediate_size or 4 * cfg.hidden_size,
-            max_position_embeddings=cfg.max_position_embeddings, **special)
+            max_position_embeddings=cfg.max_position_embeddings)
     raise ValueError(f"model.arch must be mamba1, mamba2 or llama, got {cfg.arch!r}")
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
                 draft_ids: torch.Tensor | None = None) -> torch.nn.Module:
-    """A fresh model (seeded init) or `init_from` weights; fails if the tokenizer does not fit the vocabulary.
-
-    Mamba models come back as a TrainableDrafter (initialised as transformers initialises them), with the draft
-    vocabulary `draft_ids` if given and the embedding copied from `init_embeddings_from` if set.
-    """
-    fresh_fusion = False
+    """A fresh model (seeded init) or `init_from` weights (Mamba: a TrainableDrafter), with the draft vocabulary
+    `draft_ids` if given and the embedding copied from `init_embeddings_from` if set."""
+    fusion, fresh_fusion = {}, False
     if cfg.init_from:
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     else:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config(cfg, tokenizer), dtype=torch.float32)
     check_vocab(model.config, tokenizer, cfg.init_from or "model")
-    if model.config.model_type not in ("mamba", "mamba2"):
-        if draft_ids is not None:
-            model.set_output_embeddings(DraftHead(model.get_output_embeddings(), draft_ids))
-            model.draft_ids = draft_ids  # written next to the checkpoints (write_model_dir), exported with them
-    else:
-        tensors = dict(model.state_dict())
-        fusion = {}
-        if target_reading(model.config, cfg):
-            fusion, fresh_fusion = fusion_tensors(model.config, cfg.init_from)
+    if model.config.model_type in ("mamba", "mamba2"):
+        fusion, fresh_fusion = fusion_tensors(model.config, cfg)
         drafter = TrainableDrafter(model.config)
-        drafter.load_hf_state_dict({**fusion, **tensors})
+        drafter.load_hf_state_dict({**fusion, **model.state_dict()})
         model = drafter
+    elif draft_ids is not None:
+        model.set_output_embeddings(DraftHead(model.get_output_embeddings(), draft_ids))
+        model.draft_ids = draft_ids  # written next to the checkpoints (write_model_dir), exported with them
     if cfg.init_embeddings_from:
         copy_target_embeddings(model, cfg.init_embeddings_from)
     if fresh_fusion:  # target states enter at the scale of the token embeddings they join
@@ -154,30 +134,25 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
     return model.train()
 
 
-def target_reading(config: transformers.PretrainedConfig, cfg: ModelConfig) -> bool:
-    """Whether the drafter reads the target; sets `config.target_hidden_size` (written with the model) from
-    model.target_hidden_size, which may turn an `init_from` external drafter into one that reads the target."""
+def fusion_tensors(config: transformers.PretrainedConfig, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], bool]:
+    """The input fusion of a drafter that reads the target ({} for one that does not), and whether it is fresh.
+
+    model.target_hidden_size sets `config.target_hidden_size` (written with the model), which may turn an `init_from`
+    external drafter into one that reads the target. The fusion is `init_from`'s own if it has one, else the identity
+    on the token embedding and zero on the target state, with a zero stand-in (the drafter starts as the external
+    one it would otherwise be; the target half trains from there)."""
     have = getattr(config, "target_hidden_size", 0) or 0
     if have and have != cfg.target_hidden_size:
         raise ValueError(f"model.init_from {cfg.init_from!r} reads a target state {have} wide: set "
                          f"model.target_hidden_size {have}, not {cfg.target_hidden_size}")
-    if cfg.target_hidden_size:
-        config.target_hidden_size = cfg.target_hidden_size
-        config.drafted_features = cfg.drafted_features
-    return bool(cfg.target_hidden_size)
-
-
-def fusion_tensors(config: transformers.PretrainedConfig,
-                   init_from: str | None) -> tuple[dict[str, torch.Tensor], bool]:
-    """The input fusion of a drafter that reads the target: `init_from`'s own if it has one, else the identity on
-    the token embedding and zero on the target state, with a zero stand-in — the drafter starts as the external
-    one it would otherwise be, and the fusion's target half trains from there (its gradient is not zero: the
-    states are not); and whether it is that fresh one (`build_model` then scales `feature_norm` to the
-    embedding's RMS)."""
-    if init_from and getattr(config, "target_hidden_size", 0):
+    if not cfg.target_hidden_size:
+        return {}, False
+    config.target_hidden_size = cfg.target_hidden_size
+    config.drafted_features = cfg.drafted_features
+    if cfg.init_from:
         from mamba_draft.checkpoint import load_checkpoint
 
-        _, tensors = load_checkpoint(init_from)
+        _, tensors = load_checkpoint(cfg.init_from)
         own = {k: v for k, v in tensors.items()
                if k.startswith(("backbone.fuse.", "backbone.stand_in", "backbone.feature_norm."))}
         if own:
@@ -188,8 +163,7 @@ def fusion_tensors(config: transformers.PretrainedConfig,
 
 
 def copy_target_embeddings(model: torch.nn.Module, target_path: str) -> None:
-    """Start from the target's input embedding (same width): the model then reads and, tied, scores tokens in
-    the target's own embedding space from step 0."""
+    """Start from the target's input embedding (same width): the target's embedding space from step 0."""
     from mamba_draft.targets import load_causal_lm
 
     source = load_causal_lm(target_path, attn_implementation=None).get_input_embeddings().weight.detach()
@@ -202,31 +176,17 @@ def copy_target_embeddings(model: torch.nn.Module, target_path: str) -> None:
         weight[:rows].copy_(source[:rows])
 
 
-def read_draft_vocab(path: str) -> torch.Tensor:
-    """The id map of a draft_vocab.safetensors file (or of a checkpoint directory holding one)."""
-    ids = read_draft_ids(path)
-    if ids is None:
-        raise FileNotFoundError(f"model.draft_vocab {path!r}: no {DRAFT_VOCAB} there")
-    return ids
-
-
 def frequency_ranked_vocab(token_lists, size: int, always: tuple[int, ...] = (), vocab: int | None = None) -> torch.Tensor:
     """FR-Spec's draft vocabulary: `always` ids (end-of-turn tokens must stay proposable however rare), then the
     most frequent ids of `token_lists` (ties by id), then — when the data has fewer than `size` distinct ids and
-    `vocab` is given — unseen ids in id order: a BPE tokenizer numbers tokens in merge order, which follows its
-    training corpus's frequencies, and a drafter initialised from the target's embeddings can score ids it never
-    saw in training."""
+    `vocab` is given — unseen ids in id order (a BPE tokenizer numbers tokens in merge order, which follows its
+    training corpus's frequencies)."""
     counts = torch.zeros(0, dtype=torch.long)
     for ids in token_lists:
         ids = torch.as_tensor(ids, dtype=torch.long)
-        ids = ids[ids >= 0]
-        if ids.numel():
-            grown = torch.bincount(ids)
-            if grown.numel() > counts.numel():
-                grown[: counts.numel()] += counts
-                counts = grown
-            else:
-                counts[: grown.numel()] += grown
+        grown = torch.bincount(ids[ids >= 0], minlength=counts.numel())
+        grown[:counts.numel()] += counts
+        counts = grown
     seen = torch.nonzero(counts).flatten()
     order = seen[torch.argsort(counts[seen], descending=True, stable=True)]
     forced = [i for i in dict.fromkeys(always) if i is not None and i >= 0]

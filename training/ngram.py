@@ -26,9 +26,8 @@ class NGramTable:
             ids = list(ids)
             for t in range(1, len(ids)):
                 if scored[t]:
-                    for k in range(self.n):
-                        if k <= t:
-                            self.counts[k][tuple(ids[t - k:t])][ids[t]] += 1
+                    for k in range(min(self.n, t + 1)):
+                        self.counts[k][tuple(ids[t - k:t])][ids[t]] += 1
         self._best = [{ctx: c.most_common(1)[0][0] for ctx, c in table.items()} for table in self.counts]
         return self
 
@@ -38,12 +37,7 @@ class NGramTable:
             raise ValueError("fit the table first")
         fallback = self._best[0].get((), 0)
         out = []
-        for t in range(len(ids)):
-            guess = fallback
-            for k in range(min(self.n - 1, t + 1), 0, -1):
-                hit = self._best[k].get(tuple(ids[t + 1 - k:t + 1]))
-                if hit is not None:
-                    guess = hit
-                    break
-            out.append(guess)
+        for t in range(len(ids)):  # the longest context seen wins
+            hits = (self._best[k].get(tuple(ids[t + 1 - k:t + 1])) for k in range(min(self.n - 1, t + 1), 0, -1))
+            out.append(next((hit for hit in hits if hit is not None), fallback))
         return torch.tensor(out, dtype=torch.long)

@@ -6,10 +6,9 @@ TARGET: an HF directory, a hub id, a .gguf file, or `smollm2` (the shipped SmolL
 array, or JSONL with one record per line: ShareGPT (`conversations`), `{"messages": [...]}`, `{"prompt": str}`, or
 Spec-Bench (`question_id`, `category`, `turns`: the first turn is the user message).
 
-User and system turns are kept; every assistant turn is replaced by the target's reply to the conversation so far
-(its chat template, or the documented fallback), and a conversation ending with a user turn (a prompt) gets the
-target's reply appended. Round k generates the k-th reply of every record, so later turns see the regenerated
-earlier ones, in left-padded batches sorted by prompt length. A reply that reaches --max-new-tokens without an
+User and system turns are kept; every assistant turn is replaced by the target's reply to the conversation so far,
+and a conversation ending with a user turn gets the target's reply appended. Round k generates the k-th reply of
+every record, so later turns see the regenerated earlier ones. A reply that reaches --max-new-tokens without an
 end-of-sequence token is truncated: --truncated mark keeps its record with `"truncated": true`, drop skips it.
 
 Output: ShareGPT JSON, `[{id, category (if given), conversations: [{from, value}], truncated (if marked)}]`, written
@@ -34,8 +33,9 @@ from transformers import LogitsProcessorList
 
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.io import write_json
-from mamba_draft.targets import load_causal_lm, load_tokenizer
+from mamba_draft.targets import load_causal_lm
 from training.chat import FALLBACK_CHAT_TEMPLATE, ROLES, normalize_conversation
+from training.model import load_tokenizer
 
 SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # auto: bfloat16 where native (devices.default_dtype)
@@ -67,16 +67,6 @@ def read_records(source: str | os.PathLike | list) -> list:
     return records
 
 
-def prompt_text(record: dict) -> str | None:
-    """The user message of a prompt-file record (Spec-Bench: its first turn), or None when malformed."""
-    if "turns" in record:
-        turns = record["turns"]
-        text = turns[0] if isinstance(turns, list) and turns else None
-    else:
-        text = record.get("prompt")
-    return text if isinstance(text, str) and text.strip() else None
-
-
 def conversation(record, index: int) -> tuple[dict | None, str]:
     """One input record -> {id, [category], messages} where every assistant message is a reply to generate,
     or (None, skip reason)."""
@@ -84,9 +74,12 @@ def conversation(record, index: int) -> tuple[dict | None, str]:
         return None, "not_an_object"
     chat = record
     is_chat = record.get("conversations") is not None or record.get("messages") is not None
-    if not is_chat and ("turns" in record or "prompt" in record):
-        text = prompt_text(record)
-        if text is None:
+    if not is_chat and ("turns" in record or "prompt" in record):  # a prompt (Spec-Bench: its first turn)
+        text = record.get("prompt")
+        if "turns" in record:
+            turns = record["turns"]
+            text = turns[0] if isinstance(turns, list) and turns else None
+        if not (isinstance(text, str) and text.strip()):
             return None, "bad_prompt"
         chat = {"messages": [{"role": "user", "content": text}]}
     key, role, content = (("conversations", "from", "value") if chat.get("conversations") is not None
@@ -107,12 +100,8 @@ def conversation(record, index: int) -> tuple[dict | None, str]:
 # ------------------------------------------------------------------------------------------- generation
 
 def target_tokenizer(model: str | os.PathLike):
-    """The target's tokenizer with training.model.load_tokenizer's conventions, padding on the left for generate."""
-    tokenizer = load_tokenizer(model)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer of {model} has no eos token; replies could never end")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    """`training.model.load_tokenizer`'s tokenizer, padding on the left for generate."""
+    tokenizer = load_tokenizer(str(model))
     tokenizer.padding_side = "left"  # right padding would put pads between the prompt and the reply
     return tokenizer
 
@@ -130,25 +119,26 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# A batch generator: (model, tokenizer, prompts, *, max_new_tokens, temperature, eos_token_ids, seed) -> each
-# prompt's new tokens, ending at its first EOS (tokens after it are ignored) or cut at max_new_tokens. temperature 0
-# is greedy; above 0 it samples with the target's generation_config top-k / top-p, as `model.generate` does. seed:
-# this batch's seed, derived from --seed (a generator that draws from torch's global RNG, seeded once, may ignore it).
+# A batch generator: (model, tokenizer, prompts, *, max_new_tokens, temperature, eos_token_ids, seed | top_p) -> each
+# prompt's new tokens, ending at its first EOS or cut at max_new_tokens. temperature 0 is greedy; above 0 it samples
+# with the target's generation_config top-k / top-p (make-data: top_p None keeps it). seed: this batch's seed (a
+# generator that draws from torch's global RNG, seeded by the caller, may ignore it).
 Generate = Callable[..., list[list[int]]]
 
 
-def data_attention(device: str | torch.device) -> str:
-    """Training data needs no batch invariance (mamba_draft.targets.row_blocks): the fastest attention for batched decoding,
-    grouped on CPU (sdpa's copies of the repeated key heads were 55 % of a batch-64 step on 2 cores), else sdpa."""
-    return "grouped" if torch.device(device).type == "cpu" else "sdpa"
+def load_target(target: str | os.PathLike, device: str, dtype: torch.dtype):
+    """The target that makes data (regenerate, make-data): training data needs speed, not batch invariance, so no
+    row blocks and the fastest batched attention: grouped on CPU, where sdpa copies the repeated key heads, else
+    sdpa."""
+    return load_causal_lm(target, dtype=dtype, device=device, row_blocks=False,
+                          attn_implementation="grouped" if torch.device(device).type == "cpu" else "sdpa")
 
 
 class TopKSampler:
     """A logits processor that draws the next token itself — temperature, then top-k, then top-p, as transformers'
-    sampling warpers do — and leaves only that token's score finite, so `generate`'s greedy pick takes it.
-    transformers' top-p sorts the whole vocabulary and its draw scans it: at batch 64 x 49,152 on a 2-core CPU a
-    sort of 134 ms and a draw of 69 ms per step, against ~125 ms for the model's own step; here the draw is over
-    the top k only (4 ms). Draws from torch's global generator (seeded per batch by the engine)."""
+    sampling warpers do — and leaves only that token's score finite, so `generate`'s greedy pick takes it. Unlike
+    transformers' top-p it never sorts the whole vocabulary: the draw is over the top k only. Draws from torch's
+    global generator (seeded per batch by the engine)."""
 
     def __init__(self, temperature: float, top_k: int | None, top_p: float | None):
         self.temperature, self.top_k, self.top_p = temperature, top_k or 0, 1.0 if top_p is None else top_p
@@ -166,9 +156,9 @@ class TopKSampler:
 @torch.no_grad()
 def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
               eos_token_ids: list[int], top_p: float | None = None, seed: int | None = None) -> list[list[int]]:
-    """The default `Generate` of `regenerate` and `make-data`: transformers' `generate` on the left-padded batch,
-    with a static cache (sampling with `TopKSampler` and the target's generation_config top-k / top-p unless
-    `top_p` is given; torch's global RNG, which the callers seed, so `seed` is not used)."""
+    """The default `Generate`: transformers' `generate` on the left-padded batch with a static cache, sampling with
+    `TopKSampler` (the target's generation_config top-k, and top-p unless `top_p` is given) from torch's global
+    RNG, which the callers seed (`seed` is not used)."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
     processors = []
     if temperature > 0:
@@ -182,6 +172,13 @@ def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int
     return out[:, batch["input_ids"].size(1):].tolist()
 
 
+def cut_at_eos(row: list[int], eos_ids: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """(tokens before the first EOS, True when no EOS came within max_new_tokens)."""
+    row = row[:max_new_tokens]
+    end = next((j for j, t in enumerate(row) if t in eos_ids), None)
+    return (row, True) if end is None else (row[:end], False)
+
+
 def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                      eos_ids: list[int], generate: Generate | None = None,
                      seed: int | None = None) -> list[tuple[str, bool]]:
@@ -190,12 +187,8 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
                                    temperature=temperature, eos_token_ids=eos_ids, seed=seed)
     if len(rows) != len(prompts):
         raise RuntimeError(f"the batch generator returned {len(rows)} replies for {len(prompts)} prompts")
-    replies = []
-    for row in rows:
-        row = row[:max_new_tokens]
-        end = next((j for j, t in enumerate(row) if t in eos_ids), None)  # None: no EOS, the reply was cut off
-        replies.append((tokenizer.decode(row[:end], skip_special_tokens=True).strip(), end is None))
-    return replies
+    return [(tokenizer.decode(ids, skip_special_tokens=True).strip(), cut)
+            for ids, cut in (cut_at_eos(row, eos_ids, max_new_tokens) for row in rows)]
 
 
 def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, output: str | os.PathLike, *,
@@ -205,13 +198,12 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
     """Write the regenerated conversations of `source` (a file or a list of records) to `output` (ShareGPT JSON).
 
     Returns counts {"written": n, "truncated": t, <skip reason>: m, ...}: every record is written or skipped for
-    exactly one reason; in mark mode the truncated records are among the written ones, in drop mode a skip reason.
-    Raises ValueError or FileNotFoundError, writing nothing, on bad input or when every record is skipped.
+    exactly one reason (in mark mode the truncated records are among the written ones). Raises ValueError or
+    FileNotFoundError, writing nothing, on bad input or when every record is skipped.
 
-    generate: how a batch of replies is produced (see `Generate`); None is `hf_sample`. torch's global RNG is
-    seeded with `seed` once; a batch whose first reply is the n-th generated in the run gets seed `seed + n`, so
-    reply n has seed + n whatever the batch size (a generator seeding row b of a batch with seed + b).
-    """
+    generate: how a batch of replies is produced (`Generate`; None: `hf_sample`). torch's global RNG is seeded with
+    `seed` once; a batch whose first reply is the n-th of the run gets seed `seed + n`, so reply n has seed + n
+    whatever the batch size (for a generator seeding row b of a batch with seed + b)."""
     if truncated not in TRUNCATED:
         raise ValueError(f"truncated must be one of {TRUNCATED}, got {truncated!r}")
     if dtype not in DTYPE_CHOICES:
@@ -234,8 +226,7 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
         raise ValueError(f"nothing to write: all {len(records)} input records were skipped ({summary(counts)})")
 
     tokenizer = target_tokenizer(model)
-    lm = load_causal_lm(model, dtype=resolve_dtype(dtype, device), device=device,  # no row blocks: see above
-                        attn_implementation=data_attention(device), row_blocks=False)
+    lm = load_target(model, device, resolve_dtype(dtype, device))
     eos_ids = eos_token_ids(tokenizer, lm)
     torch.manual_seed(seed)
     slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]
@@ -302,6 +293,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replies that hit --max-new-tokens: mark the record, or drop it")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N input records")
     parser.add_argument("--seed", type=int, default=0)
+    add_device_arguments(parser)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype of the commands that load a target to make data (regenerate, make-data)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")

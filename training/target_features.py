@@ -1,23 +1,16 @@
 """What a drafter that reads the target (`model.target_hidden_size` > 0) is fed in training.
 
-At inference the engine gives the drafter, beside each token, the target's final hidden state at the position before
-it (what the target's head read to score that token) wherever the target has computed it: every committed reply
-token gets its state from the verification forward; prompt tokens, and tokens drafted inside a round (depth >= 2
-after a root), get the drafter's learned `stand_in`. A depth-d draft therefore reads clean committed history with
-real states, then d-1 drafted tokens with the stand-in.
+At inference the drafter reads, beside each token, the target's final hidden state at the position before it
+wherever the target has computed it (committed reply tokens); prompt tokens and tokens drafted inside a round get
+the drafter's learned `stand_in`. Training reproduces that pattern in one parallel pass (HASS / EAGLE-3's
+training-time test, adapted to a recurrent drafter): reply rows get the cached states, prompt rows the stand-in, and
+simulated draft windows (`window_mask`) put the stand-in on the 1..K-1 reply positions after a root. A recurrent
+pass cannot forget a window (the positions after it continue from a state that read it): `distill.window_rate`
+keeps windows a minority of positions.
 
-Training reproduces that pattern in one parallel pass (HASS / EAGLE-3's training-time test, adapted to a recurrent
-drafter): reply rows get the cached states (make-data --hidden, `EngineExample.hidden`), prompt rows the stand-in,
-and simulated draft windows (`window_mask`) put the stand-in on the 1..K-1 reply positions after a root, so the
-predictions inside a window are made as depth-2..K drafts are. Unlike a Transformer's masks, a recurrent pass cannot
-forget a window: the positions after it continue from a state that read it (a drafter resynced after a round reads
-only real states) — the price of one pass; `distill.window_rate` keeps windows a minority of positions.
-
-A drafter with `model.drafted_features: own` reads, beside a drafted token, its own final-norm state where it
-predicted that token (EAGLE), trained toward the target's by `distill.feature_weight`. Training then feeds window
-rows the drafter's state at the row before from a first pass without gradients (`own_features`): one pass per
-window depth would be exact, the first pass is exact at depth 2 and approximates deeper rows with states that read
-the stand-in.
+With `model.drafted_features: own` a drafted token reads the drafter's own final-norm state where it predicted it
+(EAGLE); training feeds window rows that state from a first pass without gradients (`own_features`): exact at depth
+2, an approximation deeper.
 """
 from __future__ import annotations
 
@@ -28,11 +21,9 @@ import torch
 def window_mask(reply: torch.Tensor, k: int, rate: float, generator: torch.Generator) -> torch.Tensor:
     """(B, L) bool: the positions inside simulated draft windows.
 
-    `reply` (B, L) bool marks reply rows (those with a cached target state). Each reply row r opens a window with
-    probability `rate`; a window has a length d uniform in 1..k-1 and covers rows r+1..r+d, stopping early at the
-    first row that is not a reply row (a window never reaches into a prompt or across one into the next packed
-    reply). Covered rows are always reply rows: prompt rows read the stand-in anyway. The draws are of fixed shape
-    whatever `reply` holds, so the mask depends only on the generator's seed and the batch's shape and rows."""
+    `reply` (B, L) bool marks reply rows. Each reply row r opens a window with probability `rate`; a window has a
+    length d uniform in 1..k-1 and covers rows r+1..r+d, stopping early at the first row that is not a reply row.
+    The draws are of fixed shape, so the mask depends only on the generator's seed and the batch's shape and rows."""
     if reply.dim() != 2 or reply.dtype != torch.bool:
         raise ValueError(f"reply must be a (B, L) bool mask, got {reply.dtype} {tuple(reply.shape)}")
     if k < 0 or k == 1:
@@ -79,8 +70,7 @@ def fed_features(hidden: torch.Tensor, known: torch.Tensor, stand_in: torch.Tens
 
 def own_features(features: torch.Tensor, own: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """(B, L, H): `features`, with each `own` row t replaced by the drafter's own final-norm state at row t - 1
-    (`hidden`, (B, L, H), from a pass on `features`): what a drafter with drafted_features 'own' reads beside a
-    drafted token, its state where it predicted that token (EAGLE). Row 0 has no row before and is never `own`."""
+    (`hidden`, (B, L, H), from a pass on `features`). Row 0 has no row before and is never `own`."""
     if own.shape != features.shape[:-1] or hidden.shape != features.shape:
         raise ValueError(f"features {tuple(features.shape)}, own {tuple(own.shape)} and hidden "
                          f"{tuple(hidden.shape)} disagree")

@@ -32,20 +32,19 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
-from tqdm import tqdm
-from mamba_draft.checkpoint import DRAFT_VOCAB
-from mamba_draft.config import DRAFTED_FEATURES
-from training.export import FROZEN_WEIGHTS
-from mamba_draft.targets import load_causal_lm
 from safetensors.torch import save_file
+from tqdm import tqdm
 
+from mamba_draft.checkpoint import DRAFT_VOCAB, read_draft_ids
+from mamba_draft.config import DRAFTED_FEATURES
+from mamba_draft.targets import load_causal_lm
 from training import data as data_lib
 from training.agreement import HeldoutEval, check_eval_config, plot_agreement
 from training.config import TrainConfig, load_config, save_config
 from training.distributed import deepspeed_config, init_distributed, use_bf16
+from training.export import FROZEN_WEIGHTS
 from training.loss import cached_kl, cross_entropy, feature_loss, forward_kl
-from training.model import (build_model, check_vocab, frequency_ranked_vocab, load_tokenizer, read_draft_vocab,
-                            weight_decay_groups)
+from training.model import build_model, check_vocab, frequency_ranked_vocab, load_tokenizer, weight_decay_groups
 from training.target_features import known_rows, window_generator, window_mask
 
 
@@ -62,14 +61,16 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
     """The rank's data iterator, the number of records (None when streaming) and the draft vocabulary (or None)."""
     if cfg.data.kind == "engine":
-        from training.engine_data import PackedEngine, label_lists, load_engine
+        from training.engine_data import PackedEngine, load_engine
 
-        examples = load_engine(cfg.data.path, tokenizer, split="train",  # 1 prompt in engine_data.HELDOUT: eval
-                               hidden_size=hidden_width(cfg))
+        # the target states read by the drafter and/or matched by the feature loss (validate: the same width)
+        width = cfg.model.target_hidden_size or (cfg.model.hidden_size if cfg.distill.feature_weight else None)
+        examples = load_engine(cfg.data.path, tokenizer, split="train", hidden_size=width)  # held-out: eval
         if rank == 0:
             print(f"engine: {len(examples)} replies, {sum(e.input_ids.numel() for e in examples)} tokens")
+        labels = (e.labels[e.labels != data_lib.IGNORE_INDEX].tolist() for e in examples)
         return (PackedEngine(examples, cfg.data.seq_len, cfg.data.seed, rank, world), len(examples),
-                draft_vocab(cfg, tokenizer, label_lists(examples)))
+                draft_vocab(cfg, tokenizer, labels))
     records = data_lib.load_records(cfg.data)
     if cfg.data.kind == "pretrain":
         n = None if isinstance(records, datasets.IterableDataset) else len(records)
@@ -78,26 +79,20 @@ def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
                              "pass model.draft_vocab (a draft_vocab.safetensors file) instead")
         counted = (tokenizer(r[cfg.data.text_column])["input_ids"] for r in records) if n else ()
         return data_lib.PackedSequences(records, tokenizer, cfg.data, rank, world), n, draft_vocab(cfg, tokenizer, counted)
-    if cfg.data.kind == "sft":
-        examples, skipped = data_lib.prepare_sft(records, tokenizer, cfg.data.seq_len)
-        if rank == 0:
-            print(f"SFT: {len(examples)} conversations kept, {sum(skipped.values())} skipped {dict(skipped)}")
-        draft_ids = draft_vocab(cfg, tokenizer, (e["labels"] for e in examples))  # what the drafter must predict
-        return (data_lib.SFTExamples(examples, tokenizer.pad_token_id, cfg.data.seed, rank, world), len(examples),
-                draft_ids)
-    raise ValueError(f"data.kind must be pretrain, sft or engine, got {cfg.data.kind!r}")
-
-
-def hidden_width(cfg: TrainConfig) -> int | None:
-    """Width of the target states engine data must load: read by the drafter (model.target_hidden_size) and/or
-    matched by the feature loss (the drafter's own width, which validate checks is the same); None: not loaded."""
-    return cfg.model.target_hidden_size or (cfg.model.hidden_size if cfg.distill.feature_weight else None)
+    examples, skipped = data_lib.prepare_sft(records, tokenizer, cfg.data.seq_len)  # sft (`validate` checks kind)
+    if rank == 0:
+        print(f"SFT: {len(examples)} conversations kept, {sum(skipped.values())} skipped {dict(skipped)}")
+    draft_ids = draft_vocab(cfg, tokenizer, (e["labels"] for e in examples))  # what the drafter must predict
+    return data_lib.SFTExamples(examples, tokenizer.pad_token_id, cfg.data.seed, rank, world), len(examples), draft_ids
 
 
 def draft_vocab(cfg: TrainConfig, tokenizer, token_lists) -> torch.Tensor | None:
     """model.draft_vocab (a file) or the model.draft_vocab_size most frequent ids of the training data (with EOS)."""
     if cfg.model.draft_vocab:
-        return read_draft_vocab(cfg.model.draft_vocab)
+        ids = read_draft_ids(cfg.model.draft_vocab)
+        if ids is None:
+            raise FileNotFoundError(f"model.draft_vocab {cfg.model.draft_vocab!r}: no {DRAFT_VOCAB} there")
+        return ids
     if not cfg.model.draft_vocab_size:
         return None
     return frequency_ranked_vocab(token_lists, cfg.model.draft_vocab_size, always=(tokenizer.eos_token_id,),
@@ -126,11 +121,8 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
                  to_draft: torch.Tensor | None = None) -> torch.Tensor:
     """CE and/or forward KL to the target. With a draft vocabulary the drafter's logits cover `draft_ids` only:
     labels map to draft columns (ids outside it are not scored) and the target's distribution is renormalised
-    over the subset (q is zero outside it, so that is the KL the drafter can reach).
-
-    A drafter that reads the target (model.target_hidden_size) is fed the batch's cached target states on reply
-    rows outside its simulated draft windows (`batch['windows']`) and its stand-in elsewhere
-    (`training.target_features`)."""
+    over the subset (q is zero outside it, so that is the KL the drafter can reach). A drafter that reads the target
+    is fed the cached target states on reply rows outside its draft windows (`training.target_features`)."""
     reads = {}
     if cfg.model.target_hidden_size:
         reads = {"features": batch["hidden"], "known": known_rows(batch["labels"], batch.get("windows"))}
@@ -146,14 +138,14 @@ def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draf
         loss = d.kl_weight * cached_kl(logits, batch["soft_ids"], batch["soft_logp"], labels, to_draft)
         if d.feature_weight:
             loss = loss + d.feature_weight * feature_loss(out.hidden_states[-1], batch["hidden"], labels)
-        return loss + d.ce_weight * cross_entropy(logits, labels) if d.ce_weight else loss
-    if target is None:
+    elif target is None:
         return cross_entropy(logits, labels)
-    with torch.no_grad():
-        target_logits = target(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-        if draft_ids is not None:
-            target_logits = target_logits.index_select(-1, draft_ids)
-    loss = d.kl_weight * forward_kl(logits, target_logits, labels, vocab, d.temperature)
+    else:
+        with torch.no_grad():
+            target_logits = target(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            if draft_ids is not None:
+                target_logits = target_logits.index_select(-1, draft_ids)
+        loss = d.kl_weight * forward_kl(logits, target_logits, labels, vocab, d.temperature)
     return loss + d.ce_weight * cross_entropy(logits, labels) if d.ce_weight else loss
 
 
@@ -187,8 +179,6 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, data, rank: int, train_to
 
 def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> tuple[int, int]:
     """(step, cumulative training tokens) of the checkpoint, with weights, optimizer, data position and RNG loaded."""
-    if not (ckpt_dir / "latest").is_file():
-        raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
     tag = (ckpt_dir / "latest").read_text().strip()
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None:
@@ -202,15 +192,9 @@ def resume(engine, ckpt_dir: Path, data, rank: int, world: int) -> tuple[int, in
     return state["step"], state.get("train_tokens", 0)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop records logged after the checkpoint we resume from: that timeline was lost."""
-    if path.is_file():
-        records = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in records))
-
-
 def validate(cfg: TrainConfig) -> None:
     """Cheap checks before any process group, model or data work."""
+    m, d = cfg.model, cfg.distill
     if not cfg.output_dir:
         raise ValueError("output_dir is empty")
     if cfg.micro_batch_size < 1 or cfg.global_batch_size < 1:
@@ -219,24 +203,18 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"data.kind must be pretrain, sft or engine, got {cfg.data.kind!r}")
     if cfg.data.path and data_lib.is_local(cfg.data.path) and not glob.glob(str(Path(cfg.data.path).expanduser())):
         raise FileNotFoundError(f"data.path {cfg.data.path!r} matches no file")
-    if cfg.model.init_from and data_lib.is_local(cfg.model.init_from) and not Path(cfg.model.init_from).exists():
-        raise FileNotFoundError(f"model.init_from {cfg.model.init_from!r} does not exist")
-    if cfg.distill.feature_weight and cfg.data.kind != "engine":
+    if m.init_from and data_lib.is_local(m.init_from) and not Path(m.init_from).exists():
+        raise FileNotFoundError(f"model.init_from {m.init_from!r} does not exist")
+    if d.feature_weight and cfg.data.kind != "engine":
         raise ValueError("distill.feature_weight needs data.kind: engine (the target's hidden states cached by "
                          "make-data --hidden)")
-    if cfg.distill.feature_weight and cfg.model.arch == "llama":
+    if d.feature_weight and m.arch == "llama":
         raise ValueError("distill.feature_weight trains a Mamba drafter's final state, not a Llama's")
-    validate_target_reading(cfg)
     use_bf16(cfg.precision)
     check_eval_config(cfg)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
-
-
-def validate_target_reading(cfg: TrainConfig) -> None:
-    """model.target_hidden_size and the draft windows: a Mamba drafter, engine data whose cached hidden states are
-    that wide (the target's width), and sane windows."""
-    m, d = cfg.model, cfg.distill
+    # a drafter that reads the target: a Mamba drafter on engine data whose cached hidden states are that wide
     if m.target_hidden_size < 0:
         raise ValueError(f"model.target_hidden_size must be >= 0 (0: token ids only), got {m.target_hidden_size}")
     if d.draft_windows < 0 or d.draft_windows == 1:
@@ -266,30 +244,28 @@ def validate_target_reading(cfg: TrainConfig) -> None:
                          f"{m.hidden_size} must equal model.target_hidden_size {m.target_hidden_size}")
     from training.engine_data import check_hidden_width
 
-    for path in dict.fromkeys([cfg.data.path] + ([cfg.eval.data] if cfg.eval.data and Path(cfg.eval.data).is_dir()
-                                                 else [])):
+    eval_dir = [cfg.eval.data] if cfg.eval.data and Path(cfg.eval.data).is_dir() else []
+    for path in dict.fromkeys([cfg.data.path] + eval_dir):
         check_hidden_width(path, m.target_hidden_size, "model.target_hidden_size")
 
 
 def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
     """Run (or resume) training; returns the output directory. Works under any launcher or in-process."""
     validate(cfg)
-    latest = Path(cfg.output_dir) / "checkpoints" / "latest"
-    if resume_run and not latest.is_file():
-        raise FileNotFoundError(f"--resume: no 'latest' file in {latest.parent}; nothing to resume from")
-    if not resume_run and latest.is_file():
-        raise FileExistsError(f"{cfg.output_dir} already holds checkpoints: pass --resume or use a new output_dir")
-    rank, world = init_distributed(cfg.build_shm_comm)
     out = Path(cfg.output_dir)
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
-
+    if resume_run and not (ckpt_dir / "latest").is_file():
+        raise FileNotFoundError(f"--resume: no 'latest' file in {ckpt_dir}; nothing to resume from")
+    if not resume_run and (ckpt_dir / "latest").is_file():
+        raise FileExistsError(f"{cfg.output_dir} already holds checkpoints: pass --resume or use a new output_dir")
+    rank, world = init_distributed(cfg.build_shm_comm)
     ds_config = deepspeed_config(cfg, world)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     data, n_records, draft_ids = build_data(cfg, tokenizer, rank, world)
     steps = total_steps(cfg, n_records)
     model = build_model(cfg.model, tokenizer, cfg.seed, draft_ids)
-    target = load_target(cfg, tokenizer, get_accelerator().current_device_name(),
-                         torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32)
+    dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
+    target = load_target(cfg, tokenizer, get_accelerator().current_device_name(), dtype)
     warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * steps)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=weight_decay_groups(model, cfg.optim.weight_decay), config=ds_config,
@@ -301,25 +277,21 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
         save_config(cfg, out / "config.yaml")
         write_model_dir(model, tokenizer, out / "model")
     start, train_tokens = resume(engine, ckpt_dir, data, rank, world) if resume_run else (0, 0)
-    if rank == 0 and resume_run:
-        truncate_metrics(metrics_path, start)
-    # held-out agreement with the target (training/agreement.py, eval.* fields): target argmax cached once here
-    heldout = HeldoutEval(cfg, tokenizer, rank, world, engine.device,
-                          torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32, target) \
-        if cfg.eval.every else None
-    heldout_postfix = {}
-    writer = None
+    if rank == 0 and resume_run and metrics_path.is_file():  # records after the checkpoint: a lost timeline
+        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+    heldout = HeldoutEval(cfg, tokenizer, rank, world, engine.device, dtype, target) if cfg.eval.every else None
+    heldout_postfix, writer = {}, None
     if cfg.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
         writer = SummaryWriter(str(out / "tensorboard"))
 
     gas = ds_config["gradient_accumulation_steps"]
     vocab = len(tokenizer)
+    to_draft = None
     if draft_ids is not None:
         draft_ids = draft_ids.to(engine.device)
         to_draft = data_lib.draft_label_map(draft_ids, vocab, engine.device)
-    else:
-        to_draft = None
     windows = bool(cfg.model.target_hidden_size and cfg.distill.draft_windows)
     bar = tqdm(total=steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in range(start + 1, steps + 1):
@@ -388,9 +360,7 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         raise ValueError("no CONFIG given: train CONFIG [key=value ...] (a YAML file of TrainConfig fields)")
     train(load_config(config, overrides), resume_run=args.resume)
-    if torch.distributed.is_initialized():
-        # a clean teardown: a process that exits with the gloo group alive can die in std::terminate on its way out
-        # ("terminate called without an active exception", exit -6 under the launcher) after a finished run
+    if torch.distributed.is_initialized():  # a process exiting with the gloo group alive can die in std::terminate
         torch.distributed.destroy_process_group()
     return 0
 
