@@ -103,9 +103,7 @@ def training_precision() -> str:
 
 
 def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distill_from: Path | None):
-    """A training.TrainConfig for one demo model (bf16 where the hardware has it, else fp32; ZeRO-1; no shm JIT).
-
-    Exports keep DeepSpeed's fp32 master weights, so the models are benchmarked in fp32 either way."""
+    """A training.TrainConfig for one demo model (bf16 where the hardware has it, else fp32; ZeRO-1; no shm JIT)."""
     from training.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, TrainConfig
 
     model = ModelConfig(arch=size.arch, tokenizer=str(tokenizer), hidden_size=size.hidden_size,
@@ -146,7 +144,7 @@ def train_and_export(name: str, make_config, cache: Path, what: str) -> Path:
     for kept in ("metrics.jsonl", "agreement.png"):
         if (run / kept).is_file():
             shutil.copy2(run / kept, final / kept)
-    shutil.rmtree(run, ignore_errors=True)  # DeepSpeed checkpoints (optimizer states) are no longer needed
+    shutil.rmtree(run.parent, ignore_errors=True)  # DeepSpeed checkpoints (optimizer states) are no longer needed
     print(f"[demo] {name}: done in {time.perf_counter() - started:.0f} s -> {final}")
     return final
 
@@ -205,7 +203,6 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
     target = train_and_export("target", toy(cfg.target, None), cache, "trained from scratch")
     drafter = train_and_export("drafter", toy(cfg.drafter, target), cache, "distilled from the target")
     assistant = train_and_export("assistant", toy(cfg.assistant, target), cache, "distilled from the target")
-    shutil.rmtree(cache / "runs", ignore_errors=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     methods = resolve_methods(cfg.methods)
     # fp32: the exports keep DeepSpeed's fp32 master weights
@@ -313,7 +310,6 @@ def rebuild_pair(cfg, records: list[dict], cache: Path) -> tuple[Path, Path]:
 
     drafter = train_and_export("drafter", recipe("mamba2"), cache, "KL to the cached target distributions")
     assistant = train_and_export("assistant", recipe("llama"), cache, "same data, steps and initialisation")
-    shutil.rmtree(cache / "runs", ignore_errors=True)
     return drafter, assistant
 
 
