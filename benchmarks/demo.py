@@ -242,8 +242,8 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     # the assistant (a Transformer of the drafter's size, same data and steps) drafting in our engine: the paper's
     # Mamba-vs-Transformer comparison under the same decoding (`assistant:` methods)
     tf = ("tf-default=assistant:default",) if assistant else ()
-    greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "hf-lookup", "ar", "default", f"cpu-bandit={bandit}",
-              *tf)
+    assisted = ("hf-assisted",) if assistant else ()
+    greedy = ("hf-ar", *assisted, "hf-lookup", "ar", "default", f"cpu-bandit={bandit}", *tf)
     sampled = ("hf-ar", "ar", "default", f"cpu-bandit@sampling={bandit}@sampling", *tf)
     if assistant and full_sweep:
         greedy += ("tf-chain:2=assistant:chain:2", "tf-tree:2,1=assistant:tree:2,1", f"tf-bandit=assistant:{bandit}")
@@ -253,7 +253,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
                    f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
                    f"cpu-bandit@fly={bandit}@fly", f"cpu-bandit@topk={bandit}@topk",
                    f"cpu-bandit@dropmatch={bandit}@dropmatch")
-        sampled += ("chain:2@sampling", "tree:2,1@sampling", *(("hf-assisted",) if assistant else ()))
+        sampled += ("chain:2@sampling", "tree:2,1@sampling", *assisted)
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -422,13 +422,12 @@ PROBE_QUESTIONS = 2
 
 
 def time_plain_decoding(models, prompts: list, max_new_tokens: int) -> float:
-    """Mean wall seconds of one greedy `ar` decode of each prompt."""
-    from benchmarks.bench import BenchConfig, encode_prompts, eos_ids, make_batches, run_pass
-    from benchmarks.methods import parse_method
+    """Mean wall seconds of one greedy `ar` decode of each prompt (one pass, no warm-up)."""
+    from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
 
-    cfg = BenchConfig(methods=("ar",), max_new_tokens=max_new_tokens, temperature=0.0)
-    ids = encode_prompts(models.tokenizer, prompts, cfg, next(models.target.parameters()).device)
-    records = run_pass(parse_method("ar"), models, make_batches(ids, 1), cfg, eos_ids(models), cfg.seed)["records"]
+    cfg = BenchConfig(methods=("ar",), repeats=1, warmup=0, max_new_tokens=max_new_tokens, temperature=0.0)
+    result = run_benchmark(models, prompts, resolve_methods(cfg.methods), cfg, progress=False)
+    records = result["batches"]["1"]["runs"]["ar"][0]["records"]
     return sum(r["wall_time"] for r in records) / len(records)
 
 
