@@ -35,7 +35,7 @@ class DrafterBenchConfig:
 
 
 def n_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return sum(p.numel() for p in model.parameters())  # a tied embedding / head counts once
 
 
 def build_mamba(cfg: DrafterBenchConfig, device: torch.device, dtype: torch.dtype):

@@ -103,9 +103,7 @@ def training_precision() -> str:
 
 
 def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distill_from: Path | None):
-    """A training.TrainConfig for one demo model (bf16 where the hardware has it, else fp32; ZeRO-1; no shm JIT).
-
-    Exports keep DeepSpeed's fp32 master weights, so the models are benchmarked in fp32 either way."""
+    """A training.TrainConfig for one demo model (bf16 where the hardware has it, else fp32; ZeRO-1; no shm JIT)."""
     from training.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, TrainConfig
 
     model = ModelConfig(arch=size.arch, tokenizer=str(tokenizer), hidden_size=size.hidden_size,
@@ -146,7 +144,7 @@ def train_and_export(name: str, make_config, cache: Path, what: str) -> Path:
     for kept in ("metrics.jsonl", "agreement.png"):
         if (run / kept).is_file():
             shutil.copy2(run / kept, final / kept)
-    shutil.rmtree(run, ignore_errors=True)  # DeepSpeed checkpoints (optimizer states) are no longer needed
+    shutil.rmtree(run.parent, ignore_errors=True)  # DeepSpeed checkpoints (optimizer states) are no longer needed
     print(f"[demo] {name}: done in {time.perf_counter() - started:.0f} s -> {final}")
     return final
 
@@ -185,7 +183,10 @@ def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
 def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, force: bool = False,
              rebench: bool = False, progress: bool = True) -> dict:
     """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
-    from benchmarks.bench import RESULT_LAYOUT, write_outputs
+    import torch
+
+    from benchmarks.bench import RESULT_LAYOUT, BenchConfig, load_models, resolve_methods, run_benchmark, write_outputs
+    from tree_search.prompts import load_prompts
 
     cache = cache_dir / cfg.fingerprint()
     measurement = {**{k: getattr(cfg, k) for k in ("max_new_tokens", "repeats", "methods")}, "layout": RESULT_LAYOUT}
@@ -202,13 +203,21 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
     target = train_and_export("target", toy(cfg.target, None), cache, "trained from scratch")
     drafter = train_and_export("drafter", toy(cfg.drafter, target), cache, "distilled from the target")
     assistant = train_and_export("assistant", toy(cfg.assistant, target), cache, "distilled from the target")
-    shutil.rmtree(cache / "runs", ignore_errors=True)
-    result = benchmark(cfg, corpus, target, drafter, assistant, progress)
-    result["models"] = {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
-                        "sizes": describe_models(target, drafter, assistant)}
-    result["skipped_verifiers"] = SKIPPED_VERIFIERS
-    result["demo_seconds"] = time.perf_counter() - started
-    result["measurement"] = measurement
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    methods = resolve_methods(cfg.methods)
+    # fp32: the exports keep DeepSpeed's fp32 master weights
+    models = load_models(methods, target, dtype=torch.float32, device=device, tokenizer=corpus["tokenizer"],
+                         drafter=drafter, assistant=assistant)
+    bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=cfg.repeats,
+                            max_new_tokens=cfg.max_new_tokens, chat_template=False)
+    prompts = load_prompts(corpus["prompts"])
+    result = run_benchmark(models, prompts, methods, bench_cfg, progress)
+    first = models.tokenizer(prompts[0].text, return_tensors="pt").input_ids.to(device)
+    result |= {"sizing": measure_sizing(models.target, models.drafter, first),
+               "models": {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
+                          "sizes": describe_models(target, drafter, assistant)},
+               "skipped_verifiers": SKIPPED_VERIFIERS, "demo_seconds": time.perf_counter() - started,
+               "measurement": measurement}
     write_outputs(result, out_dir, prefix="demo")
     return result
 
@@ -233,8 +242,8 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     # the assistant (a Transformer of the drafter's size, same data and steps) drafting in our engine: the paper's
     # Mamba-vs-Transformer comparison under the same decoding (`assistant:` methods)
     tf = ("tf-default=assistant:default",) if assistant else ()
-    greedy = ("hf-ar", *(("hf-assisted",) if assistant else ()), "hf-lookup", "ar", "default", f"cpu-bandit={bandit}",
-              *tf)
+    assisted = ("hf-assisted",) if assistant else ()
+    greedy = ("hf-ar", *assisted, "hf-lookup", "ar", "default", f"cpu-bandit={bandit}", *tf)
     sampled = ("hf-ar", "ar", "default", f"cpu-bandit@sampling={bandit}@sampling", *tf)
     if assistant and full_sweep:
         greedy += ("tf-chain:2=assistant:chain:2", "tf-tree:2,1=assistant:tree:2,1", f"tf-bandit=assistant:{bandit}")
@@ -244,7 +253,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
                    f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
                    f"cpu-bandit@fly={bandit}@fly", f"cpu-bandit@topk={bandit}@topk",
                    f"cpu-bandit@dropmatch={bandit}@dropmatch")
-        sampled += ("chain:2@sampling", "tree:2,1@sampling", *(("hf-assisted",) if assistant else ()))
+        sampled += ("chain:2@sampling", "tree:2,1@sampling", *assisted)
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -276,16 +285,6 @@ def real_fingerprint(cfg, drafter: str | None) -> str:
     return "real-" + digest.hexdigest()[:10]
 
 
-def shipped_drafter_available() -> bool:
-    from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
-
-    try:
-        resolve_directory(SHIPPED_DRAFTER)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def rebuild_pair(cfg, records: list[dict], cache: Path) -> tuple[Path, Path]:
     """--train: the data engine's replies (cached, resumable) -> drafter + assistant trained on them, exported."""
     from benchmarks.real_pair import make_data_args, train_config, training_prompts
@@ -311,7 +310,6 @@ def rebuild_pair(cfg, records: list[dict], cache: Path) -> tuple[Path, Path]:
 
     drafter = train_and_export("drafter", recipe("mamba2"), cache, "KL to the cached target distributions")
     assistant = train_and_export("assistant", recipe("llama"), cache, "same data, steps and initialisation")
-    shutil.rmtree(cache / "runs", ignore_errors=True)
     return drafter, assistant
 
 
@@ -319,19 +317,25 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
                   rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True,
                   train: bool = False, drafter: str | None = None,
                   budget_minutes: float = BUDGET_MINUTES) -> dict:
-    """Shipped drafter (or --drafter, or one rebuilt with --train) vs the target: greedy and sampled tables,
-    measured within `budget_minutes` (after any rebuild)."""
+    """Shipped drafter (or --drafter, or one rebuilt with --train) vs the target, loaded as `generate` loads it (and
+    plain copies for the hf-* methods): its sizing, then greedy and sampled tables measured within `budget_minutes`
+    from the end of any rebuild (`measure_tables`)."""
     import torch
 
-    from benchmarks.bench import RESULT_LAYOUT, write_outputs
-    from mamba_draft.checkpoint import SHIPPED_DRAFTER
+    from benchmarks.bench import RESULT_LAYOUT, load_models, resolve_methods, write_outputs
+    from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
     from mamba_draft.devices import default_dtype
     from mamba_draft.heldout import read_spec_bench
+    from mamba_draft.targets import SHIPPED_TARGET
+    from tree_search.prompts import encode_prompt
 
     records = read_spec_bench(prompts_path)  # checked before anything is built
-    if not train and drafter is None and not shipped_drafter_available():
-        print("[demo] no drafter is shipped in this installation yet: rebuilding one (--train)")
-        train = True
+    if not train and drafter is None:
+        try:
+            resolve_directory(SHIPPED_DRAFTER)
+        except FileNotFoundError:
+            print("[demo] no drafter is shipped in this installation yet: rebuilding one (--train)")
+            train = True
     drafter = None if train else (drafter or SHIPPED_DRAFTER)
     cache = cache_dir / real_fingerprint(cfg, drafter)
     measurement = {"config": asdict(cfg), "prompts": str(prompts_path), "full_sweep": full_sweep, "repeats": repeats,
@@ -345,15 +349,26 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
         drafter, assistant = rebuild_pair(cfg, records, cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = default_dtype(device)  # the same for every method: bf16 where native (AVX512-BF16, AMX, GPUs)
-    print(f"[demo] target SmolLM2-135M-Instruct in {str(dtype).removeprefix('torch.')} on {device} "
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"[demo] target SmolLM2-135M-Instruct in {dtype_name} on {device} "
           f"({'native bf16' if dtype == torch.bfloat16 else 'no native bf16'}), drafter {drafter}")
-    result = benchmark_real(cfg, records, drafter, assistant, dtype, device, full_sweep, repeats, 60 * budget_minutes,
-                            progress)
-    result["models"] = {"drafter": str(drafter), "assistant": str(assistant) if assistant else None}
-    result["training"] = {"drafter": heldout_curve(Path(drafter)) if train else [],
-                          "assistant": heldout_curve(Path(assistant)) if train and assistant else []}
-    result["demo_seconds"] = time.perf_counter() - started
-    result["measurement"] = measurement
+    measuring = time.perf_counter()
+    specs = real_methods(dtype_name, assistant is not None, full_sweep)
+    tables = {name: resolve_methods(specs[name]) for name in ("greedy", "sampled")}
+    # the drafter in the target's dtype, its SSM state in fp32 (load_drafter's default): a batch-1 step is
+    # memory-bound, and bf16 weights halve it
+    models = load_models([m for methods in tables.values() for m in methods], SHIPPED_TARGET, dtype=dtype,
+                         device=device, drafter=str(drafter), assistant=assistant)
+    first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
+    assistant_drafter = models.assistant_as_drafter() if models.assistant is not None else None
+    sizing = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
+    measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress)
+    result = {"dtype": dtype_name, **measured, "sizing": sizing,
+              "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},
+              # a rebuild's held-out agreement curves (--train rebuilds both models)
+              "training": {name: heldout_curve(Path(path)) if train else []
+                           for name, path in (("drafter", drafter), ("assistant", assistant))},
+              "demo_seconds": time.perf_counter() - started, "measurement": measurement}
     write_outputs(result["greedy"], out_dir, prefix="demo")
     write_outputs(result["sampled"], out_dir, prefix="demo_sampled")
     write_json(out_dir / "demo.json", result)
@@ -368,31 +383,6 @@ def heldout_curve(run_or_export: Path) -> list[dict]:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [{k: r[k] for k in r if k.startswith("heldout_") or k in ("step", "train_tokens")}
             for r in rows if "heldout_agreement" in r]
-
-
-def benchmark_real(cfg, records, drafter: str, assistant: Path | None, dtype, device: str, full_sweep: bool,
-                   repeats: int, budget_s: float, progress: bool) -> dict:
-    """Load the pair as `generate` does (and plain copies for the hf-* methods), size it, then the tables within
-    `budget_s` seconds from here (`measure_tables`)."""
-    import torch
-
-    from benchmarks.bench import load_models, resolve_methods
-    from mamba_draft.targets import SHIPPED_TARGET
-    from tree_search.prompts import encode_prompt
-
-    started = time.perf_counter()
-    dtype_name = str(dtype).removeprefix("torch.")
-    specs = real_methods(dtype_name, assistant is not None, full_sweep)
-    tables = {name: resolve_methods(specs[name]) for name in ("greedy", "sampled")}
-    # the drafter in the target's dtype, its SSM state in fp32 (load_drafter's default): a batch-1 step is
-    # memory-bound, and bf16 weights halve it
-    models = load_models([m for methods in tables.values() for m in methods], SHIPPED_TARGET, dtype=dtype,
-                         device=device, drafter=str(drafter), assistant=assistant)
-    first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
-    assistant_drafter = models.assistant_as_drafter() if models.assistant is not None else None
-    sizing = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
-    out = measure_tables(models, records, cfg, tables, repeats, budget_s, started, progress)
-    return {"dtype": dtype_name, **out, "sizing": sizing}
 
 
 def heldout_questions(records: list[dict], per_category: int, limit: int | None = None) -> list:
@@ -432,13 +422,12 @@ PROBE_QUESTIONS = 2
 
 
 def time_plain_decoding(models, prompts: list, max_new_tokens: int) -> float:
-    """Mean wall seconds of one greedy `ar` decode of each prompt."""
-    from benchmarks.bench import BenchConfig, encode_prompts, eos_ids, make_batches, run_pass
-    from benchmarks.methods import parse_method
+    """Mean wall seconds of one greedy `ar` decode of each prompt (one pass, no warm-up)."""
+    from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
 
-    cfg = BenchConfig(methods=("ar",), max_new_tokens=max_new_tokens, temperature=0.0)
-    ids = encode_prompts(models.tokenizer, prompts, cfg, next(models.target.parameters()).device)
-    records = run_pass(parse_method("ar"), models, make_batches(ids, 1), cfg, eos_ids(models), cfg.seed)["records"]
+    cfg = BenchConfig(methods=("ar",), repeats=1, warmup=0, max_new_tokens=max_new_tokens, temperature=0.0)
+    result = run_benchmark(models, prompts, resolve_methods(cfg.methods), cfg, progress=False)
+    records = result["batches"]["1"]["runs"]["ar"][0]["records"]
     return sum(r["wall_time"] for r in records) / len(records)
 
 
@@ -478,27 +467,6 @@ def fit_budget(records: list[dict], cfg, repeats: int, decodes: int, decode_s: f
               "kept": {"questions": questions(cfg), "per_category": cfg.per_category, "repeats": repeats},
               "projected_s": projected(cfg, repeats), "cuts": cuts, "summary": summary}
     return cfg, repeats, budget
-
-
-def benchmark(cfg: DemoConfig, corpus: dict[str, Path], target: Path, drafter: Path, assistant: Path,
-              progress: bool) -> dict:
-    import torch
-
-    from benchmarks.bench import BenchConfig, load_models, resolve_methods, run_benchmark
-    from tree_search.prompts import load_prompts
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    methods = resolve_methods(cfg.methods)
-    # fp32: the exports keep DeepSpeed's fp32 master weights
-    models = load_models(methods, target, dtype=torch.float32, device=device, tokenizer=corpus["tokenizer"],
-                         drafter=drafter, assistant=assistant)
-    bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=cfg.repeats,
-                            max_new_tokens=cfg.max_new_tokens, chat_template=False)
-    prompts = load_prompts(corpus["prompts"])
-    result = run_benchmark(models, prompts, methods, bench_cfg, progress)
-    first = models.tokenizer(prompts[0].text, return_tensors="pt").input_ids.to(device)
-    result["sizing"] = measure_sizing(models.target, models.drafter, first)
-    return result
 
 
 def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
@@ -621,10 +589,14 @@ def print_real(result: dict) -> None:
     sizing = result["sizing"]
     assistant = (f", assistant (Transformer drafter) step {sizing['assistant_step_ms']:.2f} ms"
                  if "assistant_step_ms" in sizing else "")
-    print(f"Sizing (bare, batch 1): target token {sizing['target_token_ms']:.2f} ms, drafter step "
-          f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x){assistant}; verifying n tokens costs "
+    print(f"{sizing_text(sizing)}{assistant}; verifying n tokens costs "
           + ", ".join(f"{n}: {c:.2f}x" for n, c in sizing["verify_cost"].items())
           + f" one token; demo took {result['demo_seconds']:.0f} s")
+
+
+def sizing_text(sizing: dict) -> str:
+    return (f"Sizing (bare, batch 1): target token {sizing['target_token_ms']:.2f} ms, drafter step "
+            f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x)")
 
 
 def run_toy(args: argparse.Namespace) -> int:
@@ -635,8 +607,6 @@ def run_toy(args: argparse.Namespace) -> int:
     result = run_demo(cfg, args.cache_dir, args.out, force=args.force, rebench=args.rebench)
     print(markdown_report(result))
     if "sizing" in result:
-        sizing = result["sizing"]
-        print(f"Sizing (bare, batch 1): target token {sizing['target_token_ms']:.2f} ms, drafter step "
-              f"{sizing['drafter_step_ms']:.2f} ms ({sizing['ratio']:.1f}x)")
+        print(sizing_text(result["sizing"]))
     print("Skipped verifiers: " + "; ".join(f"{k} ({v})" for k, v in result["skipped_verifiers"].items()))
     return 0

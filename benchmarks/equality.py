@@ -29,10 +29,5 @@ def compare_outputs(references: list[list[int]], candidates: list[list[int]]) ->
     divergence = [compare_tokens(r, c).first_divergence for r, c in zip(references, candidates)]
     agreement = [1.0 if d is None else d / max(len(r), 1) for d, r in zip(divergence, references)]
     n_identical = sum(d is None for d in divergence)
-    return Equality(
-        identical=n_identical == len(references),
-        n_prompts=len(references),
-        n_identical=n_identical,
-        divergence=divergence,
-        prefix_agreement=sum(agreement) / max(len(agreement), 1),
-    )
+    return Equality(identical=n_identical == len(references), n_prompts=len(references), n_identical=n_identical,
+                    divergence=divergence, prefix_agreement=sum(agreement) / max(len(agreement), 1))

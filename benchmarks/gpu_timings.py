@@ -171,21 +171,26 @@ def kernel_profile(drafter, cfg: GpuTimingConfig, steps: int = 20) -> list[dict]
     return rows
 
 
-def time_tree_drafting(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
-    """Drafting a whole tree from the root's logits (graphs on CUDA, the drafter's best backend), per shape."""
+def tree_drafting(drafter, prompts: torch.Tensor, rows: int, vocab: int):
+    """A TreeDrafter of `rows` rows on the drafter's best backend (graphs on CUDA), prefilled with `prompts` (B, L),
+    and draft(config): B greedy top-k trees from the prompts' last tokens."""
     from tree_search.drafting import TreeDrafter
     from tree_search.sampling import SamplingParams
-    from tree_search.tree import TreeConfig
 
     drafter.set_backend(backends(drafter)[-1])
-    greedy = SamplingParams(temperature=0.0)
+    drafts = TreeDrafter(drafter, rows, vocab)
+    logits, roots, greedy = drafts.prefill(prompts), prompts[:, -1], SamplingParams(temperature=0.0)
+    return drafts, lambda config: drafts.draft(config, roots, logits, greedy, "topk", False, None)
+
+
+def time_tree_drafting(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+    """Drafting a whole tree from the root's logits, per shape (one prompt: a batch of one)."""
+    from tree_search.tree import TreeConfig
+
     configs = [TreeConfig(c) for c in CHAINS + TREES]
-    drafts = TreeDrafter(drafter, max(len(c.build()) for c in configs), drafter.vocab_size)
     prompt = torch.randint(0, drafter.vocab_size, (1, 32), device=drafter.device)
-    logits = drafts.prefill(prompt)
-    roots = prompt[:, -1]  # one prompt: a batch of one
-    rows = [{"tree": c.branching, "nodes": len(c.build()),
-             "ms": clock.ms(lambda: drafts.draft(c, roots, logits, greedy, "topk", False, None))} for c in configs]
+    drafts, draft = tree_drafting(drafter, prompt, max(len(c.build()) for c in configs), drafter.vocab_size)
+    rows = [{"tree": c.branching, "nodes": len(c.build()), "ms": clock.ms(lambda: draft(c))} for c in configs]
     drafts.runner.invalidate()
     drafter.set_backend("torch")
     chain5 = next(r["ms"] for r in rows if r["tree"] == CHAIN5)
@@ -231,15 +236,11 @@ def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
 
 def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
     """B prompts: one plain decoding step of every row vs drafting B trees + verifying them in one forward."""
-    from tree_search.drafting import TreeDrafter
-    from tree_search.sampling import SamplingParams
     from tree_search.target import TargetCache
     from tree_search.tree import TreeConfig
 
     device, batch = drafter.device, cfg.batch
     vocab = min(model.config.vocab_size, drafter.vocab_size)
-    drafter.set_backend(backends(drafter)[-1])
-    greedy = SamplingParams(temperature=0.0)
     # every timed call grows the cache by one token (the root kept); on CUDA the storage the engine uses there
     calls = (clock.iters + clock.warmup + 2) * (1 + len(PAPER_TAU))
     nodes = max(len(TreeConfig(b).build()) for b in PAPER_TAU)
@@ -252,31 +253,16 @@ def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dic
     for branching, tau in PAPER_TAU.items():
         config = TreeConfig(branching)
         nodes = len(config.build())
-        drafts = TreeDrafter(drafter, batch * nodes + batch, model.config.vocab_size)
-        logits = drafts.prefill(prompts)
-
-        def draft():
-            return drafts.draft(config, roots, logits, greedy, "topk", False, None)
-
-        verify = verify_call(state, draft().tokens.clone(), config.build(), [[] for _ in range(batch)])
-        rows.append({"tree": branching, "ms": clock.ms(verify), "draft_ms": clock.ms(draft), "tau": tau})
+        drafts, draft = tree_drafting(drafter, prompts, batch * nodes + batch, model.config.vocab_size)
+        verify = verify_call(state, draft(config).tokens.clone(), config.build(), [[] for _ in range(batch)])
+        rows.append({"tree": branching, "ms": clock.ms(verify), "draft_ms": clock.ms(lambda: draft(config)),
+                     "tau": tau})
         drafts.runner.invalidate()
     drafter.set_backend("torch")
     plain = rows[0]["ms"]
     for r in rows[1:]:
         r["projected_speedup"] = r["tau"] * plain / (r["ms"] + r["draft_ms"])
     return rows
-
-
-class SharedVocab:
-    """The tokenizer both random models stand for, as far as `generate`'s vocabulary check reads one (its length):
-    Pythia pads GPT-NeoX's vocabulary to 50304 / 50432 rows, the Mamba-130M drafter to 50280."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
 
 
 # what torch's sync debug mode warns at each synchronizing op (c10 warn_or_error_on_sync); other warnings that
@@ -305,22 +291,17 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
     """Syncs in a captured drafting pass and a captured verify + commit (both should be 0), and per round of a
     whole `generate` call (one is the round's verdict, copied to the host). Off CUDA the same calls run eager and
     the counts are None."""
-    from tree_search.drafting import TreeDrafter
     from tree_search.generate import generate
-    from tree_search.sampling import SamplingParams
     from tree_search.target import TargetCache
     from tree_search.tree import TreeConfig
 
     config = TreeConfig((3, 2, 2, 1, 1))
     vocab = min(model.config.vocab_size, drafter.vocab_size)
-    drafter.set_backend(backends(drafter)[-1])
-    drafts = TreeDrafter(drafter, len(config.build()), drafter.vocab_size)
     prompt = torch.randint(0, vocab, (1, 64), device=device)
-    logits = drafts.prefill(prompt)
-    greedy = SamplingParams(temperature=0.0)
+    _, draft = tree_drafting(drafter, prompt, len(config.build()), drafter.vocab_size)
     for _ in range(2):  # capture first
-        drafts.draft(config, prompt[:, -1], logits, greedy, "topk", False, None)
-    drafting = host_syncs(lambda: drafts.draft(config, prompt[:, -1], logits, greedy, "topk", False, None))
+        draft(config)
+    drafting = host_syncs(lambda: draft(config))
     tree = config.build()
     state = TargetCache(model, static=True, max_len=256, graphs=device.type == "cuda")
     state.prefill(prompt)
@@ -330,8 +311,10 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
     rounds: list[int] = []
 
     def call():
+        # generate's vocabulary check reads only len(tokenizer): the real vocabulary both random models pad (Pythia
+        # GPT-NeoX's to 50304 / 50432 rows, the Mamba-130M drafter to 50280)
         result = generate(model, drafter, prompt, max_new_tokens=32, tree=config, temperature=0.0, verifier="greedy",
-                          tokenizer=SharedVocab(vocab))
+                          tokenizer=range(vocab))
         rounds.append(result.stats.rounds)
 
     call()
