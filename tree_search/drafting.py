@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tree_search.calls import check_batch_prompts
-from tree_search.graphs import StepRunner, drafter_key
+from tree_search.graphs import StepRunner, drafter_key, to_device
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, sample_without_replacement, soft_probs
 from tree_search.tree import Forest, Tree, TreeConfig
@@ -280,10 +280,7 @@ class TreeDrafter:
             raise ValueError(f"expected {batch} values, one per batch row, got {len(values)}")
         if limit is not None and any(not 0 <= v < limit for v in values):
             raise ValueError(f"values must lie in [0, {limit}), got {values}")
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":  # pinned and non-blocking: a copy from pageable memory makes the host wait
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
     def _step(self, tokens: torch.Tensor, start: int, stop: int, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start:stop] <- rows `parents` (if given), then one drafter step with `tokens` (`StepRunner.run`)."""

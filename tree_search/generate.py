@@ -142,7 +142,7 @@ class SpeculativeDecoder:
                 draft = drafts.draft(tree, logits, call.generators)
             rec.mark(VERIFY)
             if proposal or tree is not None:
-                results, proposed, hidden = self.verify(target, draft, call, drafts.reads_target)
+                results, proposed, hidden = self.verify(target, draft, call, drafts)
             else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root)
                 scores, hidden = target.tree_forward(drafts.roots(rows)[:, None], ROOT_ONLY, drafts.reads_target)
                 plain = choose(scores[:, 0], call.params, call.generators)
@@ -203,12 +203,12 @@ class SpeculativeDecoder:
         call.recorder.mark(DONE)
         return logits
 
-    def verify(self, target: TargetCache, draft, call: Call, want_hidden: bool = False):
-        """One target forward over every row's tree, the verifier's decision per row -> (results, each row's
-        proposed tokens: accepted path + next token, the final hidden states if asked for), with the round's one
-        device -> host transfer (the trees' tokens come along, so no index tensor has to go the other way first)."""
+    def verify(self, target: TargetCache, draft, call: Call, drafts):
+        """One target forward over every row's tree (`drafts` drafted them), the verifier's decision per row ->
+        (results, each row's proposed tokens: accepted path + next token, the final hidden states), with the round's
+        one device -> host transfer (the trees' tokens come along: no index tensor has to go the other way first)."""
         verifier, params = call.verifier, call.params
-        scores, hidden = target.tree_forward(draft.tokens, draft.tree, want_hidden or verifier.needs_hidden)
+        scores, hidden = target.tree_forward(draft.tokens, draft.tree, drafts.reads_target or verifier.needs_hidden)
         if verifier.walks_argmax(params):  # one batched argmax and one host copy instead of B verifier calls
             n = len(draft.tree)
             host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
@@ -218,10 +218,9 @@ class SpeculativeDecoder:
             lm_head = self.target.get_output_embeddings() if verifier.needs_hidden else None
             results = [verifier.verify(VerifyInput(
                 tree=draft.tree, tokens=draft.tokens[b], target_logits=scores[b],
-                draft_probs=draft.probs[b] if not params.greedy or verifier.needs_draft_probs else None,
+                draft_probs=draft.probs[b] if drafts.record_probs else None,
                 hidden=hidden[b] if hidden is not None else None, lm_head=lm_head, sampling=params,
-                generator=call.generators[b] if call.generators else None,
-                draft_mode="sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"))
+                generator=call.generators[b] if call.generators else None, draft_mode=drafts.mode))
                 for b in range(scores.shape[0])]
             tokens = draft.tokens.tolist()
         return results, [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)], hidden

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLay
 
 from mamba_draft.targets import cache_keyword
 from mamba_draft.targets.row_blocks import low_precision_cpu, make_row_invariant, prefilling
-from tree_search.graphs import capture_graph, weights_key
+from tree_search.graphs import capture_graph, to_device, weights_key
 from tree_search.target.facts import (
     MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows,
     static_cache_refusal,
@@ -232,12 +232,10 @@ class TargetCache:
             self.positions += 1
         else:
             span = n - 1 if self.static else longest  # static: fixed shapes per tree size (self-copies past a path)
-            # one host -> device copy, pinned and non-blocking: each row's source slots, then its path length
+            # the round's one host -> device copy: each row's source slots, then its path length
             index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + span))
                                   + [len(path)] for path in paths])
-            if self.device.type == "cuda":
-                index = index.pin_memory()
-            index = index.to(self.device, non_blocking=True)
+            index = to_device(index, self.device)
             kept = index[:, -1]
             if any(path != list(range(1, len(path) + 1)) for path in paths):  # chains from node 1 are in place
                 self._move(index[:, :-1], root, n)
@@ -364,18 +362,15 @@ class TargetCache:
         shape.mask[:, 0] = self._valid[:, None, :]
         shape.mask[:, 0, :, start : start + n] = block
         if not self.use_graphs:
-            return self._static_call(shape, want_hidden)
+            return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.graphs:
             shape.graphs[want_hidden] = self._capture(lambda: self._static_call_into(shape, want_hidden))
         shape.graphs[want_hidden].replay()
         return shape.outputs[want_hidden]
 
-    def _static_call(self, shape: _Shape, want_hidden: bool):
-        return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
-
     def _static_call_into(self, shape: _Shape, want_hidden: bool) -> None:
         """The captured forward: outputs copied into buffers of their own, out of reach of other graphs' replays."""
-        logits, hidden = self._static_call(shape, want_hidden)
+        logits, hidden = self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.outputs:
             shape.outputs[want_hidden] = torch.empty_like(logits), None if hidden is None else torch.empty_like(hidden)
         logits_out, hidden_out = shape.outputs[want_hidden]
