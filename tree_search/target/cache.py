@@ -155,10 +155,9 @@ class TargetCache:
         self.slots, self._pending = 0, None
         if self.static:
             self._start_static(batch)
-            self._valid = self.style.full((batch, self.max_len), False, self.device)
         else:
             self.cache = DynamicCache(config=self.model.config)
-            self._valid = self.style.full((batch, max(length, 1)), False, self.device)
+        self._valid = self.style.full((batch, self.max_len or max(length, 1)), False, self.device)
         if length == 0:
             return None
         self._reserve(length)
@@ -181,7 +180,7 @@ class TargetCache:
         batch, length = valid.shape
         seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
         seen |= torch.eye(length, dtype=torch.bool, device=self.device)
-        mask = self.style.full((batch, 1, length, self.max_len if self.static else length), False, self.device)
+        mask = self.style.full((batch, 1, length, self.max_len or length), False, self.device)
         mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
         return mask
 
