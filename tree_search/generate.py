@@ -213,7 +213,7 @@ class SpeculativeDecoder:
             n = len(draft.tree)
             host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
             tokens = [row[:n] for row in host]
-            results = [VerifyResult(*greedy_walk(draft.tree, row[:n], row[n:])) for row in host]
+            results = [greedy_walk(draft.tree, row[:n], row[n:]) for row in host]
         else:
             lm_head = self.target.get_output_embeddings() if verifier.needs_hidden else None
             results = [verifier.verify(VerifyInput(
