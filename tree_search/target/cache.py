@@ -309,10 +309,9 @@ class TargetCache:
         """Slots root+1 ... of every row take that row's `sources` (B, span), gathered before the write."""
         span = sources.shape[1]
         if not self.static:
-            src = sources[:, None, :, None]
             for layer in self.cache.layers:
-                layer.keys[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(layer.keys, src, dim=2)
-                layer.values[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(layer.values, src, dim=2)
+                for kv in (layer.keys, layer.values):
+                    kv[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(kv, sources[:, None, :, None], dim=2)
             return
         shape = self._shape(n)
         shape.src.view(shape.src.shape[0], -1).copy_(sources)
