@@ -157,12 +157,12 @@ class SpeculativeDecoder:
                 # a drafter that reads the target reads each committed token with the target's state before it
                 features = [hidden[b, [0, *r.path]] for b, r in enumerate(results)] if drafts.reads_target else None
                 if tree is not None:
-                    resync = (draft, results, proposed, features)
+                    resync = (draft, results, proposed)
                 elif drafts.reads_target:  # read with their states when it next drafts (host lists: no sync)
                     resync = proposed
                 else:  # the drafter reads these tokens when it next drafts
                     resync = torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None]
-                logits = self.resync(call, target, drafts, finished, logits, (resync, features))
+                logits = self.resync(call, target, drafts, finished, logits, resync, features)
             tokens_out = sum(map(len, proposed))
             if arm is not None:  # charged the whole round, commit and resync included
                 policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / rows,
@@ -185,18 +185,17 @@ class SpeculativeDecoder:
         drafts.skip(call.ids[:, -1:], catch_up=False)
         return drafts
 
-    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, committed):
-        """After a round's commit: the drafter reads a drafted round's accepted paths (`committed` = ((draft,
-        results, proposed, features), features)) or keeps a lookup / plain round's tokens (((B, m) tokens,
-        features)) for its next draft to catch up on; finished rows leave the batch. Returns the drafter's logits
-        after each remaining root."""
-        resync, features = committed
+    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, committed, features):
+        """After a round's commit: the drafter reads a drafted round's accepted paths (`committed` = (draft, results,
+        proposed)) or keeps a lookup / plain round's tokens ((B, m), or host lists) for its next draft to catch up on,
+        with their target states `features` (a drafter that reads the target); finished rows leave the batch.
+        Returns the drafter's logits after each remaining root."""
         keep = call.drop_finished(target, finished)
         call.recorder.mark(RESYNC)
-        if isinstance(resync, tuple):
-            logits = drafts.resync(*resync)
+        if isinstance(committed, tuple):
+            logits = drafts.resync(*committed, features)
         else:  # tree "none" alone never drafts: nothing to catch up on
-            drafts.skip(resync, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
+            drafts.skip(committed, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
         if keep is not None:
             drafts.compact(keep)
             logits = logits[keep] if logits is not None else None
