@@ -80,11 +80,8 @@ class UCBBandit:
             self.lambda_ucb = 0.5 if self.reward == "time" else 0.1
         if self.lambda_ucb < 0:
             raise ValueError(f"lambda_ucb must be >= 0, got {self.lambda_ucb}")
-        if isinstance(self.lambda_gamma, str):
-            if self.lambda_gamma != "auto":
-                raise ValueError(f"lambda_gamma must be a number >= 0 or 'auto', got {self.lambda_gamma!r}")
-        elif self.lambda_gamma < 0:
-            raise ValueError(f"lambda_gamma must be >= 0, got {self.lambda_gamma}")
+        if self.lambda_gamma != "auto" and (isinstance(self.lambda_gamma, str) or self.lambda_gamma < 0):
+            raise ValueError(f"lambda_gamma must be a number >= 0 or 'auto', got {self.lambda_gamma!r}")
         self.reset()
 
     def reset(self) -> None:

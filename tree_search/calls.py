@@ -267,8 +267,7 @@ def check_draft_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
 
 def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
     if eos_token_id is None:
-        config = getattr(target, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
+        eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     if eos_token_id is None:
         return set()
     return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
@@ -314,9 +313,8 @@ def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, 
         if row.dim() != 1 or row.dtype.is_floating_point or row.dtype == torch.bool:
             raise ValueError(f"prompt {b} must be a list or 1-D tensor of integer token ids, got "
                              f"{row.dtype} {tuple(row.shape)}")
-        rows.append(row)
-    rows = [row.long().cpu() for row in rows]  # pad id 0: masked out, but the target embeds it
-    ids = pad_sequence(rows, batch_first=True, padding_side="left")
+        rows.append(row.long().cpu())
+    ids = pad_sequence(rows, batch_first=True, padding_side="left")  # pad id 0: masked out, but the target embeds it
     mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side="left")
     return ids, mask, [row.numel() for row in rows]
 
@@ -357,9 +355,9 @@ def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int],
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     vocab = target_vocab_size(target)
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise ValueError(f"token ids (pads included) must lie in [0, {vocab}), got [{int(ids.min())}, "
-                         f"{int(ids.max())}]")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"token ids (pads included) must lie in [0, {vocab}), got [{low}, {high}]")
     longest = max(lengths)
     limit = max_positions(target)
     if limit is not None and longest + max_new_tokens + tree_depth > limit:

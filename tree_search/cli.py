@@ -98,17 +98,15 @@ def run(args: argparse.Namespace) -> int:
                                      dtype=args.dtype, tree=spec, verifier=args.verifier,
                                      verifier_params=verifier_params, prompt_lookup=args.prompt_lookup,
                                      lookup_tokens=lookup_tokens)
-    tokenizer, dtype = generator.tokenizer, generator.target.dtype
+    dtype = str(generator.target.dtype).removeprefix("torch.")
     sampling = resolve_sampling(generator.target, args.temperature, args.top_p, args.top_k)
-    streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
+    streamer = None if args.json else TextStreamer(generator.tokenizer, skip_prompt=True)
     result = generator.generate(text, max_new_tokens=args.max_new_tokens, system_prompt=args.system_prompt,
                                 chat_template=not args.no_chat_template, seed=args.seed, streamer=streamer,
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     stats = result.stats
     if args.json:
-        report = {"text": result.text, "tokens": result.token_ids, "target_dtype": str(dtype).removeprefix("torch."),
-                  **stats.to_dict()}
-        print(json.dumps(report))
+        print(json.dumps({"text": result.text, "tokens": result.token_ids, "target_dtype": dtype, **stats.to_dict()}))
         return 0
     lines = [
         f"new tokens {stats.new_tokens} in {stats.total_time:.2f}s ({stats.tokens_per_s:.1f} tok/s), "
@@ -121,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         f"drafter calls {stats.drafter_calls}" + (f" ({stats.drafter_calls_saved} saved by prompt lookup)"
                                                    if args.prompt_lookup else "")
         + (f"; {stats.lookup_rounds} prompt-lookup rounds" if lookup_tokens else ""),
-        f"target dtype {str(dtype).removeprefix('torch.')}",
+        f"target dtype {dtype}",
     ]
     if len(stats.lossy_accepts_by) > 1:
         lines.append("lossy accepts by rule: " + ", ".join(f"{k} {v}" for k, v in stats.lossy_accepts_by.items()))

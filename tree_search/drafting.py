@@ -10,17 +10,16 @@ leaving this module is in target ids, a recorded q scattered into the full targe
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tree_search.calls import check_batch_prompts
-from tree_search.graphs import StepRunner, drafter_key
+from tree_search.graphs import StepRunner, drafter_key, to_device
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, sample_without_replacement, soft_probs
-from tree_search.tree import Forest, Tree, TreeConfig
+from tree_search.tree import Forest, Tree, TreeConfig, equal_runs
 
 LOOKUP_ROWS = 3  # row 0 committed, rows 1-2 the lookup drafter's live + snapshot scratch rows
 
@@ -132,7 +131,7 @@ class TreeDrafter:
             raise ValueError(f"a batch of {batch} prompts exceeds the {self.roots.shape[0]} state rows allocated")
         ids = ids.to(device=self.device, dtype=torch.long)
         readable, logits = self._readable(ids), []
-        for start, stop in _runs(lengths):
+        for start, stop in equal_runs(lengths):
             part, _ = self.drafter.prefill(readable[start:stop, width - lengths[start]:],
                                            state=self.state.rows(start, stop))
             logits.append(part)
@@ -253,7 +252,7 @@ class TreeDrafter:
         """Rows 0..B-1 read their own committed tokens, each with its target states (m_b, H) (a drafter that reads
         the target), one drafter call per run of rows reading as many -> the logits after them (B, V)."""
         logits = []
-        for start, stop in _runs([len(row) for row in tokens]):
+        for start, stop in equal_runs([len(row) for row in tokens]):
             ids = self._readable(torch.tensor(tokens[start:stop], device=self.device))
             logits.append(self.drafter.extend(ids, self.state.rows(start, stop), last_only=True,
                                               features=torch.stack(features[start:stop])))
@@ -280,21 +279,9 @@ class TreeDrafter:
             raise ValueError(f"expected {batch} values, one per batch row, got {len(values)}")
         if limit is not None and any(not 0 <= v < limit for v in values):
             raise ValueError(f"values must lie in [0, {limit}), got {values}")
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":  # pinned and non-blocking: a copy from pageable memory makes the host wait
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
     def _step(self, tokens: torch.Tensor, start: int, stop: int, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start:stop] <- rows `parents` (if given), then one drafter step with `tokens` (`StepRunner.run`)."""
         self.calls += 1
         return self.runner.run(start, stop, tokens, parents)
-
-
-def _runs(lengths: list[int]):
-    """(start, stop) of each run of equal lengths."""
-    start = 0
-    for _, run in itertools.groupby(lengths):
-        stop = start + len(list(run))
-        yield start, stop
-        start = stop

@@ -142,7 +142,7 @@ class SpeculativeDecoder:
                 draft = drafts.draft(tree, logits, call.generators)
             rec.mark(VERIFY)
             if proposal or tree is not None:
-                results, proposed, hidden = self.verify(target, draft, call, drafts.reads_target)
+                results, proposed, hidden = self.verify(target, draft, call, drafts)
             else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root)
                 scores, hidden = target.tree_forward(drafts.roots(rows)[:, None], ROOT_ONLY, drafts.reads_target)
                 plain = choose(scores[:, 0], call.params, call.generators)
@@ -157,12 +157,12 @@ class SpeculativeDecoder:
                 # a drafter that reads the target reads each committed token with the target's state before it
                 features = [hidden[b, [0, *r.path]] for b, r in enumerate(results)] if drafts.reads_target else None
                 if tree is not None:
-                    resync = (draft, results, proposed, features)
+                    resync = (draft, results, proposed)
                 elif drafts.reads_target:  # read with their states when it next drafts (host lists: no sync)
                     resync = proposed
                 else:  # the drafter reads these tokens when it next drafts
                     resync = torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None]
-                logits = self.resync(call, target, drafts, finished, logits, (resync, features))
+                logits = self.resync(call, target, drafts, finished, logits, resync, features)
             tokens_out = sum(map(len, proposed))
             if arm is not None:  # charged the whole round, commit and resync included
                 policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / rows,
@@ -185,43 +185,41 @@ class SpeculativeDecoder:
         drafts.skip(call.ids[:, -1:], catch_up=False)
         return drafts
 
-    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, committed):
-        """After a round's commit: the drafter reads a drafted round's accepted paths (`committed` = ((draft,
-        results, proposed, features), features)) or keeps a lookup / plain round's tokens (((B, m) tokens,
-        features)) for its next draft to catch up on; finished rows leave the batch. Returns the drafter's logits
-        after each remaining root."""
-        resync, features = committed
+    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, committed, features):
+        """After a round's commit: the drafter reads a drafted round's accepted paths (`committed` = (draft, results,
+        proposed)) or keeps a lookup / plain round's tokens ((B, m), or host lists) for its next draft to catch up on,
+        with their target states `features` (a drafter that reads the target); finished rows leave the batch.
+        Returns the drafter's logits after each remaining root."""
         keep = call.drop_finished(target, finished)
         call.recorder.mark(RESYNC)
-        if isinstance(resync, tuple):
-            logits = drafts.resync(*resync)
+        if isinstance(committed, tuple):
+            logits = drafts.resync(*committed, features)
         else:  # tree "none" alone never drafts: nothing to catch up on
-            drafts.skip(resync, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
+            drafts.skip(committed, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
         if keep is not None:
             drafts.compact(keep)
             logits = logits[keep] if logits is not None else None
         call.recorder.mark(DONE)
         return logits
 
-    def verify(self, target: TargetCache, draft, call: Call, want_hidden: bool = False):
-        """One target forward over every row's tree, the verifier's decision per row -> (results, each row's
-        proposed tokens: accepted path + next token, the final hidden states if asked for), with the round's one
-        device -> host transfer (the trees' tokens come along, so no index tensor has to go the other way first)."""
+    def verify(self, target: TargetCache, draft, call: Call, drafts):
+        """One target forward over every row's tree (`drafts` drafted them), the verifier's decision per row ->
+        (results, each row's proposed tokens: accepted path + next token, the final hidden states), with the round's
+        one device -> host transfer (the trees' tokens come along: no index tensor has to go the other way first)."""
         verifier, params = call.verifier, call.params
-        scores, hidden = target.tree_forward(draft.tokens, draft.tree, want_hidden or verifier.needs_hidden)
+        scores, hidden = target.tree_forward(draft.tokens, draft.tree, drafts.reads_target or verifier.needs_hidden)
         if verifier.walks_argmax(params):  # one batched argmax and one host copy instead of B verifier calls
             n = len(draft.tree)
             host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
             tokens = [row[:n] for row in host]
-            results = [VerifyResult(*greedy_walk(draft.tree, row[:n], row[n:])) for row in host]
+            results = [greedy_walk(draft.tree, row[:n], row[n:]) for row in host]
         else:
             lm_head = self.target.get_output_embeddings() if verifier.needs_hidden else None
             results = [verifier.verify(VerifyInput(
                 tree=draft.tree, tokens=draft.tokens[b], target_logits=scores[b],
-                draft_probs=draft.probs[b] if not params.greedy or verifier.needs_draft_probs else None,
+                draft_probs=draft.probs[b] if drafts.record_probs else None,
                 hidden=hidden[b] if hidden is not None else None, lm_head=lm_head, sampling=params,
-                generator=call.generators[b] if call.generators else None,
-                draft_mode="sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"))
+                generator=call.generators[b] if call.generators else None, draft_mode=drafts.mode))
                 for b in range(scores.shape[0])]
             tokens = draft.tokens.tolist()
         return results, [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)], hidden

@@ -20,6 +20,14 @@ def weights_key(module: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t.dtype, t.device) for t in itertools.chain(module.parameters(), module.buffers()))
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: a copy from pageable memory would, so on CUDA it goes
+    through pinned memory, non-blocking."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def drafter_key(drafter) -> tuple:
     """What a drafter's state and captured graphs depend on: its weights (`weights_key`), state dtype and backend."""
     return weights_key(drafter), drafter.state_dtype, drafter.backend

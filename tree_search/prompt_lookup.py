@@ -14,6 +14,7 @@ import torch
 LOOKUP_NGRAM = 4  # the drafter's chain looks up its context's last 4..1 tokens
 PROPOSED_TOKENS = 6  # ... and checks up to 6 that followed them in one drafter call
 
+
 class NgramLookup:
     """A growing token list with, for every n-gram (n = min_ngram..max_ngram), where the token after its most recent
     occurrence sits: a proposal costs a few dict lookups, however long the context (one pass over the prompt)."""

@@ -62,9 +62,8 @@ class TreeDrafting:
 
     def draft(self, config: TreeConfig, logits: torch.Tensor, generators: list[torch.Generator] | None) -> Draft:
         """Every row's tree; row b draws its samples from generators[b] (None: torch's global RNG)."""
-        batch = logits.shape[0]
-        return self.drafts.draft(config, self.roots(batch), logits, self.params, self.mode, self.record_probs,
-                                 generators)
+        return self.drafts.draft(config, self.roots(logits.shape[0]), logits, self.params, self.mode,
+                                 self.record_probs, generators)
 
     def proposal(self, tokens: list[int]) -> Draft:
         """One prompt's chain of given tokens (prompt lookup) to verify instead of a draft; then `skip`."""

@@ -13,6 +13,15 @@ MAX_TREE_NODES = 1024  # draft nodes (root excluded); beyond this a tree forward
 _SPEC = re.compile(r" *[0-9]+ *(?:, *[0-9]+ *)*")  # "3,2,2,1,1", "3, 2": ASCII digits only, no empty fields
 
 
+def equal_runs(values):
+    """(start, stop) of each run of equal values."""
+    start = 0
+    for _, run in itertools.groupby(values):
+        stop = start + len(list(run))
+        yield start, stop
+        start = stop
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """Static tree shape: every node at depth d has `branching[d]` children (depth 0 = root); a chain is
@@ -81,13 +90,11 @@ class TreeConfig:
 
     def build(self) -> Tree:
         """The level-ordered parent-pointer tree for this shape."""
-        parents = [-1]
-        prev_start, prev_stop = 0, 1
+        parents, level = [-1], range(1)
         for n in self.branching:
             start = len(parents)
-            for parent in range(prev_start, prev_stop):
-                parents.extend([parent] * n)
-            prev_start, prev_stop = start, len(parents)
+            parents.extend(parent for parent in level for _ in range(n))
+            level = range(start, len(parents))
         return Tree(tuple(parents))
 
 
@@ -133,12 +140,7 @@ class Tree:
     @cached_property
     def levels(self) -> tuple[tuple[int, int], ...]:
         """(start, stop) node range of each depth 0..γ."""
-        bounds, start = [], 0
-        for i in range(1, len(self.depths) + 1):
-            if i == len(self.depths) or self.depths[i] != self.depths[start]:
-                bounds.append((start, i))
-                start = i
-        return tuple(bounds)
+        return tuple(equal_runs(self.depths))
 
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:

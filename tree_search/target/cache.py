@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLay
 
 from mamba_draft.targets import cache_keyword
 from mamba_draft.targets.row_blocks import low_precision_cpu, make_row_invariant, prefilling
-from tree_search.graphs import capture_graph, weights_key
+from tree_search.graphs import capture_graph, to_device, weights_key
 from tree_search.target.facts import (
     MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows,
     static_cache_refusal,
@@ -155,10 +155,9 @@ class TargetCache:
         self.slots, self._pending = 0, None
         if self.static:
             self._start_static(batch)
-            self._valid = self.style.full((batch, self.max_len), False, self.device)
         else:
             self.cache = DynamicCache(config=self.model.config)
-            self._valid = self.style.full((batch, max(length, 1)), False, self.device)
+        self._valid = self.style.full((batch, self.max_len or max(length, 1)), False, self.device)
         if length == 0:
             return None
         self._reserve(length)
@@ -181,7 +180,7 @@ class TargetCache:
         batch, length = valid.shape
         seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
         seen |= torch.eye(length, dtype=torch.bool, device=self.device)
-        mask = self.style.full((batch, 1, length, self.max_len if self.static else length), False, self.device)
+        mask = self.style.full((batch, 1, length, self.max_len or length), False, self.device)
         mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
         return mask
 
@@ -232,12 +231,10 @@ class TargetCache:
             self.positions += 1
         else:
             span = n - 1 if self.static else longest  # static: fixed shapes per tree size (self-copies past a path)
-            # one host -> device copy, pinned and non-blocking: each row's source slots, then its path length
+            # the round's one host -> device copy: each row's source slots, then its path length
             index = torch.tensor([[root + i for i in path] + list(range(root + 1 + len(path), root + 1 + span))
                                   + [len(path)] for path in paths])
-            if self.device.type == "cuda":
-                index = index.pin_memory()
-            index = index.to(self.device, non_blocking=True)
+            index = to_device(index, self.device)
             kept = index[:, -1]
             if any(path != list(range(1, len(path) + 1)) for path in paths):  # chains from node 1 are in place
                 self._move(index[:, :-1], root, n)
@@ -312,10 +309,9 @@ class TargetCache:
         """Slots root+1 ... of every row take that row's `sources` (B, span), gathered before the write."""
         span = sources.shape[1]
         if not self.static:
-            src = sources[:, None, :, None]
             for layer in self.cache.layers:
-                layer.keys[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(layer.keys, src, dim=2)
-                layer.values[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(layer.values, src, dim=2)
+                for kv in (layer.keys, layer.values):
+                    kv[:, :, root + 1 : root + 1 + span] = torch.take_along_dim(kv, sources[:, None, :, None], dim=2)
             return
         shape = self._shape(n)
         shape.src.view(shape.src.shape[0], -1).copy_(sources)
@@ -364,18 +360,15 @@ class TargetCache:
         shape.mask[:, 0] = self._valid[:, None, :]
         shape.mask[:, 0, :, start : start + n] = block
         if not self.use_graphs:
-            return self._static_call(shape, want_hidden)
+            return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.graphs:
             shape.graphs[want_hidden] = self._capture(lambda: self._static_call_into(shape, want_hidden))
         shape.graphs[want_hidden].replay()
         return shape.outputs[want_hidden]
 
-    def _static_call(self, shape: _Shape, want_hidden: bool):
-        return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
-
     def _static_call_into(self, shape: _Shape, want_hidden: bool) -> None:
         """The captured forward: outputs copied into buffers of their own, out of reach of other graphs' replays."""
-        logits, hidden = self._static_call(shape, want_hidden)
+        logits, hidden = self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.outputs:
             shape.outputs[want_hidden] = torch.empty_like(logits), None if hidden is None else torch.empty_like(hidden)
         logits_out, hidden_out = shape.outputs[want_hidden]

@@ -58,11 +58,8 @@ def window_capacity(model: torch.nn.Module) -> int | None:
     """Tokens a forward (cache + one tree) may span while tree verification stays exact (None = no window): past a
     sliding window HF keeps only the cache's tail, which a tree's 4D mask no longer describes; past a local window
     (`local_window`) the band hides keys."""
-    windows = sliding_windows(model)
-    local = local_window(model)
-    if local is not None:
-        windows.append(local)
-    return min(windows) if windows else None
+    windows = [*sliding_windows(model), local_window(model)]
+    return min((w for w in windows if w is not None), default=None)
 
 
 def local_window(model: torch.nn.Module) -> int | None:
@@ -88,10 +85,8 @@ def probe_key(model: torch.nn.Module) -> tuple:
 
 def foreign_cache_layer(model: torch.nn.Module) -> str | None:
     """The name of a cache layer type the engine cannot compact (None: all are attention KV layers)."""
-    for layer in TargetFacts.of(model).layers:
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            return type(layer).__name__
-    return None
+    return next((type(layer).__name__ for layer in TargetFacts.of(model).layers
+                 if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)), None)
 
 
 def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:

@@ -7,15 +7,15 @@ from tree_search.tree import Tree
 from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, register_verifier
 
 
-def greedy_walk(tree: Tree, tokens: list[int], target_choice: list[int]) -> tuple[list[int], int]:
-    """Follow the child whose token equals the target's choice at each node -> (path, next token); siblings carry
-    distinct tokens, so at most one child matches."""
+def greedy_walk(tree: Tree, tokens: list[int], target_choice: list[int]) -> VerifyResult:
+    """Follow the child whose token equals the target's choice at each node -> the path and the target's choice after
+    it; siblings carry distinct tokens, so at most one child matches."""
     node, path = 0, []
     while True:
         want = target_choice[node]
         match = next((c for c in tree.children[node] if tokens[c] == want), None)
         if match is None:
-            return path, want
+            return VerifyResult(path, want)
         path.append(match)
         node = match
 
@@ -34,6 +34,4 @@ class GreedyVerifier(Verifier):
 
     def verify(self, inp: VerifyInput) -> VerifyResult:
         # One host sync per round: the walk below is Python control flow over a few dozen nodes.
-        choice = torch.argmax(inp.target_logits, dim=-1).tolist()
-        path, next_token = greedy_walk(inp.tree, inp.tokens.tolist(), choice)
-        return VerifyResult(path=path, next_token=next_token)
+        return greedy_walk(inp.tree, inp.tokens.tolist(), torch.argmax(inp.target_logits, dim=-1).tolist())

@@ -48,8 +48,7 @@ class SamplingVerifier(Verifier):
     def verify(self, inp: VerifyInput) -> VerifyResult:
         tokens = inp.tokens.tolist()
         if inp.sampling.greedy:
-            path, next_token = greedy_walk(inp.tree, tokens, torch.argmax(inp.target_logits, -1).tolist())
-            return VerifyResult(path=path, next_token=next_token)
+            return greedy_walk(inp.tree, tokens, torch.argmax(inp.target_logits, -1).tolist())
         if inp.draft_probs is None and len(inp.tree) > 1:  # a root-only tree has no child to test against q
             raise ValueError("the sampling verifier needs draft_probs (the distribution each node's children came from)")
         # Host syncs per tried child: the accept/reject walk is inherently sequential Python on a few nodes.
