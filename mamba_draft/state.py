@@ -1,8 +1,5 @@
-"""The drafter's recurrent state: per-layer conv and SSM buffers, preallocated for a maximum batch.
-
-Buffers are allocated once and only ever written in place, so their addresses never change and a CUDA graph
-captured on a view of them stays valid across rounds. `gather_` is what tree drafting needs: copy parent rows into
-child rows before stepping the children. Implements `mamba_draft.drafter.DraftState`, as `KVState` does.
+"""The Mamba drafter's state (a `mamba_draft.drafter.DraftState`): per-layer conv and SSM buffers, preallocated for
+a maximum batch and only written in place, so a CUDA graph captured on a view of them stays valid across rounds.
 """
 from __future__ import annotations
 
