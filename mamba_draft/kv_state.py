@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def write_rows(cache: torch.Tensor, new: torch.Tensor, starts: list[int], positions: torch.Tensor) -> None:
@@ -43,9 +44,7 @@ class KVStore:
         grown = min(max(slots, 2 * self.capacity), self.limit)
         for cache in (self.keys, self.values):
             for i, old in enumerate(cache):
-                new = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                cache[i] = new
+                cache[i] = F.pad(old, (0, 0, 0, grown - old.shape[2]))  # zeros past the old slots
 
 
 class KVState:

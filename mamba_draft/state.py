@@ -38,8 +38,8 @@ class DrafterState:
         if dst_start < 0 or dst_start + n > self.max_batch:
             raise IndexError(f"gather of {n} rows at {dst_start} overflows a state of {self.max_batch} rows")
         # index_select materialises the sources before the copy, so overlapping rows are read before written.
-        self.conv[:, dst_start:dst_start + n].copy_(self.conv.index_select(1, src_rows))
-        self.ssm[:, dst_start:dst_start + n].copy_(self.ssm.index_select(1, src_rows))
+        for buffer in (self.conv, self.ssm):
+            buffer[:, dst_start:dst_start + n].copy_(buffer.index_select(1, src_rows))
         return self
 
     def reset_(self) -> "DrafterState":
