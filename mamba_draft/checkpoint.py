@@ -1,19 +1,12 @@
-"""Reading and writing drafter checkpoints in the two formats people have.
+"""Drafter checkpoints in HF format (`config.json` with `model_type` mamba / mamba2, `model.safetensors` or a sharded
+index) and mamba_ssm format (`MambaLMHeadModel`: `config.json` with `ssm_cfg`, `pytorch_model.bin`, the embedding as
+`backbone.embedding.weight`, the vocabulary padded), with HF names in memory.
 
-* HF format (`state-spaces/mamba-130m-hf` layout): `config.json` (`model_type` mamba / mamba2) + `model.safetensors`
-  (or sharded `model.safetensors.index.json`).
-* mamba_ssm format (`MambaLMHeadModel.save_pretrained`): `config.json` (`d_model`, `n_layer`, `ssm_cfg`, ...) +
-  `pytorch_model.bin`; the embedding is `backbone.embedding.weight`, the vocabulary padded to
-  `pad_vocab_size_multiple`.
-
-Beside the weights, in either format: `draft_vocab.safetensors` (tensor `d2t`: draft id -> target id) for a drafter
-with a draft vocabulary, so the model part still loads in plain transformers (in memory the map travels among the
-tensors under `DRAFT_IDS`); `target_embedding.json` for a drafter stored without its embedding, which is its target's
-(frozen, tied to the head): it names the target and the SHA-256 of that embedding rounded to bf16 (an fp32 and a bf16
-copy agree), and loading takes the embedding from the target after checking the digest.
-
-Everything in memory uses HF names. Weights are read with safetensors or `torch.load(weights_only=True)` only,
-and directories are written to a temporary sibling and renamed, so a failure never leaves half a checkpoint.
+Beside the weights: `draft_vocab.safetensors` (`d2t`: draft id -> target id; under `DRAFT_IDS` in memory), so the
+model part still loads in plain transformers; `target_embedding.json` for a drafter stored without its (frozen, tied)
+embedding: it names the target and the SHA-256 of that embedding rounded to bf16, checked when loading takes it
+from the target. Weights are read with safetensors or `torch.load(weights_only=True)` only; directories are written
+whole or not at all (`atomic_directory`).
 """
 from __future__ import annotations
 
@@ -128,10 +121,8 @@ def target_embedding(directory: Path, embedding: torch.Tensor | None) -> torch.T
 
 def load_checkpoint(path: str | os.PathLike, revision: str | None = None,
                     embedding: torch.Tensor | None = None) -> tuple[MambaConfig, dict]:
-    """Read a checkpoint of either format; returns its MambaConfig and tensors under HF names.
-
-    `embedding`: the target's input embedding, for a directory stored without its own (`target_embedding.json`);
-    when not given, the target it names is loaded for it. A directory with its own embedding ignores it."""
+    """A checkpoint of either format: its MambaConfig and tensors under HF names. `embedding`: the target's input
+    embedding, for a directory stored without its own (not given: the target is loaded for it); else ignored."""
     directory = resolve_directory(path, revision)
     raw = read_config(directory)
     if detect_format(raw) == "hf":
@@ -224,9 +215,8 @@ def _read_weights_file(path: Path) -> dict:
 def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.PathLike, *, format: str = "hf",
                     overwrite: bool = False, copy_from: Path | None = None, dtype: torch.dtype | None = None,
                     embedding_from: str | None = None, tokenizer=None) -> Path:
-    """Write `tensors` (HF names) in `format`; the directory appears complete or not at all.
-
-    `dtype`: cast floating-point tensors (e.g. bf16 to ship). `embedding_from`: the target whose input embedding
+    """Write `tensors` (HF names) in `format`, atomically. `dtype`: cast floating-point tensors (e.g. bf16 to
+    ship). `embedding_from`: the target whose input embedding
     this drafter uses (tied and frozen): the embedding is left out and `target_embedding.json` records the target
     and the embedding's digest (HF format, tied embeddings only). `tokenizer`: saved beside the weights."""
     if format not in FORMATS:
@@ -266,22 +256,19 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False) -> Path:
-    """Convert a checkpoint directory to `to` ('hf' or 'mamba_ssm'), bit-identically; the source format is detected.
-
-    A drafter stored without its embedding (the shipped one: `smollm2`) comes out whole: the target's embedding
-    and tokenizer are written in, all weights in fp32 — a directory plain `transformers` loads."""
+    """Convert a checkpoint directory (format detected) to `to`, bit-identically. A drafter stored without its
+    embedding (`smollm2`) comes out whole, in fp32 with the target's embedding and tokenizer (plain transformers
+    loads it)."""
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {FORMATS}")
     directory = resolve_directory(src)
     config, tensors = load_checkpoint(directory)
-    tokenizer, dtype = None, None
-    if (directory / TARGET_EMBEDDING).is_file():
-        tokenizer = targets.load_tokenizer(embedding_spec(directory)[0])
-        dtype = torch.float32
+    borrowed = (directory / TARGET_EMBEDDING).is_file()
+    tokenizer = targets.load_tokenizer(embedding_spec(directory)[0]) if borrowed else None
     from .model import MambaDrafter
 
     with torch.device("meta"):  # checked against the config before anything is written
         tensors = check_tensors(MambaDrafter(config, backend="torch"), tensors, where=str(directory))
-    return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory, dtype=dtype,
-                           tokenizer=tokenizer)
+    return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory,
+                           dtype=torch.float32 if borrowed else None, tokenizer=tokenizer)
 

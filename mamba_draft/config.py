@@ -21,11 +21,8 @@ SSM_MAMBA2_FIELDS = ("headdim", "ngroups", "chunk_size")
 
 @dataclass
 class MambaConfig:
-    """Shape of a Mamba-1 or Mamba-2 language model.
-
-    `vocab_size` is the number of embedding rows (possibly padded); `real_vocab_size` is the tokenizer's
-    vocabulary, the width the drafter's logits are sliced to.
-    """
+    """Shape of a Mamba-1 or Mamba-2 language model: `vocab_size` embedding rows (possibly padded), of which
+    `real_vocab_size` are the tokenizer's vocabulary (the width of the logits)."""
 
     arch: str  # "mamba1" | "mamba2"
     d_model: int
@@ -35,7 +32,7 @@ class MambaConfig:
     d_state: int = 16
     d_conv: int = 4
     expand: int = 2
-    dt_rank: int | None = None  # Mamba-1 only; None -> ceil(d_model / 16)
+    dt_rank: int | str | None = None  # Mamba-1 only; None or "auto" (the checkpoints' word) -> ceil(d_model / 16)
     headdim: int = 64  # Mamba-2 only
     ngroups: int = 1  # Mamba-2 only
     chunk_size: int = 256  # Mamba-2 only (kept for round trips; the torch path does not chunk)
@@ -57,14 +54,12 @@ class MambaConfig:
     def __post_init__(self) -> None:
         if self.arch not in ("mamba1", "mamba2"):
             raise ValueError(f"unknown Mamba architecture {self.arch!r}; expected 'mamba1' or 'mamba2'")
-        if self.dt_rank is None:
-            self.dt_rank = math.ceil(self.d_model / 16)
+        self.dt_rank = math.ceil(self.d_model / 16) if self.dt_rank in (None, "auto") else int(self.dt_rank)
         if self.real_vocab_size is None:
             self.real_vocab_size = self.vocab_size
         if self.real_vocab_size > self.vocab_size:
-            raise ValueError(
-                f"real_vocab_size {self.real_vocab_size} exceeds the embedding rows vocab_size {self.vocab_size}"
-            )
+            raise ValueError(f"real_vocab_size {self.real_vocab_size} exceeds the embedding rows vocab_size "
+                             f"{self.vocab_size}")
         self.dt_limit = tuple(float(v) for v in self.dt_limit)
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups"):
             if int(getattr(self, name)) <= 0:
@@ -112,8 +107,7 @@ class MambaConfig:
                       time_step_limit=list(self.dt_limit))
         hf.update({key: getattr(self, name) for key, name in HF_FIELDS.items()})
         # Kept so a padded checkpoint can still tell its tokenizer's size (transformers ignores these keys).
-        hf["real_vocab_size"] = self.real_vocab_size
-        hf["pad_vocab_size_multiple"] = self.pad_vocab_size_multiple
+        hf.update(real_vocab_size=self.real_vocab_size, pad_vocab_size_multiple=self.pad_vocab_size_multiple)
         if self.target_hidden_size:  # what plain transformers cannot run: it ignores the key and the fusion weights
             hf["target_hidden_size"] = self.target_hidden_size
         if self.drafted_features != "stand_in":
@@ -124,10 +118,9 @@ class MambaConfig:
     def from_hf_dict(cls, hf: dict) -> "MambaConfig":
         model_type = hf.get("model_type")
         if model_type not in ("mamba", "mamba2"):
-            raise ValueError(
-                f"config.json describes model_type={model_type!r} (architectures={hf.get('architectures')}); "
-                "a Mamba drafter needs 'mamba' (MambaForCausalLM) or 'mamba2' (Mamba2ForCausalLM)"
-            )
+            raise ValueError(f"config.json describes model_type={model_type!r} (architectures="
+                             f"{hf.get('architectures')}); a Mamba drafter needs 'mamba' (MambaForCausalLM) or "
+                             "'mamba2' (Mamba2ForCausalLM)")
         hf, mamba1 = dict(hf), model_type == "mamba"
         fields = {**HF_FIELDS, **({} if mamba1 else HF_MAMBA2_FIELDS),
                   **{name: name for name in ("real_vocab_size", "pad_vocab_size_multiple", "target_hidden_size",
@@ -136,10 +129,11 @@ class MambaConfig:
         kwargs = {name: hf.pop(key) for key, name in fields.items() if key in hf or key in HF_REQUIRED}
         kwargs.setdefault("d_state", 16 if mamba1 else 128)
         kwargs.setdefault("tie_embeddings", mamba1)
-        rank = kwargs.pop("dt_rank", "auto")
-        kwargs.update(arch="mamba1" if mamba1 else "mamba2", dt_rank=None if rank == "auto" else int(rank))
+        kwargs["arch"] = "mamba1" if mamba1 else "mamba2"
         if not mamba1:
-            kwargs["dt_limit"] = tuple(_json_float(v) for v in hf.pop("time_step_limit", (0.0, math.inf)))
+            # transformers 5 writes inf as {"__float__": "Infinity"} in config.json
+            kwargs["dt_limit"] = tuple(float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+                                       for v in hf.pop("time_step_limit", (0.0, math.inf)))
             num_heads = hf.pop("num_heads", None)
             expected = kwargs.get("expand", 2) * kwargs["d_model"] // kwargs.get("headdim", 64)
             if num_heads is not None and num_heads != expected:
@@ -183,13 +177,11 @@ class MambaConfig:
             raise ValueError("Mamba-2 checkpoints with norm_before_gate=True are not supported")
         mamba1 = layer == "Mamba1"
         # an absent key takes the field's default
-        kwargs = {name: ssm_cfg[name] for name in SSM_FIELDS + (() if mamba1 else SSM_MAMBA2_FIELDS) if name in ssm_cfg}
+        own_fields = ("dt_rank",) if mamba1 else SSM_MAMBA2_FIELDS
+        kwargs = {name: ssm_cfg[name] for name in SSM_FIELDS + own_fields if name in ssm_cfg}
         kwargs.update({name: cfg[name] for name in ("residual_in_fp32", "tie_embeddings") if name in cfg})
         kwargs.setdefault("d_state", 16 if mamba1 else 128)
-        if mamba1:
-            rank = ssm_cfg.get("dt_rank", "auto")
-            kwargs["dt_rank"] = None if rank == "auto" else int(rank)
-        else:
+        if not mamba1:
             kwargs["dt_limit"] = tuple(ssm_cfg.get("dt_limit", (0.0, math.inf)))
         multiple = int(cfg.get("pad_vocab_size_multiple", 8))
         real_vocab = int(cfg["vocab_size"])
@@ -199,10 +191,3 @@ class MambaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _json_float(value) -> float:
-    """transformers 5 writes inf as {"__float__": "Infinity"} in config.json."""
-    if isinstance(value, dict) and "__float__" in value:
-        return float(value["__float__"])
-    return float(value)

@@ -32,14 +32,17 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
+    flags = cpu_info("flags").split() if device.type == "cpu" else []
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_info(field: str) -> str:
+    """The value of /proc/cpuinfo's first `field` line ("" without one, or without /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ""
 
 
 def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:

@@ -1,10 +1,8 @@
 """The drafter interface the tree engine drafts with (`Drafter`, `DraftState`), and the one loader every command uses.
 
-`MambaDrafter` (recurrent state, fixed size per row) and `TransformerDrafter` (any HF causal LM, a KV cache per row)
-implement it; tree drafting, resync after a commit, lossless sampling, lossy verifiers and the bandit sit above it.
-They declare it in their docstrings rather than by subclassing, since this module loads them (an import either way
-would be a cycle); tests/test_transformer_drafter.py checks both against the protocols. What the two share is
-written once in `ids.py`.
+`MambaDrafter` (recurrent state, fixed size per row) and `TransformerDrafter` (a KV cache per row) implement it,
+declared in their docstrings rather than by subclassing (this module loads them: either import would be a cycle);
+tests/test_transformer_drafter.py checks both against the protocols.
 """
 from __future__ import annotations
 
@@ -68,8 +66,7 @@ class Drafter(Protocol):
 
 
 def is_mamba_checkpoint(path: str | os.PathLike, revision: str | None = None) -> bool:
-    """Whether `path` (directory, hub id or a shipped drafter's name) holds a Mamba drafter (HF or mamba_ssm
-    format)."""
+    """Whether `path` (directory, hub id or a shipped drafter's name) holds a Mamba drafter (either format)."""
     if str(path) in SHIPPED_DRAFTER_NAMES:
         return True
     try:
@@ -83,14 +80,10 @@ def load_drafter(path: str | os.PathLike, *, target: torch.nn.Module | None = No
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  embedding: torch.Tensor | None = None, revision: str | None = None,
                  state_dtype: torch.dtype | None = torch.float32):
-    """A `MambaDrafter` for a Mamba checkpoint (`MambaDrafter.from_pretrained`: HF or mamba_ssm format, a hub id, or
-    `smollm2`), else a `TransformerDrafter` of the HF causal LM there.
-
-    target: the loaded target (an HF causal LM): its input embedding serves a drafter stored without its own, and
-    device / dtype default to the target's. embedding: that embedding alone, without a target (not both). device:
-    default the target's, else cpu; dtype: default the target's, else float32. state_dtype: a Mamba drafter's
-    recurrent state (fp32 by default whatever `dtype`: a step is bound by reading the weights, which bf16 halves,
-    while a bf16 state would round at every token; None: `dtype`)."""
+    """A `MambaDrafter` for a Mamba checkpoint (`MambaDrafter.from_pretrained`), else a `TransformerDrafter`.
+    target: the loaded target, whose input embedding serves a drafter stored without its own (`embedding`: that
+    embedding alone; not both). device / dtype: default the target's, else cpu / float32. state_dtype: a Mamba
+    drafter's recurrent state (by default fp32 whatever `dtype`: a bf16 one rounds at every token; None: `dtype`)."""
     if target is not None:
         if embedding is not None:
             raise ValueError("load_drafter takes target= or embedding=, not both: target= already supplies "

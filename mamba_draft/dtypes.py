@@ -9,10 +9,8 @@ ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def parse_dtype(name: str | torch.dtype, *, auto: bool = False) -> torch.dtype | str:
-    """The torch dtype named `name` (canonical name or alias; a dtype of the table passes through).
-
-    With `auto=True` the string "auto" is returned as is, for loaders that then pick the checkpoint's own dtype.
-    """
+    """The torch dtype named `name` (canonical name or alias; a dtype of the table passes through); with
+    `auto=True`, "auto" as is (for loaders that pick the checkpoint's own dtype)."""
     if isinstance(name, torch.dtype) and name in DTYPES.values():
         return name
     if auto and name == "auto":

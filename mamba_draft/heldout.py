@@ -1,10 +1,8 @@
 """Spec-Bench, shipped with the package, and the held-out rule that guards it.
 
 Odd `question_id`s are evaluation prompts: no training, distillation, prompt-synthesis or tuning path may read them.
-Every such path asks this module (`is_heldout_text`, `overlaps_heldout`), so the rule holds for any file a user
-passes, not only for the shipped one: a record is held out when any of its texts is an odd-id question's turn
-(whitespace and case folded). Lives in mamba_draft because training and tree_search both need it and may import
-only mamba_draft.
+Every such path asks this module, so the rule holds for any file a user passes: a record is held out when any of its
+texts is an odd-id question's turn (whitespace and case folded). In mamba_draft: training and tree_search both use it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What both drafters share below the interface: token-id and row-count checks, and `prefill` / `forward` written
-once on each drafter's own `extend` and `allocate_state` (`SharedCalls`). Imports only torch, so `model.py` and
-`transformer.py` use it without a cycle through `drafter.py` (which loads either kind).
+"""What both drafters share below the interface: token-id and row-count checks, and `prefill` / `forward` on each
+drafter's own `extend` and `allocate_state` (`SharedCalls`). Imports only torch: no cycle through `drafter.py`.
 """
 from __future__ import annotations
 
@@ -49,10 +48,8 @@ class SharedCalls:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state=None, max_batch: int | None = None):
-        """Encode a prompt (B, L) from scratch into rows [0:B]; returns last-position logits (B, V) and the state.
-
-        Without `state`, one is allocated for max(B, max_batch) rows (tree drafting needs room for every node).
-        """
+        """Encode a prompt (B, L) from scratch into rows [0:B]; returns last-position logits (B, V) and the state
+        (without `state`, one allocated for max(B, max_batch) rows: tree drafting needs room for every node)."""
         ids = self.token_ids(input_ids)
         if ids.shape[1] == 0:
             raise ValueError("prefill needs at least one token")

@@ -37,11 +37,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDWR)
-        try:
-            os.fsync(fd)  # the data is on disk before the rename makes it the file
-        finally:
-            os.close(fd)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the file
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -1,10 +1,9 @@
 """Optional CUDA kernels of the drafter's step: mamba-ssm's Triton `selective_state_update` and `rms_norm_fn` (the
 residual add fused into the RMSNorm, as mamba-ssm's own blocks run it), causal-conv1d's `causal_conv1d_update`.
 
-Looked up lazily, any import failure meaning "not available": never a hard dependency. Both packages fail to import
-without CUDA, and `import mamba_ssm` runs a package `__init__` that imports the compiled prefill scan, which a
-Triton-only install (`MAMBA_SKIP_CUDA_BUILD=TRUE pip install mamba-ssm`) lacks: the Triton modules decoding needs
-are then loaded from the installed files without running that `__init__`.
+Looked up lazily, any import failure meaning "not available": never a hard dependency. A Triton-only install
+(`MAMBA_SKIP_CUDA_BUILD=TRUE pip install mamba-ssm`) lacks the compiled scan `import mamba_ssm` imports: the Triton
+modules are then loaded past the package `__init__`.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def write_rows(cache: torch.Tensor, new: torch.Tensor, starts: list[int], positions: torch.Tensor) -> None:
@@ -43,16 +44,11 @@ class KVStore:
         grown = min(max(slots, 2 * self.capacity), self.limit)
         for cache in (self.keys, self.values):
             for i, old in enumerate(cache):
-                new = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                cache[i] = new
+                cache[i] = F.pad(old, (0, 0, 0, grown - old.shape[2]))  # zeros past the old slots
 
 
 class KVState:
-    """Rows [start:stop] of a `KVStore`: what `MambaDrafter`'s `DrafterState` is to a Mamba drafter (both implement
-    `mamba_draft.drafter.DraftState`).
-
-    `rows` gives a view (writes go through); `gather_` copies whole row caches (the fork of tree drafting)."""
+    """Rows [start:stop] of a `KVStore`: the Transformer drafter's `DraftState`, as `DrafterState` is a Mamba one's."""
 
     def __init__(self, store: KVStore, start: int = 0, stop: int | None = None) -> None:
         self.store, self.start = store, start
@@ -88,7 +84,7 @@ class KVState:
         src = src_rows.to(self.device) + self.start
         dst = slice(self.start + dst_start, self.start + dst_start + n)
         if torch.equal(src, torch.arange(dst.start, dst.stop, device=self.device)):
-            return self  # every row is its own source (a resync after a round that kept row 0's node): no O(context) copy
+            return self  # every row its own source (a resync after a round that kept row 0's node): no copy
         lengths = self.store.lengths.index_select(0, src)
         used = int(lengths.max())  # copy only the slots a source row holds (a host sync: this drafter is eager)
         for cache in (self.store.keys, self.store.values):
@@ -102,10 +98,8 @@ class KVState:
         return self
 
     def clone(self) -> KVState:
-        s = self.store
-        rows = slice(self.start, self.stop)
-        store = KVStore([k[rows].clone() for k in s.keys], [v[rows].clone() for v in s.values],
-                         s.lengths[rows].clone(), s.limit)
-        return KVState(store)
+        s, rows = self.store, slice(self.start, self.stop)
+        return KVState(KVStore([k[rows].clone() for k in s.keys], [v[rows].clone() for v in s.values],
+                               s.lengths[rows].clone(), s.limit))
 
 

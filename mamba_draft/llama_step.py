@@ -1,16 +1,9 @@
-"""A lean forward of Llama-family bodies (Llama, SmolLM, Mistral without a window, Qwen2): the Transformer
-drafter's steps without transformers' per-call machinery.
-
-A drafter of a few layers steps one token on a few rows, where transformers' `LlamaModel.forward` spends more time
-on masks, cache objects, attention dispatch and output bookkeeping than on arithmetic. This body calls the model's
-own modules (embedding, rotary embedding, RMSNorms, activation) and replaces the rest with a handful of ops per
-layer: one product for q/k/v and one for gate/up (the weights concatenated, `_Fused`), every product on a prepacked
-weight where that gives the same bits (`packed_linear`), the new keys written at each row's own slots, and
-grouped-query attention (`cpu_attention.grouped_attention`: no repeated keys) over the used slots.
-
-`LlamaBody.of(model)` returns None for a model of another shape; `TransformerDrafter` also checks the body's logits
-against transformers' own before using it, so a look-alike that computes something else (scaled embeddings, q/k
-norms, soft-capping) keeps the generic path.
+"""A lean forward of Llama-family bodies (Llama, SmolLM, Mistral without a window, Qwen2) for the Transformer
+drafter: a few-layer drafter stepping a few rows spends more time in transformers' masks, cache objects and dispatch
+than in arithmetic. This body calls the model's own modules (embedding, rotary embedding, norms, activation) with one
+product for q/k/v and one for gate/up (`_Fused`), prepacked weights (`packed_linear`) and grouped-query attention.
+`LlamaBody.of(model)` is None for another layout; `TransformerDrafter` also checks the logits on a probe, so a
+look-alike (scaled embeddings, q/k norms, soft-capping) keeps the generic path.
 """
 from __future__ import annotations
 
@@ -29,8 +22,7 @@ _BODY = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 class _Fused:
     """Products with the concatenation of some linear layers' weights (and biases), rebuilt whenever one of them is
-    another tensor or was edited in place (their storages are held, so no new tensor can take an old address);
-    prepacked where that gives the same bits. One layer's weight is used as it is."""
+    another tensor or was edited in place (their storages are held: no new tensor can take an old address)."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
@@ -62,7 +54,7 @@ class LlamaBody:
 
     @classmethod
     def of(cls, model: nn.Module) -> LlamaBody | None:
-        """The lean body of `model` if its modules have the Llama layout (and nothing else that could act), else None."""
+        """The lean body of `model` if its modules have the Llama layout (and nothing else that acts), else None."""
         body = getattr(model, "base_model", None)
         if body is None or not all(hasattr(body, name) for name in _BODY) or len(body.layers) == 0:
             return None

@@ -1,9 +1,7 @@
 """The Mamba drafter: Mamba-1 / Mamba-2 language model with an explicit, preallocated recurrent state.
 
 Parameter names match `transformers.MambaForCausalLM` / `Mamba2ForCausalLM`, so HF checkpoints load as they are.
-The torch path is the reference; on CUDA the single-token step can use mamba-ssm's `selective_state_update` and
-fused add + RMSNorm, and causal-conv1d's `causal_conv1d_update` (see `kernels.py`). A step only writes into the
-state in place, has no host sync and no data-dependent branching, so it can be captured in a CUDA graph.
+The torch path is the reference; on CUDA the single-token step can use the optional kernels (`kernels.py`).
 """
 from __future__ import annotations
 
@@ -43,19 +41,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.view(shape).to(dtype)
 
 
-def _conv_sequence(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Causal depthwise conv over x (B, C, L) continuing from conv_state (B, C, K), updated in place.
-
-    conv_state None: start from zeros and keep no state (the training forward: nothing is written in place, which
-    autograd needs)."""
-    length, width = x.shape[-1], weight.shape[-1]
+def _conv_sequence(x: torch.Tensor, conv_state: torch.Tensor | None, conv: nn.Conv1d) -> torch.Tensor:
+    """Causal depthwise conv (and silu) over x (B, L, C) continuing from conv_state (B, C, K), updated in place;
+    None: from zeros, keeping no state (the training forward: autograd needs nothing written in place)."""
+    x = x.transpose(1, 2)
+    length, width = x.shape[-1], conv.weight.shape[-1]
     if conv_state is None:
         full = F.pad(x, (width, 0))
     else:
         full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
         conv_state.copy_(full[..., -width:])
-    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=x.shape[1])
-    return F.silu(out[..., -length:])
+    out = F.conv1d(full, conv.weight, conv.bias, groups=x.shape[1])
+    return F.silu(out[..., -length:]).transpose(1, 2)
 
 
 def _conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -79,12 +76,9 @@ def _ssm_update(ssm_state: torch.Tensor, decay: torch.Tensor, dx: torch.Tensor, 
 
 
 def _ssd_scan(x, dt, A, B, C, state, chunk: int = SCAN_SLICE):
-    """Mamba-2 recurrence over a sequence in chunks (the SSD "attention" form), continuing from `state`.
-
-    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T and y_t = h_t C_t, with a scalar decay per head. Inside a chunk
-    the pairwise decays exp(cum_t - cum_s) (s <= t) turn the recurrence into batched matmuls.
-    x (b, L, H, P), dt (b, L, H), A (H,), B/C (b, L, H, N), state (b, H, P, N) -> y (b, L, H, P), final state.
-    """
+    """Mamba-2 recurrence h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t in chunks (the SSD form: inside
+    a chunk the pairwise decays exp(cum_t - cum_s), s <= t, make it batched matmuls), continuing from `state`.
+    x (b, L, H, P), dt (b, L, H), A (H,), B/C (b, L, H, N), state (b, H, P, N) -> y (b, L, H, P), final state."""
     ys = []
     for start in range(0, x.shape[1], chunk):
         s = slice(start, start + chunk)
@@ -126,8 +120,7 @@ class MambaMixer(nn.Module):
     def forward(self, h: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> torch.Tensor:
         """h (B, L, d_model) continuing from the given state rows, updated in place (None: zero state, not kept)."""
         x, z = self.in_proj(h).chunk(2, dim=-1)
-        x = _conv_sequence(x.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias)
-        x = x.transpose(1, 2)  # (B, L, d_inner)
+        x = _conv_sequence(x, conv_state, self.conv1d)  # (B, L, d_inner)
         dt, B, C = self._dt_B_C(x)
         dt = F.softplus((dt + self.dt_proj.bias).float())
         A = -torch.exp(self.A_log.float())
@@ -145,9 +138,11 @@ class MambaMixer(nn.Module):
                 ys.append(torch.matmul(state, C_t[..., None])[..., 0])
         if ssm_state is not None:
             ssm_state.copy_(state)
-        y = torch.stack(ys, dim=1) + x.float() * self.D.float()
-        y = y * F.silu(z.float())
-        return self.out_proj(y.to(h.dtype))
+        return self._out(torch.stack(ys, dim=1), x.float(), z, h.dtype)
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The output projection of the SSM's y plus the skip D * x (fp32), gated by silu(z)."""
+        return self.out_proj(((y + x * self.D.float()) * F.silu(z.float())).to(dtype))
 
     def step(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, kernels) -> torch.Tensor:
         """h (B, d_model) for one position; updates the state rows in place."""
@@ -165,9 +160,7 @@ class MambaMixer(nn.Module):
         dt = F.softplus((dt + self.dt_proj.bias).float())
         x = x.float()
         state = _ssm_update(ssm_state, torch.exp(dt[..., None] * A), (dt * x)[..., None], B[:, None, :].float())
-        y = (state * C.float()[:, None, :]).sum(-1) + x * self.D.float()  # cheaper than matmul or einsum on CPU
-        y = y * F.silu(z.float())
-        return self.out_proj(y.to(h.dtype))
+        return self._out((state * C.float()[:, None, :]).sum(-1), x, z, h.dtype)  # cheaper than a matmul on CPU
 
 
 class Mamba2Mixer(nn.Module):
@@ -186,17 +179,6 @@ class Mamba2Mixer(nn.Module):
         self.norm = RMSNorm(cfg.d_inner, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
 
-    def _split(self, xbc: torch.Tensor):
-        cfg = self.cfg
-        gn = cfg.ngroups * cfg.d_state
-        x, B, C = xbc.split([cfg.d_inner, gn, gn], dim=-1)
-        rep = cfg.nheads // cfg.ngroups
-        lead = x.shape[:-1]
-        x = x.reshape(*lead, cfg.nheads, cfg.headdim)
-        B = B.reshape(*lead, cfg.ngroups, cfg.d_state).repeat_interleave(rep, dim=-2)  # (..., H, N)
-        C = C.reshape(*lead, cfg.ngroups, cfg.d_state).repeat_interleave(rep, dim=-2)
-        return x, B, C
-
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
         lo, hi = self.cfg.dt_limit
         return F.softplus((dt + self.dt_bias).float()).clamp(min=lo, max=hi)
@@ -208,8 +190,12 @@ class Mamba2Mixer(nn.Module):
     def forward(self, h: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         z, xbc, dt = self.in_proj(h).split([cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
-        xbc = _conv_sequence(xbc.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias)
-        x, B, C = self._split(xbc.transpose(1, 2))  # x (B, L, H, P), B/C (B, L, H, N)
+        gn = cfg.ngroups * cfg.d_state
+        x, B, C = _conv_sequence(xbc, conv_state, self.conv1d).split([cfg.d_inner, gn, gn], dim=-1)
+        lead, rep = x.shape[:-1], cfg.nheads // cfg.ngroups
+        x = x.reshape(*lead, cfg.nheads, cfg.headdim)  # (B, L, H, P)
+        B = B.reshape(*lead, cfg.ngroups, cfg.d_state).repeat_interleave(rep, dim=-2)  # (B, L, H, N)
+        C = C.reshape(*lead, cfg.ngroups, cfg.d_state).repeat_interleave(rep, dim=-2)
         dt = self._dt(dt)  # (B, L, H)
         A = -torch.exp(self.A_log.float())
         start = x.new_zeros(x.shape[0], *cfg.ssm_state_shape, dtype=torch.float32) if ssm_state is None \
@@ -271,9 +257,8 @@ class Block(nn.Module):
         return (h.float() if self.residual_in_fp32 else h) + mix
 
     def kernel_step(self, out, residual, conv_state, ssm_state, kernels: Kernels):
-        """The step with the kernels, on the previous layer's output and residual stream (None at the first
-        layer: `out` is the embedding): the residual add and this norm in one kernel, as mamba-ssm's blocks
-        (fused_add_norm) run it. Returns (this layer's output, the residual stream it was added to)."""
+        """The step with the kernels on the previous layer's output and residual stream (None at the first layer),
+        the residual add fused into this norm as mamba-ssm's blocks run it; returns (output, residual stream)."""
         x, residual = kernels.rms_norm(out, self.norm.weight, None, residual=residual, prenorm=True,
                                        residual_in_fp32=self.residual_in_fp32, eps=self.norm.eps)
         return self.mixer.step(x, conv_state, ssm_state, kernels), residual
@@ -292,8 +277,7 @@ class Backbone(nn.Module):
 
 
 class MambaDrafter(SharedCalls, nn.Module):
-    """A Mamba language model that prefills, steps one token per row on an explicit state, and forks rows:
-    implements `mamba_draft.drafter.Drafter` (its state, `DraftState`)."""
+    """A Mamba language model on an explicit state whose rows fork: implements `mamba_draft.drafter.Drafter`."""
 
     capturable = True  # `step` has fixed shapes and no host sync: CUDA-graph capturable
 
@@ -318,9 +302,8 @@ class MambaDrafter(SharedCalls, nn.Module):
     def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         backend: str = "auto", state_dtype: torch.dtype | None = None,
                         revision: str | None = None, embedding: torch.Tensor | None = None) -> "MambaDrafter":
-        """Load an HF-format (`MambaForCausalLM`/`Mamba2ForCausalLM`) or mamba_ssm-format directory, a hub id, or
-        `smollm2` (the shipped drafter). `embedding`: the target's input embedding, for a drafter stored without
-        its own (checked by digest; not given, the target is loaded for it); ignored by a drafter with its own."""
+        """Load an HF- or mamba_ssm-format directory, a hub id, or `smollm2` (the shipped drafter); `embedding`: as
+        `load_checkpoint` takes it."""
         config, tensors = load_checkpoint(path, revision=revision, embedding=embedding)
         return cls.from_state_dict(config, tensors, device=device, dtype=dtype, backend=backend,
                                    state_dtype=state_dtype)
@@ -340,9 +323,8 @@ class MambaDrafter(SharedCalls, nn.Module):
         return model
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into the parameters, with errors that name every missing/unexpected/misshaped key
-        (`check_tensors`). A `DRAFT_IDS` entry (the draft-vocabulary id map, if the checkpoint has one) sets the
-        draft vocabulary."""
+        """Copy HF-named tensors into the parameters (`check_tensors` names what is missing, unexpected or
+        misshaped); a `DRAFT_IDS` entry sets the draft vocabulary."""
         tensors = check_tensors(self, tensors)
         draft_ids = tensors.pop(DRAFT_IDS, None)
         self.load_state_dict(tensors, strict=False, assign=False)
@@ -363,11 +345,8 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     @torch.no_grad()
     def set_draft_vocab(self, draft_ids: torch.Tensor | None) -> None:
-        """Restrict proposals to `draft_ids` (distinct target ids, e.g. frequency-ranked), or lift it with None.
-
-        The head rows are copied once here so a step reads a contiguous (len(draft_ids), d_model) matrix; call it
-        again after changing the head's weights in place (`.to()` moves and casts the copy with the model).
-        """
+        """Restrict proposals to `draft_ids` (distinct target ids), or lift it with None. The head rows are copied
+        here (a step reads them contiguous): call it again after changing the head's weights in place."""
         if draft_ids is None:
             self.draft_ids = self.draft_head = None
             return
@@ -393,8 +372,7 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        """Width of the logits: the draft vocabulary's (column j scores target id `draft_ids[j]`), else the real
-        vocabulary's (column j scores id j)."""
+        """Width of the logits: the draft vocabulary's, else the real vocabulary's."""
         return self.draft_ids.numel() if self.draft_ids is not None else self.config.real_vocab_size
 
     @property
@@ -444,13 +422,10 @@ class MambaDrafter(SharedCalls, nn.Module):
         return self.config.target_hidden_size > 0
 
     def embed(self, input_ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
-        """The first layer's input for tokens (B, L) or (B,). A drafter that reads the target fuses each token's
-        embedding with the target's final hidden state at the position before it (what the target's head read to
-        score that token), `features` (B, L, H) / (B, H), in one linear map (EAGLE's fusion); where the target has
-        not computed that state (the prompt, and drafted tokens inside a round), with the learned `stand_in`
-        (features None: every position). The state is RMS-normalised first (`feature_norm`, which training starts
-        at the embedding's scale): a target's final-norm state is far larger than its embedding rows and would
-        swamp the token in the fused input. An external drafter takes no features."""
+        """The first layer's input for tokens (B, L) or (B,). A drafter that reads the target fuses (EAGLE) each token's
+        embedding with `features` (B, L, H) / (B, H), the target's final hidden state at the position before it, or
+        with the learned `stand_in` where the target has not computed one (features None). `feature_norm` first
+        brings that state to the embedding's scale, so it does not swamp the token. An external drafter takes none."""
         h = self.backbone.embeddings(input_ids)
         if not self.reads_target:
             if features is not None:
@@ -476,9 +451,8 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     def train_forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Differentiable full-sequence logits (B, L, vocab_size) from a zero state, and the final-norm hidden
-        states (B, L, d_model) they come from: the training forward, by prefill's chunked scans (linear in L). With a
-        draft vocabulary the head rows are gathered here, so gradients reach the (possibly tied) full weights."""
+        """The training forward: differentiable logits (B, L, vocab_size) from a zero state by the chunked scans, and
+        the final-norm states (B, L, d_model); draft-vocabulary head rows gathered here, so gradients reach them."""
         ids = input_ids.to(device=self.device, dtype=torch.long)
         h = self.backbone.norm_f(self._run(ids, None, features))
         weight = self.lm_head.weight[: self.config.real_vocab_size] if self.draft_ids is None \
@@ -488,9 +462,8 @@ class MambaDrafter(SharedCalls, nn.Module):
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, state: DrafterState, *, last_only: bool = False,
                features: torch.Tensor | None = None, with_hidden: bool = False):
-        """Continue rows [0:B] of `state` with a (B, L) block of tokens (and, reading the target, their `features`,
-        `embed`); returns logits (B, L, V) or (B, V), with `with_hidden` also the final-norm states they come from
-        (what a drafter with drafted_features 'own' reads beside the next drafted token)."""
+        """Continue rows [0:B] of `state` with a (B, L) block of tokens (and their `features`, `embed`); returns
+        logits (B, L, V) or (B, V), with `with_hidden` also the final-norm states ('own' drafted features)."""
         input_ids = self.token_ids(input_ids)
         check_batch(input_ids.shape[0], state)
         h = self._run(input_ids, state, features)

@@ -1,15 +1,11 @@
 """bf16 linear layers on CPU with their weight prepacked for oneDNN: the same bits as `F.linear`, faster for the
 few-row products of decoding.
 
-A bf16 `F.linear` on CPU hands oneDNN a plain row-major weight, which it reorders into its blocked layout on every
-call. Reordered once (`torch.ops.mkldnn._reorder_linear_weight`), the same primitive runs on the stored copy and
-gives the same bits, so a packed model's output equals the unpacked one's token for token. Packed only where a probe
-shows the same bits (bf16 on CPUs whose oneDNN takes bf16; for fp32 the packed kernels round differently, and a
-oneDNN held to AVX2 refuses bf16: layers stay as they are). Costs one packed copy of each weight in memory.
-
-`PackCache` keeps the packed copy of the weight it was last given and holds that weight's storage, so another
-tensor (`.to()`, a replaced buffer) never matches it; an in-place edit (`load_state_dict`, `mul_`) bumps the
-version: either way the next call repacks instead of reading a stale copy. Autograd goes through `F.linear`.
+A bf16 `F.linear` on CPU has oneDNN reorder the weight into its blocked layout on every call; reordered once
+(`torch.ops.mkldnn._reorder_linear_weight`), the same primitive gives the same bits. Packed only where a probe shows
+the same bits (fp32's packed kernels round differently; a oneDNN held to AVX2 refuses bf16). `PackCache` holds the
+packed weight's source storage and version, so another tensor or an in-place edit repacks instead of reading a stale
+copy. Autograd goes through `F.linear`.
 """
 from __future__ import annotations
 

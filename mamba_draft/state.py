@@ -1,8 +1,5 @@
-"""The drafter's recurrent state: per-layer conv and SSM buffers, preallocated for a maximum batch.
-
-Buffers are allocated once and only ever written in place, so their addresses never change and a CUDA graph
-captured on a view of them stays valid across rounds. `gather_` is what tree drafting needs: copy parent rows into
-child rows before stepping the children. Implements `mamba_draft.drafter.DraftState`, as `KVState` does.
+"""The Mamba drafter's state (a `mamba_draft.drafter.DraftState`): per-layer conv and SSM buffers, preallocated for
+a maximum batch and only written in place, so a CUDA graph captured on a view of them stays valid across rounds.
 """
 from __future__ import annotations
 
@@ -41,8 +38,8 @@ class DrafterState:
         if dst_start < 0 or dst_start + n > self.max_batch:
             raise IndexError(f"gather of {n} rows at {dst_start} overflows a state of {self.max_batch} rows")
         # index_select materialises the sources before the copy, so overlapping rows are read before written.
-        self.conv[:, dst_start:dst_start + n].copy_(self.conv.index_select(1, src_rows))
-        self.ssm[:, dst_start:dst_start + n].copy_(self.ssm.index_select(1, src_rows))
+        for buffer in (self.conv, self.ssm):
+            buffer[:, dst_start:dst_start + n].copy_(buffer.index_select(1, src_rows))
         return self
 
     def reset_(self) -> "DrafterState":

@@ -1,15 +1,11 @@
-"""A Transformer drafter: any Hugging Face causal LM behind the interface `MambaDrafter` has (`prefill`, `step`,
-`extend` on an explicit state whose rows fork for tree drafting), so the tree engine drafts with either kind.
-
-Its state (`KVState`) is one KV cache per row, contiguous from slot 0 (slot = RoPE position): forking a row copies
-its cache, O(context) where a Mamba row is a fixed-size state. A forward writes each row's new keys at that row's own
-length and attends with a 4D mask by position, so rows of different lengths (a batch of prompts, tree levels) step
-together without padding; hence full-attention models only (a sliding window needs HF's own mask). A Llama-family
-model runs `llama_step`'s lean body instead of transformers' forward where a probe shows the same logits. A draft
-vocabulary (FR-Spec) scores only its ids: the body's final hidden state meets a contiguous copy of their head rows.
+"""A Transformer drafter: any Hugging Face causal LM behind `MambaDrafter`'s interface, on a `KVState` (one KV cache
+per row; forking a row copies its cache). A forward attends with a 4D mask by position, so rows of different lengths
+step together without padding: full-attention models only (a sliding window needs HF's own mask). A Llama-family
+model runs `llama_step`'s lean body where a probe shows transformers' logits.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 
@@ -39,7 +35,6 @@ def _close(probed: torch.Tensor, reference: torch.Tensor) -> bool:
 class _RowLayer(CacheLayerMixin):
     """One layer's cache for one forward: writes the new keys at each row's own slots, returns the used slots."""
 
-    is_compileable = False
     is_sliding = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, starts: list[int], positions: torch.Tensor,
@@ -67,8 +62,7 @@ class _RowLayer(CacheLayerMixin):
 
 
 class TransformerDrafter(SharedCalls, nn.Module):
-    """A Hugging Face causal LM as a drafter (see the module docstring): implements `mamba_draft.drafter.Drafter`
-    as `MambaDrafter` does (its state, `DraftState`)."""
+    """A Hugging Face causal LM as a drafter: implements `mamba_draft.drafter.Drafter`, as `MambaDrafter` does."""
 
     capturable = False  # a forward's width follows the longest row: eager only
     reads_target = False  # token ids only
@@ -90,10 +84,8 @@ class TransformerDrafter(SharedCalls, nn.Module):
         self._bool_mask = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
-        self._shapes: list[tuple[int, int, int]] | None = None  # per layer (heads, key dim, value dim)
-        self.register_buffer("draft_ids", None, persistent=False)
-        self.register_buffer("draft_head", None, persistent=False)
-        self.register_buffer("draft_bias", None, persistent=False)
+        for name in ("draft_ids", "draft_head", "draft_bias"):
+            self.register_buffer(name, None, persistent=False)
         self.head_cache = PackCache()  # the draft head's (or the model's head's) prepacked copy (bf16 on CPU)
         self.lean: LlamaBody | None = None
         self.lean = self._checked_lean_body()
@@ -102,28 +94,24 @@ class TransformerDrafter(SharedCalls, nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         revision: str | None = None) -> TransformerDrafter:
-        """A local HF causal-LM directory or hub id (sdpa attention), with the draft vocabulary a local directory
-        stores (`draft_vocab.safetensors`, as training writes it). A model transformers cannot load raises OSError
-        with the first sentence of its reason; a bad stored vocabulary, ValueError naming the file."""
+        """A local HF causal-LM directory or hub id (sdpa attention), with the draft vocabulary a directory stores;
+        OSError (the first sentence of the reason) if transformers cannot load it, ValueError for a bad vocabulary."""
         try:
             model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
                                                          attn_implementation="sdpa")
         except (ValueError, OSError, KeyError) as err:  # transformers' message runs to a paragraph: its first sentence
             raise OSError(str(err).split(". ")[0].strip()) from err
         drafter = cls(model.to(device))
-        if Path(path).is_dir():
-            try:
-                drafter.set_draft_vocab(read_draft_ids(path))
-            except ValueError as err:
-                raise ValueError(f"{Path(path) / DRAFT_VOCAB}: {err}") from err
+        try:
+            drafter.set_draft_vocab(read_draft_ids(path))  # None for a hub id
+        except ValueError as err:
+            raise ValueError(f"{Path(path) / DRAFT_VOCAB}: {err}") from err
         return drafter
 
     @torch.no_grad()
     def set_draft_vocab(self, draft_ids: torch.Tensor | None) -> None:
-        """Propose only `draft_ids` (distinct ids of the head's vocabulary), or every id with None.
-
-        Refused for models whose logits are not the head applied to the final hidden state (soft-capped or scaled
-        logits): the draft head would score those ids differently from the model."""
+        """Propose only `draft_ids` (distinct ids of the head's vocabulary), or every id with None. Refused where
+        the logits are not the head applied to the final hidden state (soft-capped or scaled): it would differ."""
         if draft_ids is None:
             self.draft_ids = self.draft_head = self.draft_bias = None
             return
@@ -159,15 +147,13 @@ class TransformerDrafter(SharedCalls, nn.Module):
             state.lengths[1] = 3  # row 1 continues after 3 tokens: rows of different lengths in one forward
             logits.append(self.extend(probe[10:].expand(2, 3), state).float())
         self.lean = None
-        reference, lean = logits
-        return body if _close(lean, reference) else None
+        return body if _close(logits[1], logits[0]) else None
 
     # ---- properties ----
 
     @property
     def vocab_size(self) -> int:
-        """Width of the logits: the draft vocabulary's size, else the output embedding's rows (column j scores
-        `draft_ids[j]`, else id j)."""
+        """Width of the logits: the draft vocabulary's size, else the output embedding's rows."""
         if self.draft_ids is not None:
             return self.draft_ids.numel()
         return int(self.model.get_output_embeddings().weight.shape[0])
@@ -196,27 +182,25 @@ class TransformerDrafter(SharedCalls, nn.Module):
 
     def row_bytes(self, context: int) -> int:
         """Bytes of one state row holding `context` tokens (keys and values, every layer)."""
-        return context * self.cache_dtype.itemsize * sum(h * (k + v) for h, k, v in self._layer_shapes())
+        return context * self.cache_dtype.itemsize * sum(h * (k + v) for h, k, v in self._layer_shapes)
 
     # ---- state ----
 
-    @torch.no_grad()
+    @functools.cached_property
     def _layer_shapes(self) -> list[tuple[int, int, int]]:
         """(kv heads, key dim, value dim) per layer, read off one token's cache (any HF architecture)."""
-        if self._shapes is None:
-            cache = DynamicCache(config=self.config)
+        cache = DynamicCache(config=self.config)
+        with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                        **{self._cache_keyword: cache}, use_cache=True)
-            self._shapes = [(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3])
-                            for layer in cache.layers]
-        return self._shapes
+        return [(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3]) for layer in cache.layers]
 
     def allocate_state(self, max_batch: int) -> KVState:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         slots = min(INITIAL_SLOTS, self.max_positions)
         zeros = lambda heads, dim: torch.zeros(max_batch, heads, slots, dim, dtype=self.cache_dtype, device=self.device)
-        shapes = self._layer_shapes()
+        shapes = self._layer_shapes
         return KVState(KVStore([zeros(h, k) for h, k, _ in shapes], [zeros(h, v) for h, _, v in shapes],
                                 torch.zeros(max_batch, dtype=torch.long, device=self.device), self.max_positions))
 
@@ -240,11 +224,10 @@ class TransformerDrafter(SharedCalls, nn.Module):
         if self.lean is not None:
             hidden = self.lean.forward(ids, starts, positions, visible, keys, values)
         else:
-            if self._bool_mask:
-                mask = visible[:, None]
-            else:
-                mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-                mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
+            mask = visible[:, None]
+            if not self._bool_mask:  # an additive mask
+                mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                    ~mask, torch.finfo(self.dtype).min)
             cache = Cache(layers=[_RowLayer(k, v, starts, positions, width) for k, v in zip(keys, values)])
             kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                           **{self._cache_keyword: cache})
@@ -254,12 +237,9 @@ class TransformerDrafter(SharedCalls, nn.Module):
                 return out.logits[:, -1] if last_only else out.logits
             hidden = self.model.base_model(**kwargs).last_hidden_state
         lengths += n
-        if last_only:
-            hidden = hidden[:, -1]
-        if self.draft_head is not None:
-            return self.head_cache.linear(hidden, self.draft_head, self.draft_bias)
         head = self.model.get_output_embeddings()
-        return self.head_cache.linear(hidden, head.weight, head.bias)
+        weight, bias = (head.weight, head.bias) if self.draft_head is None else (self.draft_head, self.draft_bias)
+        return self.head_cache.linear(hidden[:, -1] if last_only else hidden, weight, bias)
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, state: KVState) -> torch.Tensor:

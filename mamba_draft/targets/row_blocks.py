@@ -1,19 +1,13 @@
 """Row-invariant linear layers for CPU targets: every product is computed in blocks of exactly R rows, so a row's
 result does not depend on how many rows share its forward.
 
-Why: a CPU GEMM library picks its kernel, and with it the order in which a dot product's terms are added, by the
-shape of the product, so the same row rounds differently in products of different row counts (which counts, per CPU
-kind: docs/benchmarks.md, "Exact on every CPU kind"). Speculative decoding verifies a token in a forward of several
-rows that plain decoding computes in a forward of one, so such a flip can change a greedy choice. What holds wherever
-measured is the structure of a GEMM: for a *fixed* shape, each output row is computed from its own input row and the
-weight only, by the same kernel wherever the row sits. So here every product of n rows is ⌈n/R⌉ products of exactly
-R rows (the last one zero-padded), and a position's logits are the same bits in a decoding step, a tree
-verification, a batch and a prefill, on any CPU.
-
-R is chosen per machine by cost (`choose_rows`), and the one assumption above is checked for that R on every layer
-shape before it is used (`_position_free`); R = 1 needs no assumption and is the fallback. The choice is kept per
-CPU, torch build, thread count and model shapes (a small JSON file), so a machine decodes with the same R, and the
-same bits, every time.
+Why: a CPU GEMM library picks its kernel, and so a dot product's order of additions, by the product's shape, so
+speculative decoding (a token verified among several rows) could flip a greedy choice that plain decoding (one row)
+makes (docs/benchmarks.md, "Exact on every CPU kind"). For a *fixed* shape each output row is computed from its own
+input row by the same kernel wherever it sits: so every product of n rows is ⌈n/R⌉ products of exactly R rows (the
+last zero-padded). R is chosen per machine by cost (`choose_rows`), checked position-free on every layer shape
+(`_position_free`; R = 1 is the fallback) and kept per CPU, torch build, threads and shapes, so a machine decodes
+with the same bits every time.
 """
 from __future__ import annotations
 
@@ -29,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..devices import cpu_info
 from ..io import cache_root, write_json
 
 
@@ -97,9 +92,8 @@ def row_block(model: nn.Module) -> int | None:
 
 
 def low_precision_cpu(model: nn.Module) -> bool:
-    """Whether `model`'s row-wise layers are bf16/fp16 on a CPU: where a row count's rounding flips a greedy choice
-    often enough to see (fp32 moves the last of 24 bits, far below any logit gap seen, and blocks there cost a
-    memory-bound product a weight pass per block)."""
+    """Whether `model`'s row-wise layers are bf16/fp16 on a CPU: where a row count's rounding flips greedy choices
+    (fp32 moves the last of 24 bits, and blocks there cost a memory-bound product a weight pass per block)."""
     layer = next((m for m in model.modules() if _row_wise(m)), None)
     return layer is not None and layer.weight.device.type == "cpu" and layer.weight.dtype in (torch.bfloat16,
                                                                                               torch.float16)
@@ -119,8 +113,7 @@ def make_row_invariant(model: nn.Module, rows: int | None = None) -> int:
         raise ValueError(f"a row block needs a positive number of rows, got {rows!r}")
     if current == rows:
         return rows
-    prefill = PREFILL_ROWS if all(_position_free(group[0], PREFILL_ROWS) for group in _shapes(model).values()) \
-        else rows
+    prefill = PREFILL_ROWS if all(_position_free(m, PREFILL_ROWS) for m in _shapes(model).values()) else rows
     for layer in layers:
         if not isinstance(layer, RowBlocks):
             layer.__class__ = _blocked(type(layer))
@@ -131,12 +124,9 @@ def make_row_invariant(model: nn.Module, rows: int | None = None) -> int:
 
 @contextlib.contextmanager
 def prefilling(model: nn.Module):
-    """Inside, `model`'s row-blocked layers multiply in blocks of their `prefill_rows` instead of `rows`.
-
-    A prompt's positions are computed by a prefill in every path the engine compares (speculative or plain
-    decoding, one prompt or a batch: the prompt's last token goes through the first decoding or verification
-    forward in all of them), so a prefill only has to agree with other prefills, and large blocks keep it at a
-    large product's cost (in blocks of R rows, a long prompt would re-read every weight n / R times)."""
+    """Inside, `model`'s row-blocked layers multiply in blocks of their `prefill_rows` instead of `rows`: every path
+    the engine compares computes a prompt by a prefill, so prefills need only agree with each other, and large
+    blocks spare a long prompt re-reading every weight n / R times."""
     layers = [m for m in model.modules() if isinstance(m, RowBlocks)]
     for layer in layers:
         layer.block = layer.prefill_rows
@@ -154,13 +144,13 @@ def _forced_rows() -> int | None:
     return int(value) if value else None
 
 
-def _shapes(model: nn.Module) -> dict[tuple, list[nn.Module]]:
-    """The model's row-wise layers grouped by what a product's cost and kernel depend on."""
-    groups: dict[tuple, list[nn.Module]] = {}
+def _shapes(model: nn.Module) -> dict[tuple, nn.Module]:
+    """The first of the model's row-wise layers for each key of what a product's cost and kernel depend on."""
+    groups: dict[tuple, nn.Module] = {}
     for m in filter(_row_wise, model.modules()):
         key = (isinstance(m, nn.Linear), tuple(m.weight.shape), getattr(m, "bias", None) is not None,
                str(m.weight.dtype))
-        groups.setdefault(key, []).append(m)
+        groups.setdefault(key, m)
     return groups
 
 
@@ -171,9 +161,8 @@ def _in_features(layer: nn.Module) -> int:
 @torch.no_grad()
 def block_costs(model: nn.Module, candidates=CANDIDATES, repeats: int = 5) -> dict[int, float]:
     """Seconds one product of R rows through every row-wise layer of `model`, in the model's order, takes per
-    candidate R: a forward's worth of products, so each weight comes from memory as in a real forward (one layer
-    timed alone stays in cache, and a 1-row product then looks dearer than it is). Candidates interleaved, the
-    fastest of `repeats` kept, so a busy machine slows every candidate alike instead of skewing the choice."""
+    candidate R: a forward's worth of products, so each weight comes from memory as in a real forward. Candidates
+    interleaved, the fastest of `repeats` kept, so a busy machine slows every candidate alike."""
     layers = [(unblocked_forward(m), m) for m in model.modules() if _row_wise(m)]
     inputs = {rows: {key: torch.randn(rows, key[0]).to(key[1])
                      for key in {(_in_features(m), m.weight.dtype) for _, m in layers}} for rows in candidates}
@@ -233,7 +222,7 @@ def choose_rows(model: nn.Module) -> int:
     costs = block_costs(model)
     while True:
         rows = pick_rows(costs)
-        if rows == 1 or all(_position_free(layers[0], rows) for layers in groups.values()):
+        if rows == 1 or all(_position_free(layer, rows) for layer in groups.values()):
             break
         costs.pop(rows)
     if store is not None:
@@ -244,16 +233,8 @@ def choose_rows(model: nn.Module) -> int:
 
 def _machine_key(groups: dict) -> str:
     """What the choice depends on: the CPU (model name and flags), torch build, threads, and the layer shapes."""
-    cpu = platform.processor() or platform.machine()
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-        flags = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    identity = [cpu, flags, torch.__version__, torch.get_num_threads(), sorted(map(list, groups))] + [
+    cpu = cpu_info("model name") or platform.processor() or platform.machine()
+    identity = [cpu, cpu_info("flags"), torch.__version__, torch.get_num_threads(), sorted(map(list, groups))] + [
         os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
                                               "MKL_CBWR")]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
