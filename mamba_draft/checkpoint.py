@@ -1,12 +1,9 @@
 """Drafter checkpoints in HF format (`config.json` with `model_type` mamba / mamba2, `model.safetensors` or a sharded
 index) and mamba_ssm format (`MambaLMHeadModel`: `config.json` with `ssm_cfg`, `pytorch_model.bin`, the embedding as
-`backbone.embedding.weight`, the vocabulary padded), with HF names in memory.
-
-Beside the weights: `draft_vocab.safetensors` (`d2t`: draft id -> target id; under `DRAFT_IDS` in memory), so the
-model part still loads in plain transformers; `target_embedding.json` for a drafter stored without its (frozen, tied)
-embedding: it names the target and the SHA-256 of that embedding rounded to bf16, checked when loading takes it
-from the target. Weights are read with safetensors or `torch.load(weights_only=True)` only; directories are written
-whole or not at all (`atomic_directory`).
+`backbone.embedding.weight`, the vocabulary padded), with HF names in memory. Beside the weights, so the model part
+still loads in plain transformers: `draft_vocab.safetensors` (`d2t`: draft id -> target id; `DRAFT_IDS` in memory),
+and `target_embedding.json` for a drafter stored without its (frozen, tied) embedding (`target_embedding`). Weights
+are read with safetensors or `torch.load(weights_only=True)` only; directories are written whole or not at all.
 """
 from __future__ import annotations
 
@@ -216,9 +213,9 @@ def save_checkpoint(config: MambaConfig, tensors: dict, directory: str | os.Path
                     overwrite: bool = False, copy_from: Path | None = None, dtype: torch.dtype | None = None,
                     embedding_from: str | None = None, tokenizer=None) -> Path:
     """Write `tensors` (HF names) in `format`, atomically. `dtype`: cast floating-point tensors (e.g. bf16 to
-    ship). `embedding_from`: the target whose input embedding
-    this drafter uses (tied and frozen): the embedding is left out and `target_embedding.json` records the target
-    and the embedding's digest (HF format, tied embeddings only). `tokenizer`: saved beside the weights."""
+    ship). `embedding_from`: the target whose input embedding this drafter uses (tied and frozen): the embedding is
+    left out and `target_embedding.json` records the target and the embedding's digest (HF format, tied embeddings
+    only). `tokenizer`: saved beside the weights."""
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; choose one of {FORMATS}")
     if embedding_from is not None and (format != "hf" or not config.tie_embeddings):

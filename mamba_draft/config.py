@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 DRAFTED_FEATURES = ("stand_in", "own")
@@ -188,6 +188,3 @@ class MambaConfig:
         return cls(arch="mamba1" if mamba1 else "mamba2", d_model=cfg["d_model"], n_layer=cfg["n_layer"],
                    vocab_size=real_vocab + (-real_vocab) % multiple, real_vocab_size=real_vocab,
                    pad_vocab_size_multiple=multiple, **kwargs)
-
-    def to_dict(self) -> dict:
-        return asdict(self)

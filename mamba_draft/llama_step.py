@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
 
 from .targets.cpu_attention import grouped_attention
 from .kv_state import write_rows
@@ -86,7 +87,7 @@ class LlamaBody:
             q, k, v = self.qkv[i].linear(x, attn.q_proj, attn.k_proj, attn.v_proj).split(
                 (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), dim=-1)
             q, k, v = (t.view(batch, n, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             write_rows(keys[i], k, starts, positions)
             write_rows(values[i], v, starts, positions)
             # in the cache's dtype (fp32 on CPU: TransformerDrafter.cache_dtype), a kv head's queries as one block
@@ -100,8 +101,3 @@ class LlamaBody:
             hidden = hidden + self.down[i].linear(mlp.act_fn(gate) * up, mlp.down_proj)
         return self.body.norm(hidden)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (transformers' rotate-half convention)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -296,8 +296,6 @@ class MambaDrafter(SharedCalls, nn.Module):
         self.head_cache = PackCache()  # the head's prepacked copy (bf16 on CPU; packed_linear)
         self.set_backend(backend)
 
-    # ---- construction ----
-
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         backend: str = "auto", state_dtype: torch.dtype | None = None,
@@ -368,8 +366,6 @@ class MambaDrafter(SharedCalls, nn.Module):
             backend = "kernels" if on_cuda and load_kernels() is not None else "torch"
         self.backend = backend
 
-    # ---- properties ----
-
     @property
     def vocab_size(self) -> int:
         """Width of the logits: the draft vocabulary's, else the real vocabulary's."""
@@ -393,8 +389,6 @@ class MambaDrafter(SharedCalls, nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    # ---- state ----
-
     def row_bytes(self, context: int = 0) -> int:
         """Bytes of one state row (conv + SSM buffers, every layer): the same at any context length."""
         cfg = self.config
@@ -408,8 +402,6 @@ class MambaDrafter(SharedCalls, nn.Module):
         zeros = lambda *shape, dtype: torch.zeros(cfg.n_layer, max_batch, *shape, device=self.device, dtype=dtype)
         return DrafterState(zeros(cfg.conv_dim, cfg.d_conv, dtype=self.dtype),
                             zeros(*cfg.ssm_state_shape, dtype=self.state_dtype or self.dtype))
-
-    # ---- compute ----
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits from the final norm's output (padded vocabulary rows skipped entirely)."""

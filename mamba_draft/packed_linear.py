@@ -1,11 +1,7 @@
 """bf16 linear layers on CPU with their weight prepacked for oneDNN: the same bits as `F.linear`, faster for the
-few-row products of decoding.
-
-A bf16 `F.linear` on CPU has oneDNN reorder the weight into its blocked layout on every call; reordered once
-(`torch.ops.mkldnn._reorder_linear_weight`), the same primitive gives the same bits. Packed only where a probe shows
-the same bits (fp32's packed kernels round differently; a oneDNN held to AVX2 refuses bf16). `PackCache` holds the
-packed weight's source storage and version, so another tensor or an in-place edit repacks instead of reading a stale
-copy. Autograd goes through `F.linear`.
+few-row products of decoding (a bf16 `F.linear` reorders the weight into oneDNN's blocked layout on every call).
+Packed only where a probe shows the same bits (fp32's packed kernels round differently; a oneDNN held to AVX2 refuses
+bf16). Autograd goes through `F.linear`.
 """
 from __future__ import annotations
 
@@ -69,10 +65,7 @@ class PackCache:
         self.packed, self.storage = packed, weight.untyped_storage()
         self.key = (weight.data_ptr(), weight._version, weight.shape, weight.stride())
 
-    def __deepcopy__(self, memo) -> "PackCache":
-        return PackCache()
-
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict:  # copy.deepcopy goes through it too
         return {"storage": None, "key": None, "packed": None}
 
 
@@ -81,12 +74,10 @@ class PackedLinear(nn.Linear):
 
     @classmethod
     def wrap(cls, linear: nn.Linear) -> "PackedLinear":
-        packed = cls.__new__(cls)
-        nn.Module.__init__(packed)
-        packed.in_features, packed.out_features = linear.in_features, linear.out_features
-        packed.weight, packed.bias = linear.weight, linear.bias  # shared Parameters: ties and state dict unchanged
-        packed.cache = PackCache()
-        return packed
+        """`linear` itself, made a PackedLinear: its Parameters (ties), hooks and state dict stay as they are."""
+        linear.__class__ = cls
+        linear.cache = PackCache()
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.cache.linear(x, self.weight, self.bias)
@@ -99,12 +90,9 @@ class PackedLinear(nn.Linear):
 def pack_linears(model: nn.Module) -> int:
     """Swap every bf16 CPU nn.Linear of `model` that packs exactly for a PackedLinear (in place); how many."""
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            packed = exact_pack(child.weight) if type(child) is nn.Linear else None
-            if packed is not None:
-                layer = PackedLinear.wrap(child)
-                layer.cache.remember(child.weight, packed)  # probed and packed once, here
-                setattr(parent, name, layer)
-                swapped += 1
+    for layer in list(model.modules()):
+        packed = exact_pack(layer.weight) if type(layer) is nn.Linear else None
+        if packed is not None:
+            PackedLinear.wrap(layer).cache.remember(layer.weight, packed)  # probed and packed once, here
+            swapped += 1
     return swapped

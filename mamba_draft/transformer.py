@@ -87,8 +87,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
         for name in ("draft_ids", "draft_head", "draft_bias"):
             self.register_buffer(name, None, persistent=False)
         self.head_cache = PackCache()  # the draft head's (or the model's head's) prepacked copy (bf16 on CPU)
-        self.lean: LlamaBody | None = None
-        self.lean = self._checked_lean_body()
+        self.lean: LlamaBody | None = self._checked_lean_body()
         self.set_draft_vocab(draft_ids)
 
     @classmethod
@@ -149,14 +148,11 @@ class TransformerDrafter(SharedCalls, nn.Module):
         self.lean = None
         return body if _close(logits[1], logits[0]) else None
 
-    # ---- properties ----
-
     @property
     def vocab_size(self) -> int:
         """Width of the logits: the draft vocabulary's size, else the output embedding's rows."""
-        if self.draft_ids is not None:
-            return self.draft_ids.numel()
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        rows = self.model.get_output_embeddings().weight.shape[0]
+        return self.draft_ids.numel() if self.draft_ids is not None else int(rows)
 
     @property
     def input_vocab_size(self) -> int:
@@ -184,8 +180,6 @@ class TransformerDrafter(SharedCalls, nn.Module):
         """Bytes of one state row holding `context` tokens (keys and values, every layer)."""
         return context * self.cache_dtype.itemsize * sum(h * (k + v) for h, k, v in self._layer_shapes)
 
-    # ---- state ----
-
     @functools.cached_property
     def _layer_shapes(self) -> list[tuple[int, int, int]]:
         """(kv heads, key dim, value dim) per layer, read off one token's cache (any HF architecture)."""
@@ -203,8 +197,6 @@ class TransformerDrafter(SharedCalls, nn.Module):
         shapes = self._layer_shapes
         return KVState(KVStore([zeros(h, k) for h, k, _ in shapes], [zeros(h, v) for h, _, v in shapes],
                                 torch.zeros(max_batch, dtype=torch.long, device=self.device), self.max_positions))
-
-    # ---- compute ----
 
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, state: KVState, *, last_only: bool = False) -> torch.Tensor:

@@ -135,18 +135,11 @@ def _items(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return out[:count].view(*batch, m, n)
 
 
-def _scores(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """rows (B, KVH, n, G, D) against key blocks, shared (B, KVH, nb, BLOCK, D) or one set per row (B, KVH, n, nb,
-    BLOCK, D) -> (B, KVH, n, nb, G, BLOCK): one (G x D) @ (D x BLOCK) product per query row and key block, so a
-    score is computed by the same product whatever else shares the forward."""
-    keys = keys.transpose(-1, -2)
-    return _items(rows[:, :, :, None], keys[:, :, None] if keys.dim() == rows.dim() else keys)
-
-
-def _weighted(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """probs (B, KVH, n, nb, G, BLOCK) by value blocks, shared (B, KVH, nb, BLOCK, D) or per row (B, KVH, n, nb,
-    BLOCK, D) -> (B, KVH, n, nb, G, D): one (G x BLOCK) @ (BLOCK x D) product per row and block."""
-    return _items(probs, values[:, :, None] if values.dim() == probs.dim() - 1 else values)
+def _per_block(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left (B, KVH, n, nb, M, K) @ right, blocks shared by the rows (B, KVH, nb, K, N) or one set per row (B, KVH,
+    n, nb, K, N) -> (B, KVH, n, nb, M, N): one product per query row and block (scores: G queries x a key block;
+    outputs: G rows of weights x a value block), so a row's sum is computed alike whatever else shares the forward."""
+    return _items(left, right if right.dim() == left.dim() else right[:, :, None])
 
 
 def _softmax(scores: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -187,9 +180,9 @@ def _contiguous(layout: _Contiguous, q, key, value, scaling):
     outs = []
     for first, stop, width in layout.chunks:
         blocks = width // BLOCK
-        scores = _scores(q[:, :, first:stop], keys[:, :, :blocks]) * scaling
+        scores = _per_block(q[:, :, first:stop, None], keys[:, :, :blocks].transpose(-1, -2)) * scaling
         probs = _softmax(scores, layout.bias[:, :, first:stop, :width], value.dtype)
-        outs.append(_blocks_sum(_weighted(probs, values[:, :, :blocks])))
+        outs.append(_blocks_sum(_per_block(probs, values[:, :, :blocks])))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -204,13 +197,13 @@ def _gathered(layout: _Gathered, q, key, value, scaling):
         rows = torch.stack([x[b].index_select(1, own[b].flatten()) for b in range(batch)])
         return rows.view(batch, kv_heads, queries, -1, BLOCK, dim)
 
-    scores = _scores(q, gather(key))
+    scores = _per_block(q[:, :, :, None], gather(key).transpose(-1, -2))
     if full:  # the blocks every row sees, read in place
-        scores = torch.cat([_scores(q, _blocks(key, base)), scores], dim=3)
+        scores = torch.cat([_per_block(q[:, :, :, None], _blocks(key, base).transpose(-1, -2)), scores], dim=3)
     probs = _softmax(scores * scaling, layout.bias.view(batch, 1, queries, width), value.dtype)
-    parts = _weighted(probs[:, :, :, full:], gather(value))
+    parts = _per_block(probs[:, :, :, full:], gather(value))
     if full:
-        parts = torch.cat([_weighted(probs[:, :, :, :full], _blocks(value, base)), parts], dim=3)
+        parts = torch.cat([_per_block(probs[:, :, :, :full], _blocks(value, base)), parts], dim=3)
     return _blocks_sum(parts)
 
 

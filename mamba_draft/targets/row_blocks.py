@@ -1,13 +1,7 @@
-"""Row-invariant linear layers for CPU targets: every product is computed in blocks of exactly R rows, so a row's
-result does not depend on how many rows share its forward.
-
-Why: a CPU GEMM library picks its kernel, and so a dot product's order of additions, by the product's shape, so
-speculative decoding (a token verified among several rows) could flip a greedy choice that plain decoding (one row)
-makes (docs/benchmarks.md, "Exact on every CPU kind"). For a *fixed* shape each output row is computed from its own
-input row by the same kernel wherever it sits: so every product of n rows is ⌈n/R⌉ products of exactly R rows (the
-last zero-padded). R is chosen per machine by cost (`choose_rows`), checked position-free on every layer shape
-(`_position_free`; R = 1 is the fallback) and kept per CPU, torch build, threads and shapes, so a machine decodes
-with the same bits every time.
+"""Row-invariant linear layers for CPU targets: every product is computed in blocks of exactly R rows (the last
+zero-padded), so a row's result does not depend on how many rows share its forward (why: docs/benchmarks.md, "Exact
+on every CPU kind"). R is chosen per machine by cost (`choose_rows`), checked position-free on every layer shape
+(`_position_free`; R = 1 is the fallback) and kept per CPU, torch build, threads and shapes.
 """
 from __future__ import annotations
 
@@ -104,7 +98,7 @@ def make_row_invariant(model: nn.Module, rows: int | None = None) -> int:
     blocks keeps its R unless another is asked); returns R. `rows` None: $MAMBA_DRAFT_ROW_BLOCK, else
     `choose_rows`. Models off the CPU are left as they are (returns 1: GPU kernels are another matter)."""
     layers = [m for m in model.modules() if _row_wise(m)]
-    if not layers or next(layers[0].parameters()).device.type != "cpu":
+    if not layers or layers[0].weight.device.type != "cpu":
         return 1
     current = row_block(model)
     if rows is None:
