@@ -1,7 +1,10 @@
 """mamba_draft: drafters with an explicit, forkable state: Mamba-1/Mamba-2 (recurrent) and any HF causal LM (KV)."""
-from .blas import prefer_fast_mkl_paths
+import os
 
-prefer_fast_mkl_paths()  # before any matrix multiply: MKL reads its dispatch setting once
+# Before any matrix multiply (MKL reads it at its first call), unless the user chose a setting: on AMD CPUs MKL's
+# default dispatch runs skinny GEMMs (2-16 rows: a tree verification, a few drafter rows) on a slow generic path, and
+# with conditional numerical reproducibility AUTO its much faster AVX2 path; 1-row and large GEMMs stay within noise.
+os.environ.setdefault("MKL_CBWR", "AUTO")
 
 from .checkpoint import convert, load_checkpoint, save_checkpoint
 from .config import MambaConfig

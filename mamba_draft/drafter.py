@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .checkpoint import SHIPPED_DRAFTER_NAMES, detect_format, read_config, resolve_directory
+from .checkpoint import detect_format, read_config, resolve_directory
 
 
 @runtime_checkable
@@ -65,17 +65,6 @@ class Drafter(Protocol):
         """Full-sequence logits (B, L, V) from an empty state."""
 
 
-def is_mamba_checkpoint(path: str | os.PathLike, revision: str | None = None) -> bool:
-    """Whether `path` (directory, hub id or a shipped drafter's name) holds a Mamba drafter (either format)."""
-    if str(path) in SHIPPED_DRAFTER_NAMES:
-        return True
-    try:
-        detect_format(read_config(resolve_directory(path, revision)))
-    except ValueError:
-        return False
-    return True
-
-
 def load_drafter(path: str | os.PathLike, *, target: torch.nn.Module | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  embedding: torch.Tensor | None = None, revision: str | None = None,
@@ -93,7 +82,11 @@ def load_drafter(path: str | os.PathLike, *, target: torch.nn.Module | None = No
         dtype = getattr(target, "dtype", embedding.dtype) if dtype is None else dtype
     device = "cpu" if device is None else device
     dtype = torch.float32 if dtype is None else dtype
-    if is_mamba_checkpoint(path, revision):
+    try:
+        detect_format(read_config(resolve_directory(path, revision)))
+    except ValueError:  # not a Mamba checkpoint (either format): a causal LM transformers may load
+        pass
+    else:
         from .model import MambaDrafter
 
         return MambaDrafter.from_pretrained(str(path), device=device, dtype=dtype, revision=revision,

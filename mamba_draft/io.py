@@ -72,12 +72,9 @@ def atomic_directory(directory: str | os.PathLike, *, overwrite: bool = False) -
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise FileExistsError(f"{directory} exists and is not empty (pass overwrite=True to replace it)")
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        yield tmp
+    with tempfile.TemporaryDirectory(prefix=f".{directory.name}.", dir=directory.parent,
+                                     ignore_cleanup_errors=True) as tmp:  # removed unless renamed into place
+        yield Path(tmp)
         if directory.exists():
             shutil.rmtree(directory)
-        tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os.rename(tmp, directory)

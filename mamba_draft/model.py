@@ -297,14 +297,11 @@ class MambaDrafter(SharedCalls, nn.Module):
         self.set_backend(backend)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                        backend: str = "auto", state_dtype: torch.dtype | None = None,
-                        revision: str | None = None, embedding: torch.Tensor | None = None) -> "MambaDrafter":
+    def from_pretrained(cls, path: str, *, revision: str | None = None, embedding: torch.Tensor | None = None,
+                        **options) -> "MambaDrafter":
         """Load an HF- or mamba_ssm-format directory, a hub id, or `smollm2` (the shipped drafter); `embedding`: as
-        `load_checkpoint` takes it."""
-        config, tensors = load_checkpoint(path, revision=revision, embedding=embedding)
-        return cls.from_state_dict(config, tensors, device=device, dtype=dtype, backend=backend,
-                                   state_dtype=state_dtype)
+        `load_checkpoint` takes it; `options` (device, dtype, backend, state_dtype): as `from_state_dict` takes them."""
+        return cls.from_state_dict(*load_checkpoint(path, revision=revision, embedding=embedding), **options)
 
     @classmethod
     def from_state_dict(cls, config: MambaConfig, tensors: dict[str, torch.Tensor], *, device="cpu",

@@ -13,7 +13,6 @@ from importlib.metadata import version
 import inspect
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -109,17 +108,12 @@ def dense_copy(gguf: tuple[Path, str]) -> Path | None:
     copy = dense_copy_path(gguf)
     if copy is None or (copy / "config.json").is_file():
         return copy
-    tmp = None
-    try:
+    # OSError: unwritable, full, or a file that does not load (the caller's own load then says why)
+    with contextlib.suppress(OSError):
         copy.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{copy.name}.", dir=copy.parent))
-        write_plain(gguf, tmp)
-        os.rename(tmp, copy)  # fails if another process put its copy there first: that one is used
-    except OSError:  # unwritable, full, or a file that does not load (the caller's own load then says why)
-        pass
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f".{copy.name}.", dir=copy.parent, ignore_cleanup_errors=True) as tmp:
+            write_plain(gguf, Path(tmp))
+            os.rename(tmp, copy)  # fails if another process put its copy there first: that one is used
     return copy if (copy / "config.json").is_file() else None
 
 
@@ -191,12 +185,12 @@ def _load_gguf(gguf: tuple[Path, str], **kwargs) -> torch.nn.Module:
     """transformers' own GGUF loading (dequantized to kwargs' `dtype`), returned as a plain model."""
     from transformers import AutoModelForCausalLM
 
-    try:  # dense weights, explicitly: transformers >= 5.2x may keep a GGUF's weights in their quantized blocks
-        from transformers import GgufConfig  # (computed by hub kernels in fp32: other numbers, other cost)
+    # dense weights, explicitly: transformers >= 5.2x may keep a GGUF's weights in their quantized blocks (computed
+    # by hub kernels in fp32: other numbers, other cost); older transformers, without GgufConfig, always dequantize
+    with contextlib.suppress(ImportError):
+        from transformers import GgufConfig
 
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:  # older transformers always dequantize
-        pass
     with _load_errors(gguf[0] / gguf[1]):
         model = AutoModelForCausalLM.from_pretrained(str(gguf[0]), gguf_file=gguf[1], **kwargs)
     # forget the GGUF 'quantization' of the dequantized model, so it saves and reloads as a plain HF model
