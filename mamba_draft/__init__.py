@@ -10,8 +10,7 @@ from .checkpoint import convert, load_checkpoint, save_checkpoint
 from .config import MambaConfig
 from .drafter import Drafter, DraftState, load_drafter
 from .kernels import kernels_available
-from .model import MambaDrafter
-from .state import DrafterState
+from .model import DrafterState, MambaDrafter
 
 __all__ = ["Drafter", "DraftState", "MambaDrafter", "TransformerDrafter", "DrafterState", "load_drafter", "MambaConfig",
            "convert", "load_checkpoint", "save_checkpoint", "kernels_available"]

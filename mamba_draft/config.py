@@ -86,15 +86,11 @@ class MambaConfig:
     @property
     def conv_dim(self) -> int:
         """Channels that go through the causal convolution (x for Mamba-1; x, B, C for Mamba-2)."""
-        if self.arch == "mamba1":
-            return self.d_inner
-        return self.d_inner + 2 * self.ngroups * self.d_state
+        return self.d_inner if self.arch == "mamba1" else self.d_inner + 2 * self.ngroups * self.d_state
 
     @property
     def ssm_state_shape(self) -> tuple[int, ...]:
-        if self.arch == "mamba1":
-            return (self.d_inner, self.d_state)
-        return (self.nheads, self.headdim, self.d_state)
+        return (self.d_inner, self.d_state) if self.arch == "mamba1" else (self.nheads, self.headdim, self.d_state)
 
     # ---- Hugging Face (transformers MambaConfig / Mamba2Config) ----
 

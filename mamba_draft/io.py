@@ -1,8 +1,4 @@
-"""Atomic writes: a reader (or a resumed run) sees the old file or the complete new one, never half of one.
-
-A file is written to a temporary sibling (same directory, so `os.replace` is a rename on one filesystem), fsynced,
-then renamed over the destination; on any failure the temporary is removed and the old file is left untouched.
-"""
+"""Atomic writes: a reader (or a resumed run) sees the old file or the complete new one, never half of one."""
 from __future__ import annotations
 
 import contextlib
@@ -29,7 +25,8 @@ def cache_root() -> Path | None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty temporary file next to `path` for the block to fill; it replaces `path` if the block succeeds."""
+    """Yield an empty temporary file next to `path` (one filesystem: the replace is a rename) for the block to fill;
+    it replaces `path` if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
