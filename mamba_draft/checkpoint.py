@@ -129,8 +129,7 @@ def load_checkpoint(path: str | os.PathLike, revision: str | None = None,
         config = MambaConfig.from_mamba_ssm_dict(raw)
         tensors = {k.replace("backbone.embedding.", "backbone.embeddings.", 1): v
                    for k, v in _read_weights_file(directory / SSM_WEIGHTS).items()}
-    draft_ids = read_draft_ids(directory)
-    if draft_ids is not None:
+    if (draft_ids := read_draft_ids(directory)) is not None:
         tensors[DRAFT_IDS] = draft_ids
     if (directory / TARGET_EMBEDDING).is_file() and EMBEDDING not in tensors:
         tensors[EMBEDDING] = target_embedding(directory, embedding)
@@ -268,4 +267,3 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrit
         tensors = check_tensors(MambaDrafter(config, backend="torch"), tensors, where=str(directory))
     return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory,
                            dtype=torch.float32 if borrowed else None, tokenizer=tokenizer)
-

@@ -101,5 +101,3 @@ class KVState:
         s, rows = self.store, slice(self.start, self.stop)
         return KVState(KVStore([k[rows].clone() for k in s.keys], [v[rows].clone() for v in s.values],
                                s.lengths[rows].clone(), s.limit))
-
-

@@ -32,8 +32,6 @@ class _Fused:
         self.cache = PackCache()
 
     def linear(self, x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor:
-        if len(linears) == 1:
-            return self.cache.linear(x, linears[0].weight, linears[0].bias)
         sources = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
         key = tuple((t.data_ptr(), t._version, t.dtype, t.shape) for t in sources)
         if key != self.key:
@@ -45,13 +43,14 @@ class _Fused:
 
 
 class LlamaBody:
-    """The body of a Llama-family causal LM as one lean forward over a row-indexed KV cache (see module doc). Every
-    call reads the body's current modules; only the concatenated q/k/v and gate/up weights are copies (`_Fused`)."""
+    """The lean forward of a Llama-family body over a row-indexed KV cache (module doc), reading the body's current
+    modules at every call."""
 
     def __init__(self, body: nn.Module) -> None:
         self.body = body
         count = len(body.layers)
-        self.qkv, self.out, self.gate_up, self.down = ([_Fused() for _ in range(count)] for _ in range(4))
+        self.qkv, self.gate_up = ([_Fused() for _ in range(count)] for _ in range(2))
+        self.out, self.down = ([PackCache() for _ in range(count)] for _ in range(2))
 
     @classmethod
     def of(cls, model: nn.Module) -> LlamaBody | None:
@@ -94,10 +93,9 @@ class LlamaBody:
             attended, _ = grouped_attention(None, q.to(keys[i].dtype), keys[i][:, :, :width], values[i][:, :, :width],
                                             mask, attn.scaling)
             attended = attended.reshape(batch, n, -1).to(hidden.dtype)
-            hidden = hidden + self.out[i].linear(attended, attn.o_proj)
+            hidden = hidden + self.out[i].linear(attended, attn.o_proj.weight, attn.o_proj.bias)
             x = layer.post_attention_layernorm(hidden)
             gate, up = self.gate_up[i].linear(x, mlp.gate_proj, mlp.up_proj).split(
                 (mlp.gate_proj.out_features, mlp.up_proj.out_features), dim=-1)
-            hidden = hidden + self.down[i].linear(mlp.act_fn(gate) * up, mlp.down_proj)
+            hidden = hidden + self.down[i].linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         return self.body.norm(hidden)
-

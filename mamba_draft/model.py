@@ -45,13 +45,11 @@ class DrafterState:
         return self.conv.nbytes + self.ssm.nbytes
 
     def rows(self, start: int, stop: int) -> "DrafterState":
-        """A state viewing rows [start:stop] of this one (no copy: writes through)."""
         if not 0 <= start < stop <= self.max_batch:
             raise IndexError(f"rows [{start}:{stop}] out of range for a state of {self.max_batch} rows")
         return DrafterState(self.conv[:, start:stop], self.ssm[:, start:stop])
 
     def gather_(self, dst_start: int, src_rows: torch.Tensor) -> "DrafterState":
-        """rows[dst_start : dst_start + len(src_rows)] = rows[src_rows]; safe when source and destination overlap."""
         n = src_rows.shape[0]
         if dst_start < 0 or dst_start + n > self.max_batch:
             raise IndexError(f"gather of {n} rows at {dst_start} overflows a state of {self.max_batch} rows")
@@ -335,8 +333,7 @@ class MambaDrafter(SharedCalls, nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         self.state_dtype = state_dtype
-        # Draft vocabulary (EAGLE-3's d2t, FR-Spec): the drafter proposes only these target ids, scoring them with
-        # a contiguous copy of their head rows; it still reads every token of the full vocabulary as input.
+        # the draft vocabulary (EAGLE-3's d2t, FR-Spec: `set_draft_vocab`); the drafter still reads every token id
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
         self.head_cache = PackCache()  # the head's prepacked copy (bf16 on CPU; packed_linear)

@@ -200,7 +200,6 @@ class TransformerDrafter(SharedCalls, nn.Module):
 
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, state: KVState, *, last_only: bool = False) -> torch.Tensor:
-        """Continue rows [0:B] of `state` with a (B, L) block of tokens; returns logits (B, L, V) or (B, V)."""
         ids = self.token_ids(input_ids)
         n = ids.shape[1]
         rows = state.rows(0, check_batch(ids.shape[0], state))
@@ -235,7 +234,6 @@ class TransformerDrafter(SharedCalls, nn.Module):
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, state: KVState) -> torch.Tensor:
-        """Feed one token per row (B,) to rows [0:B] of `state`; returns logits (B, V)."""
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
             raise ValueError("step takes one token per row: a tensor of shape (B,)")
         return self.extend(token_ids[:, None], state, last_only=True)
