@@ -92,8 +92,6 @@ class MambaConfig:
     def ssm_state_shape(self) -> tuple[int, ...]:
         return (self.d_inner, self.d_state) if self.arch == "mamba1" else (self.nheads, self.headdim, self.d_state)
 
-    # ---- Hugging Face (transformers MambaConfig / Mamba2Config) ----
-
     def to_hf_dict(self) -> dict:
         if self.arch == "mamba1":
             hf = dict(model_type="mamba", architectures=["MambaForCausalLM"])
@@ -137,8 +135,6 @@ class MambaConfig:
         for derived in ("intermediate_size", "model_type"):
             hf.pop(derived, None)
         return cls(**kwargs, extra=hf)
-
-    # ---- mamba_ssm (MambaLMHeadModel config.json) ----
 
     def to_mamba_ssm_dict(self) -> dict:
         if self.target_hidden_size:

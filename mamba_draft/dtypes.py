@@ -11,9 +11,7 @@ ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def parse_dtype(name: str | torch.dtype, *, auto: bool = False) -> torch.dtype | str:
     """The torch dtype named `name` (canonical name or alias; a dtype of the table passes through); with
     `auto=True`, "auto" as is (for loaders that pick the checkpoint's own dtype)."""
-    if isinstance(name, torch.dtype) and name in DTYPES.values():
-        return name
-    if auto and name == "auto":
+    if (isinstance(name, torch.dtype) and name in DTYPES.values()) or (auto and name == "auto"):
         return name
     if isinstance(name, str) and ALIASES.get(name, name) in DTYPES:
         return DTYPES[ALIASES.get(name, name)]

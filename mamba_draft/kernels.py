@@ -7,6 +7,7 @@ modules are then loaded past the package `__init__`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -27,10 +28,8 @@ class Kernels(NamedTuple):
 
 def _triton_function(module: str, name: str):
     """`name` from mamba-ssm's Triton `module`, loaded past the package's `__init__` when that fails."""
-    try:
+    with contextlib.suppress(Exception):  # else the package __init__ (compiled scan, Mamba-3) failed
         return getattr(importlib.import_module(module), name)
-    except Exception:  # the package __init__ (compiled scan, Mamba-3) failed: try the Triton module alone
-        pass
     spec = importlib.util.find_spec("mamba_ssm")  # locates the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("mamba_ssm is not installed")

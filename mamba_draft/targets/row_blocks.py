@@ -235,10 +235,9 @@ def _machine_key(groups: dict) -> str:
 
 
 def _read(path: Path | None) -> dict:
-    if path is None:
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    """The choices kept at `path`: empty without one, or where it is unreadable or not a JSON object."""
+    data = None
+    if path is not None:
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(path.read_text())
     return data if isinstance(data, dict) else {}
