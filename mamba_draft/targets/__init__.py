@@ -128,10 +128,10 @@ def dense_copy_path(gguf: tuple[Path, str]) -> Path | None:
     return root / "gguf" / f"{file.stem}-{digest}"
 
 
-def write_plain(gguf: tuple[Path, str], directory: Path, dtype: torch.dtype = torch.float32) -> None:
-    """transformers' own loading of the GGUF (model dequantized to `dtype`, tokenizer), saved as an HF directory."""
+def write_plain(gguf: tuple[Path, str], directory: Path) -> None:
+    """transformers' own loading of the GGUF (model dequantized to fp32, tokenizer), saved as an HF directory."""
     _gguf_support()
-    _load_gguf(gguf, dtype=dtype).save_pretrained(directory)
+    _load_gguf(gguf, dtype=torch.float32).save_pretrained(directory)
     _gguf_tokenizer(gguf).save_pretrained(directory)
 
 
@@ -204,13 +204,12 @@ def _load_gguf(gguf: tuple[Path, str], **kwargs) -> torch.nn.Module:
     return model
 
 
-def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False,
-                 dtype: torch.dtype = torch.float32) -> Path:
-    """Write a GGUF model as a plain HF directory (config, safetensors, tokenizer, generation config), atomically,
-    read from the file itself (not its `dense_copy`)."""
+def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write a GGUF model as a plain fp32 HF directory (config, safetensors, tokenizer, generation config),
+    atomically, read from the file itself (not its `dense_copy`)."""
     gguf = resolve_gguf(src)
     if gguf is None:
         raise ValueError(f"{src} is not a .gguf file (or a directory holding exactly one)")
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        write_plain(gguf, tmp, dtype)
+        write_plain(gguf, tmp)
     return Path(dst)
