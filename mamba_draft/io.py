@@ -25,8 +25,7 @@ def cache_root() -> Path | None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty temporary file next to `path` (one filesystem: the replace is a rename) for the block to fill;
-    it replaces `path` if the block succeeds."""
+    """Yield an empty temporary sibling of `path` (one filesystem) to fill; it replaces `path` if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")

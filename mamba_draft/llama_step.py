@@ -43,8 +43,7 @@ class _Fused:
 
 
 class LlamaBody:
-    """The lean forward of a Llama-family body over a row-indexed KV cache (module doc), reading the body's current
-    modules at every call."""
+    """The lean forward of a Llama-family body (module doc), reading the body's current modules at every call."""
 
     def __init__(self, body: nn.Module) -> None:
         self.body = body
