@@ -38,10 +38,6 @@ class SharedCalls:
     """`prefill` and `forward` of a drafter (mixed in before `nn.Module`), on the drafter's own
     `extend(ids, state, last_only=)`, `allocate_state(rows)`, `device` and `embedding_rows` (the ids it reads)."""
 
-    @property
-    def embedding_rows(self) -> int:
-        return self.input_vocab_size
-
     def token_ids(self, input_ids) -> torch.Tensor:
         """`input_ids` checked against this drafter's embedding (`check_ids`), as int64 on its device."""
         return check_ids(input_ids, self.embedding_rows, self.device)

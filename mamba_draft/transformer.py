@@ -158,6 +158,8 @@ class TransformerDrafter(SharedCalls, nn.Module):
     def input_vocab_size(self) -> int:
         return int(self.model.get_input_embeddings().weight.shape[0])
 
+    embedding_rows = input_vocab_size  # ids `prefill` / `extend` accept: every embedding row
+
     @property
     def device(self) -> torch.device:
         return self.model.get_output_embeddings().weight.device
