@@ -59,7 +59,7 @@ def resolve_methods(specs) -> list[Method]:
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate methods in {names}")
-    for base in ("ar", "hf-ar"):
+    for base in BASELINES:
         if base not in names and any(m.baseline == base for m in methods):
             methods.insert(0, parse_method(base))
     return methods
@@ -570,11 +570,10 @@ def run(args: argparse.Namespace) -> int:
     if max(args.batch_size) > len(prompts):  # a table for batch size B needs a batch of B prompts
         raise ValueError(f"--batch-size {max(args.batch_size)} needs at least that many prompts; "
                          f"{args.prompts} gives {len(prompts)}")
-    cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=args.repeats, warmup=args.warmup,
-                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      chat_template=not args.no_chat_template, system_prompt=args.system_prompt,
-                      batch_sizes=args.batch_size, bandit_memory=args.bandit_memory)
+    same = ("repeats", "warmup", "max_new_tokens", "max_prompt_tokens", "temperature", "top_p", "top_k", "seed",
+            "system_prompt", "bandit_memory")  # the fields its flags set as they are
+    cfg = BenchConfig(methods=tuple(m.name for m in methods), chat_template=not args.no_chat_template,
+                      batch_sizes=args.batch_size, **{field: getattr(args, field) for field in same})
     models = load_models(methods, args.target, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
                          tokenizer=args.tokenizer, drafter=args.drafter, assistant=args.assistant)
     result = run_benchmark(models, prompts, methods, cfg)

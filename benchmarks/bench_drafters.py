@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks.methods import sync, timed
+from benchmarks.methods import timed
 from benchmarks.report import line_plot, markdown_table, write_json, write_text
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES, dtype_name, parse_dtype
@@ -95,13 +94,14 @@ def prepare(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device
     one untimed step."""
     gen = torch.Generator().manual_seed(cfg.seed + context)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-    sync(device)
-    start = time.perf_counter()
-    logits, state = drafter.prefill(prompt[:, :PREFILL_CHUNK], max_batch=1)
-    for start_at in range(PREFILL_CHUNK, context, PREFILL_CHUNK):
-        logits = drafter.extend(prompt[:, start_at : start_at + PREFILL_CHUNK], state, last_only=True)
-    sync(device)
-    prefill_s = time.perf_counter() - start
+
+    def prefill():
+        logits, state = drafter.prefill(prompt[:, :PREFILL_CHUNK], max_batch=1)
+        for start in range(PREFILL_CHUNK, context, PREFILL_CHUNK):
+            logits = drafter.extend(prompt[:, start : start + PREFILL_CHUNK], state, last_only=True)
+        return logits, state
+
+    (logits, state), prefill_s = timed(prefill, device)
     token = logits.argmax(-1)
 
     @torch.no_grad()

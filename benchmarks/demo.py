@@ -360,8 +360,8 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     models = load_models([m for methods in tables.values() for m in methods], SHIPPED_TARGET, dtype=dtype,
                          device=device, drafter=str(drafter), assistant=assistant)
     first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
-    assistant_drafter = models.assistant_as_drafter() if models.assistant is not None else None
-    sizing = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
+    sizing = measure_sizing(models.target, models.drafter, first,
+                            assistant=models.assistant_drafter if models.assistant is not None else None)
     measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress)
     result = {"dtype": dtype_name, **measured, "sizing": sizing,
               "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},
@@ -482,22 +482,19 @@ def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
     token, chains = input_ids[0, -1], (2, 4, 8)
     target_cache = TargetCache(target)
     target_cache.prefill(input_ids)
-    _, drafter_state = drafter.prefill(input_ids)
-    steps_of = {"drafter": lambda: drafter.step(token.view(1), drafter_state)}
-    if assistant is not None:
-        _, assistant_state = assistant.prefill(input_ids)
-        steps_of["assistant"] = lambda: assistant.step(token.view(1), assistant_state)
+    steps = {}
+    for name, model in {"drafter": drafter, "assistant": assistant}.items():
+        if model is not None:
+            _, state = model.prefill(input_ids)
+            steps[name] = lambda model=model, state=state: model.step(token.view(1), state)
     # a chain of n tokens verified, none of its drafts kept
     verify = {f"verify{n}": verify_call(target_cache, token.expand(1, n), Tree(tuple(range(-1, n - 1))), [[]])
               for n in chains}
-    fns = {"target": lambda: target_cache.decode(token.view(1)), **steps_of, **verify}
+    fns = {"target": lambda: target_cache.decode(token.view(1)), **steps, **verify}
     seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=64)
-    out = {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
-           "ratio": seconds["target"] / seconds["drafter"],
-           "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}
-    if assistant is not None:
-        out["assistant_step_ms"] = 1e3 * seconds["assistant"]
-    return out
+    return {"target_token_ms": 1e3 * seconds["target"], **{f"{name}_step_ms": 1e3 * seconds[name] for name in steps},
+            "ratio": seconds["target"] / seconds["drafter"],
+            "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}
 
 
 def describe_models(*paths: Path) -> dict[str, int]:
