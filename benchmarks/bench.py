@@ -45,7 +45,6 @@ class BenchConfig:
     seed: int = 0
     chat_template: bool = True
     system_prompt: str | None = None
-    # (1,): one prompt at a time, the Spec-Bench table; anything else: a sweep, a table per batch size
     batch_sizes: tuple[int, ...] = (1,)
     bandit_memory: str = "call"      # bandits restart on every generate call, or learn over a whole "pass"
 
@@ -173,9 +172,8 @@ def reference_method(names) -> str:
 def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int], bar,
             warmup: BenchConfig) -> dict[str, list[dict]]:
     """Untimed warm-up passes over the first batch (with `warmup`'s settings), then `repeats` passes of every
-    method over every batch -> {method: [per repeat: outputs, records, arms]}. Within a repeat the methods take
-    turns batch by batch (each method's pass keeps its own policy): on a machine whose speed drifts over minutes,
-    every method's batch is timed within seconds of the others' on the same batch."""
+    method over every batch, the methods taking turns batch by batch (a machine whose speed drifts over minutes
+    times every method on a batch within seconds) -> {method: [per repeat: outputs, records, arms]}."""
     for method in methods:
         for _ in range(cfg.warmup):
             run_pass(method, models, batches[:1], warmup, eos, cfg.seed)
@@ -194,9 +192,8 @@ def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: Be
 
 def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], cfg: BenchConfig,
                   progress: bool = True) -> dict:
-    """For each of cfg.batch_sizes (by default 1 alone: one prompt at a time): every method over the same batches of
-    that many prompts (left-padded, the last may be smaller), warm-up then `repeats` passes -> the JSON-able result,
-    one entry per batch size under "batches".
+    """For each of cfg.batch_sizes, every method over the same batches of that many prompts (`make_batches`), warm-up
+    then `repeats` passes -> the JSON-able result, one entry per batch size under "batches".
 
     Lossless outputs are checked against per-prompt greedy decoding (`reference_method`), at every batch size:
     transformers' left-padded batched decoding may round differently from a prompt alone (its rows get the same
@@ -251,8 +248,7 @@ def baselines_of(runs: dict) -> list[str]:
 
 def speedups(runs: dict, name: str, rate, select=lambda records: records) -> dict[str, list[float]]:
     """Per repeat, method `name`'s `rate` of its records (narrowed by `select`) over the faster baseline's in that
-    repeat ("speedup": against what the user has without us, never the slower of two plain decodings) and over each
-    baseline that ran ("speedup_vs_ar", "speedup_vs_hf-ar")."""
+    repeat ("speedup", see BASELINES) and over each baseline that ran ("speedup_vs_ar", "speedup_vs_hf-ar")."""
     def rates(method):
         return [rate(select(run["records"])) for run in runs[method]]
 

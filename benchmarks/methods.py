@@ -48,8 +48,7 @@ class Method:
 
     @property
     def baseline(self) -> str:
-        """The autoregressive method of the same harness (bench.resolve_methods adds it when missing, so that every
-        method has a plain-decoding baseline measured beside it)."""
+        """The autoregressive method of the same harness (bench.resolve_methods adds it when missing)."""
         return "hf-ar" if self.kind in HF_KINDS else "ar"
 
     @property
@@ -71,7 +70,7 @@ def parse_method(spec: str) -> Method:
         if not label or not rest:
             raise ValueError(f"method {spec!r}: expected LABEL=METHOD")
         return replace(parse_method(rest), name=label)
-    if name in ("hf-ar", "hf-assisted", "hf-lookup", "ar"):
+    if name in (*HF_KINDS, "ar"):
         return Method(name, name)
     body, drafter = name, "drafter"
     if body.startswith("assistant:"):
@@ -188,10 +187,8 @@ def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: in
                   attention_mask=torch.ones_like(ids) if mask is None else mask, do_sample=sample,
                   **(sampling if sample else dict.fromkeys(sampling)))
     target, assistant = models.for_hf()
-    if method.kind == "hf-assisted":
-        kwargs["assistant_model"] = assistant
-    if method.kind == "hf-lookup":
-        kwargs["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
+    kwargs |= {"hf-assisted": {"assistant_model": assistant},
+               "hf-lookup": {"prompt_lookup_num_tokens": LOOKUP_TOKENS}}.get(method.kind, {})
     forwards = []  # target forward calls = verification rounds
     hook = target.register_forward_hook(lambda *_: forwards.append(1))
     try:
