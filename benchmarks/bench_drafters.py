@@ -37,13 +37,13 @@ def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # a tied embedding / head counts once
 
 
-def build_mamba(cfg: DrafterBenchConfig, device: torch.device, dtype: torch.dtype):
+def build_mamba(config: dict, backend: str, seed: int, device: torch.device, dtype: torch.dtype):
+    """A MambaDrafter of `config` (MambaConfig's fields), its random weights seeded `seed`."""
     from mamba_draft import MambaDrafter
     from mamba_draft.config import MambaConfig
 
-    torch.manual_seed(cfg.seed)
-    config = MambaConfig(arch=cfg.arch, d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
-    return MambaDrafter(config, backend="auto").to(device=device, dtype=dtype).eval()
+    torch.manual_seed(seed)
+    return MambaDrafter(MambaConfig(**config), backend=backend).to(device=device, dtype=dtype).eval()
 
 
 def build_llama(cfg: DrafterBenchConfig, target_params: int, device: torch.device, dtype: torch.dtype):
@@ -134,7 +134,8 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     contexts = sorted(set(cfg.contexts) | {BASE_CONTEXT})
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
 
-    mamba = build_mamba(cfg, device, dtype)
+    mamba = build_mamba({"arch": cfg.arch, "d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size},
+                        "auto", cfg.seed, device, dtype)
     llama = build_llama(cfg, n_params(mamba), device, dtype)
     models = {f"Mamba ({cfg.arch})": mamba, "Transformer (Llama)": TransformerDrafter(llama)}
     results = {}
