@@ -134,8 +134,8 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     contexts = sorted(set(cfg.contexts) | {BASE_CONTEXT})
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
 
-    mamba = build_mamba({"arch": cfg.arch, "d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size},
-                        "auto", cfg.seed, device, dtype)
+    shape = {"arch": cfg.arch, "d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size}
+    mamba = build_mamba(shape, "auto", cfg.seed, device, dtype)
     llama = build_llama(cfg, n_params(mamba), device, dtype)
     models = {f"Mamba ({cfg.arch})": mamba, "Transformer (Llama)": TransformerDrafter(llama)}
     results = {}

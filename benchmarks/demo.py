@@ -23,13 +23,14 @@ from pathlib import Path
 
 from benchmarks.corpus import CorpusConfig, build_corpus
 from benchmarks.report import write_json
+from mamba_draft.io import atomic_directory
 
 # `bandit` uses the paper's arms (trees built for GPUs); on CPU every verified node costs time, so the CPU bandit
 # has few arms, chains of 4, 8 and 16 (every arm is explored once per prompt), rewarded by measured throughput.
 CPU_BANDIT = "bandit-time:1,1,1,1/1,1,1,1,1,1,1,1/1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"
+LOSSY_VERIFIERS = ("fly", "topk", "dropmatch")
 DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit",
-                f"cpu-bandit={CPU_BANDIT}", f"cpu-bandit@fly={CPU_BANDIT}@fly", f"cpu-bandit@topk={CPU_BANDIT}@topk",
-                f"cpu-bandit@dropmatch={CPU_BANDIT}@dropmatch")
+                f"cpu-bandit={CPU_BANDIT}", *(f"cpu-bandit@{v}={CPU_BANDIT}@{v}" for v in LOSSY_VERIFIERS))
 SKIPPED_VERIFIERS = {"sampling": "lossless rejection sampling; needs temperature > 0 (the demo is greedy)",
                      "autojudge": "needs a trained AutoJudge head (`mamba-draft autojudge`), not part of the demo"}
 
@@ -151,15 +152,12 @@ def train_and_export(name: str, make_config, cache: Path, what: str) -> Path:
 
 def prepare_corpus(cfg: DemoConfig, cache: Path) -> dict[str, Path]:
     done = cache / "corpus"
-    paths = {"train": done / "train.jsonl", "heldout": done / "heldout.jsonl", "prompts": done / "prompts.jsonl",
-             "tokenizer": done / "tokenizer"}
     if not (done / "tokenizer").is_dir():
-        tmp = cache / "corpus.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         print("[demo] corpus: standard-library sources, split by file; training a BPE tokenizer")
-        build_corpus(tmp, cfg.corpus)
-        tmp.rename(done)
-    return paths
+        with atomic_directory(done, overwrite=True) as tmp:
+            build_corpus(tmp, cfg.corpus)
+    return {"train": done / "train.jsonl", "heldout": done / "heldout.jsonl", "prompts": done / "prompts.jsonl",
+            "tokenizer": done / "tokenizer"}
 
 
 def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
@@ -251,8 +249,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     if full_sweep:
         greedy += ("chain:2", f"chain:2+lookup:{LOOKUP}", f"lookup=tree:none+lookup:{LOOKUP}",
                    f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
-                   f"cpu-bandit@fly={bandit}@fly", f"cpu-bandit@topk={bandit}@topk",
-                   f"cpu-bandit@dropmatch={bandit}@dropmatch")
+                   *(f"cpu-bandit@{v}={bandit}@{v}" for v in LOSSY_VERIFIERS))
         sampled += ("chain:2@sampling", "tree:2,1@sampling", *assisted)
     return {"greedy": greedy, "sampled": sampled}
 

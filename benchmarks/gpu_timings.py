@@ -419,7 +419,6 @@ def markdown_report(result: dict) -> str:
 
 
 def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "gpu_timings.json", "markdown": out_dir / "gpu_timings.md",
              "steps_png": out_dir / "gpu_drafter_steps.png", "verify_png": out_dir / "gpu_verify.png"}
     write_json(paths["json"], result)
