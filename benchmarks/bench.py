@@ -155,7 +155,6 @@ class Pass:
 
 def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
              seed: int) -> dict:
-    """One method over every batch: its pass's result."""
     one = Pass(method, models, cfg, eos, seed)
     for batch in batches:
         one.run(batch)
