@@ -239,19 +239,18 @@ def time_batched(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
     prompts = torch.randint(0, vocab, (batch, cfg.prefix), device=device)
     state.prefill(prompts)
     roots = prompts[:, -1]
-    rows = [{"tree": (), "ms": mean_ms(lambda: state.decode(roots), cfg), "draft_ms": 0.0}]
+    plain = mean_ms(lambda: state.decode(roots), cfg)
+    rows = [{"tree": (), "ms": plain, "draft_ms": 0.0}]
     for branching, tau in PAPER_TAU.items():
         config = TreeConfig(branching)
         nodes = len(config.build())
         drafts, draft = tree_drafting(drafter, prompts, batch * nodes + batch, model.config.vocab_size)
         verify = verify_call(state, draft(config).tokens.clone(), config.build(), [[] for _ in range(batch)])
-        rows.append({"tree": branching, "ms": mean_ms(verify, cfg), "draft_ms": mean_ms(lambda: draft(config), cfg),
-                     "tau": tau})
+        ms, draft_ms = mean_ms(verify, cfg), mean_ms(lambda: draft(config), cfg)
+        rows.append({"tree": branching, "ms": ms, "draft_ms": draft_ms, "tau": tau,
+                     "projected_speedup": tau * plain / (ms + draft_ms)})
         drafts.runner.invalidate()
     drafter.set_backend("torch")
-    plain = rows[0]["ms"]
-    for r in rows[1:]:
-        r["projected_speedup"] = r["tau"] * plain / (r["ms"] + r["draft_ms"])
     return rows
 
 
