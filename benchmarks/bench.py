@@ -45,7 +45,6 @@ class BenchConfig:
     seed: int = 0
     chat_template: bool = True
     system_prompt: str | None = None
-    # (1,): one prompt at a time, the Spec-Bench table; anything else: a sweep, a table per batch size
     batch_sizes: tuple[int, ...] = (1,)
     bandit_memory: str = "call"      # bandits restart on every generate call, or learn over a whole "pass"
 
@@ -59,7 +58,7 @@ def resolve_methods(specs) -> list[Method]:
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate methods in {names}")
-    for base in ("ar", "hf-ar"):
+    for base in BASELINES:
         if base not in names and any(m.baseline == base for m in methods):
             methods.insert(0, parse_method(base))
     return methods
@@ -156,7 +155,6 @@ class Pass:
 
 def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
              seed: int) -> dict:
-    """One method over every batch: its pass's result."""
     one = Pass(method, models, cfg, eos, seed)
     for batch in batches:
         one.run(batch)
@@ -173,9 +171,8 @@ def reference_method(names) -> str:
 def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int], bar,
             warmup: BenchConfig) -> dict[str, list[dict]]:
     """Untimed warm-up passes over the first batch (with `warmup`'s settings), then `repeats` passes of every
-    method over every batch -> {method: [per repeat: outputs, records, arms]}. Within a repeat the methods take
-    turns batch by batch (each method's pass keeps its own policy): on a machine whose speed drifts over minutes,
-    every method's batch is timed within seconds of the others' on the same batch."""
+    method over every batch, the methods taking turns batch by batch (a machine whose speed drifts over minutes
+    times every method on a batch within seconds) -> {method: [per repeat: outputs, records, arms]}."""
     for method in methods:
         for _ in range(cfg.warmup):
             run_pass(method, models, batches[:1], warmup, eos, cfg.seed)
@@ -194,9 +191,8 @@ def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: Be
 
 def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], cfg: BenchConfig,
                   progress: bool = True) -> dict:
-    """For each of cfg.batch_sizes (by default 1 alone: one prompt at a time): every method over the same batches of
-    that many prompts (left-padded, the last may be smaller), warm-up then `repeats` passes -> the JSON-able result,
-    one entry per batch size under "batches".
+    """For each of cfg.batch_sizes, every method over the same batches of that many prompts (`make_batches`), warm-up
+    then `repeats` passes -> the JSON-able result, one entry per batch size under "batches".
 
     Lossless outputs are checked against per-prompt greedy decoding (`reference_method`), at every batch size:
     transformers' left-padded batched decoding may round differently from a prompt alone (its rows get the same
@@ -251,8 +247,7 @@ def baselines_of(runs: dict) -> list[str]:
 
 def speedups(runs: dict, name: str, rate, select=lambda records: records) -> dict[str, list[float]]:
     """Per repeat, method `name`'s `rate` of its records (narrowed by `select`) over the faster baseline's in that
-    repeat ("speedup": against what the user has without us, never the slower of two plain decodings) and over each
-    baseline that ran ("speedup_vs_ar", "speedup_vs_hf-ar")."""
+    repeat ("speedup", see BASELINES) and over each baseline that ran ("speedup_vs_ar", "speedup_vs_hf-ar")."""
     def rates(method):
         return [rate(select(run["records"])) for run in runs[method]]
 
@@ -570,11 +565,10 @@ def run(args: argparse.Namespace) -> int:
     if max(args.batch_size) > len(prompts):  # a table for batch size B needs a batch of B prompts
         raise ValueError(f"--batch-size {max(args.batch_size)} needs at least that many prompts; "
                          f"{args.prompts} gives {len(prompts)}")
-    cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=args.repeats, warmup=args.warmup,
-                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      chat_template=not args.no_chat_template, system_prompt=args.system_prompt,
-                      batch_sizes=args.batch_size, bandit_memory=args.bandit_memory)
+    same = ("repeats", "warmup", "max_new_tokens", "max_prompt_tokens", "temperature", "top_p", "top_k", "seed",
+            "system_prompt", "bandit_memory")  # the fields its flags set as they are
+    cfg = BenchConfig(methods=tuple(m.name for m in methods), chat_template=not args.no_chat_template,
+                      batch_sizes=args.batch_size, **{field: getattr(args, field) for field in same})
     models = load_models(methods, args.target, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
                          tokenizer=args.tokenizer, drafter=args.drafter, assistant=args.assistant)
     result = run_benchmark(models, prompts, methods, cfg)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks.methods import sync, timed
+from benchmarks.methods import timed
 from benchmarks.report import line_plot, markdown_table, write_json, write_text
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES, dtype_name, parse_dtype
@@ -38,13 +37,13 @@ def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # a tied embedding / head counts once
 
 
-def build_mamba(cfg: DrafterBenchConfig, device: torch.device, dtype: torch.dtype):
+def build_mamba(config: dict, backend: str, seed: int, device: torch.device, dtype: torch.dtype):
+    """A MambaDrafter of `config` (MambaConfig's fields), its random weights seeded `seed`."""
     from mamba_draft import MambaDrafter
     from mamba_draft.config import MambaConfig
 
-    torch.manual_seed(cfg.seed)
-    config = MambaConfig(arch=cfg.arch, d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
-    return MambaDrafter(config, backend="auto").to(device=device, dtype=dtype).eval()
+    torch.manual_seed(seed)
+    return MambaDrafter(MambaConfig(**config), backend=backend).to(device=device, dtype=dtype).eval()
 
 
 def build_llama(cfg: DrafterBenchConfig, target_params: int, device: torch.device, dtype: torch.dtype):
@@ -95,13 +94,14 @@ def prepare(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device
     one untimed step."""
     gen = torch.Generator().manual_seed(cfg.seed + context)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-    sync(device)
-    start = time.perf_counter()
-    logits, state = drafter.prefill(prompt[:, :PREFILL_CHUNK], max_batch=1)
-    for start_at in range(PREFILL_CHUNK, context, PREFILL_CHUNK):
-        logits = drafter.extend(prompt[:, start_at : start_at + PREFILL_CHUNK], state, last_only=True)
-    sync(device)
-    prefill_s = time.perf_counter() - start
+
+    def prefill():
+        logits, state = drafter.prefill(prompt[:, :PREFILL_CHUNK], max_batch=1)
+        for start in range(PREFILL_CHUNK, context, PREFILL_CHUNK):
+            logits = drafter.extend(prompt[:, start : start + PREFILL_CHUNK], state, last_only=True)
+        return logits, state
+
+    (logits, state), prefill_s = timed(prefill, device)
     token = logits.argmax(-1)
 
     @torch.no_grad()
@@ -134,7 +134,8 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
     contexts = sorted(set(cfg.contexts) | {BASE_CONTEXT})
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
 
-    mamba = build_mamba(cfg, device, dtype)
+    shape = {"arch": cfg.arch, "d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size}
+    mamba = build_mamba(shape, "auto", cfg.seed, device, dtype)
     llama = build_llama(cfg, n_params(mamba), device, dtype)
     models = {f"Mamba ({cfg.arch})": mamba, "Transformer (Llama)": TransformerDrafter(llama)}
     results = {}

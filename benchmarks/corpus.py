@@ -81,14 +81,13 @@ def chunk_source(text: str, lines_per_chunk: int) -> list[str]:
     Packed pretraining appends EOS to every document; short documents mix many files into each batch, and
     stripping the final newline keeps EOS from becoming a likely token after every line break.
     """
-    chunks, current = [], []
+    groups, current = [], []
     for block in re.split(r"\n\s*\n", text):
         current.append(block)
         if sum(b.count("\n") + 1 for b in current) >= lines_per_chunk:
-            chunks.append("\n\n".join(current).strip("\n"))
+            groups.append(current)
             current = []
-    if current:
-        chunks.append("\n\n".join(current).strip("\n"))
+    chunks = ("\n\n".join(group).strip("\n") for group in groups + [current])  # an empty last group: ""
     return [c for c in chunks if c.strip()]
 
 

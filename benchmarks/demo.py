@@ -23,13 +23,14 @@ from pathlib import Path
 
 from benchmarks.corpus import CorpusConfig, build_corpus
 from benchmarks.report import write_json
+from mamba_draft.io import atomic_directory
 
 # `bandit` uses the paper's arms (trees built for GPUs); on CPU every verified node costs time, so the CPU bandit
 # has few arms, chains of 4, 8 and 16 (every arm is explored once per prompt), rewarded by measured throughput.
 CPU_BANDIT = "bandit-time:1,1,1,1/1,1,1,1,1,1,1,1/1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"
+LOSSY_VERIFIERS = ("fly", "topk", "dropmatch")
 DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit",
-                f"cpu-bandit={CPU_BANDIT}", f"cpu-bandit@fly={CPU_BANDIT}@fly", f"cpu-bandit@topk={CPU_BANDIT}@topk",
-                f"cpu-bandit@dropmatch={CPU_BANDIT}@dropmatch")
+                f"cpu-bandit={CPU_BANDIT}", *(f"cpu-bandit@{v}={CPU_BANDIT}@{v}" for v in LOSSY_VERIFIERS))
 SKIPPED_VERIFIERS = {"sampling": "lossless rejection sampling; needs temperature > 0 (the demo is greedy)",
                      "autojudge": "needs a trained AutoJudge head (`mamba-draft autojudge`), not part of the demo"}
 
@@ -151,15 +152,12 @@ def train_and_export(name: str, make_config, cache: Path, what: str) -> Path:
 
 def prepare_corpus(cfg: DemoConfig, cache: Path) -> dict[str, Path]:
     done = cache / "corpus"
-    paths = {"train": done / "train.jsonl", "heldout": done / "heldout.jsonl", "prompts": done / "prompts.jsonl",
-             "tokenizer": done / "tokenizer"}
     if not (done / "tokenizer").is_dir():
-        tmp = cache / "corpus.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         print("[demo] corpus: standard-library sources, split by file; training a BPE tokenizer")
-        build_corpus(tmp, cfg.corpus)
-        tmp.rename(done)
-    return paths
+        with atomic_directory(done, overwrite=True) as tmp:
+            build_corpus(tmp, cfg.corpus)
+    return {"train": done / "train.jsonl", "heldout": done / "heldout.jsonl", "prompts": done / "prompts.jsonl",
+            "tokenizer": done / "tokenizer"}
 
 
 def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
@@ -251,8 +249,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     if full_sweep:
         greedy += ("chain:2", f"chain:2+lookup:{LOOKUP}", f"lookup=tree:none+lookup:{LOOKUP}",
                    f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
-                   f"cpu-bandit@fly={bandit}@fly", f"cpu-bandit@topk={bandit}@topk",
-                   f"cpu-bandit@dropmatch={bandit}@dropmatch")
+                   *(f"cpu-bandit@{v}={bandit}@{v}" for v in LOSSY_VERIFIERS))
         sampled += ("chain:2@sampling", "tree:2,1@sampling", *assisted)
     return {"greedy": greedy, "sampled": sampled}
 
@@ -360,8 +357,8 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     models = load_models([m for methods in tables.values() for m in methods], SHIPPED_TARGET, dtype=dtype,
                          device=device, drafter=str(drafter), assistant=assistant)
     first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
-    assistant_drafter = models.assistant_as_drafter() if models.assistant is not None else None
-    sizing = measure_sizing(models.target, models.drafter, first, assistant=assistant_drafter)
+    sizing = measure_sizing(models.target, models.drafter, first,
+                            assistant=models.assistant_drafter if models.assistant is not None else None)
     measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress)
     result = {"dtype": dtype_name, **measured, "sizing": sizing,
               "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},
@@ -482,22 +479,19 @@ def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
     token, chains = input_ids[0, -1], (2, 4, 8)
     target_cache = TargetCache(target)
     target_cache.prefill(input_ids)
-    _, drafter_state = drafter.prefill(input_ids)
-    steps_of = {"drafter": lambda: drafter.step(token.view(1), drafter_state)}
-    if assistant is not None:
-        _, assistant_state = assistant.prefill(input_ids)
-        steps_of["assistant"] = lambda: assistant.step(token.view(1), assistant_state)
+    steps = {}
+    for name, model in {"drafter": drafter, "assistant": assistant}.items():
+        if model is not None:
+            _, state = model.prefill(input_ids)
+            steps[name] = lambda model=model, state=state: model.step(token.view(1), state)
     # a chain of n tokens verified, none of its drafts kept
     verify = {f"verify{n}": verify_call(target_cache, token.expand(1, n), Tree(tuple(range(-1, n - 1))), [[]])
               for n in chains}
-    fns = {"target": lambda: target_cache.decode(token.view(1)), **steps_of, **verify}
+    fns = {"target": lambda: target_cache.decode(token.view(1)), **steps, **verify}
     seconds = time_round_robin(fns, input_ids.device, warmup=3, n_steps=64)
-    out = {"target_token_ms": 1e3 * seconds["target"], "drafter_step_ms": 1e3 * seconds["drafter"],
-           "ratio": seconds["target"] / seconds["drafter"],
-           "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}
-    if assistant is not None:
-        out["assistant_step_ms"] = 1e3 * seconds["assistant"]
-    return out
+    return {"target_token_ms": 1e3 * seconds["target"], **{f"{name}_step_ms": 1e3 * seconds[name] for name in steps},
+            "ratio": seconds["target"] / seconds["drafter"],
+            "verify_cost": {n: seconds[f"verify{n}"] / seconds["target"] for n in chains}}
 
 
 def describe_models(*paths: Path) -> dict[str, int]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_drafters import build_mamba
 from benchmarks.report import line_plot, markdown_table, write_json, write_text
 from mamba_draft.devices import check_device
 
@@ -62,36 +63,25 @@ def smoke_config(device: str) -> GpuTimingConfig:
                            iters=2, warmup=1, dtype="float32", device=device)
 
 
-class Clock:
-    """Mean milliseconds of back-to-back calls: CUDA events around the loop (one sync at its end) on a GPU."""
-
-    def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
-        self.device, self.iters, self.warmup = device, iters, warmup
-
-    def ms(self, fn) -> float:
-        for _ in range(self.warmup):
+def mean_ms(fn, cfg: GpuTimingConfig) -> float:
+    """Mean milliseconds of `cfg.iters` back-to-back calls after `cfg.warmup` untimed ones: CUDA events around the
+    loop (one sync at its end) on a GPU."""
+    for _ in range(cfg.warmup):
+        fn()
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(cfg.iters):
             fn()
-        if self.device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            start.record()
-            for _ in range(self.iters):
-                fn()
-            stop.record()
-            stop.synchronize()
-            return start.elapsed_time(stop) / self.iters
-        started = time.perf_counter()
-        for _ in range(self.iters):
-            fn()
-        return (time.perf_counter() - started) * 1e3 / self.iters
-
-
-def build_drafter(cfg: GpuTimingConfig, device: torch.device, dtype: torch.dtype):
-    from mamba_draft import MambaDrafter
-    from mamba_draft.config import MambaConfig
-
-    torch.manual_seed(0)
-    return MambaDrafter(MambaConfig(**cfg.drafter), backend="torch").to(device=device, dtype=dtype).eval()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / cfg.iters
+    started = time.perf_counter()
+    for _ in range(cfg.iters):
+        fn()
+    return (time.perf_counter() - started) * 1e3 / cfg.iters
 
 
 def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
@@ -113,7 +103,7 @@ def backends(drafter) -> list[str]:
     return ["torch"] + (["kernels"] if drafter.device.type == "cuda" and kernels_available() else [])
 
 
-def time_drafter_steps(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+def time_drafter_steps(drafter, cfg: GpuTimingConfig) -> list[dict]:
     """One step of B rows, eager and replayed from a graph, per backend."""
     from tree_search.graphs import StepRunner
 
@@ -126,7 +116,7 @@ def time_drafter_steps(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict
             for batch in cfg.batches:
                 tokens = torch.randint(0, drafter.vocab_size, (batch,), device=drafter.device)
                 rows.append({"backend": backend, "graphs": graphs, "batch": batch,
-                             "ms": clock.ms(lambda: runner.run(0, batch, tokens))})
+                             "ms": mean_ms(lambda: runner.run(0, batch, tokens), cfg)})
             runner.invalidate()
     drafter.set_backend("torch")
     return rows
@@ -183,14 +173,14 @@ def tree_drafting(drafter, prompts: torch.Tensor, rows: int, vocab: int):
     return drafts, lambda config: drafts.draft(config, roots, logits, greedy, "topk", False, None)
 
 
-def time_tree_drafting(drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+def time_tree_drafting(drafter, cfg: GpuTimingConfig) -> list[dict]:
     """Drafting a whole tree from the root's logits, per shape (one prompt: a batch of one)."""
     from tree_search.tree import TreeConfig
 
     configs = [TreeConfig(c) for c in CHAINS + TREES]
     prompt = torch.randint(0, drafter.vocab_size, (1, 32), device=drafter.device)
     drafts, draft = tree_drafting(drafter, prompt, max(len(c.build()) for c in configs), drafter.vocab_size)
-    rows = [{"tree": c.branching, "nodes": len(c.build()), "ms": clock.ms(lambda: draft(c))} for c in configs]
+    rows = [{"tree": c.branching, "nodes": len(c.build()), "ms": mean_ms(lambda: draft(c), cfg)} for c in configs]
     drafts.runner.invalidate()
     drafter.set_backend("torch")
     chain5 = next(r["ms"] for r in rows if r["tree"] == CHAIN5)
@@ -214,7 +204,7 @@ def verify_modes(device: torch.device) -> dict[str, dict]:
     return {"dynamic": {"static": False}, "static": {"static": True}} | captured
 
 
-def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+def time_verification(model, cfg: GpuTimingConfig) -> list[dict]:
     """A forward over the root + tree after `prefix` cached tokens and its commit (the root kept), per tree size and
     cache kind. The cache grows by one token per call: max_len leaves room for every call."""
     from tree_search.target import TargetCache
@@ -222,7 +212,7 @@ def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
-    calls = (clock.iters + clock.warmup + 2) * len(VERIFY_TREES)
+    calls = (cfg.iters + cfg.warmup + 2) * len(VERIFY_TREES)
     rows = []
     for mode, kwargs in verify_modes(device).items():
         state = TargetCache(model, max_len=cfg.prefix + calls + max(VERIFY_TREES) + 1, **kwargs)
@@ -230,11 +220,11 @@ def time_verification(model, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
         for size, branching in VERIFY_TREES.items():
             tree = TreeConfig(branching).build() if branching else Tree((-1,))
             tokens = torch.randint(0, vocab, (1, size), device=device)
-            rows.append({"mode": mode, "tokens": size, "ms": clock.ms(verify_call(state, tokens, tree, [[]]))})
+            rows.append({"mode": mode, "tokens": size, "ms": mean_ms(verify_call(state, tokens, tree, [[]]), cfg)})
     return rows
 
 
-def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dict]:
+def time_batched(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
     """B prompts: one plain decoding step of every row vs drafting B trees + verifying them in one forward."""
     from tree_search.target import TargetCache
     from tree_search.tree import TreeConfig
@@ -242,26 +232,25 @@ def time_batched(model, drafter, cfg: GpuTimingConfig, clock: Clock) -> list[dic
     device, batch = drafter.device, cfg.batch
     vocab = min(model.config.vocab_size, drafter.vocab_size)
     # every timed call grows the cache by one token (the root kept); on CUDA the storage the engine uses there
-    calls = (clock.iters + clock.warmup + 2) * (1 + len(PAPER_TAU))
+    calls = (cfg.iters + cfg.warmup + 2) * (1 + len(PAPER_TAU))
     nodes = max(len(TreeConfig(b).build()) for b in PAPER_TAU)
     state = TargetCache(model, max_len=cfg.prefix + calls + nodes + 1, **verify_modes(device)["captured" if
                         device.type == "cuda" else "dynamic"])
     prompts = torch.randint(0, vocab, (batch, cfg.prefix), device=device)
     state.prefill(prompts)
     roots = prompts[:, -1]
-    rows = [{"tree": (), "ms": clock.ms(lambda: state.decode(roots)), "draft_ms": 0.0}]
+    plain = mean_ms(lambda: state.decode(roots), cfg)
+    rows = [{"tree": (), "ms": plain, "draft_ms": 0.0}]
     for branching, tau in PAPER_TAU.items():
         config = TreeConfig(branching)
         nodes = len(config.build())
         drafts, draft = tree_drafting(drafter, prompts, batch * nodes + batch, model.config.vocab_size)
         verify = verify_call(state, draft(config).tokens.clone(), config.build(), [[] for _ in range(batch)])
-        rows.append({"tree": branching, "ms": clock.ms(verify), "draft_ms": clock.ms(lambda: draft(config)),
-                     "tau": tau})
+        ms, draft_ms = mean_ms(verify, cfg), mean_ms(lambda: draft(config), cfg)
+        rows.append({"tree": branching, "ms": ms, "draft_ms": draft_ms, "tau": tau,
+                     "projected_speedup": tau * plain / (ms + draft_ms)})
         drafts.runner.invalidate()
     drafter.set_backend("torch")
-    plain = rows[0]["ms"]
-    for r in rows[1:]:
-        r["projected_speedup"] = r["tau"] * plain / (r["ms"] + r["draft_ms"])
     return rows
 
 
@@ -330,25 +319,24 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
 def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
-    clock = Clock(device, cfg.iters, cfg.warmup)
-    drafter = build_drafter(cfg, device, dtype)
+    drafter = build_mamba(cfg.drafter, "torch", 0, device, dtype)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
               "torch": torch.__version__, "config": asdict(cfg), "backends": backends(drafter)}
     progress("drafter steps")
-    result["drafter_steps"] = time_drafter_steps(drafter, cfg, clock)
+    result["drafter_steps"] = time_drafter_steps(drafter, cfg)
     progress("kernel profile")
     try:  # a profiler that cannot see graph kernels must not cost the timings after it
         result["kernel_profile"] = kernel_profile(drafter, cfg)
     except Exception as error:  # noqa: BLE001
         result["kernel_profile"] = {"error": f"{type(error).__name__}: {error}"}
     progress("tree drafting")
-    result["tree_drafting"] = time_tree_drafting(drafter, cfg, clock)
+    result["tree_drafting"] = time_tree_drafting(drafter, cfg)
     result["targets"] = {}
     for name, shape in cfg.targets.items():
         progress(f"target {name}")
         model = build_target(shape, device, dtype)
-        result["targets"][name] = {"verify": time_verification(model, cfg, clock),
-                                   "batched": time_batched(model, drafter, cfg, clock),
+        result["targets"][name] = {"verify": time_verification(model, cfg),
+                                   "batched": time_batched(model, drafter, cfg),
                                    "syncs": sync_counts(model, drafter, device)}
         del model
         if device.type == "cuda":
@@ -364,18 +352,14 @@ def projected(result: dict) -> list[dict]:
     drafting = {tuple(r["tree"]): r["ms"] for r in result["tree_drafting"]}
     rows = []
     for name, entry in result["targets"].items():
-        best = {}
+        best = {}  # ms by tree size (every size of VERIFY_TREES is measured)
         for r in entry["verify"]:
             best[r["tokens"]] = min(best.get(r["tokens"], float("inf")), r["ms"])
         for branching, tau in PAPER_TAU.items():
-            size = len(TreeConfig(branching).build())
-            verify = best.get(size)
-            if verify is None:
-                continue
-            round_ms = drafting[branching] + verify
-            rows.append({"target": name, "tree": branching, "tau": tau, "target_ms": best[1], "draft_ms":
-                         drafting[branching], "verify_ms": verify, "round_ms": round_ms,
-                         "speedup": tau * best[1] / round_ms})
+            draft_ms, verify_ms = drafting[branching], best[len(TreeConfig(branching).build())]
+            rows.append({"target": name, "tree": branching, "tau": tau, "target_ms": best[1], "draft_ms": draft_ms,
+                         "verify_ms": verify_ms, "round_ms": draft_ms + verify_ms,
+                         "speedup": tau * best[1] / (draft_ms + verify_ms)})
     return rows
 
 
@@ -434,7 +418,6 @@ def markdown_report(result: dict) -> str:
 
 
 def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "gpu_timings.json", "markdown": out_dir / "gpu_timings.md",
              "steps_png": out_dir / "gpu_drafter_steps.png", "verify_png": out_dir / "gpu_verify.png"}
     write_json(paths["json"], result)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -47,8 +48,7 @@ class Method:
 
     @property
     def baseline(self) -> str:
-        """The autoregressive method of the same harness (bench.resolve_methods adds it when missing, so that every
-        method has a plain-decoding baseline measured beside it)."""
+        """The autoregressive method of the same harness (bench.resolve_methods adds it when missing)."""
         return "hf-ar" if self.kind in HF_KINDS else "ar"
 
     @property
@@ -70,7 +70,7 @@ def parse_method(spec: str) -> Method:
         if not label or not rest:
             raise ValueError(f"method {spec!r}: expected LABEL=METHOD")
         return replace(parse_method(rest), name=label)
-    if name in ("hf-ar", "hf-assisted", "hf-lookup", "ar"):
+    if name in (*HF_KINDS, "ar"):
         return Method(name, name)
     body, drafter = name, "drafter"
     if body.startswith("assistant:"):
@@ -139,7 +139,6 @@ class Models:
     assistant: torch.nn.Module | None = None  # ours: drafts the assistant: methods
     tokenizer: object = None
     assistant_draft_ids: torch.Tensor | None = None  # the draft vocabulary stored with the assistant, if any
-    assistant_drafter: object = None  # the assistant behind the drafter interface (assistant: methods)
     # what transformers' generate (hf-*) runs on: plain copies (`load_plain`); None: `target` / `assistant`, for
     # callers whose models are plain already (our engine turns a target's linear layers into row blocks in place
     # when it first runs on it, so the bench always loads separate copies)
@@ -151,18 +150,13 @@ class Models:
         return (self.target if self.plain_target is None else self.plain_target,
                 self.assistant if self.plain_assistant is None else self.plain_assistant)
 
-    def drafter_for(self, method: Method):
-        """The model that drafts `method`'s rounds in our engine."""
-        return self.drafter if method.drafter == "drafter" else self.assistant_as_drafter()
+    @cached_property
+    def assistant_drafter(self):
+        """The assistant as a TransformerDrafter (the assistant: methods' drafter), proposing from its draft
+        vocabulary when it has one (transformers' assisted generation always scores the assistant's full vocabulary)."""
+        from mamba_draft.transformer import TransformerDrafter
 
-    def assistant_as_drafter(self):
-        """The assistant as a TransformerDrafter, proposing from its draft vocabulary when it has one
-        (transformers' assisted generation always scores the assistant's full vocabulary)."""
-        if self.assistant_drafter is None:
-            from mamba_draft.transformer import TransformerDrafter
-
-            self.assistant_drafter = TransformerDrafter(self.assistant, self.assistant_draft_ids)
-        return self.assistant_drafter
+        return TransformerDrafter(self.assistant, self.assistant_draft_ids)
 
 
 def sync(device: torch.device) -> None:
@@ -193,10 +187,8 @@ def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: in
                   attention_mask=torch.ones_like(ids) if mask is None else mask, do_sample=sample,
                   **(sampling if sample else dict.fromkeys(sampling)))
     target, assistant = models.for_hf()
-    if method.kind == "hf-assisted":
-        kwargs["assistant_model"] = assistant
-    if method.kind == "hf-lookup":
-        kwargs["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
+    kwargs |= {"hf-assisted": {"assistant_model": assistant},
+               "hf-lookup": {"prompt_lookup_num_tokens": LOOKUP_TOKENS}}.get(method.kind, {})
     forwards = []  # target forward calls = verification rounds
     hook = target.register_forward_hook(lambda *_: forwards.append(1))
     try:
@@ -234,8 +226,9 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
         if method.kind == "ar":
             return generate_autoregressive(models.target, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                            seed=seed, **sampling)
-        return generate(models.target, models.drafter_for(method), prompts, max_new_tokens=max_new_tokens,
-                        tree=policy, verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
+        drafter = models.drafter if method.drafter == "drafter" else models.assistant_drafter
+        return generate(models.target, drafter, prompts, max_new_tokens=max_new_tokens, tree=policy,
+                        verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
                         lookup_tokens=lookup_of(method, ids.device, mask is not None), **sampling)
 
     result, wall = timed(decode, ids.device)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from contextlib import contextmanager
 from pathlib import Path
 
 from mamba_draft.io import atomic_path, write_json, write_text  # noqa: F401  (bench and demo write through these)
@@ -33,25 +34,22 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_axes(figsize: tuple[float, float]):
-    """A new matplotlib (figure, axes) on the non-interactive backend."""
+@contextmanager
+def figure(path: str | Path, figsize: tuple[float, float], title: str, ylabel: str, baseline: float | None):
+    """A new matplotlib axes (non-interactive backend) to draw on; then its title, y label and an optional dashed
+    horizontal reference line, and the PNG, written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=figsize)
-
-
-def save_figure(fig, ax, path: str | Path, title: str, ylabel: str, baseline: float | None) -> None:
-    """Title, y label and an optional dashed horizontal reference line; then the PNG, written atomically."""
-    import matplotlib.pyplot as plt
-
-    if baseline is not None:
-        ax.axhline(baseline, color="grey", linestyle="--", linewidth=1)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    fig, ax = plt.subplots(figsize=figsize)
     try:
+        yield ax
+        if baseline is not None:
+            ax.axhline(baseline, color="grey", linestyle="--", linewidth=1)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
     finally:
@@ -62,28 +60,26 @@ def bar_plot(path: str | Path, labels: list[str], values: list[list[float]], tit
              baseline: float | None = None, lossy: list[bool] | None = None) -> None:
     """One bar per label with mean ± std error bars over its repeat values; lossy methods in orange."""
     stats = [mean_std(v) for v in values]
-    fig, ax = plot_axes((max(4.0, 0.9 * len(labels) + 1.5), 3.6))
-    colors = ["#DD8452" if flag else "#4C72B0" for flag in (lossy or [False] * len(labels))]
-    ax.bar(range(len(labels)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3, color=colors)
-    if lossy and any(lossy):
-        from matplotlib.patches import Patch
+    with figure(path, (max(4.0, 0.9 * len(labels) + 1.5), 3.6), title, ylabel, baseline) as ax:
+        colors = ["#DD8452" if flag else "#4C72B0" for flag in (lossy or [False] * len(labels))]
+        ax.bar(range(len(labels)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3, color=colors)
+        if lossy and any(lossy):
+            from matplotlib.patches import Patch
 
-        ax.legend(handles=[Patch(color="#4C72B0", label="lossless"), Patch(color="#DD8452", label="lossy")])
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-    ax.grid(axis="y", alpha=0.3)
-    save_figure(fig, ax, path, title, ylabel, baseline)
+            ax.legend(handles=[Patch(color="#4C72B0", label="lossless"), Patch(color="#DD8452", label="lossy")])
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.grid(axis="y", alpha=0.3)
 
 
 def line_plot(path: str | Path, x: list[float], series: dict[str, list[float]], title: str, xlabel: str,
               ylabel: str, baseline: float | None = None) -> None:
     """Several named series over the same x values, on a log-2 x axis (e.g. drafter latency vs context
     length, speedup vs batch size)."""
-    fig, ax = plot_axes((5.0, 3.6))
-    for name, ys in series.items():
-        ax.plot(x, ys, marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [str(int(v)) for v in x])
-    ax.set_xlabel(xlabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save_figure(fig, ax, path, title, ylabel, baseline)
+    with figure(path, (5.0, 3.6), title, ylabel, baseline) as ax:
+        for name, ys in series.items():
+            ax.plot(x, ys, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(int(v)) for v in x])
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
