@@ -264,11 +264,9 @@ class HeldoutEval:
             self.rows = rows[rank::world]
             name = e.target or cfg.distill.target
             if target is None or name != cfg.distill.target:
-                from mamba_draft.targets import load_causal_lm
-                from training.model import check_vocab
+                from training.model import frozen_target
 
-                target = load_causal_lm(name, dtype=dtype, device=device, attn_implementation=None, row_blocks=False)
-                check_vocab(target.config, tokenizer, f"eval.target {name!r}")
+                target = frozen_target(name, "eval.target", tokenizer, device, dtype, attn_implementation=None)
             self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device,
                                          self.vocab)
         self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)  # the same on every rank
@@ -370,11 +368,11 @@ def inference_copy(module):
                                             dtype=module.dtype, backend="torch", state_dtype=torch.float32)
 
 
-def chain_roots(example, depths: int, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
+def chain_roots(example, depths: int) -> torch.Tensor:
     """The rows of a make-data reply a chain of `depths` drafts can start after (its roots: the last committed
     token), where the target's greedy continuation is known: the next `depths` rows are reply rows (their cached
     top-1 is the target's greedy choice) and the reply follows that choice for the first depths-1 of them."""
-    n = min(max_len, example.input_ids.numel())
+    n = min(ENGINE_EVAL_LEN, example.input_ids.numel())
     reply = example.labels[:n] != data_lib.IGNORE_INDEX
     greedy = reply & (example.input_ids[:n] == example.soft_ids[:n, 0].long())
     ok = reply[:n - depths].clone() if n > depths else torch.zeros(0, dtype=torch.bool)
@@ -383,17 +381,14 @@ def chain_roots(example, depths: int, max_len: int = ENGINE_EVAL_LEN) -> torch.T
     return torch.nonzero(ok).flatten()
 
 
-def depth_acceptance(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_reply: int = ROOTS_PER_REPLY,
-                     seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> DepthAcceptance:
-    """Per-depth acceptance of greedy chains on make-data replies (`draft_ranks`): the roots whose first d drafts
-    all equal the target's greedy tokens."""
-    return DepthAcceptance.from_ranks(draft_ranks(drafter, examples, depths=depths, roots_per_reply=roots_per_reply,
-                                                  seed=seed, max_len=max_len))
+def depth_acceptance(drafter, examples: Sequence, **options) -> DepthAcceptance:
+    """Per-depth acceptance of greedy chains on make-data replies: `draft_ranks` (`options` are its keywords)."""
+    return DepthAcceptance.from_ranks(draft_ranks(drafter, examples, **options))
 
 
 @torch.no_grad()
 def draft_ranks(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_reply: int = ROOTS_PER_REPLY,
-                seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
+                seed: int = 0) -> torch.Tensor:
     """(roots, depths) long: where the target's greedy token ranks among the drafter's proposals at each depth
     after a root, on make-data replies (`engine_data.EngineExample`s), as the engine drafts: for up to
     `roots_per_reply` roots per reply (`chain_roots`, drawn with `seed`), read the committed prefix, then step
@@ -408,7 +403,7 @@ def draft_ranks(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_
     reads = getattr(drafter, "reads_target", False)
     ranks = [torch.zeros(0, depths, dtype=torch.long)]
     for index, example in enumerate(examples):
-        roots = chain_roots(example, depths, max_len)
+        roots = chain_roots(example, depths)
         if reads and example.hidden is None:
             raise ValueError("this drafter reads the target: load the replies with their hidden states "
                              "(load_engine(..., hidden_size=...))")
@@ -456,10 +451,9 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> torc
     return torch.stack(ranks, dim=1).cpu()
 
 
-def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "heldout", depths: int = DEPTHS,
-                            roots_per_reply: int = ROOTS_PER_REPLY, max_replies: int | None = None,
-                            temperatures: list[float] | None = None, seed: int = 0, device: str = "cpu") -> dict:
-    """`draft_ranks` of a saved drafter on the `split` replies of a make-data directory (or a directory of them),
+def engine_depth_acceptance(drafter_path: str, data_dir: str, *, max_replies: int | None = None,
+                            device: str = "cpu") -> dict:
+    """`draft_ranks` of a saved drafter on the held-out replies of a make-data directory (or a directory of them),
     rendered with the tokenizer of the target that made them (its manifest).
     {depth1 .. depth5, chain_tau, depth_roots, replies, tree_tau: {shape: τ} for `TREE_SHAPES`}."""
     from mamba_draft import load_drafter
@@ -472,10 +466,9 @@ def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "h
     tokenizer = target_tokenizer(json.loads(manifest.read_text())["settings"]["target"])
     drafter = load_drafter(drafter_path, device=device)
     width = drafter.config.target_hidden_size if getattr(drafter, "reads_target", False) else None
-    examples = load_engine(data_dir, tokenizer, temperatures, split=split, hidden_size=width)[:max_replies]
-    ranks = draft_ranks(drafter, examples, depths=depths, roots_per_reply=roots_per_reply, seed=seed)
-    trees = {shape: tree_tau(ranks, [int(w) for w in shape.split(",")]) for shape in TREE_SHAPES
-             if shape.count(",") < depths}
+    examples = load_engine(data_dir, tokenizer, split="heldout", hidden_size=width)[:max_replies]
+    ranks = draft_ranks(drafter, examples)
+    trees = {shape: tree_tau(ranks, [int(w) for w in shape.split(",")]) for shape in TREE_SHAPES}
     return DepthAcceptance.from_ranks(ranks).as_dict() | {"replies": len(examples), "tree_tau": trees}
 
 
@@ -551,14 +544,10 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
     pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     vocab = len(tokenizer)  # as training scores them: ids past the tokenizer are padding rows, never real tokens
     states: list[torch.Tensor] = []  # the head's input per batch (B, L, H): a drafter that reads the target's
-    hook = target.get_output_embeddings().register_forward_hook(
-        lambda module, inputs, output: states.append(inputs[0].detach().float().cpu())) if drafter.reads_target \
-        else None
-    try:
-        target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
-    finally:
-        if hook is not None:
-            hook.remove()
+    if drafter.reads_target:  # no need to remove the hook: the target is dropped right after
+        target.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: states.append(inputs[0].detach().float().cpu()))
+    target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
     del target
     # row t's feature: the state at t - 1 (what token t's distribution came from); row 0 has none
     per_row = zip((h for batch in states for h in batch), rows)  # the batches' rows, in order

@@ -206,6 +206,16 @@ def check_vocab(config: transformers.PretrainedConfig, tokenizer: PreTrainedToke
                          "or a larger model.vocab_size")
 
 
+def frozen_target(name: str, what: str, tokenizer: PreTrainedTokenizerBase, device, dtype: torch.dtype, **options):
+    """The target a run distills from or scores against (`what` names its config key), frozen. HF dir, hub id or
+    .gguf; batched forwards need no row blocks (`mamba_draft.targets.row_blocks`)."""
+    from mamba_draft.targets import load_causal_lm
+
+    target = load_causal_lm(name, dtype=dtype, device=device, row_blocks=False, **options)
+    check_vocab(target.config, tokenizer, f"{what} {name!r}")
+    return target.requires_grad_(False)
+
+
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: no decay on norms, biases and the SSM's A_log / D (as mamba_ssm marks them)."""
     decay, no_decay = [], []
