@@ -133,14 +133,11 @@ class PackedEngine:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos, self.offset = state["epoch"], state["pos"], state["offset"]
 
-    def _current(self) -> EngineExample:
-        return self.examples[epoch_order(self)[self.pos]]
-
     def _window(self) -> list[tuple[EngineExample, int, int]]:
         """Pieces (example, start, stop) filling one window, advancing the position."""
         pieces, need = [], self.seq_len
         while need:
-            example = self._current()
+            example = self.examples[epoch_order(self)[self.pos]]
             take = min(need, example.input_ids.numel() - self.offset)
             pieces.append((example, self.offset, self.offset + take))
             need -= take

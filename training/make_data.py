@@ -101,6 +101,7 @@ TASKS = (
     Task("report", "You are a journalist. Write a short report about an event.", 256,
          "Based on the text above, answer: who was involved, what happened, and when?"),
 )
+PLAIN = Task("plain", "")  # unsteered Magpie: the template's default system turn
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?(?=\s|$)")
 _SENTINEL = "\u2063MAGPIE\u2063"  # an invisible separator: marks where the user's text would start
 _REQUEST_START = re.compile(
@@ -184,18 +185,15 @@ def read_topk(out: Path, temperature: float, record: dict) -> tuple[torch.Tensor
 
 
 def read_hidden(out: Path, temperature: float, record: dict, width: int) -> torch.Tensor:
-    """A reply's cached (positions, width) bfloat16 hidden states, aligned with its top-K rows."""
-    count = record["topk"][1]
+    """A reply's cached (positions, width) bfloat16 hidden states, aligned with its top-K rows (that the file holds
+    them all, `engine_data.check_hidden_width` checks)."""
     raw = read_rows(hidden_path(out, temperature), record, width * 2)
-    if len(raw) != count * width * 2:
-        raise ValueError(f"{hidden_path(out, temperature)} ends before reply {record['id']}: finish it with "
-                         "make-data --hidden")
-    return torch.frombuffer(raw, dtype=torch.bfloat16).view(count, width)
+    return torch.frombuffer(raw, dtype=torch.bfloat16).view(record["topk"][1], width)
 
 
 # ------------------------------------------------------------------------------------------ prompts
 
-def magpie_prefix(tokenizer, system: str | None = None) -> list[int]:
+def magpie_prefix(tokenizer, system: str = "") -> list[int]:
     """Token ids of the chat template up to where a user's message starts (`system`'s turn, or the template's
     default one, included): what the target continues to write a user request."""
     if not getattr(tokenizer, "chat_template", None):
@@ -346,16 +344,15 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
     bar = tqdm(total=len(todo) * batch_size, desc="magpie task prompts" if tasks else "magpie prompts",
                unit="sample", disable=not progress)
     for b in todo:
-        task = tasks[b % len(tasks)] if tasks else None
-        tag = {"task": task.name} if task else {}
+        task = tasks[b % len(tasks)] if tasks else PLAIN
+        tag = {"task": task.name} if tasks else {}
         n = min(batch_size, count - b * batch_size)
-        prefix = magpie_prefix(engine.tokenizer, task.system if task else None)
-        rows, _, _ = engine.run([prefix] * n, task.tokens if task else MAGPIE_TOKENS, MAGPIE_TEMPERATURE,
-                             MAGPIE_TOP_P, seed + b + (TASK_SEED if task else 0))
+        rows, _, _ = engine.run([magpie_prefix(engine.tokenizer, task.system)] * n, task.tokens, MAGPIE_TEMPERATURE,
+                                MAGPIE_TOP_P, seed + b + (TASK_SEED if tasks else 0))
         kept, dropped = [], Counter()
         for row, (ids, cut) in enumerate(rows):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            if task is not None and task.instruction:
+            if task.instruction:
                 text, reason = document_prompt(text, cut, task)
             else:
                 reason = "cut" if cut else request_verdict(text)
@@ -367,8 +364,8 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
                 dropped[reason] += 1
                 continue
             seen.add(normalize(text))
-            kept.append({"id": f"{'task' if task else 'magpie'}:{b}:{row}",
-                         "source": "magpie_task" if task else "magpie", "prompt": text, "batch": b} | tag)
+            kept.append({"id": f"{'task' if tasks else 'magpie'}:{b}:{row}",
+                         "source": "magpie_task" if tasks else "magpie", "prompt": text, "batch": b} | tag)
         append_shard(prompts_path, kept)
         append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)} | tag])
         on_batch()

@@ -213,8 +213,7 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
     output = Path(output)
     if not output.resolve().parent.is_dir():
         raise FileNotFoundError(f"output directory {output.parent} does not exist")
-    records = read_records(source)
-    records = records[:limit] if limit is not None else records
+    records = read_records(source)[:limit]
     counts, convs = Counter(), []
     for i, record in enumerate(records):
         conv, reason = conversation(record, i)
