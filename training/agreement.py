@@ -15,6 +15,7 @@ scored tokens with x_i == g_i (1.0: tau is exact).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections import Counter
@@ -25,8 +26,14 @@ from typing import Callable, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from mamba_draft import MambaDrafter, load_drafter
+from mamba_draft.targets import load_causal_lm, load_tokenizer
 from training import data as data_lib
 from training.config import DataConfig, TrainConfig
+from training.engine_data import engine_dirs, engine_rows, load_engine
+from training.model import frozen_target
+from training.ngram import NGramTable
+from training.regenerate import target_tokenizer
 from training.target_features import fed_features
 
 Row = tuple[list[int], list[bool]]  # token ids, and which tokens are scored
@@ -247,8 +254,6 @@ class HeldoutEval:
         self.features = self.examples = None  # a drafter that reads the target: states per row, replies to draft
         self.seed = cfg.seed
         if Path(e.data).expanduser().is_dir():
-            from training.engine_data import engine_rows, load_engine
-
             width = cfg.model.target_hidden_size or None
             # whole replies (packed training windows may be short; a reply's prompt alone can fill one)
             held = load_engine(e.data, tokenizer, split="heldout", hidden_size=width)[:e.max_sequences]
@@ -264,8 +269,6 @@ class HeldoutEval:
             self.rows = rows[rank::world]
             name = e.target or cfg.distill.target
             if target is None or name != cfg.distill.target:
-                from training.model import frozen_target
-
                 target = frozen_target(name, "eval.target", tokenizer, device, dtype, attn_implementation=None)
             self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device,
                                          self.vocab)
@@ -361,7 +364,6 @@ def inference_copy(module):
     """A plain `MambaDrafter` holding the trained drafter's weights as they are now (a collective under ZeRO-3,
     which gathers them: its hooks would release parameters that `step` reads outside their modules' forwards)."""
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-    from mamba_draft import MambaDrafter
 
     with GatheredParameters(list(module.parameters())):
         return MambaDrafter.from_state_dict(module.config, module.checkpoint_tensors(), device=module.device,
@@ -456,10 +458,6 @@ def engine_depth_acceptance(drafter_path: str, data_dir: str, *, max_replies: in
     """`draft_ranks` of a saved drafter on the held-out replies of a make-data directory (or a directory of them),
     rendered with the tokenizer of the target that made them (its manifest).
     {depth1 .. depth5, chain_tau, depth_roots, replies, tree_tau: {shape: τ} for `TREE_SHAPES`}."""
-    from mamba_draft import load_drafter
-    from training.engine_data import engine_dirs, load_engine
-    from training.regenerate import target_tokenizer
-
     manifest = engine_dirs(data_dir)[0] / "manifest.json"
     if not manifest.is_file():
         raise FileNotFoundError(f"{data_dir} has no manifest.json (not a make-data directory?)")
@@ -475,8 +473,6 @@ def engine_depth_acceptance(drafter_path: str, data_dir: str, *, max_replies: in
 def ngram_baselines(train_rows: Sequence[Row], rows: Sequence[Row], target_ids: Sequence[torch.Tensor],
                     gammas: Sequence[int], orders: Sequence[int] = (3, 4)) -> dict:
     """{'ngram3_agreement': a, 'ngram3_tau3': t, ...}: n-gram tables fitted on `train_rows`, scored like a drafter."""
-    from training.ngram import NGramTable
-
     out = {}
     for n in orders:
         table = NGramTable(n).fit(train_rows)
@@ -528,9 +524,6 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
     """Agreement and tau of a saved drafter (`mamba_draft.load_drafter`) with a target, on a held-out file rendered
     with the target's tokenizer. A drafter that reads the target is given the target's final hidden state before
     each scored token, and its stand-in before the others."""
-    from mamba_draft import load_drafter
-    from mamba_draft.targets import load_causal_lm, load_tokenizer
-
     gammas = check_gammas(gammas)
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
@@ -565,8 +558,6 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
 
 def main(argv: list[str] | None = None) -> int:
     """python -m training.agreement --plot OUT.png LABEL=RUN_DIR ...: the recipes' curves on one plot."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m training.agreement", description=main.__doc__)
     parser.add_argument("--plot", type=Path, required=True, help="PNG to write")
     parser.add_argument("runs", nargs="+", help="LABEL=DIR: a training output_dir (or export) holding metrics.jsonl")

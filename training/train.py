@@ -41,6 +41,7 @@ from training import data as data_lib
 from training.agreement import HeldoutEval, check_eval_config, plot_agreement
 from training.config import TrainConfig, load_config, save_config
 from training.distributed import deepspeed_config, init_distributed, use_bf16
+from training.engine_data import PackedEngine, check_hidden_width, load_engine
 from training.export import FROZEN_WEIGHTS
 from training.loss import cached_kl, cross_entropy, feature_loss, forward_kl
 from training.model import build_model, frequency_ranked_vocab, frozen_target, load_tokenizer, weight_decay_groups
@@ -60,8 +61,6 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
     """The rank's data iterator, the number of records (None when streaming) and the draft vocabulary (or None)."""
     if cfg.data.kind == "engine":
-        from training.engine_data import PackedEngine, load_engine
-
         # the target states read by the drafter and/or matched by the feature loss (validate: the same width)
         width = cfg.model.target_hidden_size or (cfg.model.hidden_size if cfg.distill.feature_weight else None)
         examples = load_engine(cfg.data.path, tokenizer, split="train", hidden_size=width)  # held-out: eval
@@ -231,8 +230,6 @@ def validate(cfg: TrainConfig) -> None:
     if d.feature_weight and m.hidden_size != m.target_hidden_size:
         raise ValueError(f"distill.feature_weight matches the drafter's state to the target's: model.hidden_size "
                          f"{m.hidden_size} must equal model.target_hidden_size {m.target_hidden_size}")
-    from training.engine_data import check_hidden_width
-
     eval_dir = [cfg.eval.data] if cfg.eval.data and Path(cfg.eval.data).is_dir() else []
     for path in dict.fromkeys([cfg.data.path] + eval_dir):
         check_hidden_width(path, m.target_hidden_size, "model.target_hidden_size")
