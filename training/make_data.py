@@ -388,10 +388,9 @@ def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_RO
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
                   batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None],
                   hidden: bool = False) -> None:
-    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. `teacher_forced` has
-    levelled the row files with the replies, so the generating forward's rows (with `hidden` its hidden states too)
-    append at `rows_end`; a reply whose forward the hook did not see (a scripted generator) gets them from the
-    closing `teacher_forced`."""
+    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. The generating
+    forward's rows (with `hidden` its hidden states too) append at `rows_end` (`teacher_forced` has levelled the files
+    with the replies, and fills in the rows of a reply whose forward the hook did not see)."""
     todo, next_position, encoded = {}, {}, {}
     for t in temperatures:
         records = read_shard(reply_path(out, t))
@@ -589,7 +588,6 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
         return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
 
     manifest()
-    # replies made elsewhere (a GPU machine whose top-K file stayed there) get their rows before new ones append
     fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     step = ROUND_BATCHES * args.batch_size  # Magpie in rounds, each answered before the next
     for round_ in range(1, max(1, -(-max(args.magpie, args.magpie_tasks) // step)) + 1):

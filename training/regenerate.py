@@ -137,8 +137,7 @@ def load_target(target: str | os.PathLike, device: str, dtype: torch.dtype):
 class TopKSampler:
     """A logits processor that draws the next token itself — temperature, then top-k, then top-p, as transformers'
     sampling warpers do — and leaves only that token's score finite, so `generate`'s greedy pick takes it. Unlike
-    transformers' top-p it never sorts the whole vocabulary: the draw is over the top k only. Draws from torch's
-    global generator (seeded per batch by the engine)."""
+    transformers' top-p it never sorts the whole vocabulary: the draw is over the top k only."""
 
     def __init__(self, temperature: float, top_k: int | None, top_p: float | None):
         self.temperature, self.top_k, self.top_p = temperature, top_k or 0, 1.0 if top_p is None else top_p
@@ -157,8 +156,7 @@ class TopKSampler:
 def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
               eos_token_ids: list[int], top_p: float | None = None, seed: int | None = None) -> list[list[int]]:
     """The default `Generate`: transformers' `generate` on the left-padded batch with a static cache, sampling with
-    `TopKSampler` (the target's generation_config top-k, and top-p unless `top_p` is given) from torch's global
-    RNG, which the callers seed (`seed` is not used)."""
+    `TopKSampler` from torch's global RNG (`seed` is not used: the callers seed that RNG)."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
     processors = []
     if temperature > 0:
