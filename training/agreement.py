@@ -30,7 +30,7 @@ from mamba_draft import MambaDrafter, load_drafter
 from mamba_draft.targets import load_causal_lm, load_tokenizer
 from training import data as data_lib
 from training.config import DataConfig, TrainConfig
-from training.engine_data import engine_dirs, engine_rows, load_engine
+from training.engine_data import engine_dirs, load_engine
 from training.model import frozen_target
 from training.ngram import NGramTable
 from training.regenerate import target_tokenizer
@@ -154,6 +154,21 @@ def load_heldout(path: str, tokenizer, max_len: int, max_sequences: int | None =
     return rows, skipped
 
 
+def engine_rows(examples: Sequence) -> tuple[list[Row], list[torch.Tensor]]:
+    """`measure`'s rows and target ids from make-data replies (`engine_data.EngineExample`s) cut to ENGINE_EVAL_LEN:
+    position t's choice is the cached top-1 of row t+1 (-1 where nothing is cached)."""
+    rows, target_ids = [], []
+    for e in examples:
+        n = min(ENGINE_EVAL_LEN, e.input_ids.numel())
+        scored = (e.labels[:n] != data_lib.IGNORE_INDEX).tolist()
+        choice = torch.full((n,), -1, dtype=torch.long)
+        choice[:n - 1] = e.soft_ids[1:n, 0].long()
+        choice[:n - 1][~torch.tensor(scored[1:], dtype=torch.bool)] = -1
+        rows.append((e.input_ids[:n].tolist(), scored))
+        target_ids.append(choice)
+    return rows, target_ids
+
+
 def pad_batch(rows: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids, attention_mask, scored): causal models never see the padding of a row's own positions."""
     ids = pad_sequence([torch.tensor(row, dtype=torch.long) for row, _ in rows], batch_first=True, padding_value=pad_id)
@@ -257,8 +272,8 @@ class HeldoutEval:
             width = cfg.model.target_hidden_size or None
             # whole replies (packed training windows may be short; a reply's prompt alone can fill one)
             held = load_engine(e.data, tokenizer, split="heldout", hidden_size=width)[:e.max_sequences]
-            rows, target_ids = engine_rows(held, ENGINE_EVAL_LEN)
-            train_rows, _ = engine_rows(load_engine(e.data, tokenizer, split="train"), ENGINE_EVAL_LEN)
+            rows, target_ids = engine_rows(held)
+            train_rows, _ = engine_rows(load_engine(e.data, tokenizer, split="train"))
             self.baselines = ngram_baselines(train_rows, rows, target_ids, self.gammas)
             self.rows, self.target_ids = rows[rank::world], target_ids[rank::world]
             if width:

@@ -161,19 +161,3 @@ class PackedEngine:
         if self.examples[0].hidden is not None:
             batch["hidden"] = stack("hidden").float()
         return batch
-
-
-def engine_rows(examples: list[EngineExample], max_len: int) -> tuple[list[tuple[list[int], list[bool]]],
-                                                                       list[torch.Tensor]]:
-    """(ids, scored) rows and the target's greedy choice at every position (position t predicts token t+1: the
-    cached top-1 of row t+1; -1 where nothing is cached), truncated to `max_len`: agreement.measure's inputs."""
-    rows, target_ids = [], []
-    for e in examples:
-        n = min(max_len, e.input_ids.numel())
-        scored = (e.labels[:n] != IGNORE_INDEX).tolist()
-        choice = torch.full((n,), -1, dtype=torch.long)
-        choice[:n - 1] = e.soft_ids[1:n, 0].long()
-        choice[:n - 1][~torch.tensor(scored[1:], dtype=torch.bool)] = -1
-        rows.append((e.input_ids[:n].tolist(), scored))
-        target_ids.append(choice)
-    return rows, target_ids
