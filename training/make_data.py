@@ -260,16 +260,12 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
 
 # ------------------------------------------------------------------------------------------ generation
 
-def top_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The TOPK most likely next tokens of each row: (..., K) int32 ids and float16 log-probs."""
+def pack_topk(logits: torch.Tensor) -> torch.Tensor:
+    """(positions, topk_bytes()) uint8 top-K file rows of (positions, V) logits: the TOPK most likely next tokens'
+    int32 ids, then their float16 log-probs."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(TOPK, dim=-1)
-    return ids.to(torch.int32), values.to(torch.float16)
-
-
-def pack_rows(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(positions, topk_bytes()) uint8 top-K file rows: K int32 ids, then K float16 log-probs per position."""
-    n = ids.shape[0]
-    return torch.cat([ids.view(torch.uint8).reshape(n, -1), values.view(torch.uint8).reshape(n, -1)], dim=1)
+    packed = (x.view(torch.uint8).reshape(ids.shape[0], -1) for x in (ids.to(torch.int32), values.to(torch.float16)))
+    return torch.cat(list(packed), dim=1)
 
 
 class Engine:
@@ -283,7 +279,7 @@ class Engine:
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float | None,
             seed: int, record_topk: bool = False, record_hidden: bool = False,
             ) -> tuple[list[tuple[list[int], bool]], list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """Each prompt's (reply tokens before EOS, cut), with `record_topk` its top-K file rows (`pack_rows`) and
+        """Each prompt's (reply tokens before EOS, cut), with `record_topk` its top-K file rows (`pack_topk`) and
         with `record_hidden` the head's input at those positions, (positions, hidden_size) bfloat16 (None when the
         generator ran no forward of this model, e.g. a scripted one)."""
         torch.manual_seed(seed)
@@ -291,7 +287,7 @@ class Engine:
         states: list[torch.Tensor] = []
 
         def record(module, inputs, output):  # each decoding step's head output: (B, 1, V) (prefill: last position)
-            steps.append(pack_rows(*top_logprobs(output[:, -1])))
+            steps.append(pack_topk(output[:, -1]))
             if record_hidden:
                 states.append(inputs[0][:, -1].to(torch.bfloat16))
 
@@ -504,7 +500,7 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperatu
             if hidden and first >= hidden_done:
                 hidden_rows.append(rows.to(torch.bfloat16).cpu())
             if first >= topk_done:
-                topk_rows.append(pack_rows(*(x.cpu() for x in top_logprobs(head(rows)))))
+                topk_rows.append(pack_topk(head(rows)).cpu())
         if hidden_rows:
             append_bytes(hidden_path(out, temperature), torch.cat(hidden_rows).view(torch.uint8).numpy().tobytes())
         if topk_rows:
