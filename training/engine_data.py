@@ -11,13 +11,13 @@ pretraining. The iterator is infinite and resumable (`state_dict`). Held-out que
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mamba_draft.heldout import is_heldout_text
-from training.data import IGNORE_INDEX, epoch_order
+from training.data import IGNORE_INDEX, EpochCursor
 from training.make_data import hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
 from training.regenerate import prompt_ids
 
@@ -115,36 +115,28 @@ def check_hidden_width(directory: str | Path, width: int, name: str = "the draft
 
 
 @dataclass
-class PackedEngine:
+class PackedEngine(EpochCursor):
     """Per-rank, epoch-shuffled replies packed into `seq_len` windows; infinite and resumable."""
+    STATE = ("epoch", "pos", "offset")
     examples: list[EngineExample]
     seq_len: int
     seed: int
     rank: int
     world: int
-    epoch: int = 0
-    pos: int = 0       # next example of this epoch's order
-    offset: int = 0    # tokens of that example already handed out
-    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "offset": self.offset}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos, self.offset = state["epoch"], state["pos"], state["offset"]
+    offset: int = 0  # tokens of the example at `pos` (the next of this epoch's order) already handed out
 
     def _window(self) -> list[tuple[EngineExample, int, int]]:
         """Pieces (example, start, stop) filling one window, advancing the position."""
         pieces, need = [], self.seq_len
         while need:
-            example = self.examples[epoch_order(self)[self.pos]]
+            example = self.examples[self.order()[self.pos]]
             take = min(need, example.input_ids.numel() - self.offset)
             pieces.append((example, self.offset, self.offset + take))
             need -= take
             self.offset += take
             if self.offset == example.input_ids.numel():
                 self.pos, self.offset = self.pos + 1, 0
-                if self.pos == len(self._order[1]):
+                if self.pos == len(self.order()):
                     self.epoch, self.pos = self.epoch + 1, 0
         return pieces
 
