@@ -207,8 +207,7 @@ def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.T
     dummy forwards after them: under ZeRO-3 every rank must call forward equally often. `features` (a drafter
     that reads the target): per row, the target's state before each token (L, H), read on its scored rows."""
     total = Agreement(check_gammas(gammas))
-    needed = math.ceil(len(rows) / batch_size)
-    for b in range(max(needed, batches or 0)):
+    for b in range(max(math.ceil(len(rows) / batch_size), batches or 0)):
         part = slice(b * batch_size, (b + 1) * batch_size)
         dummy = not rows[part]  # past the rows: a 1-token forward, its logits unused
         ids, attention, scored = pad_batch([([pad_id], [False])] if dummy else rows[part], pad_id)

@@ -75,10 +75,8 @@ def conversation(record, index: int) -> tuple[dict | None, str]:
     chat = record
     is_chat = record.get("conversations") is not None or record.get("messages") is not None
     if not is_chat and ("turns" in record or "prompt" in record):  # a prompt (Spec-Bench: its first turn)
-        text = record.get("prompt")
-        if "turns" in record:
-            turns = record["turns"]
-            text = turns[0] if isinstance(turns, list) and turns else None
+        turns = record["turns"] if "turns" in record else [record["prompt"]]
+        text = turns[0] if isinstance(turns, list) and turns else None
         if not (isinstance(text, str) and text.strip()):
             return None, "bad_prompt"
         chat = {"messages": [{"role": "user", "content": text}]}
