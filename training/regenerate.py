@@ -308,9 +308,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, generate: Generate | None = None) -> Counter:
-    """Regenerate with parsed `add_arguments` arguments; raises ValueError / OSError / ImportError on bad input
-    (nothing written). generate: as in `regenerate`."""
-    check_arguments(args)
+    """Regenerate with parsed `add_arguments` arguments, which both callers have passed through `check_arguments`;
+    raises ValueError / OSError / ImportError on bad input (nothing written). generate: as in `regenerate`."""
     check_device(args.device)
     return regenerate(args.target, args.input, args.output, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, batch_size=args.batch_size, truncated=args.truncated,
