@@ -15,6 +15,7 @@ scored tokens with x_i == g_i (1.0: tau is exact).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections import Counter
@@ -25,8 +26,14 @@ from typing import Callable, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from mamba_draft import MambaDrafter, load_drafter
+from mamba_draft.targets import load_causal_lm, load_tokenizer
 from training import data as data_lib
 from training.config import DataConfig, TrainConfig
+from training.engine_data import engine_dirs, load_engine
+from training.model import frozen_target
+from training.ngram import NGramTable
+from training.regenerate import target_tokenizer
 from training.target_features import fed_features
 
 Row = tuple[list[int], list[bool]]  # token ids, and which tokens are scored
@@ -147,6 +154,21 @@ def load_heldout(path: str, tokenizer, max_len: int, max_sequences: int | None =
     return rows, skipped
 
 
+def engine_rows(examples: Sequence) -> tuple[list[Row], list[torch.Tensor]]:
+    """`measure`'s rows and target ids from make-data replies (`engine_data.EngineExample`s) cut to ENGINE_EVAL_LEN:
+    position t's choice is the cached top-1 of row t+1 (-1 where nothing is cached)."""
+    rows, target_ids = [], []
+    for e in examples:
+        n = min(ENGINE_EVAL_LEN, e.input_ids.numel())
+        scored = (e.labels[:n] != data_lib.IGNORE_INDEX).tolist()
+        choice = torch.full((n,), -1, dtype=torch.long)
+        choice[:n - 1] = e.soft_ids[1:n, 0].long()
+        choice[:n - 1][~torch.tensor(scored[1:], dtype=torch.bool)] = -1
+        rows.append((e.input_ids[:n].tolist(), scored))
+        target_ids.append(choice)
+    return rows, target_ids
+
+
 def pad_batch(rows: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids, attention_mask, scored): causal models never see the padding of a row's own positions."""
     ids = pad_sequence([torch.tensor(row, dtype=torch.long) for row, _ in rows], batch_first=True, padding_value=pad_id)
@@ -185,8 +207,7 @@ def score(logits_fn: LogitsFn, rows: Sequence[Row], target_ids: Sequence[torch.T
     dummy forwards after them: under ZeRO-3 every rank must call forward equally often. `features` (a drafter
     that reads the target): per row, the target's state before each token (L, H), read on its scored rows."""
     total = Agreement(check_gammas(gammas))
-    needed = math.ceil(len(rows) / batch_size)
-    for b in range(max(needed, batches or 0)):
+    for b in range(max(math.ceil(len(rows) / batch_size), batches or 0)):
         part = slice(b * batch_size, (b + 1) * batch_size)
         dummy = not rows[part]  # past the rows: a 1-token forward, its logits unused
         ids, attention, scored = pad_batch([([pad_id], [False])] if dummy else rows[part], pad_id)
@@ -247,13 +268,11 @@ class HeldoutEval:
         self.features = self.examples = None  # a drafter that reads the target: states per row, replies to draft
         self.seed = cfg.seed
         if Path(e.data).expanduser().is_dir():
-            from training.engine_data import engine_rows, load_engine
-
             width = cfg.model.target_hidden_size or None
             # whole replies (packed training windows may be short; a reply's prompt alone can fill one)
             held = load_engine(e.data, tokenizer, split="heldout", hidden_size=width)[:e.max_sequences]
-            rows, target_ids = engine_rows(held, ENGINE_EVAL_LEN)
-            train_rows, _ = engine_rows(load_engine(e.data, tokenizer, split="train"), ENGINE_EVAL_LEN)
+            rows, target_ids = engine_rows(held)
+            train_rows, _ = engine_rows(load_engine(e.data, tokenizer, split="train"))
             self.baselines = ngram_baselines(train_rows, rows, target_ids, self.gammas)
             self.rows, self.target_ids = rows[rank::world], target_ids[rank::world]
             if width:
@@ -264,11 +283,7 @@ class HeldoutEval:
             self.rows = rows[rank::world]
             name = e.target or cfg.distill.target
             if target is None or name != cfg.distill.target:
-                from mamba_draft.targets import load_causal_lm
-                from training.model import check_vocab
-
-                target = load_causal_lm(name, dtype=dtype, device=device, attn_implementation=None, row_blocks=False)
-                check_vocab(target.config, tokenizer, f"eval.target {name!r}")
+                target = frozen_target(name, "eval.target", tokenizer, device, dtype, attn_implementation=None)
             self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device,
                                          self.vocab)
         self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)  # the same on every rank
@@ -363,18 +378,17 @@ def inference_copy(module):
     """A plain `MambaDrafter` holding the trained drafter's weights as they are now (a collective under ZeRO-3,
     which gathers them: its hooks would release parameters that `step` reads outside their modules' forwards)."""
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-    from mamba_draft import MambaDrafter
 
     with GatheredParameters(list(module.parameters())):
         return MambaDrafter.from_state_dict(module.config, module.checkpoint_tensors(), device=module.device,
                                             dtype=module.dtype, backend="torch", state_dtype=torch.float32)
 
 
-def chain_roots(example, depths: int, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
+def chain_roots(example, depths: int) -> torch.Tensor:
     """The rows of a make-data reply a chain of `depths` drafts can start after (its roots: the last committed
     token), where the target's greedy continuation is known: the next `depths` rows are reply rows (their cached
     top-1 is the target's greedy choice) and the reply follows that choice for the first depths-1 of them."""
-    n = min(max_len, example.input_ids.numel())
+    n = min(ENGINE_EVAL_LEN, example.input_ids.numel())
     reply = example.labels[:n] != data_lib.IGNORE_INDEX
     greedy = reply & (example.input_ids[:n] == example.soft_ids[:n, 0].long())
     ok = reply[:n - depths].clone() if n > depths else torch.zeros(0, dtype=torch.bool)
@@ -383,17 +397,14 @@ def chain_roots(example, depths: int, max_len: int = ENGINE_EVAL_LEN) -> torch.T
     return torch.nonzero(ok).flatten()
 
 
-def depth_acceptance(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_reply: int = ROOTS_PER_REPLY,
-                     seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> DepthAcceptance:
-    """Per-depth acceptance of greedy chains on make-data replies (`draft_ranks`): the roots whose first d drafts
-    all equal the target's greedy tokens."""
-    return DepthAcceptance.from_ranks(draft_ranks(drafter, examples, depths=depths, roots_per_reply=roots_per_reply,
-                                                  seed=seed, max_len=max_len))
+def depth_acceptance(drafter, examples: Sequence, **options) -> DepthAcceptance:
+    """Per-depth acceptance of greedy chains on make-data replies: `draft_ranks` (`options` are its keywords)."""
+    return DepthAcceptance.from_ranks(draft_ranks(drafter, examples, **options))
 
 
 @torch.no_grad()
 def draft_ranks(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_reply: int = ROOTS_PER_REPLY,
-                seed: int = 0, max_len: int = ENGINE_EVAL_LEN) -> torch.Tensor:
+                seed: int = 0) -> torch.Tensor:
     """(roots, depths) long: where the target's greedy token ranks among the drafter's proposals at each depth
     after a root, on make-data replies (`engine_data.EngineExample`s), as the engine drafts: for up to
     `roots_per_reply` roots per reply (`chain_roots`, drawn with `seed`), read the committed prefix, then step
@@ -408,7 +419,7 @@ def draft_ranks(drafter, examples: Sequence, *, depths: int = DEPTHS, roots_per_
     reads = getattr(drafter, "reads_target", False)
     ranks = [torch.zeros(0, depths, dtype=torch.long)]
     for index, example in enumerate(examples):
-        roots = chain_roots(example, depths, max_len)
+        roots = chain_roots(example, depths)
         if reads and example.hidden is None:
             raise ValueError("this drafter reads the target: load the replies with their hidden states "
                              "(load_engine(..., hidden_size=...))")
@@ -456,34 +467,26 @@ def chains(drafter, example, roots: list[int], depths: int, reads: bool) -> torc
     return torch.stack(ranks, dim=1).cpu()
 
 
-def engine_depth_acceptance(drafter_path: str, data_dir: str, *, split: str = "heldout", depths: int = DEPTHS,
-                            roots_per_reply: int = ROOTS_PER_REPLY, max_replies: int | None = None,
-                            temperatures: list[float] | None = None, seed: int = 0, device: str = "cpu") -> dict:
-    """`draft_ranks` of a saved drafter on the `split` replies of a make-data directory (or a directory of them),
+def engine_depth_acceptance(drafter_path: str, data_dir: str, *, max_replies: int | None = None,
+                            device: str = "cpu") -> dict:
+    """`draft_ranks` of a saved drafter on the held-out replies of a make-data directory (or a directory of them),
     rendered with the tokenizer of the target that made them (its manifest).
     {depth1 .. depth5, chain_tau, depth_roots, replies, tree_tau: {shape: τ} for `TREE_SHAPES`}."""
-    from mamba_draft import load_drafter
-    from training.engine_data import engine_dirs, load_engine
-    from training.regenerate import target_tokenizer
-
     manifest = engine_dirs(data_dir)[0] / "manifest.json"
     if not manifest.is_file():
         raise FileNotFoundError(f"{data_dir} has no manifest.json (not a make-data directory?)")
     tokenizer = target_tokenizer(json.loads(manifest.read_text())["settings"]["target"])
     drafter = load_drafter(drafter_path, device=device)
     width = drafter.config.target_hidden_size if getattr(drafter, "reads_target", False) else None
-    examples = load_engine(data_dir, tokenizer, temperatures, split=split, hidden_size=width)[:max_replies]
-    ranks = draft_ranks(drafter, examples, depths=depths, roots_per_reply=roots_per_reply, seed=seed)
-    trees = {shape: tree_tau(ranks, [int(w) for w in shape.split(",")]) for shape in TREE_SHAPES
-             if shape.count(",") < depths}
+    examples = load_engine(data_dir, tokenizer, split="heldout", hidden_size=width)[:max_replies]
+    ranks = draft_ranks(drafter, examples)
+    trees = {shape: tree_tau(ranks, [int(w) for w in shape.split(",")]) for shape in TREE_SHAPES}
     return DepthAcceptance.from_ranks(ranks).as_dict() | {"replies": len(examples), "tree_tau": trees}
 
 
 def ngram_baselines(train_rows: Sequence[Row], rows: Sequence[Row], target_ids: Sequence[torch.Tensor],
                     gammas: Sequence[int], orders: Sequence[int] = (3, 4)) -> dict:
     """{'ngram3_agreement': a, 'ngram3_tau3': t, ...}: n-gram tables fitted on `train_rows`, scored like a drafter."""
-    from training.ngram import NGramTable
-
     out = {}
     for n in orders:
         table = NGramTable(n).fit(train_rows)
@@ -535,9 +538,6 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
     """Agreement and tau of a saved drafter (`mamba_draft.load_drafter`) with a target, on a held-out file rendered
     with the target's tokenizer. A drafter that reads the target is given the target's final hidden state before
     each scored token, and its stand-in before the others."""
-    from mamba_draft import load_drafter
-    from mamba_draft.targets import load_causal_lm, load_tokenizer
-
     gammas = check_gammas(gammas)
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
@@ -551,14 +551,10 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
     pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     vocab = len(tokenizer)  # as training scores them: ids past the tokenizer are padding rows, never real tokens
     states: list[torch.Tensor] = []  # the head's input per batch (B, L, H): a drafter that reads the target's
-    hook = target.get_output_embeddings().register_forward_hook(
-        lambda module, inputs, output: states.append(inputs[0].detach().float().cpu())) if drafter.reads_target \
-        else None
-    try:
-        target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
-    finally:
-        if hook is not None:
-            hook.remove()
+    if drafter.reads_target:  # no need to remove the hook: the target is dropped right after
+        target.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: states.append(inputs[0].detach().float().cpu()))
+    target_ids = greedy_ids(hf_logits(target), rows, batch_size, pad_id, device, vocab)
     del target
     # row t's feature: the state at t - 1 (what token t's distribution came from); row 0 has none
     per_row = zip((h for batch in states for h in batch), rows)  # the batches' rows, in order
@@ -576,8 +572,6 @@ def drafter_agreement(drafter_path: str, target_path: str, heldout_path: str, *,
 
 def main(argv: list[str] | None = None) -> int:
     """python -m training.agreement --plot OUT.png LABEL=RUN_DIR ...: the recipes' curves on one plot."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m training.agreement", description=main.__doc__)
     parser.add_argument("--plot", type=Path, required=True, help="PNG to write")
     parser.add_argument("runs", nargs="+", help="LABEL=DIR: a training output_dir (or export) holding metrics.jsonl")

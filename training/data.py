@@ -8,7 +8,7 @@ from __future__ import annotations
 import glob
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import datasets
@@ -67,13 +67,30 @@ def rank_order(n: int, seed: int, epoch: int, rank: int, world: int) -> list[int
     return torch.randperm(n, generator=g)[rank::world].tolist()
 
 
-def epoch_order(data) -> list[int]:
-    """The `rank_order` of `data` (SFTExamples, PackedEngine) for its current epoch, cached on it as `_order`."""
-    if data._order is None or data._order[0] != data.epoch:
-        data._order = (data.epoch, rank_order(len(data.examples), data.seed, data.epoch, data.rank, data.world))
-    if not data._order[1]:
-        raise ValueError(f"rank {data.rank} received no examples: fewer examples than ranks")
-    return data._order[1]
+@dataclass
+class EpochCursor:
+    """A resumable position in the per-rank, epoch-shuffled `examples` of a subclass (which also holds `seed`,
+    `rank` and `world`); its checkpointed state is the fields named in STATE."""
+    STATE = ("epoch", "pos")
+    _: KW_ONLY
+    epoch: int = 0
+    pos: int = 0
+    _order: tuple[int, list[int]] | None = field(default=None, repr=False)  # (epoch, indices) cache
+
+    def state_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self.STATE:
+            setattr(self, name, state[name])
+
+    def order(self) -> list[int]:
+        """This epoch's `rank_order` of the examples."""
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, rank_order(len(self.examples), self.seed, self.epoch, self.rank, self.world))
+        if not self._order[1]:
+            raise ValueError(f"rank {self.rank} received no examples: fewer examples than ranks")
+        return self._order[1]
 
 
 # ------------------------------------------------------------------------------------------- pretraining
@@ -179,28 +196,19 @@ def prepare_sft(records: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, m
 
 
 @dataclass
-class SFTExamples:
+class SFTExamples(EpochCursor):
     """Per-rank, epoch-shuffled, padded micro-batches of rendered conversations."""
     examples: datasets.Dataset
     pad_id: int
     seed: int
     rank: int
     world: int
-    epoch: int = 0
-    pos: int = 0
-    _order: tuple[int, list[int]] | None = None  # (epoch, indices) cache
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
 
     def _next_index(self) -> int:
-        if self.pos >= len(epoch_order(self)):
+        if self.pos >= len(self.order()):
             self.epoch, self.pos = self.epoch + 1, 0
         self.pos += 1
-        return epoch_order(self)[self.pos - 1]
+        return self.order()[self.pos - 1]
 
     def next_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
         rows = [self.examples[self._next_index()] for _ in range(batch_size)]

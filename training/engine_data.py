@@ -11,13 +11,13 @@ pretraining. The iterator is infinite and resumable (`state_dict`). Held-out que
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mamba_draft.heldout import is_heldout_text
-from training.data import IGNORE_INDEX, epoch_order
+from training.data import IGNORE_INDEX, EpochCursor
 from training.make_data import hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
 from training.regenerate import prompt_ids
 
@@ -115,39 +115,28 @@ def check_hidden_width(directory: str | Path, width: int, name: str = "the draft
 
 
 @dataclass
-class PackedEngine:
+class PackedEngine(EpochCursor):
     """Per-rank, epoch-shuffled replies packed into `seq_len` windows; infinite and resumable."""
+    STATE = ("epoch", "pos", "offset")
     examples: list[EngineExample]
     seq_len: int
     seed: int
     rank: int
     world: int
-    epoch: int = 0
-    pos: int = 0       # next example of this epoch's order
-    offset: int = 0    # tokens of that example already handed out
-    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "offset": self.offset}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos, self.offset = state["epoch"], state["pos"], state["offset"]
-
-    def _current(self) -> EngineExample:
-        return self.examples[epoch_order(self)[self.pos]]
+    offset: int = 0  # tokens of the example at `pos` (the next of this epoch's order) already handed out
 
     def _window(self) -> list[tuple[EngineExample, int, int]]:
         """Pieces (example, start, stop) filling one window, advancing the position."""
         pieces, need = [], self.seq_len
         while need:
-            example = self._current()
+            example = self.examples[self.order()[self.pos]]
             take = min(need, example.input_ids.numel() - self.offset)
             pieces.append((example, self.offset, self.offset + take))
             need -= take
             self.offset += take
             if self.offset == example.input_ids.numel():
                 self.pos, self.offset = self.pos + 1, 0
-                if self.pos == len(self._order[1]):
+                if self.pos == len(self.order()):
                     self.epoch, self.pos = self.epoch + 1, 0
         return pieces
 
@@ -164,19 +153,3 @@ class PackedEngine:
         if self.examples[0].hidden is not None:
             batch["hidden"] = stack("hidden").float()
         return batch
-
-
-def engine_rows(examples: list[EngineExample], max_len: int) -> tuple[list[tuple[list[int], list[bool]]],
-                                                                       list[torch.Tensor]]:
-    """(ids, scored) rows and the target's greedy choice at every position (position t predicts token t+1: the
-    cached top-1 of row t+1; -1 where nothing is cached), truncated to `max_len`: agreement.measure's inputs."""
-    rows, target_ids = [], []
-    for e in examples:
-        n = min(max_len, e.input_ids.numel())
-        scored = (e.labels[:n] != IGNORE_INDEX).tolist()
-        choice = torch.full((n,), -1, dtype=torch.long)
-        choice[:n - 1] = e.soft_ids[1:n, 0].long()
-        choice[:n - 1][~torch.tensor(scored[1:], dtype=torch.bool)] = -1
-        rows.append((e.input_ids[:n].tolist(), scored))
-        target_ids.append(choice)
-    return rows, target_ids

@@ -11,8 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from mamba_draft.checkpoint import DRAFT_VOCAB, convert
+from mamba_draft.checkpoint import DRAFT_VOCAB, EMBEDDING, convert, embedding_digest, load_checkpoint, save_checkpoint
 from mamba_draft.io import atomic_directory
+from mamba_draft.targets import load_causal_lm
+from training.model import TrainableDrafter
 
 FORMATS = ("hf", "mamba_ssm")
 FROZEN_WEIGHTS = "frozen.safetensors"  # in a run's model/ dir: parameters training kept frozen
@@ -45,8 +47,6 @@ def consolidated_model(run: Path, ckpt: Path, tag: str) -> torch.nn.Module:
         state.update(load_file(str(run / "model" / FROZEN_WEIGHTS)))
     config = AutoConfig.from_pretrained(run / "model")
     if getattr(config, "target_hidden_size", 0):  # a drafter that reads the target: transformers has no fusion
-        from training.model import TrainableDrafter
-
         model = TrainableDrafter(config)
         model.load_hf_state_dict(state)  # strict: names every missing or unexpected key
         return model
@@ -106,9 +106,6 @@ def _write_hf(model: torch.nn.Module, run: Path, directory: Path) -> None:
 
 
 def _write_lean(model: torch.nn.Module, run: Path, out: Path, target: str) -> None:
-    from mamba_draft.checkpoint import EMBEDDING, embedding_digest, load_checkpoint, save_checkpoint
-    from mamba_draft.targets import load_causal_lm
-
     if not getattr(getattr(model, "hf_config", model.config), "tie_word_embeddings", False):
         raise ValueError("--lean-from-target needs a drafter whose head is tied to its embedding")
     wanted = load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight

@@ -101,6 +101,7 @@ TASKS = (
     Task("report", "You are a journalist. Write a short report about an event.", 256,
          "Based on the text above, answer: who was involved, what happened, and when?"),
 )
+PLAIN = Task("plain", "")  # unsteered Magpie: the template's default system turn
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?(?=\s|$)")
 _SENTINEL = "\u2063MAGPIE\u2063"  # an invisible separator: marks where the user's text would start
 _REQUEST_START = re.compile(
@@ -184,18 +185,15 @@ def read_topk(out: Path, temperature: float, record: dict) -> tuple[torch.Tensor
 
 
 def read_hidden(out: Path, temperature: float, record: dict, width: int) -> torch.Tensor:
-    """A reply's cached (positions, width) bfloat16 hidden states, aligned with its top-K rows."""
-    count = record["topk"][1]
+    """A reply's cached (positions, width) bfloat16 hidden states, aligned with its top-K rows (that the file holds
+    them all, `engine_data.check_hidden_width` checks)."""
     raw = read_rows(hidden_path(out, temperature), record, width * 2)
-    if len(raw) != count * width * 2:
-        raise ValueError(f"{hidden_path(out, temperature)} ends before reply {record['id']}: finish it with "
-                         "make-data --hidden")
-    return torch.frombuffer(raw, dtype=torch.bfloat16).view(count, width)
+    return torch.frombuffer(raw, dtype=torch.bfloat16).view(record["topk"][1], width)
 
 
 # ------------------------------------------------------------------------------------------ prompts
 
-def magpie_prefix(tokenizer, system: str | None = None) -> list[int]:
+def magpie_prefix(tokenizer, system: str = "") -> list[int]:
     """Token ids of the chat template up to where a user's message starts (`system`'s turn, or the template's
     default one, included): what the target continues to write a user request."""
     if not getattr(tokenizer, "chat_template", None):
@@ -262,16 +260,12 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
 
 # ------------------------------------------------------------------------------------------ generation
 
-def top_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The TOPK most likely next tokens of each row: (..., K) int32 ids and float16 log-probs."""
+def pack_topk(logits: torch.Tensor) -> torch.Tensor:
+    """(positions, topk_bytes()) uint8 top-K file rows of (positions, V) logits: the TOPK most likely next tokens'
+    int32 ids, then their float16 log-probs."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(TOPK, dim=-1)
-    return ids.to(torch.int32), values.to(torch.float16)
-
-
-def pack_rows(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(positions, topk_bytes()) uint8 top-K file rows: K int32 ids, then K float16 log-probs per position."""
-    n = ids.shape[0]
-    return torch.cat([ids.view(torch.uint8).reshape(n, -1), values.view(torch.uint8).reshape(n, -1)], dim=1)
+    packed = (x.view(torch.uint8).reshape(ids.shape[0], -1) for x in (ids.to(torch.int32), values.to(torch.float16)))
+    return torch.cat(list(packed), dim=1)
 
 
 class Engine:
@@ -285,7 +279,7 @@ class Engine:
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float | None,
             seed: int, record_topk: bool = False, record_hidden: bool = False,
             ) -> tuple[list[tuple[list[int], bool]], list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """Each prompt's (reply tokens before EOS, cut), with `record_topk` its top-K file rows (`pack_rows`) and
+        """Each prompt's (reply tokens before EOS, cut), with `record_topk` its top-K file rows (`pack_topk`) and
         with `record_hidden` the head's input at those positions, (positions, hidden_size) bfloat16 (None when the
         generator ran no forward of this model, e.g. a scripted one)."""
         torch.manual_seed(seed)
@@ -293,7 +287,7 @@ class Engine:
         states: list[torch.Tensor] = []
 
         def record(module, inputs, output):  # each decoding step's head output: (B, 1, V) (prefill: last position)
-            steps.append(pack_rows(*top_logprobs(output[:, -1])))
+            steps.append(pack_topk(output[:, -1]))
             if record_hidden:
                 states.append(inputs[0][:, -1].to(torch.bfloat16))
 
@@ -346,16 +340,15 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
     bar = tqdm(total=len(todo) * batch_size, desc="magpie task prompts" if tasks else "magpie prompts",
                unit="sample", disable=not progress)
     for b in todo:
-        task = tasks[b % len(tasks)] if tasks else None
-        tag = {"task": task.name} if task else {}
+        task = tasks[b % len(tasks)] if tasks else PLAIN
+        tag = {"task": task.name} if tasks else {}
         n = min(batch_size, count - b * batch_size)
-        prefix = magpie_prefix(engine.tokenizer, task.system if task else None)
-        rows, _, _ = engine.run([prefix] * n, task.tokens if task else MAGPIE_TOKENS, MAGPIE_TEMPERATURE,
-                             MAGPIE_TOP_P, seed + b + (TASK_SEED if task else 0))
+        rows, _, _ = engine.run([magpie_prefix(engine.tokenizer, task.system)] * n, task.tokens, MAGPIE_TEMPERATURE,
+                                MAGPIE_TOP_P, seed + b + (TASK_SEED if tasks else 0))
         kept, dropped = [], Counter()
         for row, (ids, cut) in enumerate(rows):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            if task is not None and task.instruction:
+            if task.instruction:
                 text, reason = document_prompt(text, cut, task)
             else:
                 reason = "cut" if cut else request_verdict(text)
@@ -367,8 +360,8 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
                 dropped[reason] += 1
                 continue
             seen.add(normalize(text))
-            kept.append({"id": f"{'task' if task else 'magpie'}:{b}:{row}",
-                         "source": "magpie_task" if task else "magpie", "prompt": text, "batch": b} | tag)
+            kept.append({"id": f"{'task' if tasks else 'magpie'}:{b}:{row}",
+                         "source": "magpie_task" if tasks else "magpie", "prompt": text, "batch": b} | tag)
         append_shard(prompts_path, kept)
         append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)} | tag])
         on_batch()
@@ -391,10 +384,9 @@ def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_RO
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
                   batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None],
                   hidden: bool = False) -> None:
-    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. `teacher_forced` has
-    levelled the row files with the replies, so the generating forward's rows (with `hidden` its hidden states too)
-    append at `rows_end`; a reply whose forward the hook did not see (a scripted generator) gets them from the
-    closing `teacher_forced`."""
+    """Answer every prompt at every temperature it lacks a reply for, longest prompts first. The generating
+    forward's rows (with `hidden` its hidden states too) append at `rows_end` (`teacher_forced` has levelled the files
+    with the replies, and fills in the rows of a reply whose forward the hook did not see)."""
     todo, next_position, encoded = {}, {}, {}
     for t in temperatures:
         records = read_shard(reply_path(out, t))
@@ -508,7 +500,7 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperatu
             if hidden and first >= hidden_done:
                 hidden_rows.append(rows.to(torch.bfloat16).cpu())
             if first >= topk_done:
-                topk_rows.append(pack_rows(*(x.cpu() for x in top_logprobs(head(rows)))))
+                topk_rows.append(pack_topk(head(rows)).cpu())
         if hidden_rows:
             append_bytes(hidden_path(out, temperature), torch.cat(hidden_rows).view(torch.uint8).numpy().tobytes())
         if topk_rows:
@@ -592,7 +584,6 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
         return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
 
     manifest()
-    # replies made elsewhere (a GPU machine whose top-K file stayed there) get their rows before new ones append
     fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     step = ROUND_BATCHES * args.batch_size  # Magpie in rounds, each answered before the next
     for round_ in range(1, max(1, -(-max(args.magpie, args.magpie_tasks) // step)) + 1):

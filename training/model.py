@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.modeling_outputs import CausalLMOutput
 
 from mamba_draft import MambaConfig, MambaDrafter
+from mamba_draft.checkpoint import load_checkpoint
+from mamba_draft.targets import load_causal_lm, load_tokenizer as target_tokenizer
 from training.config import ModelConfig
 from training.target_features import fed_features, own_features
 
@@ -70,8 +72,6 @@ class DraftHead(torch.nn.Module):
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     if not name_or_path:
         raise ValueError("model.tokenizer is empty: name the target's tokenizer (hub id or local path)")
-    from mamba_draft.targets import load_tokenizer as target_tokenizer
-
     tokenizer = target_tokenizer(name_or_path)  # an HF directory or hub id, a .gguf file, or 'smollm2'
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {name_or_path!r} has no eos token; packing, chat rendering and replies need one")
@@ -150,8 +150,6 @@ def fusion_tensors(config: transformers.PretrainedConfig, cfg: ModelConfig) -> t
     config.target_hidden_size = cfg.target_hidden_size
     config.drafted_features = cfg.drafted_features
     if cfg.init_from:
-        from mamba_draft.checkpoint import load_checkpoint
-
         _, tensors = load_checkpoint(cfg.init_from)
         own = {k: v for k, v in tensors.items()
                if k.startswith(("backbone.fuse.", "backbone.stand_in", "backbone.feature_norm."))}
@@ -164,8 +162,6 @@ def fusion_tensors(config: transformers.PretrainedConfig, cfg: ModelConfig) -> t
 
 def copy_target_embeddings(model: torch.nn.Module, target_path: str) -> None:
     """Start from the target's input embedding (same width): the target's embedding space from step 0."""
-    from mamba_draft.targets import load_causal_lm
-
     source = load_causal_lm(target_path, attn_implementation=None).get_input_embeddings().weight.detach()
     weight = model.get_input_embeddings().weight
     if source.shape[1] != weight.shape[1]:
@@ -204,6 +200,14 @@ def check_vocab(config: transformers.PretrainedConfig, tokenizer: PreTrainedToke
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {name} vocab_size is {config.vocab_size}: "
                          "token ids would index past the embedding table; use the model's own tokenizer "
                          "or a larger model.vocab_size")
+
+
+def frozen_target(name: str, what: str, tokenizer: PreTrainedTokenizerBase, device, dtype: torch.dtype, **options):
+    """The target a run distills from or scores against (`what` names its config key), frozen. HF dir, hub id or
+    .gguf; batched forwards need no row blocks (`mamba_draft.targets.row_blocks`)."""
+    target = load_causal_lm(name, dtype=dtype, device=device, row_blocks=False, **options)
+    check_vocab(target.config, tokenizer, f"{what} {name!r}")
+    return target.requires_grad_(False)
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -75,10 +75,8 @@ def conversation(record, index: int) -> tuple[dict | None, str]:
     chat = record
     is_chat = record.get("conversations") is not None or record.get("messages") is not None
     if not is_chat and ("turns" in record or "prompt" in record):  # a prompt (Spec-Bench: its first turn)
-        text = record.get("prompt")
-        if "turns" in record:
-            turns = record["turns"]
-            text = turns[0] if isinstance(turns, list) and turns else None
+        turns = record["turns"] if "turns" in record else [record["prompt"]]
+        text = turns[0] if isinstance(turns, list) and turns else None
         if not (isinstance(text, str) and text.strip()):
             return None, "bad_prompt"
         chat = {"messages": [{"role": "user", "content": text}]}
@@ -137,8 +135,7 @@ def load_target(target: str | os.PathLike, device: str, dtype: torch.dtype):
 class TopKSampler:
     """A logits processor that draws the next token itself — temperature, then top-k, then top-p, as transformers'
     sampling warpers do — and leaves only that token's score finite, so `generate`'s greedy pick takes it. Unlike
-    transformers' top-p it never sorts the whole vocabulary: the draw is over the top k only. Draws from torch's
-    global generator (seeded per batch by the engine)."""
+    transformers' top-p it never sorts the whole vocabulary: the draw is over the top k only."""
 
     def __init__(self, temperature: float, top_k: int | None, top_p: float | None):
         self.temperature, self.top_k, self.top_p = temperature, top_k or 0, 1.0 if top_p is None else top_p
@@ -157,8 +154,7 @@ class TopKSampler:
 def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
               eos_token_ids: list[int], top_p: float | None = None, seed: int | None = None) -> list[list[int]]:
     """The default `Generate`: transformers' `generate` on the left-padded batch with a static cache, sampling with
-    `TopKSampler` (the target's generation_config top-k, and top-p unless `top_p` is given) from torch's global
-    RNG, which the callers seed (`seed` is not used)."""
+    `TopKSampler` from torch's global RNG (`seed` is not used: the callers seed that RNG)."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
     processors = []
     if temperature > 0:
@@ -213,8 +209,7 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
     output = Path(output)
     if not output.resolve().parent.is_dir():
         raise FileNotFoundError(f"output directory {output.parent} does not exist")
-    records = read_records(source)
-    records = records[:limit] if limit is not None else records
+    records = read_records(source)[:limit]
     counts, convs = Counter(), []
     for i, record in enumerate(records):
         conv, reason = conversation(record, i)
@@ -313,9 +308,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, generate: Generate | None = None) -> Counter:
-    """Regenerate with parsed `add_arguments` arguments; raises ValueError / OSError / ImportError on bad input
-    (nothing written). generate: as in `regenerate`."""
-    check_arguments(args)
+    """Regenerate with parsed `add_arguments` arguments, which both callers have passed through `check_arguments`;
+    raises ValueError / OSError / ImportError on bad input (nothing written). generate: as in `regenerate`."""
     check_device(args.device)
     return regenerate(args.target, args.input, args.output, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, batch_size=args.batch_size, truncated=args.truncated,

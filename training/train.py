@@ -37,14 +37,14 @@ from tqdm import tqdm
 
 from mamba_draft.checkpoint import DRAFT_VOCAB, read_draft_ids
 from mamba_draft.config import DRAFTED_FEATURES
-from mamba_draft.targets import load_causal_lm
 from training import data as data_lib
 from training.agreement import HeldoutEval, check_eval_config, plot_agreement
 from training.config import TrainConfig, load_config, save_config
 from training.distributed import deepspeed_config, init_distributed, use_bf16
+from training.engine_data import PackedEngine, check_hidden_width, load_engine
 from training.export import FROZEN_WEIGHTS
 from training.loss import cached_kl, cross_entropy, feature_loss, forward_kl
-from training.model import build_model, check_vocab, frequency_ranked_vocab, load_tokenizer, weight_decay_groups
+from training.model import build_model, frequency_ranked_vocab, frozen_target, load_tokenizer, weight_decay_groups
 from training.target_features import known_rows, window_generator, window_mask
 
 
@@ -61,8 +61,6 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 def build_data(cfg: TrainConfig, tokenizer, rank: int, world: int):
     """The rank's data iterator, the number of records (None when streaming) and the draft vocabulary (or None)."""
     if cfg.data.kind == "engine":
-        from training.engine_data import PackedEngine, load_engine
-
         # the target states read by the drafter and/or matched by the feature loss (validate: the same width)
         width = cfg.model.target_hidden_size or (cfg.model.hidden_size if cfg.distill.feature_weight else None)
         examples = load_engine(cfg.data.path, tokenizer, split="train", hidden_size=width)  # held-out: eval
@@ -105,16 +103,6 @@ def total_steps(cfg: TrainConfig, n_records: int | None) -> int:
     if cfg.epochs <= 0 or n_records is None:
         raise ValueError("set steps > 0 (or epochs > 0 for a finite dataset)")
     return max(1, math.ceil(cfg.epochs * n_records / cfg.global_batch_size))
-
-
-def load_target(cfg: TrainConfig, tokenizer, device, dtype):
-    if not cfg.distill.target:
-        return None
-    # HF dir, hub id or .gguf; a teacher's batched forwards need no row blocks (mamba_draft.targets.row_blocks)
-    target = load_causal_lm(cfg.distill.target, dtype=dtype, device=device, row_blocks=False)
-    check_vocab(target.config, tokenizer, f"distill.target {cfg.distill.target!r}")
-    target.requires_grad_(False)
-    return target
 
 
 def compute_loss(engine, target, batch: dict, cfg: TrainConfig, vocab: int, draft_ids: torch.Tensor | None = None,
@@ -242,8 +230,6 @@ def validate(cfg: TrainConfig) -> None:
     if d.feature_weight and m.hidden_size != m.target_hidden_size:
         raise ValueError(f"distill.feature_weight matches the drafter's state to the target's: model.hidden_size "
                          f"{m.hidden_size} must equal model.target_hidden_size {m.target_hidden_size}")
-    from training.engine_data import check_hidden_width
-
     eval_dir = [cfg.eval.data] if cfg.eval.data and Path(cfg.eval.data).is_dir() else []
     for path in dict.fromkeys([cfg.data.path] + eval_dir):
         check_hidden_width(path, m.target_hidden_size, "model.target_hidden_size")
@@ -265,7 +251,8 @@ def train(cfg: TrainConfig, resume_run: bool = False) -> Path:
     steps = total_steps(cfg, n_records)
     model = build_model(cfg.model, tokenizer, cfg.seed, draft_ids)
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
-    target = load_target(cfg, tokenizer, get_accelerator().current_device_name(), dtype)
+    target = frozen_target(cfg.distill.target, "distill.target", tokenizer, get_accelerator().current_device_name(),
+                           dtype) if cfg.distill.target else None
     warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * steps)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=weight_decay_groups(model, cfg.optim.weight_decay), config=ds_config,
