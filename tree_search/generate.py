@@ -127,6 +127,7 @@ class SpeculativeDecoder:
         drafts = self.strategy(call, widest)
         lookup = NgramLookup(call.ids[0].tolist(), call.lookup_tokens) if call.lookup_tokens else None
         logits = None  # the drafter's logits after each root (None until its prefill; never, if only none runs)
+        drafts_ever = any(arm.depth for arm in policy.arms)  # tree "none" alone never drafts: nothing to catch up on
         while True:
             rows = len(call.active)
             proposal = lookup.propose() if lookup is not None else None
@@ -156,13 +157,19 @@ class SpeculativeDecoder:
                 target.commit([r.path for r in results])
                 # a drafter that reads the target reads each committed token with the target's state before it
                 features = [hidden[b, [0, *r.path]] for b, r in enumerate(results)] if drafts.reads_target else None
+                keep = call.drop_finished(target, finished)
+                rec.mark(RESYNC)
                 if tree is not None:
-                    resync = (draft, results, proposed)
-                elif drafts.reads_target:  # read with their states when it next drafts (host lists: no sync)
-                    resync = proposed
-                else:  # the drafter reads these tokens when it next drafts
-                    resync = torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None]
-                logits = self.resync(call, target, drafts, finished, logits, resync, features)
+                    logits = drafts.resync(draft, results, proposed, features)
+                elif drafts.reads_target:  # it reads them with their states when it next drafts (host lists: no sync)
+                    drafts.skip(proposed, catch_up=drafts_ever, features=features)
+                else:  # it reads these tokens when it next drafts
+                    drafts.skip(torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None],
+                                catch_up=drafts_ever)
+                if keep is not None:
+                    drafts.compact(keep)
+                    logits = logits[keep] if logits is not None else None
+                rec.mark(DONE)
             tokens_out = sum(map(len, proposed))
             if arm is not None:  # charged the whole round, commit and resync included
                 policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / rows,
@@ -184,23 +191,6 @@ class SpeculativeDecoder:
                                    max_tokens=call.ids.shape[1] + call.max_new_tokens)
         drafts.skip(call.ids[:, -1:], catch_up=False)
         return drafts
-
-    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, committed, features):
-        """After a round's commit: the drafter reads a drafted round's accepted paths (`committed` = (draft, results,
-        proposed)) or keeps a lookup / plain round's tokens ((B, m), or host lists) for its next draft to catch up on,
-        with their target states `features` (a drafter that reads the target); finished rows leave the batch.
-        Returns the drafter's logits after each remaining root."""
-        keep = call.drop_finished(target, finished)
-        call.recorder.mark(RESYNC)
-        if isinstance(committed, tuple):
-            logits = drafts.resync(*committed, features)
-        else:  # tree "none" alone never drafts: nothing to catch up on
-            drafts.skip(committed, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
-        if keep is not None:
-            drafts.compact(keep)
-            logits = logits[keep] if logits is not None else None
-        call.recorder.mark(DONE)
-        return logits
 
     def verify(self, target: TargetCache, draft, call: Call, drafts):
         """One target forward over every row's tree (`drafts` drafted them), the verifier's decision per row ->

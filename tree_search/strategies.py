@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     from tree_search.sampling import SamplingParams
     from tree_search.verifiers import VerifyResult
 
-Draft = DraftTree  # a round's drafts, what the target verifies: .config, .tree, .tokens (B, T+1), .probs (B, T+1, V)
-
-
 class TreeDrafting:
     """The drafter's trees: top-N (or sampled) children per node, one batched drafter step per level for all rows."""
 
@@ -60,16 +57,16 @@ class TreeDrafting:
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.drafts.extend(tokens)
 
-    def draft(self, config: TreeConfig, logits: torch.Tensor, generators: list[torch.Generator] | None) -> Draft:
+    def draft(self, config: TreeConfig, logits: torch.Tensor, generators: list[torch.Generator] | None) -> DraftTree:
         """Every row's tree; row b draws its samples from generators[b] (None: torch's global RNG)."""
         return self.drafts.draft(config, self.roots(logits.shape[0]), logits, self.params, self.mode,
                                  self.record_probs, generators)
 
-    def proposal(self, tokens: list[int]) -> Draft:
+    def proposal(self, tokens: list[int]) -> DraftTree:
         """One prompt's chain of given tokens (prompt lookup) to verify instead of a draft; then `skip`."""
         return self.drafts.proposal(self.roots(1), tokens, self.record_probs)
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+    def resync(self, draft: DraftTree, results: list[VerifyResult], proposed: list[list[int]],
                features: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The drafter's logits after each row's committed path and next token (`TreeDrafter.resync`). `features`:
         for a drafter that reads the target only."""
@@ -100,7 +97,7 @@ class TargetAwareDrafting(TreeDrafting):
         super().__init__(drafts, params, mode, record_probs)
         self.pending: list[tuple[list[int], list[torch.Tensor]]] = []  # per row: tokens and features not yet read
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+    def resync(self, draft: DraftTree, results: list[VerifyResult], proposed: list[list[int]],
                features: list[torch.Tensor] | None = None) -> torch.Tensor:
         self.skip(proposed, True, features)
         return self.catch_up(None)
@@ -147,13 +144,13 @@ class LookupDrafting(TreeDrafting):
         self.length = ids.shape[1]
         return super().prefill(ids, mask)
 
-    def draft(self, config: TreeConfig, logits: torch.Tensor, generators=None) -> Draft:
+    def draft(self, config: TreeConfig, logits: torch.Tensor, generators=None) -> DraftTree:
         buf, lookup = self.drafts.draft_chain_lookup(config, self.roots(1), logits, self.context[: self.length],
                                                      self.record_probs)
         self.calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
         return buf
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+    def resync(self, draft: DraftTree, results: list[VerifyResult], proposed: list[list[int]],
                features: list[torch.Tensor] | None = None) -> torch.Tensor:
         self.calls_saved += len(results[0].path) == draft.config.depth  # a tree's resync steps an accepted leaf too
         return self.extend(torch.tensor([proposed[0]], device=self.context.device))
