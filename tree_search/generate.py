@@ -20,11 +20,12 @@ from tree_search.calls import (
     BatchGenerateResult, Call, GenerateResult, GenerateStats, batch_prompts, check_drafter, check_drafter_room,
     check_limits, check_options, default_lookup_tokens, eos_set, is_batch,
 )
+from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
 from tree_search.policy import parse_policy
 from tree_search.prompt_lookup import NgramLookup
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
 from tree_search.sampling import choose, resolve_sampling
-from tree_search.strategies import drafting_strategy
+from tree_search.strategies import LookupDrafting, TargetAwareDrafting, TreeDrafting
 from tree_search.target import TargetCache, target_vocab_size
 from tree_search.target.cache import ROOT_ONLY
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
@@ -180,15 +181,22 @@ class SpeculativeDecoder:
                            drafter_state_bytes=drafts.state_bytes if logits is not None else 0,
                            arms=policy.summary())
 
-    def strategy(self, call: Call, widest: int):
-        """The call's drafting strategy on the drafter's reusable TreeDrafter; the roots are the prompts' last
-        tokens (the drafter reads the prompts when it first drafts)."""
-        params, verifier = call.params, call.verifier
-        mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
+    def strategy(self, call: Call, widest: int) -> TreeDrafting:
+        """The call's drafting strategy on the drafter's reusable TreeDrafter (`TreeDrafter.of`), `widest` state rows
+        per prompt; the roots are the prompts' last tokens (the drafter reads the prompts when it first drafts)."""
+        params, verifier, drafter = call.params, call.verifier, self.drafter
         record_probs = not params.greedy or verifier.needs_draft_probs
-        drafts = drafting_strategy(self.drafter, self.prompt_lookup, call.batch * widest,
-                                   target_vocab_size(self.target), params, mode, record_probs,
-                                   max_tokens=call.ids.shape[1] + call.max_new_tokens)
+        rows, out_vocab = call.batch * widest, target_vocab_size(self.target)
+        if self.prompt_lookup:
+            if drafter.reads_target:
+                raise ValueError("prompt_lookup drafts chains on scratch rows without target states; a drafter that "
+                                 "reads the target takes tree shapes (and lookup_tokens rounds) instead")
+            drafts = LookupDrafting(TreeDrafter.of(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs,
+                                    capacity=call.ids.shape[1] + call.max_new_tokens)
+        else:
+            mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
+            kind = TargetAwareDrafting if drafter.reads_target else TreeDrafting
+            drafts = kind(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)
         drafts.skip(call.ids[:, -1:], catch_up=False)
         return drafts
 

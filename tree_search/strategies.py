@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tree_search.drafting import LOOKUP_ROWS, DraftTree, TreeDrafter
+from tree_search.drafting import DraftTree, TreeDrafter
 from tree_search.tree import TreeConfig
 
 if TYPE_CHECKING:
@@ -161,16 +161,3 @@ class LookupDrafting(TreeDrafting):
         self.context[self.length : self.length + len(row)] = row
         self.length += len(row)
         return super().extend(tokens)
-
-
-def drafting_strategy(drafter, prompt_lookup: bool, rows: int, out_vocab: int, params: SamplingParams, mode: str,
-                      record_probs: bool, max_tokens: int) -> TreeDrafting:
-    """The call's strategy on the drafter's own TreeDrafter (`TreeDrafter.of`). rows: state rows the batch's largest
-    trees need; max_tokens: prompt + max_new_tokens (the longest committed text; prompt lookup only)."""
-    if prompt_lookup:
-        if drafter.reads_target:
-            raise ValueError("prompt_lookup drafts chains on scratch rows without target states; a drafter that "
-                             "reads the target takes tree shapes (and lookup_tokens rounds) instead")
-        return LookupDrafting(TreeDrafter.of(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs, max_tokens)
-    kind = TargetAwareDrafting if drafter.reads_target else TreeDrafting
-    return kind(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)

@@ -120,7 +120,8 @@ def check_or_write_manifest(out_dir: Path, manifest: dict) -> None:
 def mine(target, draft: DraftLogits, prompts: Sequence[list[int]], task: AnswerTask, decode: Callable[[list[int]], str],
          out_dir: str | os.PathLike, max_new_tokens: int, eos_token_id: int | None = None, manifest: dict | None = None,
          draft_device=None) -> dict[str, int]:
-    """Mine every prompt not already done in `out_dir` (one file per prompt). Returns counts for this call."""
+    """Mine every prompt not already done in `out_dir` (one file per prompt; created only here, once the models
+    loaded, so a bad path or corrupt weights leave nothing behind). Returns counts for this call."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     out_dir = Path(out_dir)

@@ -50,7 +50,7 @@ class _Shape:
     def __init__(self, batch: int, n: int, max_len: int, style: MaskStyle, device: torch.device) -> None:
         self.ids = torch.zeros(batch, n, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
-        self.mask = style.full((batch, 1, n, max_len), False, device)
+        self.mask = style.all_hidden((batch, 1, n, max_len), device)
         self.src = torch.zeros(batch, 1, max(n - 1, 1), 1, dtype=torch.long, device=device)  # commit: sources
         self.dst = torch.zeros(max(n - 1, 1), dtype=torch.long, device=device)  # commit: slots S+1 ... S+n-1
         self.scratch: dict[tuple, torch.Tensor] = {}  # commit: rows gathered per cache-layer shape
@@ -77,8 +77,7 @@ class TargetCache:
         if graphs and not (self.static and self.device.type == "cuda"):
             raise ValueError("graphs=True needs the static KV cache (static=True, max_len) on a CUDA device")
         self.use_graphs, self.max_len = graphs, (max_len if self.static else None)
-        windows = sliding_windows(model)
-        self._window = min(windows) if windows else None
+        self._window = min(sliding_windows(model), default=None)
         self.forwards = 0
         self.cache = None
         self.slots = 0  # S: slots in use, common to all rows (a host int: masks are sized without a sync)
@@ -136,7 +135,7 @@ class TargetCache:
                 raise ValueError(f"the static KV cache holds {self.max_len} tokens but this forward needs {slots}: "
                                  "pass max_len >= padded prompt + max_new_tokens + the widest tree's node count + 1")
         elif slots > self._valid.shape[1]:
-            grown = self.style.full((self._valid.shape[0], max(slots, 2 * self._valid.shape[1])), False, self.device)
+            grown = self.style.all_hidden((self._valid.shape[0], max(slots, 2 * self._valid.shape[1])), self.device)
             grown[:, : self.slots] = self._valid[:, : self.slots]
             self._valid = grown
         if self._window is not None and slots > self._window:
@@ -157,7 +156,7 @@ class TargetCache:
             self._start_static(batch)
         else:
             self.cache = DynamicCache(config=self.model.config)
-        self._valid = self.style.full((batch, self.max_len or max(length, 1)), False, self.device)
+        self._valid = self.style.all_hidden((batch, self.max_len or max(length, 1)), self.device)
         if length == 0:
             return None
         self._reserve(length)
@@ -180,7 +179,7 @@ class TargetCache:
         batch, length = valid.shape
         seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
         seen |= torch.eye(length, dtype=torch.bool, device=self.device)
-        mask = self.style.full((batch, 1, length, self.max_len or length), False, self.device)
+        mask = self.style.all_hidden((batch, 1, length, self.max_len or length), self.device)
         mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
         return mask
 
