@@ -166,8 +166,7 @@ class Call:
         """Fill the batch's and the rows' stats, end the stream -> one GenerateResult for one prompt, else a
         BatchGenerateResult."""
         total = self.stats
-        total.total_time = self.recorder.total_time()
-        total.target_forwards = target_state.forwards
+        stats.update(total_time=self.recorder.total_time(), target_forwards=target_state.forwards)
         for name, value in stats.items():
             setattr(total, name, value)
         rows = []

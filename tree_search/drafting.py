@@ -163,7 +163,7 @@ class TreeDrafter:
                 self._record(buf.probs[:, prev_start:prev_stop], q.view(batch, prev_stop - prev_start, vocab))
             kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
             # kids (B·B_{l-1}, n) row-major is batch row, parent, child: each batch row's level in tree order
-            buf.tokens[:, start:stop] = self._to_target(kids).view(batch, -1)
+            buf.tokens[:, start:stop] = (kids if self.draft_ids is None else self.draft_ids[kids]).view(batch, -1)
             if level < config.depth:
                 logits = self._step(buf.tokens[:, start:stop], *buf.forest.levels[level], buf.parent_rows[level - 1])
         return buf
@@ -176,9 +176,7 @@ class TreeDrafter:
         buf.tokens[:, 0] = roots
         buf.tokens[0, 1:] = torch.tensor(tokens, device=self.device)
         if record_probs:
-            probs = buf.probs[0, :-1]
-            probs.zero_()
-            probs.scatter_(1, buf.tokens[0, 1:, None], 1.0)
+            buf.probs[0, :-1].zero_().scatter_(1, buf.tokens[0, 1:, None], 1.0)
         return buf
 
     @torch.no_grad()
@@ -203,10 +201,6 @@ class TreeDrafter:
     def _readable(self, ids: torch.Tensor) -> torch.Tensor:
         """Committed ids clamped to what the drafter can read (see __init__)."""
         return ids if self.read_limit is None else ids.clamp(max=self.read_limit)
-
-    def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
-        """Draft logit columns -> target token ids (a gather, no sync)."""
-        return columns if self.draft_ids is None else self.draft_ids[columns]
 
     def _record(self, rows: torch.Tensor, q: torch.Tensor) -> None:
         """Write draft distributions q (..., vocab) into probs rows (..., V_target); other columns stay zero."""
@@ -268,7 +262,7 @@ class TreeDrafter:
         self.state.gather_(0, index)
         self.roots[: len(rows)] = self.roots[index]
 
-    def _as_rows(self, values, batch: int, limit: int | None = None) -> torch.Tensor:
+    def _as_rows(self, values, batch: int, limit: int) -> torch.Tensor:
         """(batch,) int64 on the device from a tensor (unchecked: no sync) or host ints (checked in [0, limit))."""
         if isinstance(values, torch.Tensor):
             if values.shape != (batch,):
@@ -277,7 +271,7 @@ class TreeDrafter:
         values = [int(v) for v in values]
         if len(values) != batch:
             raise ValueError(f"expected {batch} values, one per batch row, got {len(values)}")
-        if limit is not None and any(not 0 <= v < limit for v in values):
+        if any(not 0 <= v < limit for v in values):
             raise ValueError(f"values must lie in [0, {limit}), got {values}")
         return to_device(torch.tensor(values, dtype=torch.long), self.device)
 

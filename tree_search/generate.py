@@ -197,7 +197,7 @@ class SpeculativeDecoder:
             mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
             kind = TargetAwareDrafting if drafter.reads_target else TreeDrafting
             drafts = kind(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)
-        drafts.skip(call.ids[:, -1:], catch_up=False)
+        drafts.drafts.roots[: call.batch] = call.ids[:, -1]
         return drafts
 
     def verify(self, target: TargetCache, draft, call: Call, drafts):

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tree_search.sampling import SamplingParams
     from tree_search.verifiers import VerifyResult
 
+
 class TreeDrafting:
     """The drafter's trees: top-N (or sampled) children per node, one batched drafter step per level for all rows."""
 
@@ -102,18 +103,16 @@ class TargetAwareDrafting(TreeDrafting):
         self.skip(proposed, True, features)
         return self.catch_up(None)
 
-    def skip(self, tokens, catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
-        """A round's committed tokens per row (host lists; the call's first roots as a tensor) and their target
-        states."""
-        rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-        self.drafts.roots[: len(rows)] = torch.tensor([row[-1] for row in rows], device=self.drafts.device)
+    def skip(self, tokens: list[list[int]], catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
+        """A round's committed tokens per row (host lists) and their target states."""
+        self.drafts.roots[: len(tokens)] = torch.tensor([row[-1] for row in tokens], device=self.drafts.device)
         if not catch_up:
             return
         if features is None:
             raise ValueError("a drafter that reads the target needs the target's states for committed tokens")
         if not self.pending:
-            self.pending = [([], []) for _ in rows]
-        for (pending_tokens, pending_features), row, feature in zip(self.pending, rows, features):
+            self.pending = [([], []) for _ in tokens]
+        for (pending_tokens, pending_features), row, feature in zip(self.pending, tokens, features):
             pending_tokens += row
             pending_features.append(feature)
 
