@@ -57,7 +57,7 @@ class GenerateStats:
         """Prefill, cache compaction and bookkeeping: everything that is neither drafting nor verification."""
         return max(self.total_time - self.draft_time - self.verify_time, 0.0)
 
-    def count(self, verifier_name: str, result: VerifyResult, committed: int, proposed: int) -> None:
+    def count(self, result: VerifyResult, committed: int, proposed: int) -> None:
         """Count one round of this row: `committed` of its `proposed` tokens kept (fewer only in the last round)."""
         self.rounds += 1
         self.accepted_lengths.append(committed)
@@ -65,7 +65,7 @@ class GenerateStats:
         self.lossy_accepts += result.lossy_accepts
         by_rule = result.info.get("lossy_accepts_by")
         if by_rule is None:
-            by_rule = {verifier_name: result.lossy_accepts} if result.lossy_accepts else {}
+            by_rule = {self.verifier: result.lossy_accepts} if result.lossy_accepts else {}
         for name, n in by_rule.items():
             self.lossy_accepts_by[name] = self.lossy_accepts_by.get(name, 0) + int(n)
         if result.info:
@@ -135,15 +135,14 @@ class Call:
         if self.streamer is not None:
             self.streamer.put(self.ids[0].cpu())
 
-    def emit(self, proposed: list[list[int]], results: list[VerifyResult], name: str
-             ) -> tuple[list[list[int]], list[bool]]:
+    def emit(self, proposed: list[list[int]], results: list[VerifyResult]) -> tuple[list[list[int]], list[bool]]:
         """Commit each active row's round up to its first EOS (kept) or its budget -> (committed, which finished)."""
         committed, finished = [], []
         for prompt, tokens, result in zip(self.active, proposed, results):
             out = self.out[prompt]
             kept, done = truncate(tokens, self.max_new_tokens - len(out), self.eos)
             out.extend(kept)
-            self.row_stats[prompt].count(name, result, len(kept), len(tokens))
+            self.row_stats[prompt].count(result, len(kept), len(tokens))
             committed.append(kept)
             finished.append(done)
         self.stats.rounds += 1

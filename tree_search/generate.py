@@ -84,9 +84,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             verifier = get_verifier(self.verifier or ("greedy" if params.greedy else "sampling"),
                                     **(self.verifier_params or {}))
-            lookup = self.lookup_tokens
-            if lookup is None:
-                lookup = default_lookup_tokens(self.tree, self.device, batched, self.prompt_lookup)
+            lookup = self.lookup_tokens if self.lookup_tokens is not None else default_lookup_tokens(
+                self.tree, self.device, batched, self.prompt_lookup)
             if batched and (options.streamer is not None or self.prompt_lookup or lookup):
                 raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one "
                                  "prompt for those")
@@ -150,7 +149,7 @@ class SpeculativeDecoder:
                 plain = choose(scores[:, 0], call.params, call.generators)
                 results, proposed = [PLAIN] * rows, [[t] for t in plain.tolist()]  # the one host transfer
             rec.mark(VERIFIED)
-            committed, finished = call.emit(proposed, results, call.verifier.name)
+            committed, finished = call.emit(proposed, results)
             if lookup is not None:
                 lookup.extend(committed[0])
                 call.stats.lookup_rounds += bool(proposal)
@@ -229,7 +228,7 @@ class SpeculativeDecoder:
         while True:
             tokens = choose(logits, call.params, call.generators)
             proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
-            _, finished = call.emit(proposed, [PLAIN] * len(proposed), "autoregressive")
+            _, finished = call.emit(proposed, [PLAIN] * len(proposed))
             if all(finished):
                 break
             keep = call.drop_finished(target, finished)
