@@ -36,7 +36,7 @@ class GenerateStats:
     drafter_calls: int = 0  # sequential drafter invocations (prefill, steps, extends)
     drafter_calls_saved: int = 0  # prompt lookup: calls the step-by-step chain path would have made more (can be < 0)
     lookup_rounds: int = 0  # rounds that verified a prompt-lookup proposal instead of a draft (lookup_tokens)
-    drafter_state_bytes: int = 0  # memory the drafter's state rows held at the end (0: the drafter never ran)
+    drafter_state_bytes: int = 0  # its state rows at the end (a Transformer's grow with the context; 0: never ran)
     arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
     round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
     verifier: str = ""

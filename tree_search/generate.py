@@ -177,7 +177,7 @@ class SpeculativeDecoder:
             if all(finished):
                 break
         return call.finish(target, drafter_calls=drafts.calls, drafter_calls_saved=drafts.calls_saved,
-                           drafter_state_bytes=drafts.state_bytes if logits is not None else 0,
+                           drafter_state_bytes=drafts.drafts.state.nbytes if logits is not None else 0,
                            arms=policy.summary())
 
     def strategy(self, call: Call, widest: int) -> TreeDrafting:

@@ -35,11 +35,6 @@ class TreeDrafting:
     def calls(self) -> int:
         return self.drafts.calls - self.first_call
 
-    @property
-    def state_bytes(self) -> int:
-        """Memory the drafter's state rows hold (a Transformer's grows with the context, a Mamba's does not)."""
-        return self.drafts.state.nbytes
-
     def roots(self, batch: int) -> torch.Tensor:
         """Each row's next root token (B,), on the device."""
         return self.drafts.roots[:batch]

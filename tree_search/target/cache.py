@@ -152,8 +152,13 @@ class TargetCache:
                  else attention_mask.to(device=self.device, dtype=torch.bool))
         self.positions = valid.sum(dim=1)
         self.slots, self._pending = 0, None
-        if self.static:
-            self._start_static(batch)
+        if self.static:  # a new sequence: the storage is re-allocated (graphs dropped) when the batch outgrows it
+            for layer in self.cache.layers:
+                if layer.is_initialized and layer.keys.shape[0] < batch:
+                    layer.is_initialized = False
+                    self._shapes.clear()
+                layer.rows = batch
+            self._write[:length].copy_(self._arange[:length])  # the prompts go to slots 0..L-1
         else:
             self.cache = DynamicCache(config=self.model.config)
         self._valid = self.style.all_hidden((batch, self.max_len or max(length, 1)), self.device)
@@ -162,9 +167,12 @@ class TargetCache:
         self._reserve(length)
         # without pads a dynamic cache needs no mask: transformers' own causal one takes sdpa's faster path
         self._dense = attention_mask is None or bool(valid.all())  # the call's one sync, before any round
-        mask = None if self._dense and not self.static else self._prefill_mask(valid)
-        if self.static:
-            self._write[:length].copy_(self._arange[:length])
+        mask = None
+        if self.static or not self._dense:  # each row's causal mask over its own tokens, (B, 1, L, max_len or L)
+            seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
+            seen |= torch.eye(length, dtype=torch.bool, device=self.device)
+            mask = self.style.all_hidden((batch, 1, length, self.max_len or length), self.device)
+            mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
         with prefilling(self.model):
             out = self.model(input_ids=input_ids, attention_mask=mask,
                              position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count
@@ -173,15 +181,6 @@ class TargetCache:
         self.slots = length
         self.forwards += 1
         return out.logits[:, -1]
-
-    def _prefill_mask(self, valid: torch.Tensor) -> torch.Tensor:
-        """(B, 1, L, width): each row's causal mask over its own tokens; width max_len for a static storage."""
-        batch, length = valid.shape
-        seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
-        seen |= torch.eye(length, dtype=torch.bool, device=self.device)
-        mask = self.style.all_hidden((batch, 1, length, self.max_len or length), self.device)
-        mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
-        return mask
 
     @torch.no_grad()
     def tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False
@@ -333,14 +332,6 @@ class TargetCache:
                 index = shape.src.expand(-1, kv.shape[1], -1, kv.shape[3])
                 torch.gather(kv, 2, index, out=shape.scratch[key])
                 kv.index_copy_(2, shape.dst, shape.scratch[key])
-
-    def _start_static(self, batch: int) -> None:
-        """A new sequence in the static storage: re-allocated (graphs dropped) when the batch outgrows it."""
-        for layer in self.cache.layers:
-            if layer.is_initialized and layer.keys.shape[0] < batch:
-                layer.is_initialized = False
-                self._shapes.clear()
-            layer.rows = batch
 
     def _shape(self, n: int) -> _Shape:
         key = (self.batch_size, n)
