@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mamba_draft.checkpoint import check_draft_ids
 from tree_search.calls import check_batch_prompts
 from tree_search.graphs import StepRunner, drafter_key, to_device
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
@@ -59,11 +60,8 @@ class TreeDrafter:
         self.draft_ids = drafter.draft_ids
         if self.draft_ids is None:
             self.vocab = min(int(drafter.vocab_size), out_vocab)  # draft tokens are chosen among ids < vocab
-        else:
-            if int(self.draft_ids.max()) >= out_vocab:
-                raise ValueError(f"draft vocabulary id {int(self.draft_ids.max())} is outside the target's "
-                                 f"vocabulary [0, {out_vocab})")
-            self.vocab = self.draft_ids.numel()  # every column is a valid target id
+        else:  # every column is a valid target id
+            self.vocab = check_draft_ids(self.draft_ids, out_vocab, vocab_name="the target's vocabulary ").numel()
         # A target head padded wider than the drafter's embedding (Pythia's 50304 rows vs a 50280-token drafter) may
         # sample a padding id at temperature > 0: committed ids the drafter cannot read are clamped to its last one
         # (`_readable`). Only what the drafter reads changes, never what the target verifies: the output stays exact.

@@ -1,10 +1,8 @@
 """Drafting strategies: how `generate` fills a round's drafts for its B rows and resyncs the drafter after it.
 
-`TreeDrafting` drafts one tree per row, level by level; `TargetAwareDrafting` does so for a drafter that reads the
-target; `LookupDrafting` drafts one prompt's greedy chains with prompt lookup (FLy: the same chain in fewer drafter
-calls). No-speculation and prompt-lookup rounds leave the drafter alone: the tokens they commit wait in `behind` and
-the next drafted round feeds them in one drafter call (rows 0..B-1 still hold the state after the last token each
-read: drafting forks other rows, and only resync / extend move them).
+No-speculation and prompt-lookup rounds leave the drafter alone: the tokens they commit wait (`behind`) and the next
+drafted round feeds them in one drafter call (rows 0..B-1 still hold the state after the last token each read:
+drafting forks other rows, and only resync / extend move them).
 """
 from __future__ import annotations
 
@@ -123,8 +121,8 @@ class TargetAwareDrafting(TreeDrafting):
 
 
 class LookupDrafting(TreeDrafting):
-    """One prompt's greedy chain, with prompt-lookup proposals checked in one drafter call each; the committed text
-    the lookup reads stays on the device, appended in place each round."""
+    """One prompt's greedy chains with FLy's prompt lookup (the same chain in fewer drafter calls: proposals checked in
+    one call each); the committed text the lookup reads stays on the device, appended in place each round."""
 
     def __init__(self, drafts: TreeDrafter, record_probs: bool, capacity: int) -> None:
         super().__init__(drafts, None, "topk", record_probs)  # greedy chains: no sampling state
