@@ -64,7 +64,7 @@ def parse_policy(spec, device: str | torch.device = "cpu", persistent: bool = Fa
     if isinstance(spec, TreePolicy):
         return spec
     if isinstance(spec, (TreeConfig, tuple, list)):
-        return FixedShape(TreeConfig.parse(spec))
+        return FixedShape(spec)
     if not isinstance(spec, str):
         raise TypeError(f"tree must be a policy spec ({GRAMMAR}), a TreeConfig or a policy object; "
                         f"got {type(spec).__name__}")
