@@ -352,19 +352,17 @@ class TargetCache:
         if not self.use_graphs:
             return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.graphs:
-            shape.graphs[want_hidden] = self._capture(lambda: self._static_call_into(shape, want_hidden))
+            def forward_into() -> None:  # outputs copied into buffers of their own, out of reach of other graphs' replays
+                outputs = self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
+                if want_hidden not in shape.outputs:
+                    shape.outputs[want_hidden] = tuple(t if t is None else torch.empty_like(t) for t in outputs)
+                for out, t in zip(shape.outputs[want_hidden], outputs):
+                    if out is not None:
+                        out.copy_(t)
+
+            shape.graphs[want_hidden] = self._capture(forward_into)
         shape.graphs[want_hidden].replay()
         return shape.outputs[want_hidden]
-
-    def _static_call_into(self, shape: _Shape, want_hidden: bool) -> None:
-        """The captured forward: outputs copied into buffers of their own, out of reach of other graphs' replays."""
-        logits, hidden = self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
-        if want_hidden not in shape.outputs:
-            shape.outputs[want_hidden] = torch.empty_like(logits), None if hidden is None else torch.empty_like(hidden)
-        logits_out, hidden_out = shape.outputs[want_hidden]
-        logits_out.copy_(logits)
-        if hidden_out is not None:
-            hidden_out.copy_(hidden)
 
     def _capture(self, body) -> torch.cuda.CUDAGraph:
         """Capture `body` into the shared pool; the caller makes its warm-up runs harmless."""
