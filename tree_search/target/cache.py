@@ -352,7 +352,7 @@ class TargetCache:
         if not self.use_graphs:
             return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.graphs:
-            def forward_into() -> None:  # outputs copied into buffers of their own, out of reach of other graphs' replays
+            def forward_into() -> None:  # outputs copied to buffers of their own, out of reach of other graphs' replays
                 outputs = self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
                 if want_hidden not in shape.outputs:
                     shape.outputs[want_hidden] = tuple(t if t is None else torch.empty_like(t) for t in outputs)
