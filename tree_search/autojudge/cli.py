@@ -57,7 +57,7 @@ def _mine(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, args.device)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     target = load_causal_lm(args.target, dtype=dtype, device=args.device)
-    drafter = load_drafter(args.drafter, device=args.device, dtype=dtype, embedding=target.get_input_embeddings().weight)
+    drafter = load_drafter(args.drafter, target=target)  # on the target's device, in its dtype
     encoded = [encode_prompt(tokenizer, p.text, use_chat_template=not args.no_chat_template) for p in prompts]
     counts = mine(target, drafter.forward, encoded, task, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                   args.out, args.max_new_tokens, tokenizer.eos_token_id, manifest)
