@@ -394,8 +394,7 @@ def check_drafter_room(drafter, batch: int, tree_rows: int, out_vocab: int, cont
     """Refuse a batch whose drafter state rows (one per node of every row's largest tree, up to `context` tokens
     each for a Transformer drafter), step logits and recorded draft distributions would not fit in the drafter
     device's whole memory (a clear error instead of an OOM)."""
-    weight_size = torch.tensor([], dtype=drafter.dtype).element_size()
-    per_node = drafter.row_bytes(context) + int(drafter.vocab_size) * weight_size + out_vocab * 4
+    per_node = drafter.row_bytes(context) + int(drafter.vocab_size) * drafter.dtype.itemsize + out_vocab * 4
     need = batch * tree_rows * per_node
     device = drafter.device
     if device.type == "cuda":

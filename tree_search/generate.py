@@ -245,9 +245,8 @@ class SpeculativeDecoder:
 def generate(target: torch.nn.Module, drafter, input_ids, *, tree="auto", verifier: str | Verifier | None = None,
              verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
              lookup_tokens: int | None = None, **options) -> GenerateResult | BatchGenerateResult:
-    """Tree speculative decoding of one prompt (-> GenerateResult) or a batch (-> BatchGenerateResult): the
-    `SpeculativeDecoder` of this pair for one call. options: `CallOptions` (sampling None: the target's
-    generation_config, as `target.generate` does)."""
+    """Tree speculative decoding of one prompt or a batch: `SpeculativeDecoder.generate` of this pair for one call
+    (options: `CallOptions`; sampling None: the target's generation_config, as `target.generate` does)."""
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
     decoder = SpeculativeDecoder(target, drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
