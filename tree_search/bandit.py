@@ -63,12 +63,8 @@ class UCBBandit:
     lambda_gamma: float | str = 0.1
     persistent: bool = False
     reward: str = "paper"
-    stats: list[ArmStats] = field(init=False)
-    rounds: int = field(init=False, default=0)
-    _cost_ratio_sum: float = field(init=False, default=0.0)
-    _cost_ratio_n: int = field(init=False, default=0)
-    _seconds: float = field(init=False, default=0.0)  # all rounds (the time reward's scale)
-    _tokens: int = field(init=False, default=0)
+    stats: list[ArmStats] = field(init=False)  # these two and the running totals: set by `reset`
+    rounds: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.arms = tuple(TreeConfig.parse(a) for a in self.arms)
@@ -89,7 +85,7 @@ class UCBBandit:
         self.stats = [ArmStats() for _ in self.arms]
         self.rounds = 0
         self._cost_ratio_sum, self._cost_ratio_n = 0.0, 0
-        self._seconds, self._tokens = 0.0, 0
+        self._seconds, self._tokens = 0.0, 0  # all rounds (the time reward's scale)
 
     def start_call(self) -> None:
         """Called by `generate` at the start of every call: resets unless persistent."""

@@ -36,7 +36,7 @@ class GenerateStats:
     drafter_calls: int = 0  # sequential drafter invocations (prefill, steps, extends)
     drafter_calls_saved: int = 0  # prompt lookup: calls the step-by-step chain path would have made more (can be < 0)
     lookup_rounds: int = 0  # rounds that verified a prompt-lookup proposal instead of a draft (lookup_tokens)
-    drafter_state_bytes: int = 0  # memory the drafter's state rows held at the end (0: the drafter never ran)
+    drafter_state_bytes: int = 0  # its state rows at the end (a Transformer's grow with the context; 0: never ran)
     arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
     round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
     verifier: str = ""
@@ -56,6 +56,20 @@ class GenerateStats:
     def other_time(self) -> float:
         """Prefill, cache compaction and bookkeeping: everything that is neither drafting nor verification."""
         return max(self.total_time - self.draft_time - self.verify_time, 0.0)
+
+    def count(self, result: VerifyResult, committed: int, proposed: int) -> None:
+        """Count one round of this row: `committed` of its `proposed` tokens kept (fewer only in the last round)."""
+        self.rounds += 1
+        self.accepted_lengths.append(committed)
+        self.cut_tokens = proposed - committed
+        self.lossy_accepts += result.lossy_accepts
+        by_rule = result.info.get("lossy_accepts_by")
+        if by_rule is None:
+            by_rule = {self.verifier: result.lossy_accepts} if result.lossy_accepts else {}
+        for name, n in by_rule.items():
+            self.lossy_accepts_by[name] = self.lossy_accepts_by.get(name, 0) + int(n)
+        if result.info:
+            self.round_info.append(result.info)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -108,31 +122,27 @@ class Call:
     out: list[list[int]] = field(default_factory=list)  # committed new tokens per prompt
     active: list[int] = field(default_factory=list)  # batch row i holds prompt active[i]
     recorder: Recorder | None = None
-    counters: list[Recorder] = field(default_factory=list)  # per prompt; only their `count` is used
 
     @property
     def batch(self) -> int:
         return self.ids.shape[0]
 
-    def start(self) -> Recorder:
-        """Start the clock, stream the prompt; returns the batch's recorder (phase times, rounds)."""
+    def start(self) -> None:
+        """Start the clock (the batch's recorder: phase times, rounds), stream the prompt."""
         self.out = [[] for _ in self.lengths]
         self.active = list(range(self.batch))
-        self.counters = [Recorder(stats, torch.device("cpu")) for stats in self.row_stats]
         self.recorder = Recorder(self.stats, self.ids.device)
         if self.streamer is not None:
             self.streamer.put(self.ids[0].cpu())
-        return self.recorder
 
-    def emit(self, proposed: list[list[int]], results: list[VerifyResult], name: str
-             ) -> tuple[list[list[int]], list[bool]]:
+    def emit(self, proposed: list[list[int]], results: list[VerifyResult]) -> tuple[list[list[int]], list[bool]]:
         """Commit each active row's round up to its first EOS (kept) or its budget -> (committed, which finished)."""
         committed, finished = [], []
         for prompt, tokens, result in zip(self.active, proposed, results):
             out = self.out[prompt]
             kept, done = truncate(tokens, self.max_new_tokens - len(out), self.eos)
             out.extend(kept)
-            self.counters[prompt].count(name, result, len(kept), len(tokens))
+            self.row_stats[prompt].count(result, len(kept), len(tokens))
             committed.append(kept)
             finished.append(done)
         self.stats.rounds += 1
@@ -155,8 +165,7 @@ class Call:
         """Fill the batch's and the rows' stats, end the stream -> one GenerateResult for one prompt, else a
         BatchGenerateResult."""
         total = self.stats
-        total.total_time = self.recorder.total_time()
-        total.target_forwards = target_state.forwards
+        stats.update(total_time=self.recorder.total_time(), target_forwards=target_state.forwards)
         for name, value in stats.items():
             setattr(total, name, value)
         rows = []
@@ -236,10 +245,20 @@ def default_lookup_tokens(tree, device: str | torch.device, batch: bool, prompt_
 def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
     """Refuse a drafter/target vocabulary mismatch -> how many distinct tokens the drafter can propose. Different
     logit widths pass only when a tokenizer shows both cover its real vocabulary (checkpoints pad their embeddings);
-    the drafter then proposes ids below the narrower width."""
+    the drafter then proposes ids below the narrower width. A drafter with a draft vocabulary (`drafter.draft_ids`)
+    must read every token the target may commit and propose only distinct ids of the target's vocabulary."""
+    target_vocab = target_vocab_size(target)
     if drafter.draft_ids is not None:
-        return check_draft_vocab(target, drafter, tokenizer)
-    target_vocab, draft_vocab = target_vocab_size(target), int(drafter.vocab_size)
+        reads = int(drafter.input_vocab_size)
+        needed, owner = (len(tokenizer), "the tokenizer") if tokenizer is not None \
+            else (target_vocab, f"target {type(target).__name__}")
+        if target_vocab < needed:
+            raise ValueError(f"vocabulary mismatch: tokenizer has {needed} tokens but the target covers {target_vocab}")
+        if reads < needed:
+            raise ValueError(f"vocabulary mismatch: the drafter reads {reads} token ids but {owner} has {needed}; a "
+                             "drafter with a draft vocabulary must still read every token the target can commit")
+        return check_draft_ids(drafter.draft_ids, target_vocab, vocab_name="the target's vocabulary ").numel()
+    draft_vocab = int(drafter.vocab_size)
     if tokenizer is not None:
         real = len(tokenizer)
         if min(target_vocab, draft_vocab) < real:
@@ -249,20 +268,6 @@ def check_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
         raise ValueError(f"vocabulary mismatch: drafter has {draft_vocab} tokens, target {type(target).__name__} has "
                          f"{target_vocab}; pass the tokenizer if both only pad the same real vocabulary")
     return min(target_vocab, draft_vocab)
-
-
-def check_draft_vocab(target: torch.nn.Module, drafter, tokenizer=None) -> int:
-    """check_vocab for a drafter with a draft vocabulary (`drafter.draft_ids`): it must read every token the target
-    may commit and propose only distinct ids of the target's vocabulary -> its size."""
-    target_vocab, reads, ids = target_vocab_size(target), int(drafter.input_vocab_size), drafter.draft_ids
-    needed, owner = (len(tokenizer), "the tokenizer") if tokenizer is not None \
-        else (target_vocab, f"target {type(target).__name__}")
-    if target_vocab < needed:
-        raise ValueError(f"vocabulary mismatch: tokenizer has {needed} tokens but the target covers {target_vocab}")
-    if reads < needed:
-        raise ValueError(f"vocabulary mismatch: the drafter reads {reads} token ids but {owner} has {needed}; a "
-                         "drafter with a draft vocabulary must still read every token the target can commit")
-    return check_draft_ids(ids, target_vocab, vocab_name="the target's vocabulary ").numel()
 
 
 def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
@@ -288,8 +293,6 @@ def batch_prompts(prompts, attention_mask) -> tuple[torch.Tensor, torch.Tensor, 
     if isinstance(prompts, torch.Tensor) or (isinstance(prompts, (list, tuple)) and prompts
                                              and isinstance(prompts[0], int)):
         ids = torch.as_tensor(prompts)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2:
@@ -391,8 +394,7 @@ def check_drafter_room(drafter, batch: int, tree_rows: int, out_vocab: int, cont
     """Refuse a batch whose drafter state rows (one per node of every row's largest tree, up to `context` tokens
     each for a Transformer drafter), step logits and recorded draft distributions would not fit in the drafter
     device's whole memory (a clear error instead of an OOM)."""
-    weight_size = torch.tensor([], dtype=drafter.dtype).element_size()
-    per_node = drafter.row_bytes(context) + int(drafter.vocab_size) * weight_size + out_vocab * 4
+    per_node = drafter.row_bytes(context) + int(drafter.vocab_size) * drafter.dtype.itemsize + out_vocab * 4
     need = batch * tree_rows * per_node
     device = drafter.device
     if device.type == "cuda":

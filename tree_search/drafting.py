@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mamba_draft.checkpoint import check_draft_ids
 from tree_search.calls import check_batch_prompts
 from tree_search.graphs import StepRunner, drafter_key, to_device
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
@@ -59,11 +60,8 @@ class TreeDrafter:
         self.draft_ids = drafter.draft_ids
         if self.draft_ids is None:
             self.vocab = min(int(drafter.vocab_size), out_vocab)  # draft tokens are chosen among ids < vocab
-        else:
-            if int(self.draft_ids.max()) >= out_vocab:
-                raise ValueError(f"draft vocabulary id {int(self.draft_ids.max())} is outside the target's "
-                                 f"vocabulary [0, {out_vocab})")
-            self.vocab = self.draft_ids.numel()  # every column is a valid target id
+        else:  # every column is a valid target id
+            self.vocab = check_draft_ids(self.draft_ids, out_vocab, vocab_name="the target's vocabulary ").numel()
         # A target head padded wider than the drafter's embedding (Pythia's 50304 rows vs a 50280-token drafter) may
         # sample a padding id at temperature > 0: committed ids the drafter cannot read are clamped to its last one
         # (`_readable`). Only what the drafter reads changes, never what the target verifies: the output stays exact.
@@ -163,7 +161,7 @@ class TreeDrafter:
                 self._record(buf.probs[:, prev_start:prev_stop], q.view(batch, prev_stop - prev_start, vocab))
             kids = sample_without_replacement(q, n, generator) if sampled else torch.topk(logits, n, dim=-1).indices
             # kids (B·B_{l-1}, n) row-major is batch row, parent, child: each batch row's level in tree order
-            buf.tokens[:, start:stop] = self._to_target(kids).view(batch, -1)
+            buf.tokens[:, start:stop] = (kids if self.draft_ids is None else self.draft_ids[kids]).view(batch, -1)
             if level < config.depth:
                 logits = self._step(buf.tokens[:, start:stop], *buf.forest.levels[level], buf.parent_rows[level - 1])
         return buf
@@ -176,9 +174,7 @@ class TreeDrafter:
         buf.tokens[:, 0] = roots
         buf.tokens[0, 1:] = torch.tensor(tokens, device=self.device)
         if record_probs:
-            probs = buf.probs[0, :-1]
-            probs.zero_()
-            probs.scatter_(1, buf.tokens[0, 1:, None], 1.0)
+            buf.probs[0, :-1].zero_().scatter_(1, buf.tokens[0, 1:, None], 1.0)
         return buf
 
     @torch.no_grad()
@@ -203,10 +199,6 @@ class TreeDrafter:
     def _readable(self, ids: torch.Tensor) -> torch.Tensor:
         """Committed ids clamped to what the drafter can read (see __init__)."""
         return ids if self.read_limit is None else ids.clamp(max=self.read_limit)
-
-    def _to_target(self, columns: torch.Tensor) -> torch.Tensor:
-        """Draft logit columns -> target token ids (a gather, no sync)."""
-        return columns if self.draft_ids is None else self.draft_ids[columns]
 
     def _record(self, rows: torch.Tensor, q: torch.Tensor) -> None:
         """Write draft distributions q (..., vocab) into probs rows (..., V_target); other columns stay zero."""
@@ -268,7 +260,7 @@ class TreeDrafter:
         self.state.gather_(0, index)
         self.roots[: len(rows)] = self.roots[index]
 
-    def _as_rows(self, values, batch: int, limit: int | None = None) -> torch.Tensor:
+    def _as_rows(self, values, batch: int, limit: int) -> torch.Tensor:
         """(batch,) int64 on the device from a tensor (unchecked: no sync) or host ints (checked in [0, limit))."""
         if isinstance(values, torch.Tensor):
             if values.shape != (batch,):
@@ -277,7 +269,7 @@ class TreeDrafter:
         values = [int(v) for v in values]
         if len(values) != batch:
             raise ValueError(f"expected {batch} values, one per batch row, got {len(values)}")
-        if limit is not None and any(not 0 <= v < limit for v in values):
+        if any(not 0 <= v < limit for v in values):
             raise ValueError(f"values must lie in [0, {limit}), got {values}")
         return to_device(torch.tensor(values, dtype=torch.long), self.device)
 

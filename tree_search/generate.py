@@ -20,11 +20,12 @@ from tree_search.calls import (
     BatchGenerateResult, Call, GenerateResult, GenerateStats, batch_prompts, check_drafter, check_drafter_room,
     check_limits, check_options, default_lookup_tokens, eos_set, is_batch,
 )
+from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
 from tree_search.policy import parse_policy
 from tree_search.prompt_lookup import NgramLookup
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
 from tree_search.sampling import choose, resolve_sampling
-from tree_search.strategies import drafting_strategy
+from tree_search.strategies import LookupDrafting, TargetAwareDrafting, TreeDrafting
 from tree_search.target import TargetCache, target_vocab_size
 from tree_search.target.cache import ROOT_ONLY
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
@@ -83,9 +84,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             verifier = get_verifier(self.verifier or ("greedy" if params.greedy else "sampling"),
                                     **(self.verifier_params or {}))
-            lookup = self.lookup_tokens
-            if lookup is None:
-                lookup = default_lookup_tokens(self.tree, self.device, batched, self.prompt_lookup)
+            lookup = self.lookup_tokens if self.lookup_tokens is not None else default_lookup_tokens(
+                self.tree, self.device, batched, self.prompt_lookup)
             if batched and (options.streamer is not None or self.prompt_lookup or lookup):
                 raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one "
                                  "prompt for those")
@@ -127,6 +127,7 @@ class SpeculativeDecoder:
         drafts = self.strategy(call, widest)
         lookup = NgramLookup(call.ids[0].tolist(), call.lookup_tokens) if call.lookup_tokens else None
         logits = None  # the drafter's logits after each root (None until its prefill; never, if only none runs)
+        drafts_ever = any(arm.depth for arm in policy.arms)  # tree "none" alone never drafts: nothing to catch up on
         while True:
             rows = len(call.active)
             proposal = lookup.propose() if lookup is not None else None
@@ -148,7 +149,7 @@ class SpeculativeDecoder:
                 plain = choose(scores[:, 0], call.params, call.generators)
                 results, proposed = [PLAIN] * rows, [[t] for t in plain.tolist()]  # the one host transfer
             rec.mark(VERIFIED)
-            committed, finished = call.emit(proposed, results, call.verifier.name)
+            committed, finished = call.emit(proposed, results)
             if lookup is not None:
                 lookup.extend(committed[0])
                 call.stats.lookup_rounds += bool(proposal)
@@ -156,13 +157,19 @@ class SpeculativeDecoder:
                 target.commit([r.path for r in results])
                 # a drafter that reads the target reads each committed token with the target's state before it
                 features = [hidden[b, [0, *r.path]] for b, r in enumerate(results)] if drafts.reads_target else None
+                keep = call.drop_finished(target, finished)
+                rec.mark(RESYNC)
                 if tree is not None:
-                    resync = (draft, results, proposed)
-                elif drafts.reads_target:  # read with their states when it next drafts (host lists: no sync)
-                    resync = proposed
-                else:  # the drafter reads these tokens when it next drafts
-                    resync = torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None]
-                logits = self.resync(call, target, drafts, finished, logits, resync, features)
+                    logits = drafts.resync(draft, results, proposed, features)
+                elif drafts.reads_target:  # it reads them with their states when it next drafts (host lists: no sync)
+                    drafts.skip(proposed, catch_up=drafts_ever, features=features)
+                else:  # it reads these tokens when it next drafts
+                    drafts.skip(torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None],
+                                catch_up=drafts_ever)
+                if keep is not None:
+                    drafts.compact(keep)
+                    logits = logits[keep] if logits is not None else None
+                rec.mark(DONE)
             tokens_out = sum(map(len, proposed))
             if arm is not None:  # charged the whole round, commit and resync included
                 policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / rows,
@@ -170,37 +177,27 @@ class SpeculativeDecoder:
             if all(finished):
                 break
         return call.finish(target, drafter_calls=drafts.calls, drafter_calls_saved=drafts.calls_saved,
-                           drafter_state_bytes=drafts.state_bytes if logits is not None else 0,
+                           drafter_state_bytes=drafts.drafts.state.nbytes if logits is not None else 0,
                            arms=policy.summary())
 
-    def strategy(self, call: Call, widest: int):
-        """The call's drafting strategy on the drafter's reusable TreeDrafter; the roots are the prompts' last
-        tokens (the drafter reads the prompts when it first drafts)."""
-        params, verifier = call.params, call.verifier
-        mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
+    def strategy(self, call: Call, widest: int) -> TreeDrafting:
+        """The call's drafting strategy on the drafter's reusable TreeDrafter (`TreeDrafter.of`), `widest` state rows
+        per prompt; the roots are the prompts' last tokens (the drafter reads the prompts when it first drafts)."""
+        params, verifier, drafter = call.params, call.verifier, self.drafter
         record_probs = not params.greedy or verifier.needs_draft_probs
-        drafts = drafting_strategy(self.drafter, self.prompt_lookup, call.batch * widest,
-                                   target_vocab_size(self.target), params, mode, record_probs,
-                                   max_tokens=call.ids.shape[1] + call.max_new_tokens)
-        drafts.skip(call.ids[:, -1:], catch_up=False)
+        rows, out_vocab = call.batch * widest, target_vocab_size(self.target)
+        if self.prompt_lookup:
+            if drafter.reads_target:
+                raise ValueError("prompt_lookup drafts chains on scratch rows without target states; a drafter that "
+                                 "reads the target takes tree shapes (and lookup_tokens rounds) instead")
+            drafts = LookupDrafting(TreeDrafter.of(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs,
+                                    capacity=call.ids.shape[1] + call.max_new_tokens)
+        else:
+            mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
+            kind = TargetAwareDrafting if drafter.reads_target else TreeDrafting
+            drafts = kind(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)
+        drafts.drafts.roots[: call.batch] = call.ids[:, -1]
         return drafts
-
-    def resync(self, call: Call, target: TargetCache, drafts, finished: list[bool], logits, committed, features):
-        """After a round's commit: the drafter reads a drafted round's accepted paths (`committed` = (draft, results,
-        proposed)) or keeps a lookup / plain round's tokens ((B, m), or host lists) for its next draft to catch up on,
-        with their target states `features` (a drafter that reads the target); finished rows leave the batch.
-        Returns the drafter's logits after each remaining root."""
-        keep = call.drop_finished(target, finished)
-        call.recorder.mark(RESYNC)
-        if isinstance(committed, tuple):
-            logits = drafts.resync(*committed, features)
-        else:  # tree "none" alone never drafts: nothing to catch up on
-            drafts.skip(committed, catch_up=any(arm.depth for arm in self.policy.arms), features=features)
-        if keep is not None:
-            drafts.compact(keep)
-            logits = logits[keep] if logits is not None else None
-        call.recorder.mark(DONE)
-        return logits
 
     def verify(self, target: TargetCache, draft, call: Call, drafts):
         """One target forward over every row's tree (`drafts` drafted them), the verifier's decision per row ->
@@ -231,7 +228,7 @@ class SpeculativeDecoder:
         while True:
             tokens = choose(logits, call.params, call.generators)
             proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
-            _, finished = call.emit(proposed, [PLAIN] * len(proposed), "autoregressive")
+            _, finished = call.emit(proposed, [PLAIN] * len(proposed))
             if all(finished):
                 break
             keep = call.drop_finished(target, finished)
@@ -248,9 +245,8 @@ class SpeculativeDecoder:
 def generate(target: torch.nn.Module, drafter, input_ids, *, tree="auto", verifier: str | Verifier | None = None,
              verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
              lookup_tokens: int | None = None, **options) -> GenerateResult | BatchGenerateResult:
-    """Tree speculative decoding of one prompt (-> GenerateResult) or a batch (-> BatchGenerateResult): the
-    `SpeculativeDecoder` of this pair for one call. options: `CallOptions` (sampling None: the target's
-    generation_config, as `target.generate` does)."""
+    """Tree speculative decoding of one prompt or a batch: `SpeculativeDecoder.generate` of this pair for one call
+    (options: `CallOptions`; sampling None: the target's generation_config, as `target.generate` does)."""
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
     decoder = SpeculativeDecoder(target, drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,

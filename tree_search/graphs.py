@@ -55,20 +55,27 @@ class StepRunner:
     def run(self, start: int, stop: int, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start:stop] <- rows `parents` (if given), then step them with `tokens` (stop - start ids, row-major
         in any shape) -> the logits (stop - start, V); with graphs, a view of `self.logits`."""
+        fork = parents is not None
         if not self.use_graphs:
-            if parents is not None:
+            if fork:
                 self.state.gather_(start, parents)
             return self.drafter.step(tokens.reshape(-1), self.state.rows(start, stop))
         self.tokens[start:stop].view(tokens.shape).copy_(tokens)
-        if parents is not None:
+        if fork:
             self.parents[start:stop].copy_(parents)
-        key = (start, stop, parents is not None)
+        key = (start, stop, fork)
         graph = self.graphs.get(key)
         if graph is None:
             if self.logits is None:
                 self.logits = torch.zeros(self.state.max_batch, self.drafter.vocab_size, dtype=self.drafter.dtype,
                                           device=self.tokens.device)
-            graph = self.graphs[key] = self._capture(self._body(*key), start, stop)
+
+            def body() -> None:  # the captured work: fork (static parents), step (static tokens), copy the logits out
+                if fork:
+                    self.state.gather_(start, self.parents[start:stop])
+                self.logits[start:stop].copy_(self.drafter.step(self.tokens[start:stop], self.state.rows(start, stop)))
+
+            graph = self.graphs[key] = self._capture(body, start, stop)
         graph.replay()
         return self.logits[start:stop]
 
@@ -76,15 +83,6 @@ class StepRunner:
         """Drop every graph and the pool (the next `run` per key captures again)."""
         self.graphs.clear()
         self.pool = None
-
-    def _body(self, start: int, stop: int, fork: bool):
-        """The captured work: fork (static parents), step (static tokens), copy the logits out."""
-        def body() -> None:
-            if fork:
-                self.state.gather_(start, self.parents[start:stop])
-            logits = self.drafter.step(self.tokens[start:stop], self.state.rows(start, stop))
-            self.logits[start:stop].copy_(logits)
-        return body
 
     def _capture(self, body, start: int, stop: int) -> torch.cuda.CUDAGraph:
         """Capture `body` into the shared pool; the warm-ups run on the live rows, restored afterwards."""

@@ -64,7 +64,7 @@ def parse_policy(spec, device: str | torch.device = "cpu", persistent: bool = Fa
     if isinstance(spec, TreePolicy):
         return spec
     if isinstance(spec, (TreeConfig, tuple, list)):
-        return FixedShape(TreeConfig.parse(spec))
+        return FixedShape(spec)
     if not isinstance(spec, str):
         raise TypeError(f"tree must be a policy spec ({GRAMMAR}), a TreeConfig or a policy object; "
                         f"got {type(spec).__name__}")
@@ -82,7 +82,7 @@ def parse_policy(spec, device: str | torch.device = "cpu", persistent: bool = Fa
             if not arg.isdigit() or int(arg) < 1:
                 raise ValueError(f"chain:N takes a positive length, got {arg!r}")
             return FixedShape(TreeConfig((1,) * int(arg)))
-        return FixedShape(TreeConfig.parse(text))
+        return FixedShape(text)
     except ValueError as err:
         raise ValueError(f"tree policy {spec!r}: {err} (expected {GRAMMAR})") from None
 

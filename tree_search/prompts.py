@@ -58,11 +58,8 @@ def load_prompts(path: str | Path, limit: int | None = None, per_category: int |
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
-    prompts = []
     with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                prompts.append(parse_prompt_line(line, f"{path}:{number}"))
+        prompts = [parse_prompt_line(line, f"{path}:{n}") for n, line in enumerate(f, start=1) if line.strip()]
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     if split != "all":
@@ -87,7 +84,7 @@ def encode_prompt(tokenizer, text: str, use_chat_template: bool = True, system_p
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         messages.append({"role": "user", "content": text})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     if system_prompt is not None:
         reason = "chat templates are off" if not use_chat_template else "the tokenizer has no chat template"
         raise ValueError(f"a system prompt needs a chat template, but {reason}")

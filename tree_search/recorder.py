@@ -11,7 +11,7 @@ DRAFT, VERIFY, VERIFIED, RESYNC, DONE = range(5)
 
 
 class Recorder:
-    """Fills one call's GenerateStats: rounds, accepted lengths, lossy accepts, draft / verify / total time."""
+    """Fills one call's GenerateStats with its draft / verify / total time."""
 
     def __init__(self, stats, device: torch.device) -> None:
         self.stats = stats
@@ -52,21 +52,6 @@ class Recorder:
         """Autoregressive rounds: the decode between VERIFY and VERIFIED is verification time."""
         self._wait(VERIFIED)
         self.stats.verify_time += self._seconds(VERIFY, VERIFIED)
-
-    def count(self, verifier_name: str, result, committed: int, proposed: int) -> None:
-        """Count one speculative round: `committed` of its `proposed` tokens kept (fewer only in the last round)."""
-        stats = self.stats
-        stats.rounds += 1
-        stats.accepted_lengths.append(committed)
-        stats.cut_tokens = proposed - committed
-        stats.lossy_accepts += result.lossy_accepts
-        by_rule = result.info.get("lossy_accepts_by")
-        if by_rule is None:
-            by_rule = {verifier_name: result.lossy_accepts} if result.lossy_accepts else {}
-        for name, n in by_rule.items():
-            stats.lossy_accepts_by[name] = stats.lossy_accepts_by.get(name, 0) + int(n)
-        if result.info:
-            stats.round_info.append(result.info)
 
     def total_time(self) -> float:
         """Seconds since construction, once the device has finished everything queued (one sync per call)."""

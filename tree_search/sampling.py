@@ -41,24 +41,19 @@ HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0
 
 # generation_config fields that make `target.generate` process logits (or search) in ways tree_search does not
 # reproduce: name -> (is it on?, the value that turns it off). Checked only when set (not None).
+_SET = (lambda v: True, "None")  # on whenever set
+_NON_EMPTY = (bool, "None")
 _ALWAYS = {
     "repetition_penalty": (lambda v: v != 1.0, "1.0"),
     "no_repeat_ngram_size": (lambda v: v > 0, "0"),
-    "sequence_bias": (bool, "None"),
-    "bad_words_ids": (bool, "None"),
-    "suppress_tokens": (bool, "None"),
-    "begin_suppress_tokens": (bool, "None"),
+    **dict.fromkeys(("sequence_bias", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens"), _NON_EMPTY),
     "min_new_tokens": (lambda v: v > 0, "0"),
     "min_length": (lambda v: v > 1, "0"),  # total length: a prompt has at least one token, so 1 is a no-op
-    "forced_bos_token_id": (lambda v: True, "None"),
-    "forced_eos_token_id": (lambda v: True, "None"),
-    "exponential_decay_length_penalty": (lambda v: True, "None"),
+    **dict.fromkeys(("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty"), _SET),
     "guidance_scale": (lambda v: v != 1, "1.0"),
     "num_beams": (lambda v: v > 1, "1"),
-    "constraints": (bool, "None"),
-    "force_words_ids": (bool, "None"),
-    "stop_strings": (bool, "None"),
-    "watermarking_config": (lambda v: True, "None"),
+    **dict.fromkeys(("constraints", "force_words_ids", "stop_strings"), _NON_EMPTY),
+    "watermarking_config": _SET,
 }
 _GREEDY_ONLY = {"penalty_alpha": (lambda v: v > 0, "None")}  # contrastive search replaces greedy search
 _SAMPLING_ONLY = {  # warpers transformers applies only when sampling
@@ -66,7 +61,7 @@ _SAMPLING_ONLY = {  # warpers transformers applies only when sampling
     "typical_p": (lambda v: v < 1, "1.0"),
     "epsilon_cutoff": (lambda v: 0 < v < 1, "0.0"),
     "eta_cutoff": (lambda v: 0 < v < 1, "0.0"),
-    "top_h": (lambda v: True, "None"),
+    "top_h": _SET,
 }
 
 

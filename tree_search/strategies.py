@@ -1,10 +1,8 @@
 """Drafting strategies: how `generate` fills a round's drafts for its B rows and resyncs the drafter after it.
 
-`TreeDrafting` drafts one tree per row, level by level; `TargetAwareDrafting` does so for a drafter that reads the
-target; `LookupDrafting` drafts one prompt's greedy chains with prompt lookup (FLy: the same chain in fewer drafter
-calls). No-speculation and prompt-lookup rounds leave the drafter alone: the tokens they commit wait in `behind` and
-the next drafted round feeds them in one drafter call (rows 0..B-1 still hold the state after the last token each
-read: drafting forks other rows, and only resync / extend move them).
+No-speculation and prompt-lookup rounds leave the drafter alone: the tokens they commit wait (`behind`) and the next
+drafted round feeds them in one drafter call (rows 0..B-1 still hold the state after the last token each read:
+drafting forks other rows, and only resync / extend move them).
 """
 from __future__ import annotations
 
@@ -12,14 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tree_search.drafting import LOOKUP_ROWS, DraftTree, TreeDrafter
+from tree_search.drafting import DraftTree, TreeDrafter
 from tree_search.tree import TreeConfig
 
 if TYPE_CHECKING:
     from tree_search.sampling import SamplingParams
     from tree_search.verifiers import VerifyResult
-
-Draft = DraftTree  # a round's drafts, what the target verifies: .config, .tree, .tokens (B, T+1), .probs (B, T+1, V)
 
 
 class TreeDrafting:
@@ -36,11 +32,6 @@ class TreeDrafting:
     @property
     def calls(self) -> int:
         return self.drafts.calls - self.first_call
-
-    @property
-    def state_bytes(self) -> int:
-        """Memory the drafter's state rows hold (a Transformer's grows with the context, a Mamba's does not)."""
-        return self.drafts.state.nbytes
 
     def roots(self, batch: int) -> torch.Tensor:
         """Each row's next root token (B,), on the device."""
@@ -60,16 +51,16 @@ class TreeDrafting:
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.drafts.extend(tokens)
 
-    def draft(self, config: TreeConfig, logits: torch.Tensor, generators: list[torch.Generator] | None) -> Draft:
+    def draft(self, config: TreeConfig, logits: torch.Tensor, generators: list[torch.Generator] | None) -> DraftTree:
         """Every row's tree; row b draws its samples from generators[b] (None: torch's global RNG)."""
         return self.drafts.draft(config, self.roots(logits.shape[0]), logits, self.params, self.mode,
                                  self.record_probs, generators)
 
-    def proposal(self, tokens: list[int]) -> Draft:
+    def proposal(self, tokens: list[int]) -> DraftTree:
         """One prompt's chain of given tokens (prompt lookup) to verify instead of a draft; then `skip`."""
         return self.drafts.proposal(self.roots(1), tokens, self.record_probs)
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+    def resync(self, draft: DraftTree, results: list[VerifyResult], proposed: list[list[int]],
                features: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The drafter's logits after each row's committed path and next token (`TreeDrafter.resync`). `features`:
         for a drafter that reads the target only."""
@@ -100,23 +91,21 @@ class TargetAwareDrafting(TreeDrafting):
         super().__init__(drafts, params, mode, record_probs)
         self.pending: list[tuple[list[int], list[torch.Tensor]]] = []  # per row: tokens and features not yet read
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+    def resync(self, draft: DraftTree, results: list[VerifyResult], proposed: list[list[int]],
                features: list[torch.Tensor] | None = None) -> torch.Tensor:
         self.skip(proposed, True, features)
         return self.catch_up(None)
 
-    def skip(self, tokens, catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
-        """A round's committed tokens per row (host lists; the call's first roots as a tensor) and their target
-        states."""
-        rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-        self.drafts.roots[: len(rows)] = torch.tensor([row[-1] for row in rows], device=self.drafts.device)
+    def skip(self, tokens: list[list[int]], catch_up: bool = True, features: list[torch.Tensor] | None = None) -> None:
+        """A round's committed tokens per row (host lists) and their target states."""
+        self.drafts.roots[: len(tokens)] = torch.tensor([row[-1] for row in tokens], device=self.drafts.device)
         if not catch_up:
             return
         if features is None:
             raise ValueError("a drafter that reads the target needs the target's states for committed tokens")
         if not self.pending:
-            self.pending = [([], []) for _ in rows]
-        for (pending_tokens, pending_features), row, feature in zip(self.pending, rows, features):
+            self.pending = [([], []) for _ in tokens]
+        for (pending_tokens, pending_features), row, feature in zip(self.pending, tokens, features):
             pending_tokens += row
             pending_features.append(feature)
 
@@ -132,8 +121,8 @@ class TargetAwareDrafting(TreeDrafting):
 
 
 class LookupDrafting(TreeDrafting):
-    """One prompt's greedy chain, with prompt-lookup proposals checked in one drafter call each; the committed text
-    the lookup reads stays on the device, appended in place each round."""
+    """One prompt's greedy chains with FLy's prompt lookup (the same chain in fewer drafter calls: proposals checked in
+    one call each); the committed text the lookup reads stays on the device, appended in place each round."""
 
     def __init__(self, drafts: TreeDrafter, record_probs: bool, capacity: int) -> None:
         super().__init__(drafts, None, "topk", record_probs)  # greedy chains: no sampling state
@@ -147,13 +136,13 @@ class LookupDrafting(TreeDrafting):
         self.length = ids.shape[1]
         return super().prefill(ids, mask)
 
-    def draft(self, config: TreeConfig, logits: torch.Tensor, generators=None) -> Draft:
+    def draft(self, config: TreeConfig, logits: torch.Tensor, generators=None) -> DraftTree:
         buf, lookup = self.drafts.draft_chain_lookup(config, self.roots(1), logits, self.context[: self.length],
                                                      self.record_probs)
         self.calls_saved += config.depth - 1 - lookup.drafter_calls  # vs one step per non-leaf node
         return buf
 
-    def resync(self, draft: Draft, results: list[VerifyResult], proposed: list[list[int]],
+    def resync(self, draft: DraftTree, results: list[VerifyResult], proposed: list[list[int]],
                features: list[torch.Tensor] | None = None) -> torch.Tensor:
         self.calls_saved += len(results[0].path) == draft.config.depth  # a tree's resync steps an accepted leaf too
         return self.extend(torch.tensor([proposed[0]], device=self.context.device))
@@ -164,16 +153,3 @@ class LookupDrafting(TreeDrafting):
         self.context[self.length : self.length + len(row)] = row
         self.length += len(row)
         return super().extend(tokens)
-
-
-def drafting_strategy(drafter, prompt_lookup: bool, rows: int, out_vocab: int, params: SamplingParams, mode: str,
-                      record_probs: bool, max_tokens: int) -> TreeDrafting:
-    """The call's strategy on the drafter's own TreeDrafter (`TreeDrafter.of`). rows: state rows the batch's largest
-    trees need; max_tokens: prompt + max_new_tokens (the longest committed text; prompt lookup only)."""
-    if prompt_lookup:
-        if drafter.reads_target:
-            raise ValueError("prompt_lookup drafts chains on scratch rows without target states; a drafter that "
-                             "reads the target takes tree shapes (and lookup_tokens rounds) instead")
-        return LookupDrafting(TreeDrafter.of(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs, max_tokens)
-    kind = TargetAwareDrafting if drafter.reads_target else TreeDrafting
-    return kind(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)

@@ -43,7 +43,7 @@ def _mine(args: argparse.Namespace) -> int:
     from mamba_draft.devices import check_device, resolve_dtype
     from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.autojudge.answers import get_task
-    from tree_search.autojudge.mine import check_or_write_manifest, mine
+    from tree_search.autojudge.mine import mine
     from tree_search.prompts import encode_prompt, load_prompts
 
     task = get_task(args.task)  # validate everything cheap before loading models
@@ -57,10 +57,7 @@ def _mine(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, args.device)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     target = load_causal_lm(args.target, dtype=dtype, device=args.device)
-    drafter = load_drafter(args.drafter, device=args.device, dtype=dtype, embedding=target.get_input_embeddings().weight)
-    # --out is created only once both models loaded, so a bad path or corrupt weights leave nothing behind
-    check_or_write_manifest(Path(args.out), {**manifest, "hidden_size": target.config.hidden_size,
-                                             "max_new_tokens": args.max_new_tokens})
+    drafter = load_drafter(args.drafter, target=target)  # on the target's device, in its dtype
     encoded = [encode_prompt(tokenizer, p.text, use_chat_template=not args.no_chat_template) for p in prompts]
     counts = mine(target, drafter.forward, encoded, task, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                   args.out, args.max_new_tokens, tokenizer.eos_token_id, manifest)

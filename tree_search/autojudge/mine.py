@@ -59,16 +59,14 @@ def draft_argmax(draft: DraftLogits, prompt: list[int], response: list[int], dev
 
 
 def mine_prompt(target, draft: DraftLogits, prompt: list[int], task: AnswerTask, decode: Callable[[list[int]], str],
-                max_new_tokens: int, eos_token_id: int | None = None,
-                draft_device=None) -> tuple[list[Mismatch], list[int]]:
+                max_new_tokens: int, eos_token_id: int | None = None) -> tuple[list[Mismatch], list[int]]:
     """Algorithm 1 on one prompt. Returns the labelled mismatches and the final response."""
     if not prompt:
         raise ValueError("mine_prompt needs a non-empty prompt")
-    device = next(target.parameters()).device
-    draft_device = draft_device or device
+    device = next(target.parameters()).device  # the draft's too
     response = target_greedy(target, prompt, max_new_tokens, eos_token_id)
     reference = task.extract(decode(response))
-    drafted = draft_argmax(draft, prompt, response, draft_device)
+    drafted = draft_argmax(draft, prompt, response, device)
     found: list[Mismatch] = []
     t = 0
     while True:
@@ -85,7 +83,7 @@ def mine_prompt(target, draft: DraftLogits, prompt: list[int], task: AnswerTask,
         found.append(Mismatch(t, response[t], drafted[t], important, feature))
         if not important:  # keep the draft token and continue the search from the new response
             response = alternative
-            drafted = draft_argmax(draft, prompt, response, draft_device)
+            drafted = draft_argmax(draft, prompt, response, device)
         t += 1
 
 
@@ -118,9 +116,10 @@ def check_or_write_manifest(out_dir: Path, manifest: dict) -> None:
 
 
 def mine(target, draft: DraftLogits, prompts: Sequence[list[int]], task: AnswerTask, decode: Callable[[list[int]], str],
-         out_dir: str | os.PathLike, max_new_tokens: int, eos_token_id: int | None = None, manifest: dict | None = None,
-         draft_device=None) -> dict[str, int]:
-    """Mine every prompt not already done in `out_dir` (one file per prompt). Returns counts for this call."""
+         out_dir: str | os.PathLike, max_new_tokens: int, eos_token_id: int | None = None,
+         manifest: dict | None = None) -> dict[str, int]:
+    """Mine every prompt not already done in `out_dir` (one file per prompt; created only here, once the models
+    loaded, so a bad path or corrupt weights leave nothing behind). Returns counts for this call."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     out_dir = Path(out_dir)
@@ -133,7 +132,7 @@ def mine(target, draft: DraftLogits, prompts: Sequence[list[int]], task: AnswerT
         if path.exists():
             counts["skipped"] += 1
             continue
-        found, response = mine_prompt(target, draft, list(prompt), task, decode, max_new_tokens, eos_token_id, draft_device)
+        found, response = mine_prompt(target, draft, list(prompt), task, decode, max_new_tokens, eos_token_id)
         info = {"prompt_index": index, "prompt_tokens": len(prompt), "final_response": decode(response)}
         save_prompt_record(path, found, hidden_size, info)
         counts["prompts"] += 1

@@ -57,10 +57,8 @@ def train_judge(features: torch.Tensor, labels: torch.Tensor, cfg: TrainConfig =
         raise ValueError("the train/validation split lost a class; mine more prompts or change --val-fraction")
     scaler = StandardScaler().fit(x_train)
     train_std, val_std = scaler.transform(x_train), scaler.transform(x_val)
-    fits = []
-    for c in cfg.c_grid:
-        model = LogisticRegression(C=c, max_iter=cfg.max_iter).fit(train_std, y_train)
-        fits.append((roc_auc_score(y_val, model.predict_proba(val_std)[:, 1]), c, model))
+    models = [(c, LogisticRegression(C=c, max_iter=cfg.max_iter).fit(train_std, y_train)) for c in cfg.c_grid]
+    fits = [(roc_auc_score(y_val, m.predict_proba(val_std)[:, 1]), c, m) for c, m in models]
     auc, c, model = max(fits, key=lambda fit: fit[0])  # the first of equal AUCs
     val_probs = model.predict_proba(val_std)[:, 1]
     thresholds = {f"recall_{r:g}": threshold_for_recall(val_probs, y_val, r) for r in sorted({0.9, 0.95, 0.99, cfg.recall})}

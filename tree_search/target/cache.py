@@ -50,7 +50,7 @@ class _Shape:
     def __init__(self, batch: int, n: int, max_len: int, style: MaskStyle, device: torch.device) -> None:
         self.ids = torch.zeros(batch, n, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
-        self.mask = style.full((batch, 1, n, max_len), False, device)
+        self.mask = style.all_hidden((batch, 1, n, max_len), device)
         self.src = torch.zeros(batch, 1, max(n - 1, 1), 1, dtype=torch.long, device=device)  # commit: sources
         self.dst = torch.zeros(max(n - 1, 1), dtype=torch.long, device=device)  # commit: slots S+1 ... S+n-1
         self.scratch: dict[tuple, torch.Tensor] = {}  # commit: rows gathered per cache-layer shape
@@ -77,8 +77,7 @@ class TargetCache:
         if graphs and not (self.static and self.device.type == "cuda"):
             raise ValueError("graphs=True needs the static KV cache (static=True, max_len) on a CUDA device")
         self.use_graphs, self.max_len = graphs, (max_len if self.static else None)
-        windows = sliding_windows(model)
-        self._window = min(windows) if windows else None
+        self._window = min(sliding_windows(model), default=None)
         self.forwards = 0
         self.cache = None
         self.slots = 0  # S: slots in use, common to all rows (a host int: masks are sized without a sync)
@@ -136,7 +135,7 @@ class TargetCache:
                 raise ValueError(f"the static KV cache holds {self.max_len} tokens but this forward needs {slots}: "
                                  "pass max_len >= padded prompt + max_new_tokens + the widest tree's node count + 1")
         elif slots > self._valid.shape[1]:
-            grown = self.style.full((self._valid.shape[0], max(slots, 2 * self._valid.shape[1])), False, self.device)
+            grown = self.style.all_hidden((self._valid.shape[0], max(slots, 2 * self._valid.shape[1])), self.device)
             grown[:, : self.slots] = self._valid[:, : self.slots]
             self._valid = grown
         if self._window is not None and slots > self._window:
@@ -153,19 +152,27 @@ class TargetCache:
                  else attention_mask.to(device=self.device, dtype=torch.bool))
         self.positions = valid.sum(dim=1)
         self.slots, self._pending = 0, None
-        if self.static:
-            self._start_static(batch)
+        if self.static:  # a new sequence: the storage is re-allocated (graphs dropped) when the batch outgrows it
+            for layer in self.cache.layers:
+                if layer.is_initialized and layer.keys.shape[0] < batch:
+                    layer.is_initialized = False
+                    self._shapes.clear()
+                layer.rows = batch
+            self._write[:length].copy_(self._arange[:length])  # the prompts go to slots 0..L-1
         else:
             self.cache = DynamicCache(config=self.model.config)
-        self._valid = self.style.full((batch, self.max_len or max(length, 1)), False, self.device)
+        self._valid = self.style.all_hidden((batch, self.max_len or max(length, 1)), self.device)
         if length == 0:
             return None
         self._reserve(length)
         # without pads a dynamic cache needs no mask: transformers' own causal one takes sdpa's faster path
         self._dense = attention_mask is None or bool(valid.all())  # the call's one sync, before any round
-        mask = None if self._dense and not self.static else self._prefill_mask(valid)
-        if self.static:
-            self._write[:length].copy_(self._arange[:length])
+        mask = None
+        if self.static or not self._dense:  # each row's causal mask over its own tokens, (B, 1, L, max_len or L)
+            seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
+            seen |= torch.eye(length, dtype=torch.bool, device=self.device)
+            mask = self.style.all_hidden((batch, 1, length, self.max_len or length), self.device)
+            mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
         with prefilling(self.model):
             out = self.model(input_ids=input_ids, attention_mask=mask,
                              position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count
@@ -174,15 +181,6 @@ class TargetCache:
         self.slots = length
         self.forwards += 1
         return out.logits[:, -1]
-
-    def _prefill_mask(self, valid: torch.Tensor) -> torch.Tensor:
-        """(B, 1, L, width): each row's causal mask over its own tokens; width max_len for a static storage."""
-        batch, length = valid.shape
-        seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
-        seen |= torch.eye(length, dtype=torch.bool, device=self.device)
-        mask = self.style.full((batch, 1, length, self.max_len or length), False, self.device)
-        mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
-        return mask
 
     @torch.no_grad()
     def tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False
@@ -335,14 +333,6 @@ class TargetCache:
                 torch.gather(kv, 2, index, out=shape.scratch[key])
                 kv.index_copy_(2, shape.dst, shape.scratch[key])
 
-    def _start_static(self, batch: int) -> None:
-        """A new sequence in the static storage: re-allocated (graphs dropped) when the batch outgrows it."""
-        for layer in self.cache.layers:
-            if layer.is_initialized and layer.keys.shape[0] < batch:
-                layer.is_initialized = False
-                self._shapes.clear()
-            layer.rows = batch
-
     def _shape(self, n: int) -> _Shape:
         key = (self.batch_size, n)
         if key not in self._shapes:
@@ -362,19 +352,17 @@ class TargetCache:
         if not self.use_graphs:
             return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.graphs:
-            shape.graphs[want_hidden] = self._capture(lambda: self._static_call_into(shape, want_hidden))
+            def forward_into() -> None:  # outputs copied to buffers of their own, out of reach of other graphs' replays
+                outputs = self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
+                if want_hidden not in shape.outputs:
+                    shape.outputs[want_hidden] = tuple(t if t is None else torch.empty_like(t) for t in outputs)
+                for out, t in zip(shape.outputs[want_hidden], outputs):
+                    if out is not None:
+                        out.copy_(t)
+
+            shape.graphs[want_hidden] = self._capture(forward_into)
         shape.graphs[want_hidden].replay()
         return shape.outputs[want_hidden]
-
-    def _static_call_into(self, shape: _Shape, want_hidden: bool) -> None:
-        """The captured forward: outputs copied into buffers of their own, out of reach of other graphs' replays."""
-        logits, hidden = self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
-        if want_hidden not in shape.outputs:
-            shape.outputs[want_hidden] = torch.empty_like(logits), None if hidden is None else torch.empty_like(hidden)
-        logits_out, hidden_out = shape.outputs[want_hidden]
-        logits_out.copy_(logits)
-        if hidden_out is not None:
-            hidden_out.copy_(hidden)
 
     def _capture(self, body) -> torch.cuda.CUDAGraph:
         """Capture `body` into the shared pool; the caller makes its warm-up runs harmless."""

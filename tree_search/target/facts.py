@@ -128,9 +128,9 @@ class MaskStyle:
             self.dtype = getattr(model, "dtype", next(model.parameters()).dtype)
             self.visible, self.hidden = 0.0, torch.finfo(self.dtype).min
 
-    def full(self, shape, fill_visible: bool, device) -> torch.Tensor:
-        return torch.full(shape, self.visible if fill_visible else self.hidden, dtype=self.dtype, device=device)
+    def all_hidden(self, shape, device) -> torch.Tensor:
+        return torch.full(shape, self.hidden, dtype=self.dtype, device=device)
 
     def block(self, tree: Tree, device) -> torch.Tensor:
         """The tree's own (T+1, T+1) block: node i sees node j iff j is i or an ancestor of i."""
-        return self.full((len(tree), len(tree)), False, "cpu").masked_fill_(tree.ancestor_mask, self.visible).to(device)
+        return self.all_hidden((len(tree), len(tree)), "cpu").masked_fill_(tree.ancestor_mask, self.visible).to(device)

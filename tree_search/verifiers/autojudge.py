@@ -40,13 +40,10 @@ class AutoJudgeVerifier(LossyVerifier):
                              f"{type(target).__name__} has hidden size {hidden_size}: the judge file belongs to "
                              "another target model")
 
-    def node_mask(self, hidden: torch.Tensor | None) -> torch.Tensor:
-        """(T+1,) bool: the judge deems each node's token unimportant (P(important) < threshold)."""
-        if hidden is None:
-            raise ValueError("autojudge needs the target's final hidden states (VerifyInput.hidden)")
-        if self.head.mean.device != hidden.device:
-            self.head = self.head.to(hidden.device)
-        return self.head.prob_important(hidden) < self.threshold
-
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
-        return paths.on_paths(self.node_mask(inp.hidden))
+        """The path nodes whose token the judge deems unimportant (P(important) < threshold)."""
+        if inp.hidden is None:
+            raise ValueError("autojudge needs the target's final hidden states (VerifyInput.hidden)")
+        if self.head.mean.device != inp.hidden.device:
+            self.head = self.head.to(inp.hidden.device)
+        return paths.on_paths(self.head.prob_important(inp.hidden) < self.threshold)

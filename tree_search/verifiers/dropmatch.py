@@ -84,8 +84,8 @@ class DropMatchVerifier(LossyVerifier):
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def node_mask(self, inp: VerifyInput, node_parents: torch.Tensor) -> torch.Tensor:
-        """(T+1,) bool: the heads at each node's parent accept that node's token."""
+    def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
+        """The path nodes whose token the heads at its parent accept."""
         if inp.hidden is None or inp.lm_head is None:
             raise ValueError("dropmatch needs the target's final hidden states and LM head (VerifyInput.hidden/lm_head)")
         if self.criterion == "js" and inp.draft_probs is None:
@@ -93,11 +93,9 @@ class DropMatchVerifier(LossyVerifier):
         generator = self._generator(inp.hidden.device)
         with torch.no_grad():
             head_logits = dropout_head_logits(inp.hidden, inp.lm_head, self.p, self.num_heads, generator)
-        choices = choose(head_logits, inp.sampling, generator)[:, node_parents]  # one draw per position
+        parents = paths.node_parents
+        choices = choose(head_logits, inp.sampling, generator)[:, parents]  # one draw per position
         if self.criterion == "naive":
-            return naive_accept(inp.tokens, choices)
-        parent_logits, parent_q = head_logits[:, node_parents], inp.draft_probs[node_parents]
-        return js_accept(inp.tokens, parent_logits, choices, parent_q, inp.sampling)
-
-    def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
-        return paths.on_paths(self.node_mask(inp, paths.node_parents))
+            return paths.on_paths(naive_accept(inp.tokens, choices))
+        return paths.on_paths(js_accept(inp.tokens, head_logits[:, parents], choices, inp.draft_probs[parents],
+                                        inp.sampling))

@@ -8,22 +8,29 @@ from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, regi
 from tree_search.verifiers.greedy import greedy_walk
 
 
-def accept_among_children(p: torch.Tensor, q: torch.Tensor, candidates: list[int],
+def accept_among_children(p: torch.Tensor, q: torch.Tensor | None, candidates: list[int],
                           generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
-    """Try candidates x1..xk (drawn from q without replacement, in draw order) against the target p.
+    """Try candidates x1..xk against the target p: drawn from q without replacement (in draw order), or, q None,
+    deterministic ones (top-k), each a point mass (the EAGLE-2 rule).
 
     Accept xi with prob min(1, p_i(xi)/q_i(xi)); on rejection p_{i+1} = norm(max(p_i − q_i, 0)) and q_{i+1} = q_i
-    without xi, renormalised. Returns (the accepted candidate's index or None, the final residual to sample from).
-    Candidates with zero remaining draft mass were never drawn (padding of a small support) and are skipped.
+    without xi, renormalised (a point mass: p_{i+1} = norm(p_i without xi)). Returns (the accepted candidate's index or
+    None, the final residual to sample from). Candidates with zero remaining draft mass were never drawn (padding of a
+    small support) and point masses the target gives no mass can never pass: both are skipped, drawing nothing.
     """
-    p, q = p.clone(), q.clone()
+    p = p.clone()
+    q = None if q is None else q.clone()
     for i, x in enumerate(candidates):
-        qx = q[x].item()
-        if qx <= 0.0:
+        qx = 1.0 if q is None else q[x].item()
+        if qx <= 0.0 or (q is None and p[x].item() <= 0.0):
             continue
         u = torch.rand((), generator=generator, device=p.device).item()
         if u * qx < p[x].item():  # u < p/q without dividing
             return i, p
+        if q is None:
+            p[x] = 0.0
+            p = p / p.sum()
+            continue
         residual = torch.clamp(p - q, min=0.0)
         mass = residual.sum()
         if mass.item() > 0.0:  # mass 0 only if p == q up to rounding, where rejection has probability 0
@@ -57,29 +64,11 @@ class SamplingVerifier(Verifier):
         while True:
             kids = inp.tree.children[node]
             candidates = [tokens[c] for c in kids]
-            if inp.draft_mode == "topk":  # deterministic candidates (a point mass per child, EAGLE-2 rule)
-                pick, p = _accept_point_masses(target_probs[node], candidates, inp.generator)
-            else:
-                pick, p = accept_among_children(target_probs[node], inp.draft_probs[node].float(), candidates,
-                                                inp.generator)
+            q = inp.draft_probs[node].float() if inp.draft_mode == "sample" else None  # topk: point masses
+            pick, p = accept_among_children(target_probs[node], q, candidates, inp.generator)
             if pick is None:
                 next_token = int(sample(p, inp.generator).item())
                 return VerifyResult(path=path, next_token=next_token, info={"rejected_children": len(kids)})
             node = kids[pick]
             path.append(node)
 
-
-def _accept_point_masses(p: torch.Tensor, candidates: list[int],
-                         generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
-    """Lossless test for deterministic (top-k) candidates: accept x w.p. p(x); on rejection p <- norm(p without x)."""
-    p = p.clone()
-    for i, x in enumerate(candidates):
-        px = p[x].item()
-        if px <= 0.0:
-            continue
-        u = torch.rand((), generator=generator, device=p.device).item()
-        if u < px:
-            return i, p
-        p[x] = 0.0
-        p = p / p.sum()
-    return None, p
