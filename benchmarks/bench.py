@@ -27,7 +27,7 @@ BASELINES = ("ar", "hf-ar")
 BATCH_WARMUP_TOKENS = 8  # a batch sweep's warm-up pays one-time costs (first calls, allocations), not a full batch
 # the layout of run_benchmark's result (one entry per batch size under "batches"): cached results of another layout
 # (the demo's) are measured again
-RESULT_LAYOUT = 2
+RESULT_LAYOUT = 3
 
 
 @dataclass

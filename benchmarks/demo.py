@@ -225,6 +225,7 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 # The real demo's measurement (loading, sizing and both tables) fits this on every CPU kind: fewer questions or
 # repeats where plain decoding is slow (`fit_budget`); --budget-minutes changes it.
 BUDGET_MINUTES = 10.0
+TAX_REPEATS = 7  # timed calls per forward of the exactness tax's table (`mamba-draft tax` takes 25)
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
@@ -320,6 +321,9 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     import torch
 
     from benchmarks.bench import RESULT_LAYOUT, load_models, resolve_methods, write_outputs
+    from benchmarks.tax import cpu_kind
+    from benchmarks.methods import load_plain
+    from benchmarks.tax import measure as measure_tax
     from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
     from mamba_draft.devices import default_dtype
     from mamba_draft.heldout import read_spec_bench
@@ -359,8 +363,10 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
     sizing = measure_sizing(models.target, models.drafter, first,
                             assistant=models.assistant_drafter if models.assistant is not None else None)
+    plain = models.plain_target or load_plain(SHIPPED_TARGET, dtype, device)
+    tax = measure_tax(plain, models.target, repeats=TAX_REPEATS)
     measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress)
-    result = {"dtype": dtype_name, **measured, "sizing": sizing,
+    result = {"dtype": dtype_name, "cpu": cpu_kind(), **measured, "sizing": sizing, "tax": tax,
               "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},
               # a rebuild's held-out agreement curves (--train rebuilds both models)
               "training": {name: heldout_curve(Path(path)) if train else []
@@ -571,8 +577,11 @@ def run(args: argparse.Namespace) -> int:
 
 def print_real(result: dict) -> None:
     from benchmarks.bench import markdown_report
+    from benchmarks.tax import report
 
-    print(f"Target dtype: {result['dtype']} (the same for every method)\n{result['budget']['summary']}")
+    print(f"CPU: {result['cpu']}. Target dtype: {result['dtype']} (the same for every method)\n"
+          f"{result['budget']['summary']}")
+    print("\nThe exactness tax (one forward, as `mamba-draft tax` measures it):\n" + "\n".join(report(result["tax"])))
     for name in ("greedy", "sampled"):
         print(f"\n## {name}\n\n" + markdown_report(result[name]))
     for name, curve in result["training"].items():

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("benchmarks.demo", "the shipped SmolLM2 target and its drafter against plain decoding on held-out "
              "Spec-Bench questions"),
     "bench": ("benchmarks.bench", "Spec-Bench-style side-by-side benchmark of decoding methods"),
+    "tax": ("benchmarks.tax", "what the exact target path costs against transformers' plain model, per forward"),
     "bench-drafters": ("benchmarks.bench_drafters", "drafter step latency and memory vs context length"),
     "gpu-timings": ("benchmarks.gpu_timings", "GPU timings: drafter steps, tree drafting, verification, projected speedup"),
 }

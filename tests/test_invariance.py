@@ -1,10 +1,11 @@
-"""Batch-invariant target forwards by construction (mamba_draft.targets.row_blocks + row-stable attention): in low
+"""Batch-invariant target forwards by construction (mamba_draft.targets.exact: row blocks + row attention): in low
 precision on a CPU, a position's logits are the same bits however many tokens share its forward (a decoding step,
 a tree, a batch), so speculative output equals plain decoding token for token on any CPU kind. Exactness is the
 contract: every comparison here is `torch.equal`.
 
 `scripts/kernel_sweep.sh` runs this file under every narrower kernel path a machine can force; the adversarial
-kernel below stands in for the paths no machine here can reach (AMX on an AMD CPU)."""
+kernels below (a linear layer and an sdpa whose rounding follows the call's shape) stand in for the paths no machine
+here can reach (AMX on an AMD CPU)."""
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from mamba_draft.targets import row_blocks
-from mamba_draft.targets.cpu_attention import register
+from mamba_draft.targets import row_attention, row_blocks
 from mamba_draft.heldout import is_heldout, read_spec_bench
-from mamba_draft.targets.row_blocks import (PREFILL_ROWS, make_row_invariant, pick_rows, prefilling, row_block,
-                                    unblocked_forward)
+from mamba_draft.targets.exact import prefilling
+from mamba_draft.targets.row_blocks import make_row_invariant, pick_sizes, row_block, unblocked_forward
 from mamba_draft.targets import cache_keyword, default_attention, load_causal_lm, load_tokenizer
 from tests.helpers.tree_models import random_drafter, tiny_llama
 from tree_search.generate import generate, generate_autoregressive
@@ -30,7 +30,7 @@ CHUNKS = (1, 2, 3, 5, 8, 17, 64, 300)  # rows per forward: decoding, trees, look
 
 def bf16_target(seed: int = 0, vocab: int = 64, hidden: int = 64):
     model = tiny_llama(vocab=vocab, hidden=hidden, seed=seed, head_scale=0.3).to(torch.bfloat16)
-    model.set_attn_implementation(register("row_stable"))
+    model.set_attn_implementation(row_attention.register())
     return model
 
 
@@ -97,15 +97,14 @@ def test_every_row_count_gives_the_same_bits(kernel, monkeypatch, tmp_path):
     if kernel == "adversarial":
         adversarial(model)
     ids = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(0))
-    rows = make_row_invariant(model)
-    assert row_block(model) == rows
+    sizes = make_row_invariant(model)
+    assert row_block(model) == sizes
     reference = chunked_logits(model, ids, 1)
     for chunk in CHUNKS[1:]:
         assert torch.equal(chunked_logits(model, ids, chunk), reference), chunk
-    with prefilling(model):  # prefills agree with each other (a prompt is prefilled in every path)
-        prefilled = chunked_logits(model, ids, PREFILL_ROWS)
-        assert torch.equal(chunked_logits(model, ids, 300), prefilled)
-        assert torch.equal(chunked_logits(model, ids, 100), prefilled)
+    with prefilling(model):  # a prefill is the same call in every path: it need only repeat itself
+        assert torch.equal(chunked_logits(model, ids, 300), chunked_logits(model, ids, 300))
+    assert torch.equal(chunked_logits(model, ids, 300), reference)  # the blocks are back after the prefill
 
 
 @pytest.mark.parametrize("tree", ["1,1", "2,2", "3,1"])
@@ -124,6 +123,52 @@ def test_speculation_equals_plain_decoding_under_the_adversarial_kernel(tree, mo
         assert spec == plain
     assert_nodes_get_the_decoding_steps_logits(target, ids, torch.randint(0, 64, (5,), generator=g),
                                                Tree((-1, 0, 0, 1, 2)))
+
+
+def shape_rounding_sdpa(real, calls: list):
+    """An adversarial sdpa: its rounding follows the number of query rows and keys of the call (a relative nudge of
+    2^-7 to 2^-10 by shape), as a library that picks its kernel by shape may round."""
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append(query.shape[-2])
+        out = real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                   enable_gqa=enable_gqa)
+        return (out.float() * (1 + 2.0 ** -(7 + (3 * query.shape[-2] + key.shape[-2]) % 4))).to(out.dtype)
+    return sdpa
+
+
+def test_the_adversarial_sdpa_rounds_by_shape(monkeypatch, tmp_path):
+    """The double is what it claims: a bf16 target in row blocks that keeps sdpa gives other bits fed 1 or 3 tokens
+    per forward."""
+    monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", shape_rounding_sdpa(F.scaled_dot_product_attention, []))
+    model = tiny_llama(vocab=64, hidden=64, seed=2, head_scale=0.3).to(torch.bfloat16)
+    model.set_attn_implementation("sdpa")
+    make_row_invariant(model)
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(chunked_logits(model, ids, 3), chunked_logits(model, ids, 1))
+
+
+@pytest.mark.parametrize("tree", ["1,1,1", "3,2,1"])
+def test_speculation_equals_plain_decoding_under_the_adversarial_sdpa(tree, monkeypatch, tmp_path):
+    """Under an sdpa that rounds by shape (which prefills run on), speculative output equals plain decoding, a tree
+    node gets the decoding step's logits, and batch rows decode as their prompts alone: decoding and verification
+    never call it, and a prefill is the same call in every path."""
+    monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", shape_rounding_sdpa(F.scaled_dot_product_attention, calls))
+    target = tiny_llama(vocab=64, hidden=64, seed=4, head_scale=0.3).to(torch.bfloat16)  # as a user builds it: sdpa
+    drafter = random_drafter(tmp_path / "drafter", vocab=64, hidden=32, layers=1)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    plain = generate_autoregressive(target, prompts, max_new_tokens=20, temperature=0)
+    spec = generate(target, drafter, prompts, max_new_tokens=20, temperature=0, tree=tree)
+    assert calls, "the prefill ran on the adversarial sdpa"
+    for b, prompt in enumerate(prompts):
+        alone = generate_autoregressive(target, torch.tensor([prompt]), max_new_tokens=20, temperature=0)
+        assert plain.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b
+        assert spec.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b
+    assert_nodes_get_the_decoding_steps_logits(target, torch.tensor([prompts[0]]),
+                                               torch.randint(0, 64, (5,), generator=g), Tree((-1, 0, 0, 1, 2)))
 
 
 def test_a_batch_row_gets_the_logits_of_its_prompt_alone(monkeypatch, tmp_path):
@@ -156,12 +201,33 @@ def test_a_batch_row_gets_the_logits_of_its_prompt_alone(monkeypatch, tmp_path):
         assert torch.equal(alone.decode(nodes[b, 0].view(1))[0], after[b]), b
 
 
-def test_pick_rows_takes_the_rows_that_come_nearly_free():
-    """Costs of one block (ms) as measured on the three kinds: AMX-like flat products take 16-row blocks, a
-    memory-bound fp32 product 2 (a 4-row product costs 1.6x), emulated bf16 single rows."""
-    assert pick_rows({1: 12.3, 2: 12.4, 4: 12.6, 8: 12.8, 16: 13.1}) == 16
-    assert pick_rows({1: 20.4, 2: 21.9, 4: 34.1, 8: 42.7, 16: 46.1}) == 2
-    assert pick_rows({1: 23.5, 2: 36.5, 4: 48.4, 8: 66.0, 16: 103.9}) == 1
+def test_pick_sizes_takes_the_rows_that_come_nearly_free():
+    """Costs of one block (ms) as measured on the kinds: AMX-like flat products take 16-row blocks, a memory-bound
+    fp32 product 2 (a 4-row product costs 1.6x), emulated bf16 single rows; where counts from 2 up agree (AMD's
+    AVX512-BF16), a ladder: a decoding step in 2 rows, a 16-token tree in one block of 16."""
+    each = [(1,), (2,), (4,), (8,), (16,)]
+    assert pick_sizes({1: 12.3, 2: 12.4, 4: 12.6, 8: 12.8, 16: 13.1}, each) == (16,)
+    assert pick_sizes({1: 20.4, 2: 21.9, 4: 34.1, 8: 42.7, 16: 46.1}, each) == (2,)
+    assert pick_sizes({1: 23.5, 2: 36.5, 4: 48.4, 8: 66.0, 16: 103.9}, each) == (1,)
+    amd = {1: 10.5, 2: 10.8, 4: 10.2, 8: 11.4, 16: 13.2}
+    assert pick_sizes(amd, [(1,), (2, 4, 8, 16)]) == (2, 4, 8, 16)
+    assert pick_sizes(amd, [(1,), (2, 4, 8, 16)], slack=1.01) == (1,)  # a step may not cost 3 % more here
+
+
+def test_a_ladder_multiplies_each_forward_in_its_smallest_fitting_blocks():
+    """Blocks of the ladder only: 1 row in a block of 2, 3 in 4, 16 in one 16, 37 in 16 + 16 + 8 (padded)."""
+    layer = nn.Sequential(nn.Linear(8, 8)).bfloat16()
+    make_row_invariant(layer, rows=(2, 4, 8, 16))
+    counts = []
+    original = nn.Linear.forward
+    nn.Linear.forward = lambda self, x: counts.append(x.shape[0]) or original(self, x)
+    try:
+        with torch.no_grad():
+            for n in (1, 3, 16, 37):
+                layer(torch.randn(n, 8).bfloat16())
+    finally:
+        nn.Linear.forward = original
+    assert counts == [2, 4, 16, 16, 16, 8]
 
 
 class PlaceDependent(nn.Linear):
@@ -179,22 +245,24 @@ def test_choose_rows_keeps_its_choice_and_refuses_blocks_a_row_is_not_free_in(mo
     model = nn.Sequential(nn.Linear(64, 64)).bfloat16()
     model[0].__class__ = PlaceDependent
     monkeypatch.setattr(row_blocks, "block_costs", lambda m: {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0})
-    assert make_row_invariant(model) == 1  # every larger block fails the position check
-    assert model[0].prefill_rows == 1
+    assert make_row_invariant(model) == (1,)  # every larger block fails the position check
     other = nn.Sequential(nn.Linear(32, 32)).bfloat16()
-    assert make_row_invariant(other) == 16
+    chosen = make_row_invariant(other)
+    assert chosen[-1] == 16  # equal costs: a forward of 16 rows in one block
     assert (tmp_path / "row_blocks.json").is_file()
     monkeypatch.setattr(row_blocks, "block_costs", lambda m: pytest.fail("the kept choice is measured again"))
-    assert make_row_invariant(nn.Sequential(nn.Linear(32, 32)).bfloat16()) == 16
+    assert make_row_invariant(nn.Sequential(nn.Linear(32, 32)).bfloat16()) == chosen
     monkeypatch.setenv(row_blocks.ROWS_ENV, "4")
-    assert make_row_invariant(nn.Sequential(nn.Linear(32, 32)).bfloat16()) == 4
+    assert make_row_invariant(nn.Sequential(nn.Linear(32, 32)).bfloat16()) == (4,)
+    monkeypatch.setenv(row_blocks.ROWS_ENV, "8,2")
+    assert make_row_invariant(nn.Sequential(nn.Linear(32, 32)).bfloat16()) == (2, 8)
 
 
 def test_blocks_leave_parameters_state_dict_and_training_alone():
     model = tiny_llama(vocab=64, hidden=32).bfloat16()
     keys = list(model.state_dict())
     make_row_invariant(model, rows=4)
-    assert list(model.state_dict()) == keys and row_block(model) == 4
+    assert list(model.state_dict()) == keys and row_block(model) == (4,)
     layer = model.model.layers[0].mlp.down_proj
     assert isinstance(layer, nn.Linear) and unblocked_forward(layer).__self__ is layer
     x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
@@ -211,7 +279,7 @@ def test_fp32_targets_are_left_as_transformers_builds_them(monkeypatch):
     monkeypatch.setenv(row_blocks.ROWS_ENV, "4")  # no block-cost measurement
     bf16 = tiny_llama(vocab=64, hidden=32).to(torch.bfloat16)
     TargetCache(bf16)  # a low-precision CPU target gets its row blocks from the cache that serves it
-    assert row_block(bf16) == 4
+    assert row_block(bf16) == (4,) and bf16.config._attn_implementation == "row_stable"
     assert default_attention(torch.bfloat16, "cpu") == "row_stable" and default_attention(torch.float32, "cpu") == "sdpa"
 
 
@@ -255,3 +323,18 @@ def test_a_node_behind_masked_siblings_gets_the_decoding_steps_logits(bf16_pair,
     for text in questions:
         ids = torch.tensor([encode_prompt(tokenizer, text)])[:, -120:]
         assert_nodes_get_the_decoding_steps_logits(target, ids, torch.randint(100, 20000, (tokens,), generator=g), tree)
+
+
+def test_a_real_batch_decodes_every_row_as_its_prompt_alone(bf16_pair):
+    """SmolLM2-135M in bf16, six prompts of different lengths in one batch: plain and speculative decoding of the
+    batch give every row the tokens of its prompt decoded alone."""
+    target, drafter, tokenizer = bf16_pair
+    texts = [r["turns"][0] for r in read_spec_bench() if not is_heldout(r)][3::13][:6]
+    prompts = [encode_prompt(tokenizer, text)[-120:] for text in texts]
+    assert len({len(p) for p in prompts}) > 3
+    plain = generate_autoregressive(target, prompts, max_new_tokens=16, temperature=0)
+    spec = generate(target, drafter, prompts, max_new_tokens=16, temperature=0, tree="3,2,1")
+    for b, prompt in enumerate(prompts):
+        alone = generate_autoregressive(target, torch.tensor([prompt]), max_new_tokens=16, temperature=0)
+        assert plain.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b
+        assert spec.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b

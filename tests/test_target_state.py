@@ -22,9 +22,10 @@ def test_probe_verdict_is_keyed_on_attention_implementation_and_dtype(monkeypatc
         (lambda: None, 1),                                   # first look: probe
         (lambda: None, 1),                                   # same state: cached
         (lambda: model.set_attn_implementation("eager"), 2),
-        (lambda: model.to(torch.bfloat16), 3),
-        (lambda: model.set_attn_implementation("sdpa"), 4),
-        (lambda: model.to(torch.float32), 4),                # back to the first state: its verdict still holds
+        (lambda: model.to(torch.bfloat16), 3),               # a bf16 CPU target is made exact (row attention) first
+        (lambda: model.set_attn_implementation("sdpa"), 3),  # ... whatever attention it was given: the same verdict
+        (lambda: model.to(torch.float32), 4),                # fp32 keeps row attention: a new one
+        (lambda: model.set_attn_implementation("sdpa"), 4),  # back to the first state: its verdict still holds
     ]
     for change, expected in steps:
         change()

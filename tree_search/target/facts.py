@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from mamba_draft.targets.row_attention import ROW_STABLE
 from tree_search.tree import Tree
 
 ATTRIBUTE = "_tree_search_facts"  # where TargetFacts lives on the model (a plain attribute, not a submodule)
@@ -118,11 +119,11 @@ class UnsupportedTargetError(TypeError):
 
 
 class MaskStyle:
-    """The 4D mask each attention implementation takes: sdpa a boolean one (True = visible), eager and the rest an
-    additive float one in the model's dtype (0 visible, dtype-min hidden)."""
+    """The 4D mask each attention implementation takes: sdpa and row attention a boolean one (True = visible), eager
+    and the rest an additive float one in the model's dtype (0 visible, dtype-min hidden)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        if attn_implementation(model) == "sdpa":
+        if attn_implementation(model) in ("sdpa", ROW_STABLE):
             self.dtype, self.visible, self.hidden = torch.bool, True, False
         else:
             self.dtype = getattr(model, "dtype", next(model.parameters()).dtype)

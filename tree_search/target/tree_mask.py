@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mamba_draft.targets.exact import make_exact
 from tree_search.target.cache import TargetCache
 from tree_search.target.facts import (
     TargetFacts, UnsupportedTargetError, attn_implementation, foreign_cache_layer, probe_key, target_vocab_size,
@@ -30,6 +31,7 @@ def check_tree_support(model: torch.nn.Module) -> None:
         raise UnsupportedTargetError(f"{name} uses {foreign} cache layers; tree verification needs attention KV caches "
                                      "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the "
                                      "accepted path")
+    make_exact(model)  # the attention that will verify is the one probed
     facts, key = TargetFacts.of(model), probe_key(model)
     if key in facts.tree_mask_ok:
         return

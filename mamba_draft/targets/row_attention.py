@@ -1,0 +1,155 @@
+"""Row-exact attention for low-precision CPU targets: a query row's output is the same bits whatever else shares
+its forward (other rows, other batch rows, hidden keys between its own), so a tree node and the decoding step that
+computes the same token agree bit for bit. The arithmetic and why it holds are in `row_attention.c`: a small C
+kernel, compiled here with the machine's C compiler on first use (about a second) and kept under `cache_root()`,
+called through ctypes. It runs on torch's own OpenMP threads (the library links the libgomp torch loaded).
+
+Registered with transformers as attn_implementation "row_stable" (`register`), with sdpa's boolean masks.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..devices import cpu_info
+from ..io import cache_root
+
+ROW_STABLE = "row_stable"
+PREFILL = "row_stable_prefill"  # what a row-stable model's prefill runs (`exact.prefilling`)
+SOURCE = Path(__file__).with_name("row_attention.c")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+NATIVE = ("-march=native",)  # speed only: the kernel's bits do not depend on the instructions picked
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MASK_CAUSAL, MASK_NONE, MASK_BOOL, MASK_F32 = range(4)
+SERIAL_WORK = 1 << 17  # multiply-adds below which a call runs on one thread (a short decoding step)
+
+
+class KernelUnavailable(RuntimeError):
+    """No C compiler here, or the kernel did not build."""
+
+
+def compiler() -> str | None:
+    """$CC, else gcc, else cc: the path of one that runs here, or None."""
+    return next((path for name in (os.environ.get("CC"), "gcc", "cc") if name and (path := shutil.which(name))), None)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled kernel: built once per source, compiler and CPU, kept under cache_root() (a temporary directory
+    when the cache is off)."""
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("exact bf16/fp16 attention on a CPU needs a C compiler (gcc or $CC) to build its "
+                                "kernel; install gcc, or run the target in float32")
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    identity = [source.hex(), cc, version, FLAGS, NATIVE, cpu_info("flags"), platform.machine()]
+    digest = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
+    root = cache_root()
+    directory = Path(tempfile.mkdtemp(prefix="mamba-draft-kernel-")) if root is None else root / "kernels"
+    path = directory / f"row_attention-{digest}.so"
+    if not path.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{path.name}.{os.getpid()}.tmp"
+        errors = ""
+        for extra in (NATIVE, ()):  # a compiler that does not know -march=native still builds a portable one
+            done = subprocess.run([cc, *FLAGS, *extra, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                                  text=True)
+            if done.returncode == 0:
+                os.replace(tmp, path)  # atomic: another process sees no library or a whole one
+                break
+            errors = " ".join(done.stderr.split())[:400]
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise KernelUnavailable(f"the exact attention kernel did not build with {cc}: {errors}")
+    lib = ctypes.CDLL(str(path))
+    pointer, strides, i32, f32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_float
+    lib.row_attention.argtypes = [pointer, strides, pointer, strides, pointer, strides, pointer, strides, i32, pointer,
+                                  strides, pointer, *[i32] * 6, i32, f32, f32, i32, i32]
+    lib.row_attention.restype = i32
+    return lib
+
+
+def available() -> bool:
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def _strides(x: torch.Tensor, dims) -> ctypes.Array:
+    return (ctypes.c_int64 * 3)(*(x.stride(d) for d in dims))
+
+
+def row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
+                  is_causal=None, **_):
+    """query (B, H, q, D), key/value (B, KVH, K, D), attention_mask (B or 1, 1, q or 1, K) boolean (True: visible) or
+    additive float, or None (causal when q > 1, as sdpa's is_causal) -> ((B, q, H, D), None)."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    dtype = query.dtype
+    if key.dtype != dtype or value.dtype != dtype or dtype not in DTYPES:
+        raise TypeError(f"row attention takes query, key and value of one of {list(DTYPES)}, got {dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    if query.device.type != "cpu":
+        raise ValueError("row attention runs on a CPU")
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        kind, mask = (MASK_CAUSAL if causal and queries > 1 else MASK_NONE), None
+    else:
+        mask = attention_mask[:, 0, :, :keys]
+        if mask.dtype == torch.bool:
+            kind = MASK_BOOL
+        else:
+            kind, mask = MASK_F32, mask.float()
+        mask = mask.expand(batch, queries, keys)
+    out = torch.empty(batch, queries, heads, dim, dtype=dtype)
+    sinks = None if s_aux is None else s_aux.detach().float().contiguous()
+    threads = 1 if batch * heads * queries * keys * dim < SERIAL_WORK else torch.get_num_threads()
+    split = batch * queries * kv_heads < 2 * threads
+    scale = dim ** -0.5 if scaling is None else float(scaling)
+    failed = library().row_attention(
+        query.data_ptr(), _strides(query, (0, 1, 2)), key.data_ptr(), _strides(key, (0, 1, 2)), value.data_ptr(),
+        _strides(value, (0, 1, 2)), None if mask is None else mask.data_ptr(),
+        None if mask is None else _strides(mask, (0, 1, 2)), kind, out.data_ptr(), _strides(out, (0, 2, 1)),
+        None if sinks is None else sinks.data_ptr(), batch, heads, kv_heads, queries, keys, dim, DTYPES[dtype],
+        scale, float(softcap or 0.0), int(split), threads)
+    if failed:
+        raise RuntimeError(f"row attention failed (code {failed}): heads {heads}, key heads {kv_heads}, dim {dim}")
+    return out, None
+
+
+def prefill_attention(module, query, key, value, attention_mask, **kwargs):
+    """A prompt's prefill: sdpa, transformers' fastest CPU attention (a prefill need only agree with itself: every
+    path computes a prompt by the same prefill call), row attention where sdpa lacks the model's softcap or sinks."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        return row_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> str:
+    """Make attn_implementation "row_stable" (and its prefill's) known to transformers, with sdpa's boolean masks;
+    idempotent; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    library()  # a missing compiler is said here, at load, not at the first forward
+    for name, function in ((ROW_STABLE, row_attention), (PREFILL, prefill_attention)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return ROW_STABLE
