@@ -321,8 +321,8 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     import torch
 
     from benchmarks.bench import RESULT_LAYOUT, load_models, resolve_methods, write_outputs
-    from benchmarks.tax import cpu_kind
     from benchmarks.methods import load_plain
+    from benchmarks.tax import cpu_kind
     from benchmarks.tax import measure as measure_tax
     from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
     from mamba_draft.devices import default_dtype
@@ -479,8 +479,8 @@ def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
     TargetCache (row blocks included); medians, timed in turns."""
     from benchmarks.bench_drafters import time_round_robin
     from benchmarks.gpu_timings import verify_call
-    from tree_search.target import TargetCache
-    from tree_search.tree import Tree
+    from mamba_draft.targets.cache import TargetCache
+    from mamba_draft.tree import Tree
 
     token, chains = input_ids[0, -1], (2, 4, 8)
     target_cache = TargetCache(target)

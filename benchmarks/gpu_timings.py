@@ -105,7 +105,7 @@ def backends(drafter) -> list[str]:
 
 def time_drafter_steps(drafter, cfg: GpuTimingConfig) -> list[dict]:
     """One step of B rows, eager and replayed from a graph, per backend."""
-    from tree_search.graphs import StepRunner
+    from mamba_draft.graphs import StepRunner
 
     rows = []
     state = drafter.allocate_state(max(cfg.batches))
@@ -131,7 +131,7 @@ def kernel_profile(drafter, cfg: GpuTimingConfig, steps: int = 20) -> list[dict]
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from tree_search.graphs import StepRunner
+    from mamba_draft.graphs import StepRunner
 
     rows = []
     state = drafter.allocate_state(max(cfg.batches))
@@ -175,7 +175,7 @@ def tree_drafting(drafter, prompts: torch.Tensor, rows: int, vocab: int):
 
 def time_tree_drafting(drafter, cfg: GpuTimingConfig) -> list[dict]:
     """Drafting a whole tree from the root's logits, per shape (one prompt: a batch of one)."""
-    from tree_search.tree import TreeConfig
+    from mamba_draft.tree import TreeConfig
 
     configs = [TreeConfig(c) for c in CHAINS + TREES]
     prompt = torch.randint(0, drafter.vocab_size, (1, 32), device=drafter.device)
@@ -207,8 +207,8 @@ def verify_modes(device: torch.device) -> dict[str, dict]:
 def time_verification(model, cfg: GpuTimingConfig) -> list[dict]:
     """A forward over the root + tree after `prefix` cached tokens and its commit (the root kept), per tree size and
     cache kind. The cache grows by one token per call: max_len leaves room for every call."""
-    from tree_search.target import TargetCache
-    from tree_search.tree import Tree, TreeConfig
+    from mamba_draft.targets.cache import TargetCache
+    from mamba_draft.tree import Tree, TreeConfig
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
@@ -226,8 +226,8 @@ def time_verification(model, cfg: GpuTimingConfig) -> list[dict]:
 
 def time_batched(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
     """B prompts: one plain decoding step of every row vs drafting B trees + verifying them in one forward."""
-    from tree_search.target import TargetCache
-    from tree_search.tree import TreeConfig
+    from mamba_draft.targets.cache import TargetCache
+    from mamba_draft.tree import TreeConfig
 
     device, batch = drafter.device, cfg.batch
     vocab = min(model.config.vocab_size, drafter.vocab_size)
@@ -280,9 +280,9 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
     """Syncs in a captured drafting pass and a captured verify + commit (both should be 0), and per round of a
     whole `generate` call (one is the round's verdict, copied to the host). Off CUDA the same calls run eager and
     the counts are None."""
+    from mamba_draft.targets.cache import TargetCache
+    from mamba_draft.tree import TreeConfig
     from tree_search.generate import generate
-    from tree_search.target import TargetCache
-    from tree_search.tree import TreeConfig
 
     config = TreeConfig((3, 2, 2, 1, 1))
     vocab = min(model.config.vocab_size, drafter.vocab_size)
@@ -347,7 +347,7 @@ def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
 
 def projected(result: dict) -> list[dict]:
     """τ · T_target / T_round per target and paper shape, from the fastest verification mode measured."""
-    from tree_search.tree import TreeConfig
+    from mamba_draft.tree import TreeConfig
 
     drafting = {tuple(r["tree"]): r["ms"] for r in result["tree_drafting"]}
     rows = []

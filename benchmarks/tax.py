@@ -57,14 +57,14 @@ class ExactPath:
         self.model = model
 
     def prefill(self, ids: torch.Tensor):
-        from tree_search.target import TargetCache
+        from mamba_draft.targets.cache import TargetCache
 
         cache = TargetCache(self.model)
         cache.prefill(ids)
         return cache
 
     def forward(self, cache, ids: torch.Tensor) -> None:
-        from tree_search.tree import Tree
+        from mamba_draft.tree import Tree
 
         cache.tree_forward(ids, Tree(tuple(range(-1, ids.shape[1] - 1))))
         cache.commit([[]])

@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import tiny_llama
 from tree_search.autojudge.answers import AnswerTask, get_task, gsm8k_answer
 from tree_search.autojudge.classifier import JudgeHead
 from tree_search.autojudge.mine import Mismatch, load_mined, mine, mine_prompt, save_prompt_record, target_greedy
 from tree_search.autojudge.train import TrainConfig, threshold_for_recall, train_judge
-from tree_search.target import TargetCache
-from tree_search.tree import TreeConfig
 
 VOCAB, MARKER = 64, 7  # MARKER: a token the target can never produce greedily (its head row is zeroed)
 PROMPT = [5, 9, 12, 30]

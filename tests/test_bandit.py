@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
+from mamba_draft.tree import TreeConfig
 from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
 from tree_search.calls import LOOKUP_TOKENS, default_lookup_tokens
 from tree_search.policy import FixedShape, TreePolicy, parse_policy, spec_of
-from tree_search.tree import TreeConfig
 
 
 def test_reward_formula():

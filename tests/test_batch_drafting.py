@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mamba_draft.tree import Forest, TreeConfig
 from tests.helpers.drafting_reference import SingleTreeDrafter
 from tests.helpers.tree_models import random_drafter
 from tests.test_graph_runner import fake_graphs
 from tree_search.drafting import TreeDrafter
 from tree_search.sampling import SamplingParams
-from tree_search.tree import Forest, TreeConfig
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0.0)

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from mamba_draft import transformer as transformer_module
+from mamba_draft.targets.cache import TargetCache
 from mamba_draft.transformer import TransformerDrafter
 from tests.helpers.sampling_law import assert_follows, exact_first_two
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
-from tree_search.drafting import TreeDrafter
 from tree_search.calls import Call
+from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import SamplingParams
-from tree_search.target import TargetCache
 from tree_search.verifiers.greedy import GreedyVerifier
 
 VOCAB = 64

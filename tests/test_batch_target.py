@@ -5,10 +5,10 @@ are refused before any model runs (`calls.check_batch_prompts`)."""
 import pytest
 import torch
 
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import encoded_cache, hf_greedy, tiny_causal_lm
 from tree_search.calls import check_batch_prompts
-from tree_search.target import TargetCache
-from tree_search.tree import TreeConfig
 
 VOCAB = 64
 TREES = [TreeConfig((2, 2, 1)).build(), TreeConfig((3, 1, 1)).build()]  # both depth 3, used in turn

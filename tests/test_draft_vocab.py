@@ -9,13 +9,13 @@ the map's order gave 0.66 / 0.63 (exact sampling: 0.064 / 0.064).
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from mamba_draft import MambaDrafter
 from mamba_draft.checkpoint import DRAFT_VOCAB, convert
+from mamba_draft.tree import TreeConfig
 from tests.helpers.sampling_law import assert_follows, empirical, exact_first_two, seeded_runs
 from tests.helpers.tree_models import (
     SizedTokenizer, aligned_drafter, draft_subset, hf_greedy, prompts, random_drafter, tiny_llama,
@@ -23,7 +23,6 @@ from tests.helpers.tree_models import (
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate
 from tree_search.sampling import SamplingParams
-from tree_search.tree import TreeConfig
 
 VOCAB, NEW_TOKENS = 64, 60
 

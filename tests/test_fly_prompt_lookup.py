@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import random_drafter
 from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
 from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams
 from tree_search.strategies import LookupDrafting, TreeDrafting
-from tree_search.tree import TreeConfig
 from tree_search.verifiers import VerifyResult
 
 VOCAB = 64

@@ -2,13 +2,13 @@
 import pytest
 import torch
 
+from mamba_draft.targets.cache import TargetCache
 from tests.helpers.tree_models import (
     aligned_drafter, encoded_cache, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama, tiny_neox,
 )
 from tree_search import UCBBandit
 from tree_search.bandit import CPU_ARMS
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.target import TargetCache
 
 TREES = ["1,1,1,1,1", "3,2,2,1,1", "3,3,2,1", "2,2,2,1,1,1", "4", "bandit"]
 NEW_TOKENS = 100

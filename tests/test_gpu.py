@@ -1,9 +1,9 @@
 """GPU checks, skipped without CUDA: run them all with `python -m pytest -q tests/test_gpu.py` on a CUDA machine.
 
 - the kernel step (mamba-ssm + causal-conv1d, skipped when they are not importable) against the torch step;
-- CUDA-graph replay of tree drafting against eager drafting (tree_search/graphs.py), shared pool and output lifetime;
+- CUDA-graph replay of tree drafting against eager drafting (mamba_draft/graphs.py), shared pool and output lifetime;
 - graphs dropped and lossless output after the drafter's `.to(dtype)` / backend switch;
-- the target's static verify path (tree_search/target/cache.py, `TargetCache(static=True)`): captured graphs and
+- the target's static verify path (mamba_draft/targets/cache.py, `TargetCache(static=True)`): captured graphs and
   torch.compile(mode="reduce-overhead") against the eager static path, for one prompt and a left-padded batch with
   ragged paths and dropped rows, and lossless generate through the graphs (the cache kept on the model);
 - greedy generate at batch 1 and 8, fp32 and bf16, token-identical to the target's own greedy `generate`;
@@ -19,15 +19,16 @@ import math
 import pytest
 import torch
 
-from mamba_draft.kernels import kernels_available
 from benchmarks.gpu_timings import host_syncs
+from mamba_draft.graphs import StepRunner
+from mamba_draft.kernels import kernels_available
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.facts import TargetFacts
+from mamba_draft.tree import Tree, TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama
 from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.graphs import StepRunner
-from tree_search.target import TargetCache, TargetFacts
-from tree_search.tree import Tree, TreeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="mamba-ssm / causal-conv1d not importable")

@@ -1,4 +1,4 @@
-"""The drafter's step runner (tree_search/graphs.py), the TreeDrafter kept on the drafter, and Mamba-2's dt_limit.
+"""The drafter's step runner (mamba_draft/graphs.py), the TreeDrafter kept on the drafter, and Mamba-2's dt_limit.
 
 CUDA capture itself is tested in tests/test_gpu.py. Everything around it runs here on CPU: `fake_graphs` swaps the
 runner's capture for one whose "replay" runs the captured body eagerly, so keying, sharing across tree shapes,
@@ -18,13 +18,13 @@ import torch.nn.functional as F
 import mamba_draft.model as model_module
 from mamba_draft import MambaDrafter
 from mamba_draft.config import MambaConfig
+from mamba_draft.graphs import StepRunner, drafter_key, weights_key
 from mamba_draft.model import _conv_step
+from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search.drafting import TreeDrafter
 from tree_search.generate import generate
-from tree_search.graphs import StepRunner, drafter_key, weights_key
 from tree_search.sampling import SamplingParams
-from tree_search.tree import TreeConfig
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0.0)

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
+from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import hf_greedy, random_drafter, tiny_llama
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import MIN_TEMPERATURE, SamplingParams, logits_to_probs, resolve_sampling
-from tree_search.tree import TreeConfig
 
 VOCAB = 32
 PROMPT = torch.tensor([[1, 2, 3, 1, 2, 3]])

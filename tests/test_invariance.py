@@ -14,16 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from mamba_draft.targets import row_attention, row_blocks
 from mamba_draft.heldout import is_heldout, read_spec_bench
+from mamba_draft.targets import (
+    cache_keyword, default_attention, load_causal_lm, load_tokenizer, row_attention, row_blocks,
+)
+from mamba_draft.targets.cache import TargetCache
 from mamba_draft.targets.exact import prefilling
 from mamba_draft.targets.row_blocks import make_row_invariant, pick_sizes, row_block, unblocked_forward
-from mamba_draft.targets import cache_keyword, default_attention, load_causal_lm, load_tokenizer
+from mamba_draft.tree import Tree
 from tests.helpers.tree_models import random_drafter, tiny_llama
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.prompts import encode_prompt
-from tree_search.target import TargetCache
-from tree_search.tree import Tree
 
 CHUNKS = (1, 2, 3, 5, 8, 17, 64, 300)  # rows per forward: decoding, trees, lookup rounds, a long forward
 

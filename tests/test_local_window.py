@@ -8,10 +8,11 @@ import pytest
 import torch
 import transformers
 
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.facts import UnsupportedTargetError, local_window, static_cache_refusal, window_capacity
+from mamba_draft.tree import Tree
 from tests.helpers.tree_models import hf_greedy, random_drafter
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.target import TargetCache, UnsupportedTargetError, local_window, static_cache_refusal, window_capacity
-from tree_search.tree import Tree
 
 VOCAB = 8  # small, so a random drafter's siblings are often accepted (and a wrong sibling's logits show)
 WINDOW_ERROR = r"the 8-token local attention window \(window_size\) of GPTNeoForCausalLM"

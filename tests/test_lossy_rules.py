@@ -6,20 +6,16 @@ import math
 import pytest
 import torch
 
+from mamba_draft.tree import Tree, TreeConfig
 from tests.helpers.tree_models import tiny_llama
 from tree_search.autojudge.classifier import JudgeHead
 from tree_search.sampling import SamplingParams
-from tree_search.tree import Tree, TreeConfig
 from tree_search.verifiers import get_verifier, verifier_class
 from tree_search.verifiers.autojudge import AutoJudgeVerifier
 from tree_search.verifiers.base import VerifyInput
 from tree_search.verifiers.combine import AnyOf
 from tree_search.verifiers.dropmatch import (
-    DropMatchVerifier,
-    dropout_head_logits,
-    js_accept,
-    js_divergence,
-    naive_accept,
+    DropMatchVerifier, dropout_head_logits, js_accept, js_divergence, naive_accept,
 )
 from tree_search.verifiers.fly import FLyVerifier, target_entropy
 from tree_search.verifiers.greedy import GreedyVerifier

@@ -9,7 +9,7 @@ import torch
 from mamba_draft.targets import cpu_attention, row_attention
 from mamba_draft.targets.cpu_attention import grouped_attention
 from mamba_draft.targets.row_attention import KernelUnavailable
-from tree_search.tree import Tree
+from mamba_draft.tree import Tree
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's attention shape
 row = row_attention.row_attention

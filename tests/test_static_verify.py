@@ -10,16 +10,17 @@ import time
 import pytest
 import torch
 
+from mamba_draft.targets.cache import TargetCache, use_static
+from mamba_draft.targets.facts import TargetFacts, UnsupportedTargetError, static_cache_refusal
+from mamba_draft.tree import Tree, TreeConfig
 from tests.helpers.tree_models import aligned_drafter, encoded_cache, hf_greedy, prompts, tiny_causal_lm
 from tests.test_batch_target import left_pad
 from tree_search.bandit import DEFAULT_ARMS
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.target import TargetCache, TargetFacts, UnsupportedTargetError, static_cache_refusal, use_static
-from tree_search.tree import Tree, TreeConfig
 
 KINDS = ["llama", "neox", "qwen2", "mistral"]
 CLOSE = dict(atol=1e-5, rtol=1e-4)
-cache_module = importlib.import_module("tree_search.target.cache")
+cache_module = importlib.import_module("mamba_draft.targets.cache")
 
 
 def target(kind: str, attn: str = "sdpa"):

@@ -4,10 +4,12 @@ import pytest
 import torch
 import transformers
 
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.facts import UnsupportedTargetError, window_capacity
+from mamba_draft.targets.tree_mask import check_tree_support
+from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import encoded_cache, tiny_causal_lm
 from tree_search.generate import generate
-from tree_search.target import TargetCache, UnsupportedTargetError, check_tree_support, window_capacity
-from tree_search.tree import TreeConfig
 
 KINDS = ["llama", "neox", "mistral", "qwen2"]
 

@@ -6,11 +6,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-import tree_search.target.tree_mask as tree_mask_module
+import mamba_draft.targets.tree_mask as tree_mask_module
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.facts import TargetFacts, UnsupportedTargetError
+from mamba_draft.targets.tree_mask import check_tree_support
+from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, tiny_causal_lm
 from tree_search.generate import generate
-from tree_search.target import TargetCache, TargetFacts, UnsupportedTargetError, check_tree_support
-from tree_search.tree import TreeConfig
 
 
 def test_probe_verdict_is_keyed_on_attention_implementation_and_dtype(monkeypatch):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tree_search.tree import MAX_TREE_NODES, Tree, TreeConfig
+from mamba_draft.tree import MAX_TREE_NODES, Tree, TreeConfig
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
+from mamba_draft.tree import TreeConfig
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
-from tree_search.tree import TreeConfig
 from tree_search.verifiers import (
     GreedyVerifier, SamplingVerifier, Verifier, VerifyInput, available_verifiers, get_verifier, register_verifier,
     verifier_class,

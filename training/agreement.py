@@ -364,7 +364,7 @@ class DepthAcceptance:
 
 
 def tree_tau(ranks: torch.Tensor, branching: Sequence[int]) -> float:
-    """τ of a static tree (`tree_search.tree.TreeConfig`: every node at depth d has branching[d] children, the
+    """τ of a static tree (`mamba_draft.tree.TreeConfig`: every node at depth d has branching[d] children, the
     drafter's top ones) under greedy verification, from `draft_ranks`: the accepted path goes one level deeper
     while the target's token is among the children the drafter gave the node it reached."""
     if not 1 <= len(branching) <= ranks.shape[1]:

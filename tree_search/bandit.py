@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tree_search.tree import TreeConfig
+from mamba_draft.tree import TreeConfig
 
 DEFAULT_ARMS = (TreeConfig((3, 3, 2, 1)), TreeConfig((3, 2, 2, 1, 1)), TreeConfig((2, 2, 2, 1, 1, 1)))
 # The CPU default (`tree="auto"`): the paper's wide trees are built for GPUs, where verifying one is nearly free; on a

@@ -9,10 +9,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from mamba_draft.checkpoint import check_draft_ids
+from mamba_draft.targets.facts import local_window, max_positions, target_vocab_size, window_capacity
+from mamba_draft.targets.tree_mask import check_tree_support
 from tree_search.policy import TreePolicy, is_auto
-from tree_search.sampling import SamplingParams
 from tree_search.recorder import Recorder
-from tree_search.target import check_tree_support, local_window, max_positions, target_vocab_size, window_capacity
+from tree_search.sampling import SamplingParams
 from tree_search.verifiers import Verifier, VerifyResult
 
 LOOKUP_TOKENS = 8  # the default prompt-lookup proposal length (`default_lookup_tokens`)

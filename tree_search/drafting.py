@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from mamba_draft.checkpoint import check_draft_ids
+from mamba_draft.graphs import StepRunner, drafter_key, to_device
+from mamba_draft.tree import Forest, Tree, TreeConfig, equal_runs
 from tree_search.calls import check_batch_prompts
-from tree_search.graphs import StepRunner, drafter_key, to_device
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, sample_without_replacement, soft_probs
-from tree_search.tree import Forest, Tree, TreeConfig, equal_runs
 
 LOOKUP_ROWS = 3  # row 0 committed, rows 1-2 the lookup drafter's live + snapshot scratch rows
 

@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from mamba_draft.targets.cache import ROOT_ONLY, TargetCache
 from mamba_draft.targets.exact import make_exact
+from mamba_draft.targets.facts import target_vocab_size
 from tree_search.calls import (
     BatchGenerateResult, Call, GenerateResult, GenerateStats, batch_prompts, check_drafter, check_drafter_room,
     check_limits, check_options, default_lookup_tokens, eos_set, is_batch,
@@ -27,8 +29,6 @@ from tree_search.prompt_lookup import NgramLookup
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
 from tree_search.sampling import choose, resolve_sampling
 from tree_search.strategies import LookupDrafting, TargetAwareDrafting, TreeDrafting
-from tree_search.target import TargetCache, target_vocab_size
-from tree_search.target.cache import ROOT_ONLY
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
 from tree_search.verifiers.greedy import greedy_walk
 

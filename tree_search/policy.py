@@ -16,8 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from mamba_draft.tree import TreeConfig
 from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit
-from tree_search.tree import TreeConfig
 
 GRAMMAR = "auto, none, a shape like 3,2,2,1,1, chain:N, bandit[:A/B/...] or bandit-time[:A/B/...]"
 

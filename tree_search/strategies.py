@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mamba_draft.tree import TreeConfig
 from tree_search.drafting import DraftTree, TreeDrafter
-from tree_search.tree import TreeConfig
 
 if TYPE_CHECKING:
     from tree_search.sampling import SamplingParams

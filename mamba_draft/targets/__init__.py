@@ -1,4 +1,8 @@
-"""Loading the Hugging Face causal LMs that drafters serve (targets, teachers, assistants), GGUF files included.
+"""Target models (the Hugging Face causal LMs that drafters serve: targets, teachers, assistants).
+
+This module loads them; the package also holds what verifying a draft tree needs of one: the exact construction of
+low-precision CPU targets (`exact`: `row_blocks` + `row_attention`), what the engine reads of a model (`facts`),
+whether its attention takes a tree's 4D mask (`tree_mask`), and the KV cache that verifies trees (`cache`).
 
 A model path is an HF directory, a hub id, a `.gguf` file, or a directory holding one `.gguf` file and no config.json.
 GGUF files go through transformers' GGUF support (`gguf` + `accelerate`), dequantized and kept as a plain HF directory

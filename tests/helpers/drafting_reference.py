@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from mamba_draft.tree import TreeConfig
 from tree_search.sampling import SamplingParams, logits_to_probs, sample_without_replacement
-from tree_search.tree import TreeConfig
 
 _SOFTMAX = SamplingParams(temperature=1.0)
 

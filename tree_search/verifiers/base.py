@@ -8,8 +8,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from mamba_draft.tree import Tree
 from tree_search.sampling import SamplingParams
-from tree_search.tree import Tree
 
 DRAFT_MODES = ("topk", "sample")
 

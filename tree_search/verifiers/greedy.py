@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tree_search.tree import Tree
+from mamba_draft.tree import Tree
 from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult, register_verifier
 
 

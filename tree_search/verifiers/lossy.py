@@ -14,8 +14,8 @@ from functools import lru_cache
 
 import torch
 
+from mamba_draft.tree import Tree
 from tree_search.sampling import choose
-from tree_search.tree import Tree
 from tree_search.verifiers.base import Verifier, VerifyInput, VerifyResult
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from mamba_draft.targets.cache import TargetCache
 from mamba_draft.targets.exact import make_exact
-from tree_search.target.cache import TargetCache
-from tree_search.target.facts import (
+from mamba_draft.targets.facts import (
     TargetFacts, UnsupportedTargetError, attn_implementation, foreign_cache_layer, probe_key, target_vocab_size,
 )
-from tree_search.tree import Tree
+from mamba_draft.tree import Tree
 
 
 def check_tree_support(model: torch.nn.Module) -> None:

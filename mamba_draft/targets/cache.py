@@ -14,14 +14,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLayer
 
+from mamba_draft.graphs import capture_graph, to_device, weights_key
 from mamba_draft.targets import cache_keyword
 from mamba_draft.targets.exact import make_exact, prefilling
-from tree_search.graphs import capture_graph, to_device, weights_key
-from tree_search.target.facts import (
-    MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows,
-    static_cache_refusal,
+from mamba_draft.targets.facts import (
+    MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows, static_cache_refusal,
 )
-from tree_search.tree import Tree
+from mamba_draft.tree import Tree
 
 ROOT_ONLY = Tree((-1,))
 

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from mamba_draft.targets.row_attention import ROW_STABLE
-from tree_search.tree import Tree
+from mamba_draft.tree import Tree
 
 ATTRIBUTE = "_tree_search_facts"  # where TargetFacts lives on the model (a plain attribute, not a submodule)
 
