@@ -10,7 +10,8 @@ from typing import NamedTuple
 import torch
 
 from benchmarks.equality import compare_outputs
-from benchmarks.methods import HF_KINDS, Method, Models, load_plain, parse_method, run_hf, run_ours
+from benchmarks import llama_cpp
+from benchmarks.methods import HF_KINDS, LLAMA_CPP, Method, Models, load_plain, parse_method, run_hf, run_ours
 from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
 from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.devices import check_device, resolve_dtype
@@ -138,6 +139,9 @@ class Pass:
                 torch.manual_seed(self.seed + start)
             tokens, record = run_hf(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
                                     self.pad, mask)
+        elif method.kind == LLAMA_CPP:
+            tokens, record = llama_cpp.run(self.models.llama_cpp, ids, cfg.max_new_tokens, self.sampling, self.eos,
+                                           self.seed + start)
         else:
             tokens, record = run_ours(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
                                       self.policy, self.seed + start, mask)
@@ -306,6 +310,8 @@ def equality_cell(summary: dict) -> str:
         return "identical"
     if summary["lossless"] and summary["kind"] in HF_KINDS:  # transformers on the plain copy: its rounding, not ours
         return eq["summary"] + " (transformers' generate, plain model)"
+    if summary["kind"] == LLAMA_CPP:  # another implementation of the model: agreement, not equality
+        return eq["summary"] + " (llama.cpp, the GGUF's own weights)"
     if summary["lossless"]:
         return "**" + eq["summary"] + "**"
     return f"lossy: {eq['n_identical']}/{eq['n_prompts']} identical, prefix agreement {eq['prefix_agreement']:.2f}"
@@ -503,6 +509,11 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     if single and max(args.batch_size) > 1:
         raise ValueError(f"{', '.join(single)}: prompt lookup decodes one prompt at a time: drop it or use "
                          "--batch-size 1")
+    if any(m.kind == LLAMA_CPP for m in methods):
+        if max(args.batch_size) > 1:
+            raise ValueError("llama-cpp decodes one prompt at a time here: drop it or use --batch-size 1")
+        if not llama_cpp.available():
+            raise ImportError(f"the llama-cpp method needs llama-cpp-python: {llama_cpp.INSTALL}")
     if any(m.kind == "hf-assisted" for m in methods):
         if max(args.batch_size) > 1:
             raise ValueError("hf-assisted decodes one prompt at a time (transformers' assisted generation is batch 1 "
@@ -549,6 +560,8 @@ def load_models(methods: list[Method], target, *, dtype: torch.dtype, device: st
         models.plain_target = load_plain(target, dtype, device)
     if any(m.kind == "hf-assisted" for m in methods):
         models.plain_assistant = load_plain(assistant, dtype, device)
+    if any(m.kind == LLAMA_CPP for m in methods):
+        models.llama_cpp = llama_cpp.load(str(target))
     return models
 
 

@@ -232,6 +232,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     """The greedy and sampled tables' methods: the baselines, `default` (what `generate` runs by default here) and
     the measured-time bandit over the CPU arms without its lookup rounds, plus the assistant's methods when there is
     one; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy verifiers."""
+    from benchmarks import llama_cpp
     from tree_search.bandit import CPU_ARMS
     from tree_search.calls import LOOKUP_TOKENS as LOOKUP
 
@@ -242,8 +243,10 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     # Mamba-vs-Transformer comparison under the same decoding (`assistant:` methods)
     tf = ("tf-default=assistant:default",) if assistant else ()
     assisted = ("hf-assisted",) if assistant else ()
-    greedy = ("hf-ar", *assisted, "hf-lookup", "ar", "default", f"cpu-bandit={bandit}", *tf)
-    sampled = ("hf-ar", "ar", "default", f"cpu-bandit@sampling={bandit}@sampling", *tf)
+    # llama.cpp on the same GGUF where the `llama-cpp` extra is installed: what a CPU user picks without us
+    llama = ("llama-cpp",) if llama_cpp.available() else ()
+    greedy = ("hf-ar", *assisted, "hf-lookup", *llama, "ar", "default", f"cpu-bandit={bandit}", *tf)
+    sampled = ("hf-ar", *llama, "ar", "default", f"cpu-bandit@sampling={bandit}@sampling", *tf)
     if assistant and full_sweep:
         greedy += ("tf-chain:2=assistant:chain:2", "tf-tree:2,1=assistant:tree:2,1", f"tf-bandit=assistant:{bandit}")
         sampled += ("tf-chain:2@sampling=assistant:chain:2@sampling", "tf-tree:2,1@sampling=assistant:tree:2,1@sampling")

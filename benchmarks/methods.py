@@ -4,6 +4,7 @@
     hf-assisted      transformers assisted generation with a Transformer assistant (`--assistant`)
     hf-lookup        transformers prompt-lookup decoding (`prompt_lookup_num_tokens`), the target alone
                      (hf-* methods run on plain copies of the models, `load_plain`: what a user has without us)
+    llama-cpp        llama.cpp on the target's own GGUF file (`benchmarks/llama_cpp.py`; the `llama-cpp` extra)
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
     default          what `generate` runs by default on the target's device (tree "auto" and the lookup rounds and
                      verifier it implies: tree_search.policy.default_policy / calls.default_lookup_tokens)
@@ -31,13 +32,14 @@ import torch
 from tree_search.calls import LOOKUP_TOKENS
 
 HF_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
+LLAMA_CPP = "llama-cpp"  # llama.cpp on the target's GGUF: another implementation, its agreement with `ar` reported
 DEFAULT_CHAIN = 5
 
 
 @dataclass(frozen=True)
 class Method:
     name: str                 # the spec as given (table label)
-    kind: str                 # hf-ar | hf-assisted | hf-lookup | ar | spec
+    kind: str                 # hf-ar | hf-assisted | hf-lookup | llama-cpp | ar | spec
     tree: str = ""            # spec: its tree policy (tree_search.policy grammar): "auto", "1,1,1,1,1", "bandit:..."
     # None (`default`): generate's own choice, greedy at temperature 0, else sampling (both lossless)
     verifier: str | None = "greedy"
@@ -70,7 +72,7 @@ def parse_method(spec: str) -> Method:
         if not label or not rest:
             raise ValueError(f"method {spec!r}: expected LABEL=METHOD")
         return replace(parse_method(rest), name=label)
-    if name in (*HF_KINDS, "ar"):
+    if name in (*HF_KINDS, LLAMA_CPP, "ar"):
         return Method(name, name)
     body, drafter = name, "drafter"
     if body.startswith("assistant:"):
@@ -101,7 +103,8 @@ def tree_policy(spec: str, drafting: str) -> str:
     if drafting == "default":
         return "auto"
     if kind not in ("chain", "tree", "bandit", "bandit-time") or (kind == "tree" and not arg):
-        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, ar, default, chain[:N], "
+        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, llama-cpp, ar, default, "
+                         "chain[:N], "
                          "tree:3,2,2,1,1, bandit[:A/B] or bandit-time[:A/B], with an optional assistant: prefix, "
                          "+lookup[:K] and @verifier, or verifier=NAME")
     policy = arg if kind == "tree" else f"chain:{DEFAULT_CHAIN}" if drafting == "chain" else drafting
@@ -144,6 +147,7 @@ class Models:
     # when it first runs on it, so the bench always loads separate copies)
     plain_target: torch.nn.Module | None = None
     plain_assistant: torch.nn.Module | None = None
+    llama_cpp: object = None  # llama_cpp.Llama on the target's GGUF file (`llama-cpp`)
 
     def for_hf(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """(target, assistant) of the hf-* methods."""

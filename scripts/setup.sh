@@ -81,5 +81,8 @@ PY
 fi
 
 "$VENV/bin/mamba-draft" --help >/dev/null
-"$VENV/bin/python" -c "import torch, mamba_draft; print('mamba-draft ready: torch', torch.__version__, \
-'| CUDA', torch.cuda.is_available(), '| kernels', mamba_draft.kernels_available())"
+# The exact bf16 CPU attention kernel (mamba_draft/targets/row_attention.c) is compiled here once, with gcc, into
+# ~/.cache/mamba-draft/kernels/ (about a second); without a C compiler bf16 CPU targets are refused in one line.
+"$VENV/bin/python" -c "import torch, mamba_draft; from mamba_draft.targets import row_attention; \
+print('mamba-draft ready: torch', torch.__version__, '| CUDA', torch.cuda.is_available(), '| kernels', \
+mamba_draft.kernels_available(), '| exact CPU attention', row_attention.available())"

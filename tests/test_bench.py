@@ -373,3 +373,69 @@ def test_methods_draft_in_generates_tree_grammar():
                          ("beam", "unknown method")):
         with pytest.raises(ValueError, match=message):
             parse_method(bad)
+
+
+class StandInLlama:
+    """llama_cpp.Llama's surface the llama-cpp method uses (reset, set_seed, a generate token stream), continuing
+    each prompt with the tiny target's own greedy tokens; it records what it was asked."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls, self.reset_before, self.yielded = model, [], [], []
+
+    def reset(self) -> None:
+        self.reset_before.append(len(self.calls))
+
+    def set_seed(self, seed: int) -> None:
+        self.calls.append(("seed", seed))
+
+    def generate(self, tokens, **options):
+        self.calls.append(("generate", list(tokens), options))
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([tokens]), max_new_tokens=40, do_sample=False, pad_token_id=0)
+        self.yielded.append(0)
+        for token in out[0, len(tokens):].tolist():
+            self.yielded[-1] += 1
+            yield token
+
+
+def test_the_llama_cpp_method_runs_the_gguf_beside_ours(tiny_pair, tmp_path, monkeypatch):
+    """Wired without building llama.cpp: each prompt whole from an empty cache (reset first), greedy with none of
+    llama.cpp's own filters, stopped at the token budget, reported as another implementation's agreement."""
+    from transformers import LlamaForCausalLM
+
+    from benchmarks import llama_cpp
+
+    root, prompts = tiny_pair
+    stand_in = StandInLlama(LlamaForCausalLM.from_pretrained(root / "target").eval())
+    monkeypatch.setattr(llama_cpp, "available", lambda: True)
+    monkeypatch.setattr(llama_cpp, "load", lambda target, threads=None: stand_in)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--target", str(root / "target"), "--prompts", str(prompts), "--methods", "llama-cpp",
+                     "--repeats", "1", "--max-new-tokens", "6", "--dtype", "float32", "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    methods = result["batches"]["1"]["methods"]
+    assert list(methods) == ["ar", "llama-cpp"]  # our plain decoding runs beside it, as its baseline
+    assert methods["llama-cpp"]["tokens_per_s"][0] > 0 and methods["llama-cpp"]["kind"] == "llama-cpp"
+    generates = [c for c in stand_in.calls if c[0] == "generate"]
+    assert len(generates) >= 3 and all(stand_in.calls[i][0] == "seed" for i in stand_in.reset_before)  # (+ warm-up)
+    assert all(c[2]["temp"] == 0.0 and c[2]["min_p"] == 0.0 and c[2]["repeat_penalty"] == 1.0 for c in generates)
+    assert stand_in.yielded[-3:] == [6, 6, 6]  # the budget stops the stream (the stand-in's has 40 tokens)
+    assert methods["llama-cpp"]["equality"]["n_prompts"] == 3  # its agreement with ar, reported
+
+
+def test_the_llama_cpp_method_says_how_to_install_it_and_what_it_needs(tiny_pair, tmp_path, monkeypatch):
+    from benchmarks import llama_cpp
+
+    root, prompts = tiny_pair
+    base = ["bench", "--target", str(root / "target"), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+            "--methods", "llama-cpp"]
+    monkeypatch.setattr(llama_cpp, "available", lambda: False)
+    with pytest.raises(ImportError, match=r"needs llama-cpp-python: pip install 'mamba-draft\[llama-cpp\]'") as err:
+        cli.main(base)
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(llama_cpp, "available", lambda: True)
+    with pytest.raises(ValueError, match="llama-cpp decodes one prompt at a time"):
+        cli.main(base + ["--batch-size", "2"])
+    with pytest.raises(ValueError, match="runs a .gguf target"):
+        llama_cpp.load(str(root / "target"))
+    assert not (tmp_path / "o").exists()

@@ -20,7 +20,8 @@ from mamba_draft.targets import (
 )
 from mamba_draft.targets.cache import TargetCache
 from mamba_draft.targets.exact import prefilling
-from mamba_draft.targets.row_blocks import make_row_invariant, pick_sizes, row_block, unblocked_forward
+from mamba_draft.targets.row_blocks import (agreeing_classes, make_row_invariant, pick_sizes, row_block,
+                                            unblocked_forward)
 from mamba_draft.tree import Tree
 from tests.helpers.tree_models import random_drafter, tiny_llama
 from tree_search.generate import generate, generate_autoregressive
@@ -213,6 +214,14 @@ def test_pick_sizes_takes_the_rows_that_come_nearly_free():
     amd = {1: 10.5, 2: 10.8, 4: 10.2, 8: 11.4, 16: 13.2}
     assert pick_sizes(amd, [(1,), (2, 4, 8, 16)]) == (2, 4, 8, 16)
     assert pick_sizes(amd, [(1,), (2, 4, 8, 16)], slack=1.01) == (1,)  # a step may not cost 3 % more here
+
+
+def test_one_row_never_joins_a_ladder():
+    """A one-row product is a matrix-vector kernel: even where it agrees with 2-row blocks on the probe's random rows
+    (as on ATen's scalar path), real activations can round otherwise, so 1 stays a ladder of its own."""
+    layer = nn.Sequential(nn.Linear(64, 64)).bfloat16()
+    classes = agreeing_classes(row_blocks._shapes(layer), (1, 2, 4, 8, 16))
+    assert classes[0] == (1,) and all(1 not in c for c in classes[1:])
 
 
 def test_a_ladder_multiplies_each_forward_in_its_smallest_fitting_blocks():

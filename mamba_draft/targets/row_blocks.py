@@ -47,9 +47,11 @@ class RowBlocks:
         features = x.shape[-1]
         n = x.numel() // features
         sizes = self.active
-        if sizes is None or n in sizes or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if sizes is None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
-        flat = x.reshape(n, features)
+        flat = x.reshape(n, features)  # every block a 2-D product, as `agreeing_classes` probes it (a 3-D input
+        if n in sizes:                 # of one row may take another kernel: a matrix-vector one)
+            return super().forward(flat).view(*x.shape[:-1], -1)
         largest = sizes[-1]
         whole = 0 if n < largest else n - n % largest
         blocks = [super(RowBlocks, self).forward(flat[i:i + largest]) for i in range(0, whole, largest)]
@@ -212,14 +214,17 @@ def _blocked_rows(layer: nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def agreeing_classes(groups: dict, sizes) -> list[tuple[int, ...]]:
-    """`sizes` split into ladders whose blocks give every row the same bits on every layer shape of `groups`."""
+    """`sizes` split into ladders whose blocks give every row the same bits on every layer shape of `groups`. One
+    row stays alone: libraries multiply it by a matrix-vector kernel of its own, which a probe can find agreeing
+    on random rows and a real forward then not (seen with ATen's scalar kernels and oneDNN's emulated bf16)."""
     g = torch.Generator().manual_seed(1)
     probes = {key: torch.randn(19, _in_features(layer), generator=g).to(layer.weight.dtype)
               for key, layer in groups.items()}
     classes: list[tuple[list[int], list[torch.Tensor]]] = []
     for rows in sizes:
         outputs = [_blocked_rows(layer, probes[key], rows) for key, layer in groups.items()]
-        same = next((c for c in classes if all(map(torch.equal, c[1], outputs))), None)
+        same = None if rows == 1 else next((c for c in classes if c[0][0] > 1 and all(map(torch.equal, c[1], outputs))),
+                                           None)
         if same is None:
             classes.append(([rows], outputs))
         else:

@@ -1,0 +1,63 @@
+"""The `llama-cpp` bench method: llama.cpp (through llama-cpp-python) decoding the very GGUF file the target was read
+from, on the same prompt ids (our tokenizer and chat template), token budget, sampling and threads, prefill
+included. What a CPU user picks without us; its outputs come from another implementation, so the bench reports
+their agreement with `ar`, not equality.
+
+    pip install 'mamba-draft[llama-cpp]'   # builds llama.cpp from source where no wheel fits (about 4 min, 2 cores);
+                                           # on Intel AMX: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import torch
+
+INSTALL = ("pip install 'mamba-draft[llama-cpp]' (llama-cpp-python; on Intel AMX CPUs with "
+           "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON\")")
+CONTEXT = 4096  # llama.cpp's context: the longest prompt plus the token budget must fit
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def load(target: str, threads: int | None = None):
+    """A llama_cpp.Llama over `target`'s GGUF file (the shipped SmolLM2's when `target` is "smollm2"), on `threads`
+    threads (default: torch's), quiet; a one-line error where llama-cpp-python is missing or `target` is no GGUF."""
+    from mamba_draft.targets import resolve_gguf
+
+    gguf = resolve_gguf(target)
+    if gguf is None:
+        raise ValueError(f"the llama-cpp method runs a .gguf target; --target {target} is not one")
+    if not available():
+        raise ImportError(f"the llama-cpp method needs llama-cpp-python: {INSTALL}")
+    from llama_cpp import Llama
+
+    threads = threads or torch.get_num_threads()
+    return Llama(model_path=str(gguf[0] / gguf[1]), n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads,
+                 verbose=False)
+
+
+def run(llm, ids: torch.Tensor, max_new_tokens: int, sampling: dict, eos: list[int], seed: int) -> tuple[list, dict]:
+    """One prompt (1, L) through llama.cpp from an empty cache (no prefix kept from an earlier call): its new tokens
+    up to and including an EOS, and the bench's record. Greedy at temperature 0; otherwise llama.cpp's sampler with
+    the same temperature, top-k (0: off) and top-p and none of its own extra filters (min-p, repeat penalty)."""
+    if ids.shape[0] != 1:
+        raise ValueError("the llama-cpp method decodes one prompt at a time (batch size 1)")
+    prompt = ids[0].tolist()
+    temperature = sampling["temperature"] or 0.0
+    options = dict(temp=temperature, top_k=sampling.get("top_k") or 0, top_p=sampling.get("top_p") or 1.0,
+                   min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True)
+    start = time.perf_counter()
+    llm.reset()  # the whole prompt is prefilled, as every other method prefills it
+    llm.set_seed(seed)
+    tokens = []
+    for token in llm.generate(prompt, **options):
+        tokens.append(int(token))
+        if token in eos or len(tokens) >= max_new_tokens:
+            break
+    wall = time.perf_counter() - start
+    record = {"new_tokens": len(tokens), "wall_time": wall, "rounds": len(tokens), "accepted": len(tokens),
+              "target_forwards": len(tokens)}
+    return tokens, record
