@@ -143,7 +143,7 @@ class Models:
     tokenizer: object = None
     assistant_draft_ids: torch.Tensor | None = None  # the draft vocabulary stored with the assistant, if any
     # what transformers' generate (hf-*) runs on: plain copies (`load_plain`); None: `target` / `assistant`, for
-    # callers whose models are plain already (our engine turns a target's linear layers into row blocks in place
+    # callers whose models are plain already (our engine gives a bf16 CPU target row blocks and row attention in place
     # when it first runs on it, so the bench always loads separate copies)
     plain_target: torch.nn.Module | None = None
     plain_assistant: torch.nn.Module | None = None

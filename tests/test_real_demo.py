@@ -71,12 +71,13 @@ def test_quick_rebuild_makes_data_trains_the_pair_and_benchmarks_it(quick_train)
         assert len(result[table]["prompts"]) == quick.bench_prompts
         assert all(int(p["question_id"]) % 2 == 1 for p in result[table]["prompts"])
         # the reference is `ar`, our plain decoding on the same exact model; hf-* methods run transformers'
-        # generate on a plain copy, which may round otherwise, so they are not held to it
+        # generate on a plain copy, which may round otherwise, and llama-cpp (where installed) another implementation
+        # on the GGUF's own weights, so they are not held to it
         assert result[table]["reference"] == "ar" and result[table]["baselines"] == ["ar", "hf-ar"]
         assert result[table]["budget"] == result["budget"] and "summary" in result["budget"]
         for name, s in methods.items():
             assert all(v > 0 for v in s["tokens_per_s"]), (table, name)
-            if table == "greedy" and s["lossless"] and not name.startswith("hf-"):
+            if table == "greedy" and s["lossless"] and not name.startswith("hf-") and s["kind"] != "llama-cpp":
                 assert s["equality"]["all_repeats_identical"], (name, s["equality"])
     assert result["sampled"]["config"]["temperature"] == quick.temperature
     assert (run_dir / "results" / "demo_sampled_speedup.png").read_bytes()[:4] == b"\x89PNG"
