@@ -1,6 +1,9 @@
 """Device names from the command line, checked before any model loads."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
 from .dtypes import parse_dtype
@@ -45,8 +48,16 @@ def cpu_info(field: str) -> str:
         return ""
 
 
+def c_compiler() -> str | None:
+    """$CC, else gcc, else cc: the path of one that runs here, or None (what builds the exact bf16 CPU attention)."""
+    return next((path for name in (os.environ.get("CC"), "gcc", "cc") if name and (path := shutil.which(name))), None)
+
+
 def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """A target's dtype when none is asked for: bf16 where its products are native (`native_bf16`), else fp32."""
+    """A target's dtype when none is asked for: bf16 where its products are native (`native_bf16`) and, on a CPU,
+    a C compiler can build the exact attention kernel (`targets.row_attention`), else fp32."""
+    if torch.device(device).type == "cpu" and c_compiler() is None:
+        return torch.float32
     return torch.bfloat16 if native_bf16(device) else torch.float32
 
 

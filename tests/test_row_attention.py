@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mamba_draft import devices
 from mamba_draft.targets import cpu_attention, row_attention
 from mamba_draft.targets.cpu_attention import grouped_attention
 from mamba_draft.targets.row_attention import KernelUnavailable
@@ -182,12 +183,14 @@ def test_the_kernel_is_built_once_and_a_missing_compiler_is_one_line(monkeypatch
         monkeypatch.setattr(row_attention.subprocess, "run", no_build)
         row_attention.library()
         monkeypatch.undo()
-        monkeypatch.setattr(row_attention, "compiler", lambda: None)
+        monkeypatch.setattr(row_attention, "c_compiler", lambda: None)
+        monkeypatch.setattr(devices, "c_compiler", lambda: None)
         row_attention.library.cache_clear()
         with pytest.raises(KernelUnavailable, match="needs a C compiler") as err:
             row_attention.library()
         assert "\n" not in str(err.value)
         assert not row_attention.available()
+        assert devices.default_dtype("cpu") == torch.float32  # --dtype auto: fp32, which needs no kernel
     finally:
         monkeypatch.undo()
         row_attention.library.cache_clear()

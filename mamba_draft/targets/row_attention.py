@@ -14,21 +14,22 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
-from ..devices import cpu_info
+from ..devices import c_compiler, cpu_info
 from ..io import cache_root
 
 ROW_STABLE = "row_stable"
 PREFILL = "row_stable_prefill"  # what a row-stable model's prefill runs (`exact.prefilling`)
 SOURCE = Path(__file__).with_name("row_attention.c")
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-NATIVE = ("-march=native",)  # speed only: the kernel's bits do not depend on the instructions picked
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+# speed only, each: the kernel's bits depend neither on the instructions picked nor on the threads; a compiler
+# without -march=native or OpenMP still builds a portable or a one-thread kernel
+ATTEMPTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MASK_CAUSAL, MASK_NONE, MASK_BOOL, MASK_F32 = range(4)
 SERIAL_WORK = 1 << 17  # multiply-adds below which a call runs on one thread (a short decoding step)
@@ -38,22 +39,17 @@ class KernelUnavailable(RuntimeError):
     """No C compiler here, or the kernel did not build."""
 
 
-def compiler() -> str | None:
-    """$CC, else gcc, else cc: the path of one that runs here, or None."""
-    return next((path for name in (os.environ.get("CC"), "gcc", "cc") if name and (path := shutil.which(name))), None)
-
-
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled kernel: built once per source, compiler and CPU, kept under cache_root() (a temporary directory
     when the cache is off)."""
-    cc = compiler()
+    cc = c_compiler()
     if cc is None:
         raise KernelUnavailable("exact bf16/fp16 attention on a CPU needs a C compiler (gcc or $CC) to build its "
                                 "kernel; install gcc, or run the target in float32")
     source = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    identity = [source.hex(), cc, version, FLAGS, NATIVE, cpu_info("flags"), platform.machine()]
+    identity = [source.hex(), cc, version, FLAGS, ATTEMPTS, cpu_info("flags"), platform.machine()]
     digest = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
     root = cache_root()
     directory = Path(tempfile.mkdtemp(prefix="mamba-draft-kernel-")) if root is None else root / "kernels"
@@ -62,7 +58,7 @@ def library() -> ctypes.CDLL:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{path.name}.{os.getpid()}.tmp"
         errors = ""
-        for extra in (NATIVE, ()):  # a compiler that does not know -march=native still builds a portable one
+        for extra in ATTEMPTS:
             done = subprocess.run([cc, *FLAGS, *extra, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
                                   text=True)
             if done.returncode == 0:
