@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mamba_draft.targets.cache import ROOT_ONLY, TargetCache
-from mamba_draft.targets.exact import make_exact
 from mamba_draft.targets.facts import target_vocab_size
 from tree_search.calls import (
     BatchGenerateResult, Call, GenerateResult, GenerateStats, batch_prompts, check_drafter, check_drafter_room,
@@ -59,7 +58,6 @@ class SpeculativeDecoder:
     def __init__(self, target: torch.nn.Module, drafter=None, *, tree="auto", verifier: str | Verifier | None = None,
                  verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
                  lookup_tokens: int | None = None) -> None:
-        make_exact(target)  # a bf16/fp16 CPU target however loaded: exact, or refused here in one line
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.device = next(target.parameters()).device
         self.tree, self.prompt_lookup, self.lookup_tokens = tree, prompt_lookup, lookup_tokens

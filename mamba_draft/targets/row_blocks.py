@@ -241,7 +241,7 @@ def choose_sizes(model: nn.Module) -> tuple[int, ...]:
     root = cache_root()
     store = None if root is None else root / "row_blocks.json"
     kept = _read(store).get(key)
-    if isinstance(kept, list) and kept and all(r in CANDIDATES for r in kept):
+    if isinstance(kept, list) and kept and all(r in CANDIDATES for r in kept) and (len(kept) == 1 or 1 not in kept):
         return tuple(kept)
     costs = block_costs(model)
     free = [rows for rows in CANDIDATES if all(_position_free(layer, rows) for layer in groups.values())]
