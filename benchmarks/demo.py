@@ -479,14 +479,15 @@ def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
     """Bare per-token latency after prefilling `input_ids`: one cached target decode vs one batch-1 drafter step
     (and the assistant's, as a Transformer drafter, when given), and the cost of verifying a chain of n tokens in one
     target forward relative to one token (the cost structure speculation lives on), all through the engine's own
-    TargetCache (row blocks included); medians, timed in turns."""
+    TargetCache; medians, timed in turns."""
     from benchmarks.bench_drafters import time_round_robin
     from benchmarks.gpu_timings import verify_call
     from mamba_draft.targets.cache import TargetCache
     from mamba_draft.tree import Tree
 
     token, chains = input_ids[0, -1], (2, 4, 8)
-    target_cache = TargetCache(target)
+    # the cache `generate` runs (static, with the compiled CPU step where it applies); every timed call adds a token
+    target_cache = TargetCache.for_call(target, max_len=input_ids.shape[1] + 512)
     target_cache.prefill(input_ids)
     steps = {}
     for name, model in {"drafter": drafter, "assistant": assistant}.items():

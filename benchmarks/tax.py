@@ -51,15 +51,16 @@ class PlainPath:
 
 
 class ExactPath:
-    """The engine's target cache: a chain of n tokens verified, its root committed."""
+    """The engine's target cache as `generate` makes it (static, with the compiled CPU step where it applies): a chain
+    of n tokens verified, its root committed."""
 
-    def __init__(self, model) -> None:
-        self.model = model
+    def __init__(self, model, max_len: int) -> None:
+        self.model, self.max_len = model, max_len
 
     def prefill(self, ids: torch.Tensor):
         from mamba_draft.targets.cache import TargetCache
 
-        cache = TargetCache(self.model)
+        cache = TargetCache.for_call(self.model, self.max_len)
         cache.prefill(ids)
         return cache
 
@@ -74,9 +75,10 @@ class ExactPath:
 def measure(plain, exact, repeats: int) -> list[dict]:
     """Median ms of each forward of FORWARDS through transformers' `plain` model and the engine's `exact` one (the
     same weights), the two taking turns call by call."""
-    paths = {"plain": PlainPath(plain), "exact": ExactPath(exact)}
+    longest = max(n for _, n in FORWARDS) + CONTEXT
+    paths = {"plain": PlainPath(plain), "exact": ExactPath(exact, longest + repeats + 2)}
     vocab = plain.config.vocab_size
-    ids = torch.randint(0, vocab, (1, max(n for _, n in FORWARDS) + CONTEXT), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (1, longest), generator=torch.Generator().manual_seed(0))
     rows = []
     for kind, n in FORWARDS:
         if kind == "prefill":

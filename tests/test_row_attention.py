@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mamba_draft import devices
-from mamba_draft.targets import cpu_attention, row_attention
+from mamba_draft.targets import cpu_attention, native, row_attention
 from mamba_draft.targets.cpu_attention import grouped_attention
 from mamba_draft.targets.row_attention import KernelUnavailable
 from mamba_draft.tree import Tree
@@ -166,7 +166,7 @@ def test_a_left_padded_generate_equals_each_prompt_alone(name):
 
 def test_the_kernel_is_built_once_and_a_missing_compiler_is_one_line(monkeypatch, tmp_path):
     """The library is compiled into the cache once (a second process loads it); without a compiler, loading says
-    what to do in one line."""
+    what to do in one line. (The compiled target step's library is built by the same `native.build`.)"""
     monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
     row_attention.library.cache_clear()
     try:
@@ -174,16 +174,16 @@ def test_the_kernel_is_built_once_and_a_missing_compiler_is_one_line(monkeypatch
         built = list((tmp_path / "kernels").glob("row_attention-*.so"))
         assert len(built) == 1
         row_attention.library.cache_clear()
-        run = row_attention.subprocess.run
+        run = native.subprocess.run
 
         def no_build(command, **kwargs):
             assert "-shared" not in command, "built again"
             return run(command, **kwargs)
 
-        monkeypatch.setattr(row_attention.subprocess, "run", no_build)
+        monkeypatch.setattr(native.subprocess, "run", no_build)
         row_attention.library()
         monkeypatch.undo()
-        monkeypatch.setattr(row_attention, "c_compiler", lambda: None)
+        monkeypatch.setattr(native, "c_compiler", lambda: None)
         monkeypatch.setattr(devices, "c_compiler", lambda: None)
         row_attention.library.cache_clear()
         with pytest.raises(KernelUnavailable, match="needs a C compiler") as err:

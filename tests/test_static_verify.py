@@ -214,7 +214,8 @@ def test_static_decode_matches_the_dynamic_decode(lengths):
 # ------------------------------------------------------------------------------------------ refusals
 
 
-def test_capacity_is_refused_in_one_line_before_any_forward():
+def test_capacity_is_refused_in_one_line_before_any_forward(monkeypatch):
+    monkeypatch.setenv("MAMBA_DRAFT_CPU_STEP", "0")  # every forward is the model's own (counted); the step shares _reserve
     model = target("llama")
     calls = []
     model.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -252,11 +253,12 @@ def test_bad_arguments_and_unservable_models_are_refused_in_one_line():
     with pytest.raises(UnsupportedTargetError, match=r"^MistralForCausalLM's sliding-window layers keep only the "
                                                       r"last 31 tokens, fewer than the 40 slots.*static=False$"):
         TargetCache(windowed, static=True, max_len=40)
-    # auto (static=None): static on CUDA where it can serve, the dynamic cache otherwise (and always on CPU)
+    # auto (static=None): static on CUDA where it can serve, and on a CPU for the compiled step; else dynamic
     cuda = torch.device("cuda")
     assert use_static(llama, cuda, None, 40) and use_static(windowed, cuda, None, 31)
     assert not use_static(windowed, cuda, None, 40) and not use_static(llama, cuda, None, None)
-    assert not TargetCache(windowed, max_len=40).static and not TargetCache(llama, max_len=40).static  # CPU
+    assert not TargetCache(windowed, max_len=40).static and not TargetCache(tiny_causal_lm("neox"), max_len=40).static
+    assert TargetCache(llama, max_len=40).step is not None  # CPU, Llama: static storage and the compiled step
     assert TargetCache(windowed, static=True, max_len=31).static
 
 
@@ -267,6 +269,7 @@ def test_for_call_keeps_a_static_cache_on_the_model_while_it_fits_and_the_weight
     """With the auto rule made to choose static storage here (as it does on CUDA), `for_call` reuses the cache kept
     on the model while it has room and the weights, attention, dtype and device are those it was built for."""
     real = cache_module.use_static
+    monkeypatch.setenv("MAMBA_DRAFT_CPU_STEP", "0")  # transformers' forward, as on CUDA (mask conventions differ)
     monkeypatch.setattr(cache_module, "use_static", lambda model, device, static, max_len: real(
         model, torch.device("cuda") if static is None else device, static, max_len))
     model = target("qwen2")
@@ -277,8 +280,7 @@ def test_for_call_keeps_a_static_cache_on_the_model_while_it_fits_and_the_weight
     bigger = TargetCache.for_call(model, 48, graphs=False)
     assert bigger is not first and bigger.max_len == 48 and facts.static_cache is bigger
     assert TargetCache.for_call(model, 32, graphs=False) is bigger  # the bigger one is kept
-    with pytest.raises(ValueError, match="graphs=True needs"):  # a cache without graphs is rebuilt with them: no CUDA
-        TargetCache.for_call(model, 32, graphs=True)
+    assert TargetCache.for_call(model, 32, graphs=True) is bigger  # graphs are CUDA's: not asked of a CPU cache
     model.set_attn_implementation("eager")  # another mask convention: a cache built for sdpa is not reused
     eager = TargetCache.for_call(model, 20, graphs=False)
     assert eager is not bigger and eager.style.dtype == torch.float32  # eager: the additive float mask
@@ -295,15 +297,16 @@ def test_for_call_keeps_a_static_cache_on_the_model_while_it_fits_and_the_weight
     assert not TargetCache.for_call(windowed, 40, graphs=False).static
     monkeypatch.undo()
     plain = [TargetCache.for_call(model, 20), TargetCache.for_call(model, 20)]
-    assert not plain[0].static and plain[0] is not plain[1]  # CPU: dynamic, fresh each call, graphs not asked
+    assert not plain[0].static and plain[0] is not plain[1]  # CPU, fp64 (no compiled step): dynamic, fresh each call
 
 
 def test_for_call_asks_graphs_only_of_static_caches():
     windowed = tiny_causal_lm("mistral", sliding_window=32)
     assert not TargetCache.for_call(windowed, 40, graphs=True).static  # auto: dynamic, graphs not requested
     llama = target("llama")
-    state = TargetCache.for_call(llama, 40, graphs=True)
-    assert not state.static and not state.use_graphs and TargetFacts.of(llama).static_cache is None  # CPU
+    state = TargetCache.for_call(llama, 40, graphs=True)  # CPU: static for the compiled step, no graphs
+    assert state.static and state.step is not None and not state.use_graphs
+    assert TargetFacts.of(llama).static_cache is state
 
 
 # ------------------------------------------------------------------------------------------ compile and graphs
@@ -356,6 +359,7 @@ def test_graph_bookkeeping_warmups_are_harmless_and_outputs_are_copied_out(monke
         return ReplayInPlace(body)
 
     monkeypatch.setattr(TargetCache, "_capture", fake_capture)
+    monkeypatch.setenv("MAMBA_DRAFT_CPU_STEP", "0")  # transformers' forward, which CUDA graphs capture
     model = target("llama")
     g = torch.Generator().manual_seed(3)
     eager, graphed = TargetCache(model, static=True, max_len=64), TargetCache(model, static=True, max_len=64)

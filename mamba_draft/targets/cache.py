@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLay
 
 from mamba_draft.graphs import capture_graph, to_device, weights_key
 from mamba_draft.targets import cache_keyword
+from mamba_draft.targets import cpu_step
 from mamba_draft.targets.exact import make_exact, prefilling
 from mamba_draft.targets.facts import (
     MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows, static_cache_refusal,
@@ -68,10 +69,13 @@ class TargetCache:
         self.model = model
         self.device = next(model.parameters()).device
         # a position's logits do not depend on how many tokens, or which rows, share its forward
-        self.exact = make_exact(model)
-        self.style = MaskStyle(model)
-        self._cache_keyword = cache_keyword(model)
+        exact = make_exact(model)
         self.static = use_static(model, self.device, static, max_len)
+        # the compiled CPU step (static storage only: it writes the cache in place), exact by itself
+        self.step = cpu_step.CpuStep.of(model) if self.static and self.device.type == "cpu" else None
+        self.exact = exact or self.step is not None
+        self.style = MaskStyle(model, boolean=self.step is not None)
+        self._cache_keyword = cache_keyword(model)
         if graphs and not (self.static and self.device.type == "cuda"):
             raise ValueError("graphs=True needs the static KV cache (static=True, max_len) on a CUDA device")
         self.use_graphs, self.max_len = graphs, (max_len if self.static else None)
@@ -101,6 +105,7 @@ class TargetCache:
         device = next(model.parameters()).device
         if not use_static(model, device, None, max_len):
             return cls(model, static=False)
+        graphs = graphs and device.type == "cuda"
         facts = TargetFacts.of(model)
         cached = facts.static_cache
         if (cached is None or cached.max_len < max_len or cached.use_graphs != graphs
@@ -149,7 +154,7 @@ class TargetCache:
         valid = (torch.ones(input_ids.shape, dtype=torch.bool, device=self.device) if attention_mask is None
                  else attention_mask.to(device=self.device, dtype=torch.bool))
         self.positions = valid.sum(dim=1)
-        self.slots, self._pending = 0, None
+        self.slots, self._pending, self.forwards = 0, None, 0  # a new sequence (a reused static cache counts anew)
         if self.static:  # a new sequence: the storage is re-allocated (graphs dropped) when the batch outgrows it
             for layer in self.cache.layers:
                 if layer.is_initialized and layer.keys.shape[0] < batch:
@@ -381,6 +386,15 @@ class TargetCache:
         torch.add(self._arange[:n], start, out=self._write[:n])
         shape.mask[:, 0] = self._valid[:, None, :]
         shape.mask[:, 0, :, start : start + n] = block
+        if self.step is not None:
+            layers = self.cache.layers
+            for layer in layers:  # storage for a batch whose prefill cached nothing (one-token prompts)
+                if not layer.is_initialized:
+                    k = torch.zeros(self.batch_size, self.step.struct.kv_heads, 1, self.step.struct.head_dim,
+                                    dtype=self.step.dtype)
+                    layer.lazy_initialization(k, k)
+            return self.step.forward(shape.ids, shape.mask, shape.positions, self._write[:n], start + n,
+                                     [layer.keys for layer in layers], [layer.values for layer in layers], want_hidden)
         if not self.use_graphs:
             return self._call(self.forward, shape.ids, shape.mask, shape.positions, want_hidden)
         if want_hidden not in shape.graphs:
@@ -407,8 +421,9 @@ def use_static(model: torch.nn.Module, device: torch.device, static: bool | None
     """Resolve TargetCache's `static` argument; refuse a bad `max_len` or a static cache the model cannot use."""
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
         raise ValueError(f"max_len must be a positive int (KV slots to preallocate), got {max_len!r}")
-    if static is None:  # auto: static on CUDA (capturable); on a CPU the dynamic cache is as fast or faster
-        return device.type == "cuda" and max_len is not None and static_cache_refusal(model, max_len) is None
+    if static is None:  # auto: static on CUDA (capturable) and for the compiled CPU step; else a CPU's dynamic cache
+        return ((device.type == "cuda" or cpu_step.applies(model)) and max_len is not None  # is as fast or faster
+                and static_cache_refusal(model, max_len) is None)
     if static:
         if max_len is None:
             raise ValueError("static=True needs max_len: prompt + max_new_tokens + the widest tree's node count + 1")

@@ -26,6 +26,9 @@ class TargetFacts:
         self.tree_mask_ok: set[tuple] = set()  # probe keys (`probe_key`) whose tree-mask probe passed
         self.static_cache = None  # a static TargetCache reused across calls (CUDA: its buffers and graphs)
 
+    def __getstate__(self) -> dict:  # a copied model (copy.deepcopy, pickle) builds its own static cache
+        return {**self.__dict__, "static_cache": None}
+
     @classmethod
     def of(cls, model: torch.nn.Module) -> TargetFacts:
         facts = model.__dict__.get(ATTRIBUTE)
@@ -119,11 +122,12 @@ class UnsupportedTargetError(TypeError):
 
 
 class MaskStyle:
-    """The 4D mask each attention implementation takes: sdpa and row attention a boolean one (True = visible), eager
-    and the rest an additive float one in the model's dtype (0 visible, dtype-min hidden)."""
+    """The 4D mask each attention implementation takes: sdpa, row attention and the compiled CPU step (`boolean`) a
+    boolean one (True = visible), eager and the rest an additive float one in the model's dtype (0 visible, dtype-min
+    hidden)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        if attn_implementation(model) in ("sdpa", ROW_STABLE):
+    def __init__(self, model: torch.nn.Module, boolean: bool = False) -> None:
+        if boolean or attn_implementation(model) in ("sdpa", ROW_STABLE):
             self.dtype, self.visible, self.hidden = torch.bool, True, False
         else:
             self.dtype = getattr(model, "dtype", next(model.parameters()).dtype)

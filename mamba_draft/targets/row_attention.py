@@ -1,75 +1,32 @@
 """Row-exact attention for low-precision CPU targets: a query row's output is the same bits whatever else shares
 its forward (other rows, other batch rows, hidden keys between its own), so a tree node and the decoding step that
 computes the same token agree bit for bit. The arithmetic and why it holds are in `row_attention.c`: a small C
-kernel, compiled here with the machine's C compiler on first use (about a second) and kept under `cache_root()`,
-called through ctypes. It runs on torch's own OpenMP threads (the library links the libgomp torch loaded).
+kernel built and cached by `native.build`, called through ctypes.
 
 Registered with transformers as attn_implementation "row_stable" (`register`), with sdpa's boolean masks.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..devices import c_compiler, cpu_info
-from ..io import cache_root
+from .native import KernelUnavailable, build
 
 ROW_STABLE = "row_stable"
 PREFILL = "row_stable_prefill"  # what a row-stable model's prefill runs (`exact.prefilling`)
 SOURCE = Path(__file__).with_name("row_attention.c")
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
-# speed only, each: the kernel's bits depend neither on the instructions picked nor on the threads; a compiler
-# without -march=native or OpenMP still builds a portable or a one-thread kernel
-ATTEMPTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MASK_CAUSAL, MASK_NONE, MASK_BOOL, MASK_F32 = range(4)
 SERIAL_WORK = 1 << 17  # multiply-adds below which a call runs on one thread (a short decoding step)
 
 
-class KernelUnavailable(RuntimeError):
-    """No C compiler here, or the kernel did not build."""
-
-
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled kernel: built once per source, compiler and CPU, kept under cache_root() (a temporary directory
-    when the cache is off)."""
-    cc = c_compiler()
-    if cc is None:
-        raise KernelUnavailable("exact bf16/fp16 attention on a CPU needs a C compiler (gcc or $CC) to build its "
-                                "kernel; install gcc, or run the target in float32")
-    source = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    identity = [source.hex(), cc, version, FLAGS, ATTEMPTS, cpu_info("flags"), platform.machine()]
-    digest = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
-    root = cache_root()
-    directory = Path(tempfile.mkdtemp(prefix="mamba-draft-kernel-")) if root is None else root / "kernels"
-    path = directory / f"row_attention-{digest}.so"
-    if not path.is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-        errors = ""
-        for extra in ATTEMPTS:
-            done = subprocess.run([cc, *FLAGS, *extra, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
-                                  text=True)
-            if done.returncode == 0:
-                os.replace(tmp, path)  # atomic: another process sees no library or a whole one
-                break
-            errors = " ".join(done.stderr.split())[:400]
-        else:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise KernelUnavailable(f"the exact attention kernel did not build with {cc}: {errors}")
-    lib = ctypes.CDLL(str(path))
+    """The compiled kernel (`native.build`)."""
+    lib = build(SOURCE, "exact bf16/fp16 attention")
     pointer, strides, i32, f32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_float
     lib.row_attention.argtypes = [pointer, strides, pointer, strides, pointer, strides, pointer, strides, i32, pointer,
                                   strides, pointer, *[i32] * 6, i32, f32, f32, i32, i32]

@@ -1,0 +1,234 @@
+"""The compiled CPU step of Llama-family targets (Llama, SmolLM, Mistral without a window, Qwen2): a decoding step
+or a tree's verification in one C call (`cpu_step.c`) over the engine's static KV cache, exact by construction (a
+token's logits are the same bits however many rows share the call), for fp32, bf16 and fp16 weights.
+
+transformers' eager step spends most of a small model's time in Python and dispatch between ~15 small operations a
+layer; the C step runs the layers back to back, each product a pass over the weights it reads in place. The library
+is built once per machine by `native.build` and cached on disk. `CpuStep.of(model)` is None for a model of another
+layout, for a model off the CPU, where no C compiler builds the step (said once, in one line), or with
+MAMBA_DRAFT_CPU_STEP=0; it checks its logits against the model's own on a probe before it is used.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .native import KernelUnavailable, build
+from .row_attention import DTYPES
+
+SOURCE = Path(__file__).with_name("cpu_step.c")
+MODEL_TYPES = ("llama", "mistral", "qwen2")  # RMSNorm, rotary embedding, SiLU-gated MLP, nothing else that acts
+_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+_LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+LANES = 16  # cpu_step.c: a product's partial sums
+PROBE_TOLERANCE = 0.05
+SWITCH = "MAMBA_DRAFT_CPU_STEP"  # "0": transformers' eager step everywhere (comparisons, debugging)  # the probe's largest logit difference, relative to the logits' spread (sum order only)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "o", "o_bias", "post_norm", "gate", "up", "down",
+        "keys", "values")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [*[(name, ctypes.c_int) for name in (
+        "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "tokens", "dtype", "slots")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
+        ("layer", ctypes.POINTER(_Layer))]
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    return declare(build(SOURCE, "the compiled target step"))
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`'s entry points with their argument types."""
+    pointer, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.cpu_step_forward.argtypes = [ctypes.POINTER(_Model), i32, i32, pointer, pointer, pointer, pointer, pointer,
+                                     ctypes.POINTER(ctypes.c_int64), i32, pointer, pointer, pointer, i32]
+    lib.cpu_step_forward.restype = i32
+    lib.cpu_step_work.argtypes = [ctypes.POINTER(_Model), i32]
+    lib.cpu_step_work.restype = ctypes.c_int64
+    return lib
+
+
+@functools.cache
+def _compiler_missing(reason: str) -> None:
+    print(f"mamba-draft: {reason}; the target runs transformers' eager step instead", file=sys.stderr)
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A product's weight (out, in) in the kernel's layout: blocks of 16 output rows, each stored column by column
+    (in, 16), so a product reads 16 outputs' weights for one input in one load."""
+    out, inner = weight.shape
+    return weight.reshape(out // LANES, LANES, inner).transpose(1, 2).contiguous()
+
+
+def llama_layout(model: nn.Module) -> bool:
+    """Whether `model` is a Llama-family causal LM the C step computes (and nothing else acts in its modules)."""
+    config = model.config
+    body = getattr(model, "model", None)
+    if (config.model_type not in MODEL_TYPES or body is None or getattr(config, "hidden_act", None) != "silu"
+            or not hasattr(body, "rotary_emb") or getattr(config, "sliding_window", None) and getattr(
+                config, "use_sliding_window", config.model_type == "mistral")
+            or getattr(config, "mlp_bias", False) or not isinstance(model.get_output_embeddings(), nn.Linear)
+            or model.get_output_embeddings().bias is not None):
+        return False
+    for layer in body.layers:
+        names = {name for name, _ in layer.named_children()}
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if (names != _LAYER or {n for n, _ in attn.named_children()} != _ATTENTION
+                or {n for n, _ in mlp.named_children()} - {"act_fn"} != _MLP - {"act_fn"}
+                or not all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTENTION)
+                or not hasattr(attn, "scaling") or getattr(attn, "sliding_window", None)
+                or any(type(norm).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+                       for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
+            return False
+    return True
+
+
+def applies(model: nn.Module) -> bool:
+    """Whether the step computes `model` here (cheap: no forward; `CpuStep.of` also probes it): a Llama-family model
+    on a CPU in fp32 / bf16 / fp16, contiguous, with widths in whole 16-lane blocks, the step not switched off, and
+    its library built (a missing compiler is said once, in one line)."""
+    parameter = next(model.parameters(), None)
+    if (os.environ.get(SWITCH) == "0" or parameter is None or parameter.device.type != "cpu"
+            or parameter.dtype not in DTYPES or not llama_layout(model)
+            or any(not p.is_contiguous() for p in model.parameters())):
+        return False
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    widths = (model.config.hidden_size, attn.q_proj.out_features, attn.k_proj.out_features,
+              mlp.gate_proj.out_features, model.get_output_embeddings().weight.shape[0])
+    if any(w % LANES for w in widths) or attn.head_dim > 256 or attn.head_dim % 2:
+        return False  # the kernel's products run over whole 16-lane blocks; its rotary buffer holds 256
+    try:
+        library()
+    except KernelUnavailable as err:
+        _compiler_missing(str(err))
+        return False
+    return True
+
+
+class CpuStep:
+    """The compiled step of one model (its weights read in place; `key` says which): call `forward` with the static
+    cache's layers; `of(model)` builds and probes it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.work = torch.empty(0)
+        self._pack()
+
+    def _pack(self) -> None:
+        """The C struct over the model's norms and embedding, read in place, and copies of its products' weights in
+        the kernel's layout (`pack`), made again when a parameter changes in place (its version counter moves)."""
+        body, config, model = self.model.model, self.model.config, self.model
+        first = body.layers[0].self_attn
+        self.versions = self._versions()
+        self.held = []  # what the struct points at stays allocated
+
+        def keep(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            self.held.append(t)
+            return t.data_ptr()
+
+        packed = lambda linear: keep(pack(linear.weight.detach()))  # noqa: E731
+        bias = lambda linear: keep(None if linear.bias is None else linear.bias.detach())  # noqa: E731
+        self.layers = (_Layer * len(body.layers))()
+        for i, layer in enumerate(body.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers[i] = _Layer(
+                keep(layer.input_layernorm.weight.detach()), packed(attn.q_proj), packed(attn.k_proj),
+                packed(attn.v_proj), bias(attn.q_proj), bias(attn.k_proj), bias(attn.v_proj), packed(attn.o_proj),
+                bias(attn.o_proj), keep(layer.post_attention_layernorm.weight.detach()), packed(mlp.gate_proj),
+                packed(mlp.up_proj), packed(mlp.down_proj), None, None)
+        head = model.get_output_embeddings()
+        self.struct = _Model(
+            len(body.layers), config.hidden_size, first.q_proj.out_features // first.head_dim,
+            first.k_proj.out_features // first.head_dim, first.head_dim, body.layers[0].mlp.gate_proj.out_features,
+            head.weight.shape[0], body.embed_tokens.weight.shape[0], DTYPES[self.dtype], 0,
+            float(body.layers[0].input_layernorm.variance_epsilon), float(first.scaling),
+            keep(body.embed_tokens.weight.detach()), keep(body.norm.weight.detach()), packed(head), self.layers)
+
+    def _versions(self) -> list[int]:
+        return [p._version for p in self.model.parameters()]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> CpuStep | None:
+        """The step of `model`, or None where it does not apply (`applies`) or fails its probe (`agrees`)."""
+        if not applies(model):
+            return None
+        step = cls(model)
+        return step if step.agrees() else None
+
+    @torch.no_grad()
+    def agrees(self) -> bool:
+        """The step's logits on a probe against the model's own (eager, dynamic cache): a look-alike that computes
+        something else (scaled embeddings, another norm or rotary convention) differs by far more than sum order."""
+        from transformers import DynamicCache
+
+        from . import cache_keyword
+
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.struct.tokens, (1, 6), generator=generator)
+        expected = self.model(input_ids=ids, **{cache_keyword(self.model): DynamicCache(config=self.model.config)},
+                              use_cache=True).logits[0].float()
+        keys = [torch.zeros(1, self.struct.kv_heads, 8, self.struct.head_dim, dtype=self.dtype)
+                for _ in range(self.struct.layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        mask = torch.ones(6, 8, dtype=torch.bool).tril_()[None, None]
+        logits, _ = self.forward(ids, mask, torch.arange(6)[None], torch.arange(6), 6, keys, values, False)
+        spread = float(expected.max() - expected.min()) or 1.0
+        return bool((logits[0].float() - expected).abs().max() <= PROBE_TOLERANCE * spread)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, write: torch.Tensor, keys: int,
+                key_cache: list[torch.Tensor], value_cache: list[torch.Tensor], want_hidden: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions (B, n); mask (B, 1, n, slots) bool over the cache's slots; the new keys and values go to
+        slots `write` (n,) of every row of `key_cache[i]`, `value_cache[i]` (B, kv heads, slots, head dim); attention
+        reads the first `keys` slots. -> logits (B, n, V) and, if asked, the final normed states (B, n, hidden), in
+        the model's dtype."""
+        if self._versions() != self.versions:  # weights edited in place (load_state_dict, an optimizer step)
+            self._pack()
+        batch, n = ids.shape
+        rows, struct = batch * n, self.struct
+        struct.slots = key_cache[0].shape[2]
+        for layer, k, v in zip(self.layers, key_cache, value_cache):
+            if k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() or k.shape[0] < batch:
+                raise ValueError("the compiled step needs contiguous caches of its dtype with a row per batch row")
+            layer.keys, layer.values = k.data_ptr(), v.data_ptr()
+        cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=self.dtype), positions)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()  # the model's dtype values, as fp32
+        size = library().cpu_step_work(struct, rows)
+        if self.work.numel() < size:
+            self.work = torch.empty(size)
+        ids = ids.to(torch.long).contiguous()
+        write = write.to(torch.long).contiguous()
+        logits = torch.empty(rows, struct.vocab)
+        states = torch.empty(rows, struct.hidden) if want_hidden else None
+        view = mask[:, 0]
+        strides = (ctypes.c_int64 * 3)(view.stride(0), view.stride(1), view.stride(2))
+        failed = library().cpu_step_forward(
+            struct, batch, n, ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), write.data_ptr(), view.data_ptr(),
+            strides, keys, logits.data_ptr(), _pointer(states), self.work.data_ptr(), torch.get_num_threads())
+        if failed == 3:
+            raise IndexError(f"token ids must be in [0, {struct.tokens}), the target's embedding rows")
+        if failed:
+            raise RuntimeError(f"the compiled target step failed (code {failed})")
+        logits = logits.view(batch, n, -1).to(self.dtype)
+        return logits, None if states is None else states.view(batch, n, -1).to(self.dtype)

@@ -1,0 +1,114 @@
+"""The compiled CPU step: Llama-family targets decode and verify through one C call over the static cache; a token's
+logits are the same bits alone, in a tree or beside other batch rows, and close to the model's own; other layouts, a
+look-alike and a machine without a compiler keep transformers' step."""
+import pytest
+import torch
+
+from mamba_draft.targets import cpu_step, native
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.tree import Tree
+from tests.helpers.tree_models import aligned_drafter, tiny_causal_lm
+from tree_search.generate import generate, generate_autoregressive
+
+CHAIN = Tree((-1, 0, 1, 2))
+
+
+def _model(kind: str, dtype: torch.dtype):
+    model = tiny_causal_lm(kind, hidden=64, layers=2)  # head dim 16
+    return model.to(dtype)
+
+
+def _prefilled(model, prompts: list[list[int]], max_len: int = 48) -> TargetCache:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    cache = TargetCache(model, max_len=max_len, static=True)
+    assert cache.step is not None
+    cache.prefill(ids, mask)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_tree_and_decoding_steps_give_the_same_bits_close_to_the_model(kind, dtype):
+    model = _model(kind, dtype)
+    prompt, chain = [5, 9, 17, 3, 22, 41], [7, 30, 2, 11]
+    tree = _prefilled(model, [prompt])
+    verified, _ = tree.tree_forward(torch.tensor([chain]), CHAIN)
+    steps = _prefilled(model, [prompt])
+    decoded = torch.stack([steps.decode(torch.tensor([t]))[0] for t in chain])
+    assert torch.equal(verified[0], decoded)  # bit for bit
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([prompt + chain])).logits[0, len(prompt):].float()
+    spread = float(reference.max() - reference.min())
+    assert (verified[0].float() - reference).abs().max() < (0.02 if dtype == torch.float32 else 0.06) * spread
+    assert torch.equal(verified[0].argmax(-1), reference.argmax(-1))
+    with pytest.raises(IndexError, match="token ids must be in"):  # checked before any memory is read
+        steps.decode(torch.tensor([64]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_rows_equal_their_prompts_alone(dtype):
+    model = _model("llama", dtype)
+    prompts = [[5, 9, 17, 3, 22, 41, 8], [12, 4], [33, 2, 19, 60]]
+    batch = _prefilled(model, prompts)
+    nexts = torch.tensor([[7, 30, 2, 11], [1, 1, 5, 6], [40, 3, 3, 9]])
+    together, _ = batch.tree_forward(nexts, CHAIN)
+    for b, prompt in enumerate(prompts):
+        alone = _prefilled(model, [prompt])
+        for t in range(nexts.shape[1]):
+            assert torch.equal(alone.decode(nexts[b, t : t + 1]), together[b, t : t + 1])
+
+
+def test_speculation_through_the_step_equals_plain_decoding(tmp_path, monkeypatch):
+    target = tiny_causal_lm("llama", hidden=64).to(torch.bfloat16)
+    drafter = aligned_drafter(tmp_path, target)
+    calls = []
+    forward = cpu_step.CpuStep.forward
+    monkeypatch.setattr(cpu_step.CpuStep, "forward", lambda self, *a: calls.append(a[0].shape) or forward(self, *a))
+    prompts = torch.tensor([[0, 0, 5, 9, 17], [3, 8, 1, 4, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    plain = generate_autoregressive(target, prompts, attention_mask=mask, max_new_tokens=24)
+    fast = generate(target, drafter, prompts, attention_mask=mask, tree=[2, 1, 1], max_new_tokens=24)
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(fast.rows, plain.rows))
+    assert fast.stats.rounds < plain.stats.rounds
+    assert any(shape[1] > 1 for shape in calls) and any(shape[1] == 1 for shape in calls)  # trees and steps
+
+
+def test_other_layouts_a_look_alike_and_no_compiler_keep_the_eager_step(monkeypatch, capsys):
+    assert cpu_step.CpuStep.of(tiny_causal_lm("neox")) is None
+    assert cpu_step.CpuStep.of(tiny_causal_lm("llama", hidden=40)) is None  # widths outside the kernel's blocks
+    look_alike = _model("llama", torch.float32)
+    look_alike.model.embed_tokens.register_forward_hook(lambda module, args, out: out * 3.0)
+    assert cpu_step.CpuStep.of(look_alike) is None  # fails the probe
+    model = _model("llama", torch.float32)
+    assert cpu_step.CpuStep.of(model) is not None
+    monkeypatch.setenv(cpu_step.SWITCH, "0")
+    assert cpu_step.CpuStep.of(model) is None
+    monkeypatch.delenv(cpu_step.SWITCH)
+    monkeypatch.setattr(cpu_step, "library", lambda: (_ for _ in ()).throw(native.KernelUnavailable("no compiler")))
+    cpu_step._compiler_missing.cache_clear()
+    assert cpu_step.CpuStep.of(model) is None and cpu_step.CpuStep.of(model) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "eager step" in err
+    cache = TargetCache(model, max_len=32, static=True)  # the static cache runs transformers' forward
+    assert cache.step is None
+    cache.prefill(torch.tensor([[5, 9, 17]]))
+    assert cache.decode(torch.tensor([4])).shape == (1, 64)
+
+
+def test_a_portable_build_computes_the_same_bits(tmp_path, monkeypatch):
+    """The kernel's bits do not depend on the instructions the compiler picked: the library built without
+    -march=native (scalar fused multiply-adds, no AVX intrinsics) gives a tree forward the native build's bits."""
+    cc = native.c_compiler()
+    path = tmp_path / "portable.so"
+    native.subprocess.run([cc, *native.FLAGS, "-fopenmp", "-I", str(cpu_step.SOURCE.parent), "-o", str(path),
+                           str(cpu_step.SOURCE), "-lm"], check=True, capture_output=True)
+    portable = cpu_step.declare(native.ctypes.CDLL(str(path)))
+    model = _model("llama", torch.bfloat16)
+    results = []
+    for lib in (cpu_step.library(), portable):
+        monkeypatch.setattr(cpu_step, "library", lambda lib=lib: lib)
+        cache = _prefilled(model, [[5, 9, 17, 3], [22, 41]])
+        results.append(cache.tree_forward(torch.tensor([[7, 30, 2, 11], [1, 2, 3, 4]]), CHAIN, want_hidden=True))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
