@@ -81,8 +81,10 @@ PY
 fi
 
 "$VENV/bin/mamba-draft" --help >/dev/null
-# The exact bf16 CPU attention kernel (mamba_draft/targets/row_attention.c) is compiled here once, with gcc, into
-# ~/.cache/mamba-draft/kernels/ (about a second); without a C compiler bf16 CPU targets are refused in one line.
-"$VENV/bin/python" -c "import torch, mamba_draft; from mamba_draft.targets import row_attention; \
+# The exact bf16 CPU attention kernel (mamba_draft/targets/row_attention.c) and the compiled CPU target step
+# (cpu_step.c) are compiled here once, with gcc, into ~/.cache/mamba-draft/kernels/ (a few seconds); without a C
+# compiler bf16 CPU targets are refused in one line and fp32 targets run transformers' eager step.
+"$VENV/bin/python" -c "import torch, mamba_draft; from mamba_draft.targets import cpu_step, row_attention; \
 print('mamba-draft ready: torch', torch.__version__, '| CUDA', torch.cuda.is_available(), '| kernels', \
-mamba_draft.kernels_available(), '| exact CPU attention', row_attention.available())"
+mamba_draft.kernels_available(), '| exact CPU attention', row_attention.available(), '| compiled CPU step', \
+cpu_step.available())"

@@ -62,6 +62,14 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def available() -> bool:
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True
+
+
 @functools.cache
 def _compiler_missing(reason: str) -> None:
     print(f"mamba-draft: {reason}; the target runs transformers' eager step instead", file=sys.stderr)
