@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .native import KernelUnavailable, build
+from .native import KernelUnavailable, build, loads
 from .row_attention import DTYPES
 
 SOURCE = Path(__file__).with_name("cpu_step.c")
@@ -63,11 +63,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def available() -> bool:
-    try:
-        library()
-    except KernelUnavailable:
-        return False
-    return True
+    return loads(library)
 
 
 @functools.cache

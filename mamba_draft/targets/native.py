@@ -13,6 +13,7 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from ..devices import c_compiler, cpu_info
 from ..io import cache_root
@@ -57,3 +58,12 @@ def build(source: Path, purpose: str) -> ctypes.CDLL:
                 tmp.unlink()
             raise KernelUnavailable(f"the kernel for {purpose} did not build with {cc}: {errors}")
     return ctypes.CDLL(str(path))
+
+
+def loads(library: Callable[[], ctypes.CDLL]) -> bool:
+    """Whether `library()` builds (or finds) its kernel and loads it here."""
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True

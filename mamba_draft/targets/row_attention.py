@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .native import KernelUnavailable, build
+from .native import KernelUnavailable, build, loads
 
 ROW_STABLE = "row_stable"
 PREFILL = "row_stable_prefill"  # what a row-stable model's prefill runs (`exact.prefilling`)
@@ -35,11 +35,7 @@ def library() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    try:
-        library()
-    except KernelUnavailable:
-        return False
-    return True
+    return loads(library)
 
 
 def _strides(x: torch.Tensor, dims) -> ctypes.Array:
