@@ -3,8 +3,8 @@ or a tree's verification in one C call (`cpu_step.c`) over the engine's static K
 token's logits are the same bits however many rows share the call), for fp32, bf16 and fp16 weights.
 
 transformers' eager step spends most of a small model's time in Python and dispatch between ~15 small operations a
-layer; the C step runs the layers back to back, each product a pass over the weights it reads in place. The library
-is built once per machine by `native.build` and cached on disk. `CpuStep.of(model)` is None for a model of another
+layer; the C step runs the layers back to back, each product one pass over a copy of its weight packed for it
+(`pack`). The library is built once per machine by `native.build` and cached on disk. `CpuStep.of(model)` is None for a model of another
 layout, for a model off the CPU, where no C compiler builds the step (said once, in one line), or with
 MAMBA_DRAFT_CPU_STEP=0; it checks its logits against the model's own on a probe before it is used.
 """
@@ -27,9 +27,9 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")  # RMSNorm, rotary embedding, SiLU-g
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-LANES = 16  # cpu_step.c: a product's partial sums
-PROBE_TOLERANCE = 0.05
-SWITCH = "MAMBA_DRAFT_CPU_STEP"  # "0": transformers' eager step everywhere (comparisons, debugging)  # the probe's largest logit difference, relative to the logits' spread (sum order only)
+LANES = 16  # cpu_step.c: the output rows of a packed weight block
+PROBE_TOLERANCE = 0.05  # the probe's largest logit difference, relative to the logits' spread (sum order only)
+SWITCH = "MAMBA_DRAFT_CPU_STEP"  # "0": transformers' eager step everywhere (comparisons, debugging)
 
 
 class _Layer(ctypes.Structure):
