@@ -166,13 +166,9 @@ static float silu(float x) {
     return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
 }
 
-static void store(void *dst, int64_t i, float v, int dtype) {
-    if (dtype == F32) ((float *)dst)[i] = v;
-    else if (dtype == F16) ((_Float16 *)dst)[i] = (_Float16)v;
-    else {
-        union { float f; uint32_t u; } x = {.f = v};
-        ((uint16_t *)dst)[i] = (uint16_t)(x.u >> 16); /* v already holds a bf16 value */
-    }
+/* element i of a dtype array := v (row_attention.c's conversion, which rounds to nearest even) */
+static inline void store(void *dst, int64_t i, float v, int dtype) {
+    from_float((char *)dst + i * (dtype == F32 ? 4 : 2), &v, 1, dtype);
 }
 
 /* ids: (batch, n) tokens; cos, sin: their rotary tables (batch, n, head dim) as fp32; write: the n cache slots the
