@@ -17,6 +17,7 @@ from .config import MambaConfig
 from .ids import SharedCalls, check_batch
 from .kernels import Kernels, load_kernels
 from .packed_linear import PackCache, pack_linears
+from .row_linear import RowKernelCache, use_row_kernel
 
 BACKENDS = ("auto", "torch", "kernels")
 # Prefill runs the recurrence in slices of this many positions, bounding the (B, L, d_inner, d_state) temporaries.
@@ -337,6 +338,7 @@ class MambaDrafter(SharedCalls, nn.Module):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
         self.head_cache = PackCache()  # the head's prepacked copy (bf16 on CPU; packed_linear)
+        self.head_rows = RowKernelCache()  # ... and its copy for few-row steps on a CPU (row_linear)
         self.set_backend(backend)
 
     @classmethod
@@ -357,6 +359,7 @@ class MambaDrafter(SharedCalls, nn.Module):
         model.to(dtype=dtype)
         model.eval().requires_grad_(False)
         pack_linears(model)  # bf16 on CPU: projections on prepacked weights, same bits
+        use_row_kernel(model.backbone)  # a drafting step's few rows on a CPU: the compiled product
         model.set_backend(backend)
         return model
 
@@ -446,7 +449,9 @@ class MambaDrafter(SharedCalls, nn.Module):
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits from the final norm's output (padded vocabulary rows skipped entirely)."""
         weight = self.lm_head.weight[: self.config.real_vocab_size] if self.draft_head is None else self.draft_head
-        return self.head_cache.linear(h.to(weight.dtype), weight)
+        h = h.to(weight.dtype)
+        logits = self.head_rows.linear(h, weight) if h.dim() == 2 else None
+        return self.head_cache.linear(h, weight) if logits is None else logits
 
     @property
     def reads_target(self) -> bool:

@@ -1,6 +1,7 @@
 """The compiled CPU step: Llama-family targets decode and verify through one C call over the static cache; a token's
 logits are the same bits alone, in a tree or beside other batch rows, and close to the model's own; other layouts, a
 look-alike and a machine without a compiler keep transformers' step."""
+import gguf as gguf_quants
 import pytest
 import torch
 
@@ -13,9 +14,20 @@ from tree_search.generate import generate, generate_autoregressive
 CHAIN = Tree((-1, 0, 1, 2))
 
 
-def _model(kind: str, dtype: torch.dtype):
+def _model(kind: str, dtype: torch.dtype, gguf: bool = False):
     model = tiny_causal_lm(kind, hidden=64, layers=2)  # head dim 16
+    if gguf:  # a GGUF of a bf16 checkpoint as transformers dequantizes it: Q4_1 products, a Q8_0 head
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2 and "embed" not in name:
+                    p.copy_(_gguf_values(p.bfloat16().float(), "Q8_0" if "lm_head" in name else "Q4_1"))
     return model.to(dtype)
+
+
+def _gguf_values(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    kind = getattr(gguf_quants.GGMLQuantizationType, kind)
+    blocks = gguf_quants.quantize(weight.detach().numpy(), kind)
+    return torch.from_numpy(gguf_quants.dequantize(blocks, kind).copy()).view(weight.shape)
 
 
 def _prefilled(model, prompts: list[list[int]], max_len: int = 48) -> TargetCache:
@@ -47,9 +59,12 @@ def test_a_tree_and_decoding_steps_give_the_same_bits_close_to_the_model(kind, d
         steps.decode(torch.tensor([64]))
 
 
+@pytest.mark.parametrize("gguf", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_rows_equal_their_prompts_alone(dtype):
-    model = _model("llama", dtype)
+def test_batch_rows_equal_their_prompts_alone(dtype, gguf):
+    model = _model("llama", dtype, gguf)
+    if gguf:  # coded weights; 12 rows share each product (the many-row path)
+        assert cpu_step.CpuStep(model).layers[0].q.codes == 4
     prompts = [[5, 9, 17, 3, 22, 41, 8], [12, 4], [33, 2, 19, 60]]
     batch = _prefilled(model, prompts)
     nexts = torch.tensor([[7, 30, 2, 11], [1, 1, 5, 6], [40, 3, 3, 9]])
@@ -105,10 +120,44 @@ def test_a_portable_build_computes_the_same_bits(tmp_path, monkeypatch):
     native.subprocess.run([cc, *native.FLAGS, "-fopenmp", "-I", str(cpu_step.SOURCE.parent), "-o", str(path),
                            str(cpu_step.SOURCE), "-lm"], check=True, capture_output=True)
     portable = cpu_step.declare(native.ctypes.CDLL(str(path)))
-    model = _model("llama", torch.bfloat16)
+    model = _model("llama", torch.bfloat16, gguf=True)  # coded weights decoded and rounded to bf16 too
     results = []
     for lib in (cpu_step.library(), portable):
         monkeypatch.setattr(cpu_step, "library", lambda lib=lib: lib)
         cache = _prefilled(model, [[5, 9, 17, 3], [22, 41]])
         results.append(cache.tree_forward(torch.tensor([[7, 30, 2, 11], [1, 2, 3, 4]]), CHAIN, want_hidden=True))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_ggufs_weights_run_coded_with_the_plain_weights_bits(dtype):
+    """Q4_1 / Q8_0 values are stored as their codes and scales and rebuilt exactly: the step's logits and states are
+    the bits of the same step over the plain packed weights, for one row, a few rows and many."""
+    model = _model("llama", dtype, gguf=True)
+    coded, plain = cpu_step.CpuStep(model), cpu_step.CpuStep(model, codes=False)
+    assert [coded.layers[0].q.codes, coded.layers[1].down.codes, coded.struct.head.codes] == [4, 4, 8]
+    assert plain.layers[0].q.codes == plain.struct.head.codes == 0
+    for n in (1, 3, 9):
+        outputs = []
+        for step in (coded, plain):
+            keys = [torch.zeros(2, 2, 16, 16, dtype=dtype) for _ in range(2)]
+            values = [torch.zeros_like(k) for k in keys]
+            mask = torch.ones(n, 16, dtype=torch.bool).tril_()[None, None].expand(2, 1, n, 16)
+            ids = torch.arange(2 * n).view(2, n) % 64
+            outputs.append(step.forward(ids, mask, torch.arange(n).expand(2, n), torch.arange(n), n, keys, values,
+                                        True))
+        assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_encode_codes_only_weights_it_rebuilds_exactly():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    assert cpu_step.encode(weight)[1] == 0  # float32 values of no coded form
+    assert cpu_step.encode(weight.bfloat16().float())[1] == 16  # bf16 values: kept in bf16
+    q4 = _gguf_values(weight, "Q4_1")
+    assert cpu_step.encode(q4)[1] == 4 and cpu_step.encode(_gguf_values(weight, "Q8_0"))[1] == 8
+    q4[5, 7] = q4[5, 7] + 1e-3  # one value off its group's grid
+    assert cpu_step.encode(q4)[1] == 0
+    data, bits = cpu_step.encode(_gguf_values(weight, "Q4_1"))
+    assert bits == 4 and data.numel() == 32 * 64 // 2 + 2 * 4 * 32 * 2  # half a byte a weight, a scale and offset
+

@@ -14,17 +14,36 @@
 #include "row_attention.c"
 
 #define BLOCK 4 /* rows that share one pass over a block of weights */
+#define GROUP 32 /* inputs that share a scale in a coded weight */
+
+/* A product's weight: `codes` 0, the model's dtype packed by blocks of 16 output rows (`linear`); 16, the same in
+ * bf16 (a float32 model's bf16 values); 4 or 8, the blocks split into tiles of GROUP inputs, each tile 16 fp32
+ * scales, for 4-bit codes 16 fp32 offsets, then GROUP x 16 codes (input-major): weight = dtype(scale * code +
+ * offset), the exact values the model holds (`encode` checks every one). A float16 scale times a code of at most 8
+ * bits is exact in fp32 (at most 19 significant bits), so one fused multiply-add rounds as the product and the sum
+ * rounded apart do. 4-bit: byte j of an input's 8 holds output j (low nibble) and j + 8. 8-bit: signed, no offset.
+ * A GGUF's Q4_1 / Q8_0 weights dequantize to such values, so they cost their file's bytes. */
+typedef struct { const void *data; int codes; } Weight;
+
+static inline int tile_bytes(int codes) {
+    return codes == 4 ? 2 * LANES * 4 + GROUP * LANES / 2 : LANES * 4 + GROUP * LANES;
+}
 
 typedef struct {
-    const void *input_norm, *q, *k, *v, *q_bias, *k_bias, *v_bias, *o, *o_bias;
-    const void *post_norm, *gate, *up, *down;
+    const void *input_norm;
+    Weight q, k, v;
+    const void *q_bias, *k_bias, *v_bias;
+    Weight o;
+    const void *o_bias, *post_norm;
+    Weight gate, up, down;
     void *keys, *values; /* the layer's cache: (batch, kv heads, slots, head dim) in the model's dtype */
 } Layer;
 
 typedef struct {
     int layers, hidden, heads, kv_heads, head_dim, inter, vocab, tokens, dtype, slots; /* tokens: embedding rows */
     float eps, scale;
-    const void *embed, *norm, *head;
+    const void *embed, *norm;
+    Weight head;
     const Layer *layer;
 } Model;
 
@@ -57,6 +76,22 @@ static inline Lanes load_bf16(const uint16_t *p) {
 }
 static inline Lanes fma_one(float x, Lanes w, Lanes acc) { return (Lanes){_mm512_fmadd_ps(_mm512_set1_ps(x), w.a, acc.a)}; }
 static inline void unload(float *p, Lanes v) { _mm512_storeu_ps(p, v.a); }
+static inline Lanes scaled(Lanes q, Lanes d, Lanes m) { return (Lanes){_mm512_fmadd_ps(d.a, q.a, m.a)}; }
+#define IN_REGISTERS(w) __asm__("" : "+v"((w).a)) /* one load for the rows' FMAs, not one folded into each */
+static inline Lanes codes4(const uint8_t *p) {
+    const __m128i b = _mm_loadl_epi64((const void *)p), low = _mm_set1_epi8(0x0f);
+    const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    return (Lanes){_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both))};
+}
+static inline Lanes codes8(const uint8_t *p) {
+    return (Lanes){_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)))};
+}
+static inline Lanes round_bf16(Lanes v) { /* to nearest even; the checked weights hold no NaN */
+    const __m512i u = _mm512_castps_si512(v.a);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return (Lanes){_mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u)))};
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 typedef struct { __m256 lo, hi; } Lanes;
@@ -71,6 +106,27 @@ static inline Lanes fma_one(float x, Lanes w, Lanes acc) {
     return (Lanes){_mm256_fmadd_ps(b, w.lo, acc.lo), _mm256_fmadd_ps(b, w.hi, acc.hi)};
 }
 static inline void unload(float *p, Lanes v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline Lanes scaled(Lanes q, Lanes d, Lanes m) {
+    return (Lanes){_mm256_fmadd_ps(d.lo, q.lo, m.lo), _mm256_fmadd_ps(d.hi, q.hi, m.hi)};
+}
+#define IN_REGISTERS(w) __asm__("" : "+x"((w).lo), "+x"((w).hi))
+static inline Lanes codes4(const uint8_t *p) {
+    const __m128i b = _mm_loadl_epi64((const void *)p), low = _mm_set1_epi8(0x0f);
+    return (Lanes){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, low))),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)))};
+}
+static inline Lanes codes8(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const void *)p);
+    return (Lanes){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+static inline __m256 round_half(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline Lanes round_bf16(Lanes v) { return (Lanes){round_half(v.lo), round_half(v.hi)}; } /* no NaN here */
 #else
 typedef struct { float f[LANES]; } Lanes;
 static inline Lanes zero(void) { return (Lanes){{0}}; }
@@ -85,6 +141,25 @@ static inline Lanes fma_one(float x, Lanes w, Lanes acc) {
     return acc;
 }
 static inline void unload(float *p, Lanes v) { memcpy(p, v.f, sizeof v.f); }
+#define IN_REGISTERS(w) ((void)0)
+static inline Lanes scaled(Lanes q, Lanes d, Lanes m) {
+    for (int l = 0; l < LANES; l++) q.f[l] = fmaf(d.f[l], q.f[l], m.f[l]);
+    return q;
+}
+static inline Lanes codes4(const uint8_t *p) {
+    Lanes v;
+    for (int l = 0; l < LANES / 2; l++) v.f[l] = (float)(p[l] & 15), v.f[l + LANES / 2] = (float)(p[l] >> 4);
+    return v;
+}
+static inline Lanes codes8(const uint8_t *p) {
+    Lanes v;
+    for (int l = 0; l < LANES; l++) v.f[l] = (float)(int8_t)p[l];
+    return v;
+}
+static inline Lanes round_bf16(Lanes v) {
+    for (int l = 0; l < LANES; l++) v.f[l] = to_dtype(v.f[l], BF16);
+    return v;
+}
 #endif
 
 static inline Lanes load_weights(const void *w, int64_t at, int dtype) {
@@ -95,42 +170,142 @@ static inline Lanes load_weights(const void *w, int64_t at, int dtype) {
     return load(f);
 }
 
-/* out[m * stride + n] = dtype(x[m] . w[n] + bias[n]) for m < rows, n < outs; x (rows, inner) fp32; w the weight
- * (outs, inner) packed by blocks of 16 rows, column-major within a block: w[n] [k] at ((n / 16) * inner + k) * 16 +
- * n % 16 (`CpuStep.pack`). Each output is one sequential sum of fused multiply-adds over k = 0, 1, ..., inner - 1
- * from zero, plus the bias, rounded once to the dtype: the same sequence however many rows share the product. The
- * 16 outputs of a block share each weight load, BLOCK rows share it too. */
-static void linear(const float *x, int rows, int inner, const void *w, const void *bias, int outs, float *out,
-                   int64_t stride, int dtype, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int block = 0; block < outs / LANES; block++) {
-        const int64_t base = (int64_t)block * inner * LANES;
-        float bias_block[LANES], result[LANES];
-        for (int l = 0; l < LANES; l++) bias_block[l] = bias ? element(bias, block * LANES + l, dtype) : 0.0f;
+/* 16 weights of a coded tile: input kk's, all 16 outputs */
+static inline __attribute__((always_inline)) Lanes decoded(const uint8_t *tile, int codes, int kk, Lanes d, Lanes m,
+                                                           int bf16) {
+    const Lanes w = codes == 4 ? scaled(codes4(tile + 2 * LANES * 4 + kk * LANES / 2), d, m)
+                               : scaled(codes8(tile + LANES * 4 + kk * LANES), d, zero());
+    return bf16 ? round_bf16(w) : w; /* a bf16 model holds the products rounded */
+}
+
+/* acc[j] += x[j] . w over all inputs, for count <= BLOCK rows of x (stride inner), from a block's coded tiles; the
+ * sums live in registers (a constant count unrolls the row loop), not in `acc`, which may alias x */
+static inline __attribute__((always_inline)) void coded_rows(const uint8_t *tiles, int codes, int bf16, int inner,
+                                                             const float *x, int count, Lanes *acc) {
+    const int bytes = tile_bytes(codes);
+    Lanes s[BLOCK] = {acc[0], acc[1], acc[2], acc[3]};
+    for (int g = 0; g < inner / GROUP; g++) {
+        const uint8_t *tile = tiles + (int64_t)g * bytes;
+        const Lanes d = load((const float *)tile), m = codes == 4 ? load((const float *)tile + LANES) : zero();
+        const float *xg = x + g * GROUP;
+        for (int kk = 0; kk < GROUP; kk++) {
+            const Lanes w = decoded(tile, codes, kk, d, m, bf16);
+            for (int j = 0; j < count; j++) s[j] = fma_one(xg[(int64_t)j * inner + kk], w, s[j]);
+        }
+    }
+    for (int j = 0; j < count; j++) acc[j] = s[j];
+}
+
+#define CODED_ROWS(count)                                                                                 \
+    (codes == 4 ? (bf16 ? coded_rows(tiles, 4, 1, inner, x, count, acc)                                    \
+                        : coded_rows(tiles, 4, 0, inner, x, count, acc))                                   \
+                : (bf16 ? coded_rows(tiles, 8, 1, inner, x, count, acc)                                    \
+                        : coded_rows(tiles, 8, 0, inner, x, count, acc)))
+
+static void coded_block(const uint8_t *tiles, int codes, int bf16, int inner, const float *x, int count, Lanes *acc) {
+    switch (count) {
+    case 1: CODED_ROWS(1); break;
+    case 2: CODED_ROWS(2); break;
+    case 3: CODED_ROWS(3); break;
+    default: CODED_ROWS(4);
+    }
+}
+
+/* acc[m] (16 lanes each) += x[m] . w over all inputs, for any rows: each tile decoded once into `tile_values`
+ * (GROUP x 16 floats, in L1), then every row's sum carried on over its 32 inputs, in k order as `coded_rows` */
+static void coded_many(const uint8_t *tiles, int codes, int bf16, int inner, const float *x, int rows, float *acc,
+                       float *tile_values) {
+    const int bytes = tile_bytes(codes);
+    for (int g = 0; g < inner / GROUP; g++) {
+        const uint8_t *tile = tiles + (int64_t)g * bytes;
+        const Lanes d = load((const float *)tile), m = codes == 4 ? load((const float *)tile + LANES) : zero();
+        for (int kk = 0; kk < GROUP; kk++) unload(tile_values + kk * LANES, decoded(tile, codes, kk, d, m, bf16));
         for (int m0 = 0; m0 < rows; m0 += BLOCK) {
             const int count = rows - m0 < BLOCK ? rows - m0 : BLOCK;
-            const float *xr = x + (int64_t)m0 * inner;
-            Lanes acc[BLOCK] = {zero(), zero(), zero(), zero()};
-            if (count == BLOCK) {
-                for (int k = 0; k < inner; k++) {
-                    const Lanes wv = load_weights(w, base + (int64_t)k * LANES, dtype);
-                    acc[0] = fma_one(xr[k], wv, acc[0]);
-                    acc[1] = fma_one(xr[inner + k], wv, acc[1]);
-                    acc[2] = fma_one(xr[2 * inner + k], wv, acc[2]);
-                    acc[3] = fma_one(xr[3 * inner + k], wv, acc[3]);
+            const float *xg = x + (int64_t)m0 * inner + g * GROUP;
+            float *a = acc + (int64_t)m0 * LANES;
+            if (count == BLOCK) { /* four sums in registers */
+                Lanes s0 = load(a), s1 = load(a + LANES), s2 = load(a + 2 * LANES), s3 = load(a + 3 * LANES);
+                for (int kk = 0; kk < GROUP; kk++) {
+                    Lanes w = load(tile_values + kk * LANES);
+                    IN_REGISTERS(w);
+                    s0 = fma_one(xg[kk], w, s0);
+                    s1 = fma_one(xg[inner + kk], w, s1);
+                    s2 = fma_one(xg[2 * inner + kk], w, s2);
+                    s3 = fma_one(xg[3 * inner + kk], w, s3);
                 }
+                unload(a, s0), unload(a + LANES, s1), unload(a + 2 * LANES, s2), unload(a + 3 * LANES, s3);
             } else {
-                for (int k = 0; k < inner; k++) {
-                    const Lanes wv = load_weights(w, base + (int64_t)k * LANES, dtype);
-                    for (int j = 0; j < count; j++) acc[j] = fma_one(xr[(int64_t)j * inner + k], wv, acc[j]);
+                for (int j = 0; j < count; j++) {
+                    Lanes sum = load(a + j * LANES);
+                    for (int kk = 0; kk < GROUP; kk++)
+                        sum = fma_one(xg[(int64_t)j * inner + kk], load(tile_values + kk * LANES), sum);
+                    unload(a + j * LANES, sum);
                 }
-            }
-            for (int j = 0; j < count; j++) {
-                unload(result, acc[j]);
-                float *o = out + (int64_t)(m0 + j) * stride + block * LANES;
-                for (int l = 0; l < LANES; l++) o[l] = to_dtype(result[l] + bias_block[l], dtype);
             }
         }
+    }
+}
+
+/* out[m * stride + n] = dtype(x[m] . w[n] + bias[n]) for m < rows, n < outs; x (rows, inner) fp32; w the weight
+ * (outs, inner) by blocks of 16 output rows (`Weight`); plain: column-major within a block, w[n] [k] at
+ * ((n / 16) * inner + k) * 16 + n % 16 (`CpuStep.pack`). Each output is one sequential sum of fused multiply-adds
+ * over k = 0, 1, ..., inner - 1 from zero, plus the bias, rounded once to the dtype: the same sequence however many
+ * rows share the product, and whether the weight is coded or not. The 16 outputs of a block share each weight load,
+ * BLOCK rows share it too; a coded tile is decoded once for a call of more rows (`coded_many`). */
+static void linear(const float *x, int rows, int inner, Weight w, const void *bias, int outs, float *out,
+                   int64_t stride, int dtype, int threads) {
+    const int bf16 = dtype == BF16, weight_dtype = w.codes == 16 ? BF16 : dtype;
+    if (w.codes == 16) w.codes = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* many rows of a coded weight: every row's 16 sums, and one decoded tile */
+        float *sums = w.codes && rows > BLOCK ? malloc(((size_t)rows + GROUP) * LANES * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+        for (int block = 0; block < outs / LANES; block++) {
+            const uint8_t *tiles =
+                w.codes ? (const uint8_t *)w.data + (int64_t)block * (inner / GROUP) * tile_bytes(w.codes) : NULL;
+            const int64_t base = (int64_t)block * inner * LANES;
+            float bias_block[LANES], result[LANES];
+            for (int l = 0; l < LANES; l++) bias_block[l] = bias ? element(bias, block * LANES + l, dtype) : 0.0f;
+            if (sums) {
+                memset(sums, 0, (size_t)rows * LANES * sizeof(float));
+                coded_many(tiles, w.codes, bf16, inner, x, rows, sums, sums + (int64_t)rows * LANES);
+                for (int r = 0; r < rows; r++) {
+                    float *o = out + (int64_t)r * stride + block * LANES;
+                    for (int l = 0; l < LANES; l++)
+                        o[l] = to_dtype(sums[(int64_t)r * LANES + l] + bias_block[l], dtype);
+                }
+                continue;
+            }
+            for (int m0 = 0; m0 < rows; m0 += BLOCK) {
+                const int count = rows - m0 < BLOCK ? rows - m0 : BLOCK;
+                const float *xr = x + (int64_t)m0 * inner;
+                Lanes acc[BLOCK] = {zero(), zero(), zero(), zero()};
+                if (w.codes) {
+                    coded_block(tiles, w.codes, bf16, inner, xr, count, acc);
+                } else if (count == BLOCK) {
+                    for (int k = 0; k < inner; k++) {
+                        const Lanes wv = load_weights(w.data, base + (int64_t)k * LANES, weight_dtype);
+                        acc[0] = fma_one(xr[k], wv, acc[0]);
+                        acc[1] = fma_one(xr[inner + k], wv, acc[1]);
+                        acc[2] = fma_one(xr[2 * inner + k], wv, acc[2]);
+                        acc[3] = fma_one(xr[3 * inner + k], wv, acc[3]);
+                    }
+                } else {
+                    for (int k = 0; k < inner; k++) {
+                        const Lanes wv = load_weights(w.data, base + (int64_t)k * LANES, weight_dtype);
+                        for (int j = 0; j < count; j++) acc[j] = fma_one(xr[(int64_t)j * inner + k], wv, acc[j]);
+                    }
+                }
+                for (int j = 0; j < count; j++) {
+                    unload(result, acc[j]);
+                    float *o = out + (int64_t)(m0 + j) * stride + block * LANES;
+                    for (int l = 0; l < LANES; l++) o[l] = to_dtype(result[l] + bias_block[l], dtype);
+                }
+            }
+        }
+        free(sums);
     }
 }
 
@@ -159,11 +334,21 @@ static void rotate(float *x, int count, int dim, const float *cos, const float *
     }
 }
 
-/* x * sigmoid(x) = x / (1 + e^-x), with e^-|x| from the kernel's own exp (the same bits everywhere) */
-static float silu(float x) {
-    float e = -fabsf(x);
-    exp_nonpositive(&e, 1);
-    return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+/* gate := dtype(dtype(silu(gate)) * up) over `count` values; silu(x) = x * sigmoid(x) = x / (1 + e^-x), with e^-|x|
+ * from the kernel's own exp (the same bits everywhere), computed by chunks so that its loop vectorizes */
+static void gated(float *gate, const float *up, int64_t count, int dtype, int threads) {
+    enum { CHUNK = 256 };
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= 8 * CHUNK)
+    for (int64_t c = 0; c < count; c += CHUNK) {
+        const int len = count - c < CHUNK ? (int)(count - c) : CHUNK;
+        float e[CHUNK];
+        for (int j = 0; j < len; j++) e[j] = -fabsf(gate[c + j]);
+        exp_nonpositive(e, len);
+        for (int j = 0; j < len; j++) {
+            const float x = gate[c + j], silu = x >= 0.0f ? x / (1.0f + e[j]) : x * e[j] / (1.0f + e[j]);
+            gate[c + j] = to_dtype(to_dtype(silu, dtype) * up[c + j], dtype);
+        }
+    }
 }
 
 /* element i of a dtype array := v (row_attention.c's conversion, which rounds to nearest even) */
@@ -183,6 +368,13 @@ int cpu_step_forward(const Model *m, int batch, int n, const int64_t *ids, const
     if (D > 256 || D % 2 || H % LANES || qw % LANES || kw % LANES || I % LANES || m->vocab % LANES ||
         keys > m->slots)
         return 1;
+    for (int i = 0; i < m->layers; i++) { /* a coded weight's inputs come in whole tiles */
+        const Layer *L = m->layer + i;
+        if (((L->q.codes || L->k.codes || L->v.codes || L->gate.codes || L->up.codes) && H % GROUP) ||
+            (L->o.codes && qw % GROUP) || (L->down.codes && I % GROUP))
+            return 1;
+    }
+    if (m->head.codes && H % GROUP) return 1;
     for (int r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= m->tokens) return 3;
     for (int t = 0; t < n; t++)
@@ -224,13 +416,22 @@ int cpu_step_forward(const Model *m, int batch, int n, const int64_t *ids, const
         rms_norm(h, rows, H, L->post_norm, m->eps, x, dtype);
         linear(x, rows, H, L->gate, NULL, I, gate, I, dtype, threads);
         linear(x, rows, H, L->up, NULL, I, up, I, dtype, threads);
-        for (int64_t j = 0; j < (int64_t)rows * I; j++) gate[j] = to_dtype(to_dtype(silu(gate[j]), dtype) * up[j], dtype);
+        gated(gate, up, (int64_t)rows * I, dtype, threads);
         linear(gate, rows, I, L->down, NULL, H, y, H, dtype, threads);
         for (int64_t j = 0; j < (int64_t)rows * H; j++) h[j] = to_dtype(h[j] + y[j], dtype);
     }
     rms_norm(h, rows, H, m->norm, m->eps, x, dtype);
     if (states) memcpy(states, x, (size_t)rows * H * sizeof(float));
     linear(x, rows, H, m->head, NULL, m->vocab, logits, m->vocab, dtype, threads);
+    return 0;
+}
+
+/* out (rows, outs) = dtype(x . w^T + bias), x (rows, inner) fp32: one product, as the step computes it (drafters'
+ * few-row products; `mamba_draft.row_linear`) */
+int cpu_linear(const float *x, int rows, int inner, const Weight *w, const void *bias, int outs, float *out,
+               int dtype, int threads) {
+    if (outs % LANES || ((w->codes == 4 || w->codes == 8) && inner % GROUP)) return 1;
+    linear(x, rows, inner, *w, bias, outs, out, outs, dtype, threads);
     return 0;
 }
 

@@ -4,8 +4,10 @@ token's logits are the same bits however many rows share the call), for fp32, bf
 
 transformers' eager step spends most of a small model's time in Python and dispatch between ~15 small operations a
 layer; the C step runs the layers back to back, each product one pass over a copy of its weight packed for it
-(`pack`). The library is built once per machine by `native.build` and cached on disk. `CpuStep.of(model)` is None for a model of another
-layout, for a model off the CPU, where no C compiler builds the step (said once, in one line), or with
+(`encode`): a GGUF's 4-bit and 8-bit weights, which transformers dequantizes to floats, are read as their codes and
+scales and rebuilt exactly in the kernel, so a decoding step reads about the file's bytes (a fifth of float32's).
+The library is built once per machine by `native.build` and cached on disk. `CpuStep.of(model)` is None for a model
+of another layout, for a model off the CPU, where no C compiler builds the step (said once, in one line), or with
 MAMBA_DRAFT_CPU_STEP=0; it checks its logits against the model's own on a probe before it is used.
 """
 from __future__ import annotations
@@ -28,21 +30,30 @@ _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 LANES = 16  # cpu_step.c: the output rows of a packed weight block
+GROUP = 32  # cpu_step.c: the inputs that share a scale in a coded weight (a GGUF block)
 PROBE_TOLERANCE = 0.05  # the probe's largest logit difference, relative to the logits' spread (sum order only)
 SWITCH = "MAMBA_DRAFT_CPU_STEP"  # "0": transformers' eager step everywhere (comparisons, debugging)
 
 
+class Weight(ctypes.Structure):
+    """cpu_step.c's Weight: a product's weight as `encode` lays it out, and its code width."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("codes", ctypes.c_int)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "o", "o_bias", "post_norm", "gate", "up", "down",
-        "keys", "values")]
+    _fields_ = [("input_norm", ctypes.c_void_p), *[(name, Weight) for name in ("q", "k", "v")],
+                *[(name, ctypes.c_void_p) for name in ("q_bias", "k_bias", "v_bias")], ("o", Weight),
+                ("o_bias", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                *[(name, Weight) for name in ("gate", "up", "down")],
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(name, ctypes.c_int) for name in (
         "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "tokens", "dtype", "slots")],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
+        ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("head", Weight),
         ("layer", ctypes.POINTER(_Layer))]
 
 
@@ -57,6 +68,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cpu_step_forward.argtypes = [ctypes.POINTER(_Model), i32, i32, pointer, pointer, pointer, pointer, pointer,
                                      ctypes.POINTER(ctypes.c_int64), i32, pointer, pointer, pointer, i32]
     lib.cpu_step_forward.restype = i32
+    lib.cpu_linear.argtypes = [pointer, i32, i32, ctypes.POINTER(Weight), pointer, i32, pointer, i32, i32]
+    lib.cpu_linear.restype = i32
     lib.cpu_step_work.argtypes = [ctypes.POINTER(_Model), i32]
     lib.cpu_step_work.restype = ctypes.c_int64
     return lib
@@ -80,6 +93,73 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     (in, 16), so a product reads 16 outputs' weights for one input in one load."""
     out, inner = weight.shape
     return weight.reshape(out // LANES, LANES, inner).transpose(1, 2).contiguous()
+
+
+def encode(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A product's weight (out, in) as the kernel reads it, with its code width (`cpu_step.c`'s Weight): where every
+    group of 32 inputs of a row holds values dtype(scale * code + offset) with a 4-bit code (or scale * code with a
+    signed 8-bit code) and a float16 scale — what a GGUF's Q4_1 / Q8_0 weights become when transformers dequantizes
+    them — the codes and scales, 1/5 or 1/3.5 of the float32 bytes, found here and checked value by value; else, for
+    a float32 weight of bfloat16 values (a bf16 checkpoint loaded in fp32), `pack`ed in bf16 (16); else `pack(weight)`
+    (0). The kernel reads back the very values, so the products' bits do not change."""
+    weight = weight.detach()
+    if weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % GROUP == 0:
+        for bits in (4, 8):
+            tiles = _coded(weight, bits)
+            if tiles is not None:
+                return tiles, bits
+    if weight.dtype == torch.float32 and torch.equal(weight.bfloat16().float(), weight):
+        return pack(weight.bfloat16()), 16
+    return pack(weight), 0
+
+
+def _coded(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """`weight`'s tiles at `bits` bits (per block of 16 output rows and group of 32 inputs: 16 fp32 scales, 16 fp32
+    offsets for 4 bits, then the codes input by input), or None if a value is not of that form."""
+    out, inner = weight.shape
+    values = weight.float().view(out, inner // GROUP, GROUP)
+    if bits == 4:
+        offset, low, high = values.amin(-1, keepdim=True), 0, 15
+        guess = (values.amax(-1, keepdim=True) - offset) / high
+    else:
+        offset, low, high = torch.zeros(out, inner // GROUP, 1), -128, 127
+        guess = values.abs().amax(-1, keepdim=True) / high
+    guess = guess.to(torch.float16)  # the scale's nearest float16, then its two neighbours
+    shifted = values - offset if bits == 4 else values
+    scale = codes = found = None
+    for step in (0, -1, 1):
+        candidate = (guess.view(torch.int16) + step).view(torch.float16).float()
+        code = torch.div(shifted, candidate).round_().nan_to_num_(0.0).clamp_(low, high)
+        rebuilt = torch.addcmul(offset, candidate, code)  # scale * code is exact: one rounding, as the kernel's
+        if weight.dtype == torch.bfloat16:
+            rebuilt = rebuilt.to(torch.bfloat16).float()
+        fits = (rebuilt == values).all(-1, keepdim=True)
+        if found is None:
+            if bool(fits.all()):
+                scale, codes, found = candidate, code, fits
+                break
+            if float(fits.float().mean()) < 0.5:
+                return None  # values of another form (8-bit codes, plain weights): spare the neighbours' tries
+            scale, codes, found = torch.where(fits, candidate, 0.0), torch.where(fits, code, 0.0), fits
+            continue
+        fits &= ~found
+        scale, codes = torch.where(fits, candidate, scale), torch.where(fits, code, codes)
+        found |= fits
+    if not bool(found.all()):
+        return None
+    codes = codes.to(torch.int16)
+    blocks = out // LANES
+    by_input = codes.view(blocks, LANES, inner // GROUP, GROUP).permute(0, 2, 3, 1)  # (blocks, groups, 32, 16)
+    if bits == 4:
+        packed = (by_input[..., : LANES // 2] | by_input[..., LANES // 2:] << 4).to(torch.uint8)
+    else:
+        packed = by_input.to(torch.int8).view(torch.uint8)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # (out, groups, 1) floats -> (blocks, groups, 64) bytes
+        return t.view(blocks, LANES, inner // GROUP).transpose(1, 2).contiguous().view(torch.uint8)
+
+    parts = [per_block(scale), *([per_block(offset)] if bits == 4 else []), packed.reshape(blocks, inner // GROUP, -1)]
+    return torch.cat(parts, dim=-1).contiguous()
 
 
 def llama_layout(model: nn.Module) -> bool:
@@ -131,8 +211,9 @@ class CpuStep:
     """The compiled step of one model (its weights read in place; `key` says which): call `forward` with the static
     cache's layers; `of(model)` builds and probes it."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, codes: bool = True) -> None:
         self.model = model
+        self.codes = codes  # coded weights where the values allow (`encode`); False: every weight `pack`ed
         self.dtype = next(model.parameters()).dtype
         self.work = torch.empty(0)
         self._pack()
@@ -151,7 +232,10 @@ class CpuStep:
             self.held.append(t)
             return t.data_ptr()
 
-        packed = lambda linear: keep(pack(linear.weight.detach()))  # noqa: E731
+        def packed(linear: nn.Linear) -> Weight:
+            data, bits = encode(linear.weight) if self.codes else (pack(linear.weight.detach()), 0)
+            return Weight(keep(data), bits)
+
         bias = lambda linear: keep(None if linear.bias is None else linear.bias.detach())  # noqa: E731
         self.layers = (_Layer * len(body.layers))()
         for i, layer in enumerate(body.layers):
