@@ -73,3 +73,23 @@ def test_a_drafters_step_runs_its_products_on_the_kernel(tmp_path, monkeypatch):
         logits.append(drafter.step(tokens, state))
     assert drafter.head_rows.weight is not None
     assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_machine_without_the_kernel_asks_once_and_keeps_f_linear(monkeypatch):
+    from mamba_draft.targets import native
+
+    calls = []
+
+    def missing():
+        calls.append(1)
+        raise native.KernelUnavailable("no compiler")
+
+    monkeypatch.setattr(cpu_step, "library", missing)
+    cpu_step.available.cache_clear()
+    try:
+        layer, x = _linear(torch.float32), torch.randn(2, 64)
+        for _ in range(3):
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert len(calls) == 1  # a failed build is not retried on every product
+    finally:
+        cpu_step.available.cache_clear()

@@ -75,7 +75,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
 def available() -> bool:
+    """Whether the library builds (or is found) and loads here: asked once, so a failed build is not retried on
+    every product that asks (`mamba_draft.row_linear`)."""
     return loads(library)
 
 
