@@ -211,6 +211,34 @@ static void coded_block(const uint8_t *tiles, int codes, int bf16, int inner, co
     }
 }
 
+/* s[j] += x[j * inner + k] * w_k for k < steps and j < count (<= BLOCK), in k order: w_k the 16 lanes at w[at + k *
+ * 16] in `weight_dtype` (a column-major block); one load of w_k feeds every row's fused multiply-add */
+static inline __attribute__((always_inline)) void accumulate(const void *w, int64_t at, int weight_dtype, int steps,
+                                                             const float *x, int inner, int count, Lanes *s) {
+    if (count == BLOCK) { /* four sums in registers */
+        Lanes s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+        for (int k = 0; k < steps; k++) {
+            Lanes wk = load_weights(w, at + (int64_t)k * LANES, weight_dtype);
+            IN_REGISTERS(wk);
+            s0 = fma_one(x[k], wk, s0);
+            s1 = fma_one(x[inner + k], wk, s1);
+            s2 = fma_one(x[2 * inner + k], wk, s2);
+            s3 = fma_one(x[3 * inner + k], wk, s3);
+        }
+        s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+    } else {
+        for (int k = 0; k < steps; k++) {
+            const Lanes wk = load_weights(w, at + (int64_t)k * LANES, weight_dtype);
+            for (int j = 0; j < count; j++) s[j] = fma_one(x[(int64_t)j * inner + k], wk, s[j]);
+        }
+    }
+}
+
+/* out[l] = dtype(sum[l] + bias[l]) for a block's 16 outputs of one row */
+static inline void emit(float *out, const float *sum, const float *bias, int dtype) {
+    for (int l = 0; l < LANES; l++) out[l] = to_dtype(sum[l] + bias[l], dtype);
+}
+
 /* acc[m] (16 lanes each) += x[m] . w over all inputs, for any rows: each tile decoded once into `tile_values`
  * (GROUP x 16 floats, in L1), then every row's sum carried on over its 32 inputs, in k order as `coded_rows` */
 static void coded_many(const uint8_t *tiles, int codes, int bf16, int inner, const float *x, int rows, float *acc,
@@ -222,27 +250,11 @@ static void coded_many(const uint8_t *tiles, int codes, int bf16, int inner, con
         for (int kk = 0; kk < GROUP; kk++) unload(tile_values + kk * LANES, decoded(tile, codes, kk, d, m, bf16));
         for (int m0 = 0; m0 < rows; m0 += BLOCK) {
             const int count = rows - m0 < BLOCK ? rows - m0 : BLOCK;
-            const float *xg = x + (int64_t)m0 * inner + g * GROUP;
             float *a = acc + (int64_t)m0 * LANES;
-            if (count == BLOCK) { /* four sums in registers */
-                Lanes s0 = load(a), s1 = load(a + LANES), s2 = load(a + 2 * LANES), s3 = load(a + 3 * LANES);
-                for (int kk = 0; kk < GROUP; kk++) {
-                    Lanes w = load(tile_values + kk * LANES);
-                    IN_REGISTERS(w);
-                    s0 = fma_one(xg[kk], w, s0);
-                    s1 = fma_one(xg[inner + kk], w, s1);
-                    s2 = fma_one(xg[2 * inner + kk], w, s2);
-                    s3 = fma_one(xg[3 * inner + kk], w, s3);
-                }
-                unload(a, s0), unload(a + LANES, s1), unload(a + 2 * LANES, s2), unload(a + 3 * LANES, s3);
-            } else {
-                for (int j = 0; j < count; j++) {
-                    Lanes sum = load(a + j * LANES);
-                    for (int kk = 0; kk < GROUP; kk++)
-                        sum = fma_one(xg[(int64_t)j * inner + kk], load(tile_values + kk * LANES), sum);
-                    unload(a + j * LANES, sum);
-                }
-            }
+            Lanes s[BLOCK];
+            for (int j = 0; j < count; j++) s[j] = load(a + j * LANES);
+            accumulate(tile_values, 0, F32, GROUP, x + (int64_t)m0 * inner + g * GROUP, inner, count, s);
+            for (int j = 0; j < count; j++) unload(a + j * LANES, s[j]);
         }
     }
 }
@@ -265,43 +277,26 @@ static void linear(const float *x, int rows, int inner, Weight w, const void *bi
         for (int block = 0; block < outs / LANES; block++) {
             const uint8_t *tiles =
                 w.codes ? (const uint8_t *)w.data + (int64_t)block * (inner / GROUP) * tile_bytes(w.codes) : NULL;
-            const int64_t base = (int64_t)block * inner * LANES;
             float bias_block[LANES], result[LANES];
             for (int l = 0; l < LANES; l++) bias_block[l] = bias ? element(bias, block * LANES + l, dtype) : 0.0f;
             if (sums) {
                 memset(sums, 0, (size_t)rows * LANES * sizeof(float));
                 coded_many(tiles, w.codes, bf16, inner, x, rows, sums, sums + (int64_t)rows * LANES);
-                for (int r = 0; r < rows; r++) {
-                    float *o = out + (int64_t)r * stride + block * LANES;
-                    for (int l = 0; l < LANES; l++)
-                        o[l] = to_dtype(sums[(int64_t)r * LANES + l] + bias_block[l], dtype);
-                }
+                for (int r = 0; r < rows; r++)
+                    emit(out + (int64_t)r * stride + block * LANES, sums + (int64_t)r * LANES, bias_block, dtype);
                 continue;
             }
             for (int m0 = 0; m0 < rows; m0 += BLOCK) {
                 const int count = rows - m0 < BLOCK ? rows - m0 : BLOCK;
                 const float *xr = x + (int64_t)m0 * inner;
                 Lanes acc[BLOCK] = {zero(), zero(), zero(), zero()};
-                if (w.codes) {
+                if (w.codes)
                     coded_block(tiles, w.codes, bf16, inner, xr, count, acc);
-                } else if (count == BLOCK) {
-                    for (int k = 0; k < inner; k++) {
-                        const Lanes wv = load_weights(w.data, base + (int64_t)k * LANES, weight_dtype);
-                        acc[0] = fma_one(xr[k], wv, acc[0]);
-                        acc[1] = fma_one(xr[inner + k], wv, acc[1]);
-                        acc[2] = fma_one(xr[2 * inner + k], wv, acc[2]);
-                        acc[3] = fma_one(xr[3 * inner + k], wv, acc[3]);
-                    }
-                } else {
-                    for (int k = 0; k < inner; k++) {
-                        const Lanes wv = load_weights(w.data, base + (int64_t)k * LANES, weight_dtype);
-                        for (int j = 0; j < count; j++) acc[j] = fma_one(xr[(int64_t)j * inner + k], wv, acc[j]);
-                    }
-                }
+                else
+                    accumulate(w.data, (int64_t)block * inner * LANES, weight_dtype, inner, xr, inner, count, acc);
                 for (int j = 0; j < count; j++) {
                     unload(result, acc[j]);
-                    float *o = out + (int64_t)(m0 + j) * stride + block * LANES;
-                    for (int l = 0; l < LANES; l++) o[l] = to_dtype(result[l] + bias_block[l], dtype);
+                    emit(out + (int64_t)(m0 + j) * stride + block * LANES, result, bias_block, dtype);
                 }
             }
         }
