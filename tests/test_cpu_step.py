@@ -161,3 +161,23 @@ def test_encode_codes_only_weights_it_rebuilds_exactly():
     data, bits = cpu_step.encode(_gguf_values(weight, "Q4_1"))
     assert bits == 4 and data.numel() == 32 * 64 // 2 + 2 * 4 * 32 * 2  # half a byte a weight, a scale and offset
 
+
+
+def test_weights_edited_in_place_are_packed_again():
+    """An in-place edit between calls (an optimizer step, `load_state_dict`) keeps the parameters' addresses, so the
+    static cache and its step are reused: the step's watched version counters make it pack the new values."""
+    model = _model("llama", torch.float32)
+    prompt = [5, 9, 17, 3]
+    first = TargetCache.for_call(model, max_len=32)
+    first.prefill(torch.tensor([prompt]))
+    before = first.decode(torch.tensor([7]))[0]
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(3)
+    again = TargetCache.for_call(model, max_len=32)
+    assert again is first  # the same static cache and step
+    again.prefill(torch.tensor([prompt]))
+    after = again.decode(torch.tensor([7]))[0]
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([prompt + [7]])).logits[0, -1].float()
+    assert not torch.equal(after, before)
+    assert (after.float() - reference).abs().max() < 0.02 * float(reference.max() - reference.min())
