@@ -118,7 +118,7 @@ def test_hidden_states_resume_after_a_torn_write(engine_dir, tmp_path):
     engine = md.Engine(load_causal_lm(target, attn_implementation="grouped"), target_tokenizer(str(target)),
                        md.hf_sample)
     assert engine.model.config.hidden_size == 32
-    prompts = {p["id"]: p["prompt"] for p in md.read_shard(copy / "prompts.jsonl")}
+    prompts = {p["id"]: md.prompt_messages(p) for p in md.read_shard(copy / "prompts.jsonl")}
     md.teacher_forced(engine, copy, prompts, 0.0, True, progress=False, on_batch=lambda: None)
     resumed = path.read_bytes()
     assert len(resumed) == len(whole)

@@ -136,7 +136,8 @@ def test_steered_magpie_tasks_add_kinds_of_request_and_pasted_texts(target, tmp_
     sentence and followed by its request; the source can be added to a directory made without it."""
     path, tokenizer = target
     monkeypatch.setattr(md, "TASKS", (md.Task("math", "Users ask math word problems."),
-                                      md.Task("doc", "Write a news article.", 200, "Summarize the text above.")))
+                                      md.Task("doc", "Write a news article.", 200, "Summarize the text above.",
+                                              document=True)))
     story = " ".join(["The river rose after the storm, and the town moved its market uphill."] * 4)
     samples = {"Users ask math word problems.": ["How many apples are left if Tom eats 3 of 10?", "Hello"],
                "Write a news article.": [story + " Then the mayor said", "Too short. Really."]}
@@ -336,3 +337,77 @@ def test_rows_are_recorded_from_an_eager_forward(target):
     assert topk is not None and topk[0].shape[0] == len(rows[0][0]) + (not rows[0][1])
     engine.run([prompt], 4, 0.0, None, seed=0)
     assert seen == [True, own] and not own and model.generation_config.disable_compile == own
+
+
+def test_style_tasks_quote_even_questions_of_one_category_per_batch():
+    """--magpie-styles: batch b quotes even-id questions of the b-th category (in turn, all 13 of Spec-Bench), cut
+    to STYLE_WORDS words; categories of pasted documents sample longer; odd ids are refused."""
+    records = read_spec_bench()
+    evens = [r for r in records if not is_heldout(r)]
+    tasks = md.style_tasks(evens, 26, seed=7)
+    categories = sorted({r["category"] for r in records})
+    assert [t.name for t in tasks] == [f"style:{c}" for c in categories] * 2
+    texts = {" ".join(r["turns"][0].split()[:md.STYLE_WORDS]) for r in evens}
+    for task in tasks:
+        quoted = [part.split(": ", 1)[1].removesuffix(" ...") for part in task.system.split("\n\n")[1:-1]]
+        assert len(quoted) == md.STYLE_EXEMPLARS and all(q in texts for q in quoted)
+    documents = {t.name for t in tasks if t.document}
+    assert {"style:summarization", "style:rag"} <= documents and "style:qa" not in documents
+    assert all(t.tokens == (md.STYLE_DOCUMENT_TOKENS if t.document else md.MAGPIE_TOKENS) for t in tasks)
+    assert md.style_tasks(evens, 26, seed=7) == tasks  # a resumed run steers its batches the same way
+    with pytest.raises(ValueError, match="held-out"):
+        md.style_tasks(evens + [next(r for r in records if is_heldout(r))], 1, seed=0)
+
+
+def test_styles_and_follow_ups_make_multi_turn_chats_training_reads(target, tmp_path):
+    """--magpie-styles and --follow-ups: style-steered first turns, a follow-up the target writes after its own
+    greedy reply, and a Spec-Bench question's own second turn; every later turn is answered after the whole chat,
+    its record holds the chat, and the training loader reads it with the same prompt ids."""
+    from training.engine_data import load_engine
+
+    path, tokenizer = target
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 2, "category": "writing",
+                                     "turns": ["Write a poem about tea.", "Now make it rhyme."]}) + "\n")
+    magpie_rows = []
+
+    def generate(model, tokenizer, prompts, *, max_new_tokens, temperature, top_p, eos_token_ids):
+        if top_p != md.MAGPIE_TOP_P:  # the model's own greedy tokens, ended after three (a finished reply)
+            rows = md.hf_sample(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, eos_token_ids=eos_token_ids)
+            return [row[:3] + [eos_token_ids[0]] for row in rows]
+        magpie_rows.append([tokenizer.decode(p) for p in prompts])
+        first = "What is the capital of Peru?"
+        text = "Can you explain that more simply?" if first in magpie_rows[-1][0] else first  # after it: a follow-up
+        return [tokenizer(text, add_special_tokens=False)["input_ids"] + [eos_token_ids[0]] for _ in prompts]
+
+    out = tmp_path / "data"
+    manifest = md.make_data(args_for(path, out, "--magpie-styles", 1, "--follow-ups", 4, "--prompts", questions,
+                                     "--batch-size", 2, "--temperatures", "0", "--max-new-tokens", 6, "--dtype",
+                                     "float32", "--hidden"), generate=generate, progress=False)
+    prompts = {p["id"]: p for p in md.read_shard(out / "prompts.jsonl")}
+    style = prompts["style:0:0"]
+    assert style["source"] == "magpie_style" and style["task"].startswith("style:")
+    assert "Users send requests like these" in magpie_rows[0][0]
+    replies = {r["id"]: r for r in md.read_shard(out / "replies-T0.jsonl")}
+    second = prompts["questions:2/2"]  # the question's own second turn, after the target's greedy reply
+    assert second["prompt"] == "Now make it rhyme." and second["source"] == "questions"
+    assert second["history"] == [{"role": "user", "content": "Write a poem about tea."},
+                                 {"role": "assistant", "content": replies["questions:2"]["conversations"][1]["value"]}]
+    follow = prompts["style:0:0/2"]
+    assert follow["source"] == "follow_up" and follow["prompt"] == "Can you explain that more simply?"
+    assert follow["history"][0]["content"] == "What is the capital of Peru?"
+    assert "questions:2" not in {p for line in md.read_shard(out / "follow-ups.jsonl") for p in line["parents"]}
+    assert manifest["follow_ups"]["kept"] == 1 and manifest["follow_ups"]["later_turns"] == 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    examples = {tuple(e.input_ids.tolist()): e for e in load_engine(out, tokenizer, hidden_size=model.config.hidden_size)}
+    assert len(examples) == len(replies) == 4
+    for pid in ("questions:2/2", "style:0:0/2"):  # answered after the whole chat: greedy given all of it
+        chat = [m["value"] for m in replies[pid]["conversations"]]
+        assert len(chat) == 4 and chat[2] == prompts[pid]["prompt"]
+        ids, reply = md.prompt_ids(tokenizer, md.prompt_messages(prompts[pid])), replies[pid]["reply_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + reply])).logits[0, len(ids) - 1:]
+        assert logits[:len(reply)].argmax(-1).tolist() == reply
+        example = examples[tuple(ids + reply + ([] if replies[pid]["truncated"] else [tokenizer.eos_token_id]))]
+        assert int((example.labels == -100).sum()) == len(ids)  # the training loader's prompt: the same chat

@@ -13,6 +13,8 @@ from mamba_draft.heldout import SPEC_BENCH, is_heldout, read_spec_bench
 from commands import cli
 from mamba_draft.devices import default_dtype
 
+pytestmark = pytest.mark.heavy  # minutes of work: scheduled first (tests/conftest.py)
+
 
 def test_held_out_questions_never_reach_training_prompts():
     from mamba_draft.targets import SHIPPED_TARGET, load_tokenizer
@@ -52,9 +54,12 @@ def test_quick_rebuild_makes_data_trains_the_pair_and_benchmarks_it(quick_train)
     assistant = load_drafter(run_dir / "assistant")  # the same draft vocabulary, stored beside its full model
     assert type(assistant).__name__ == "TransformerDrafter" and torch.equal(assistant.draft_ids, drafter.draft_ids)
     prompts = read_shard(run_dir / "data" / "prompts.jsonl")
-    questions = [p for p in prompts if p["source"] == "even_questions"]
+    questions = [p for p in prompts if p["source"] == "even_questions" and "history" not in p]
     assert {p["source"] for p in prompts} <= {"even_questions", "magpie", "magpie_task"}
     assert len(questions) == quick.train_prompts and all(int(p["id"].split(":")[1]) % 2 == 0 for p in questions)
+    # a question's own second turn is asked after the target's reply to its first
+    later = [p for p in prompts if "history" in p]
+    assert {p["id"] for p in later} == {f"{q['id']}/2" for q in questions if q.get("next_turns")}
     for t in ("0", "0.7"):  # greedy and sampled replies, with the target's cached distributions
         assert len(read_shard(run_dir / "data" / f"replies-T{t}.jsonl")) == len(prompts)
     assert (run_dir / "drafter" / "agreement.png").read_bytes()[:4] == b"\x89PNG"

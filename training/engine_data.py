@@ -18,7 +18,9 @@ import torch
 
 from mamba_draft.heldout import is_heldout_text
 from training.data import IGNORE_INDEX, EpochCursor
-from training.make_data import hidden_path, read_hidden, read_shard, read_topk, topk_bytes, topk_path
+from training.make_data import (
+    hidden_path, prompt_messages, read_hidden, read_shard, read_topk, topk_bytes, topk_path,
+)
 from training.regenerate import prompt_ids
 
 
@@ -43,6 +45,11 @@ def heldout_ids(prompt_ids) -> set[str]:
     return held or ({min(ids, key=lambda i: (zlib.crc32(i.encode()), i))} if ids else set())
 
 
+def first_turn(prompt_id: str) -> str:
+    """The id of a chat's first prompt (a later turn's id is `{first}/{turn}`): a chat is on one side of the split."""
+    return prompt_id.split("/", 1)[0]
+
+
 def engine_dirs(directory: str | Path) -> list[Path]:
     """The make-data directories `directory` names: itself, or else those directly inside it (sorted by name)."""
     directory = Path(directory).expanduser()
@@ -57,7 +64,7 @@ def engine_dirs(directory: str | Path) -> list[Path]:
 def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | None = None,
                 split: str = "all", hidden_size: int | None = None) -> list[EngineExample]:
     """The replies of a make-data directory, or of every one inside `directory` (the given temperatures, else all;
-    of its `split`) as EngineExamples; every reply to a prompt is on the same side of the split. `hidden_size`:
+    of its `split`) as EngineExamples; every reply of a chat is on the same side of the split. `hidden_size`:
     also read the cached hidden states (make-data --hidden), of that width."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -65,16 +72,17 @@ def load_engine(directory: str | Path, tokenizer, temperatures: list[float] | No
         check_hidden_width(directory, hidden_size, temperatures=temperatures)
     examples = []
     for part in engine_dirs(directory):
-        prompts = {p["id"]: p["prompt"] for p in read_shard(part / "prompts.jsonl")}
-        held = heldout_ids(prompts)
+        prompts = {p["id"]: prompt_messages(p) for p in read_shard(part / "prompts.jsonl")}
+        held = heldout_ids({first_turn(i) for i in prompts})
         for path, temperature in reply_files(part, temperatures):
             for record in read_shard(path):
-                text = prompts.get(record["id"])
-                if text is None or is_heldout_text(text) or not record.get("topk") or not record["reply_ids"]:
+                chat = prompts.get(record["id"])
+                if chat is None or not record.get("topk") or not record["reply_ids"] or any(
+                        m["role"] == "user" and is_heldout_text(m["content"]) for m in chat):
                     continue
-                if split != "all" and ("heldout" if record["id"] in held else "train") != split:
+                if split != "all" and ("heldout" if first_turn(record["id"]) in held else "train") != split:
                     continue
-                prompt = prompt_ids(tokenizer, [{"role": "user", "content": text}])
+                prompt = prompt_ids(tokenizer, chat)
                 reply = record["reply_ids"] + ([] if record["truncated"] else [tokenizer.eos_token_id])
                 ids, logp = read_topk(part, temperature, record)
                 # row t: the distribution token t was drawn from (and its state); prompt rows: 0

@@ -31,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +45,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from mamba_draft.devices import check_device, resolve_dtype
-from mamba_draft.heldout import normalize, overlaps_heldout
+from mamba_draft.heldout import is_heldout, is_heldout_text, normalize, overlaps_heldout, read_spec_bench
 from mamba_draft.io import write_json, write_text
 from training.regenerate import (
     Generate, add_device_arguments, conversation, cut_at_eos, eos_token_ids, hf_sample, load_target, prompt_ids,
@@ -66,6 +68,7 @@ class Task:
     system: str
     tokens: int = MAGPIE_TOKENS
     instruction: str = ""
+    document: bool = False  # a pasted text (cut back to a full sentence), not a request to check as one
 
 
 # Generic instruction-tuning task kinds (Magpie's domain-steered variants): unsteered, a small target writes
@@ -95,13 +98,22 @@ TASKS = (
     Task("advice", "You are a helpful assistant. The user asks for advice or a plan for a situation in their work, "
          "studies, health or daily life."),
     Task("article", "You are a news writer. Write a news article.", 256,
-         "Summarize the article above in a few sentences."),
+         "Summarize the article above in a few sentences.", document=True),
     Task("passage", "You are a writer. Write an informative passage about a topic.", 256,
-         "Extract the key facts from the text above as a list."),
+         "Extract the key facts from the text above as a list.", document=True),
     Task("report", "You are a journalist. Write a short report about an event.", 256,
-         "Based on the text above, answer: who was involved, what happened, and when?"),
+         "Based on the text above, answer: who was involved, what happened, and when?", document=True),
 )
 PLAIN = Task("plain", "")  # unsteered Magpie: the template's default system turn
+# --magpie-styles: batch b is steered by real questions, STYLE_EXEMPLARS even-id Spec-Bench questions of one category
+# (in turn) quoted in the system turn, each cut to STYLE_WORDS words; a category whose questions are documents
+# (summaries, retrieved passages: median over STYLE_WORDS words) is sampled up to STYLE_DOCUMENT_TOKENS and cut back
+# to its last full sentence. Odd ids, the evaluation set, are never shown.
+STYLE_EXEMPLARS, STYLE_WORDS, STYLE_DOCUMENT_TOKENS = 3, 60, 320
+SHAREGPT = {"user": "human", "assistant": "gpt"}  # a chat's roles as ShareGPT names them (replies-T*.jsonl)
+STYLE_SEED = 2 << 20  # style batch b samples with seed + STYLE_SEED + b
+FOLLOW_UP_SEED = 3 << 20  # follow-up batch b samples with seed + FOLLOW_UP_SEED + b
+FOLLOW_UP_WORDS = 150  # a first turn longer than this (a pasted text) gets no Magpie follow-up
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?(?=\s|$)")
 _SENTINEL = "\u2063MAGPIE\u2063"  # an invisible separator: marks where the user's text would start
 _REQUEST_START = re.compile(
@@ -193,14 +205,14 @@ def read_hidden(out: Path, temperature: float, record: dict, width: int) -> torc
 
 # ------------------------------------------------------------------------------------------ prompts
 
-def magpie_prefix(tokenizer, system: str = "") -> list[int]:
+def magpie_prefix(tokenizer, system: str = "", history: list[dict] = ()) -> list[int]:
     """Token ids of the chat template up to where a user's message starts (`system`'s turn, or the template's
-    default one, included): what the target continues to write a user request."""
+    default one, and the `history` of earlier turns included): what the target continues to write a user request."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("--magpie needs a target with a chat template (the prompt is sampled after its user-turn "
                          "header); pass --magpie 0 and --prompts FILE instead")
     turns = [{"role": "system", "content": system}] if system else []
-    text = tokenizer.apply_chat_template([*turns, {"role": "user", "content": _SENTINEL}], tokenize=False,
+    text = tokenizer.apply_chat_template([*turns, *history, {"role": "user", "content": _SENTINEL}], tokenize=False,
                                          add_generation_prompt=False)
     if _SENTINEL not in text:
         raise ValueError("the chat template does not render the user's message verbatim; cannot find the user turn")
@@ -225,7 +237,7 @@ def request_verdict(text: str) -> str:
 
 def document_prompt(text: str, cut: bool, task: Task) -> tuple[str, str]:
     """(prompt, '') for a pasted text of a document task — cut back to its last full sentence when the sample hit
-    its cap, then the task's request — or ('', reason) when it is dropped."""
+    its cap, then the task's request if it has one — or ('', reason) when it is dropped."""
     if cut:
         ends = list(_SENTENCE_END.finditer(text))
         if not ends:
@@ -235,11 +247,40 @@ def document_prompt(text: str, cut: bool, task: Task) -> tuple[str, str]:
         return "", "too_short"
     if _ASSISTANT_VOICE.match(text):
         return "", "assistant_voice"
-    return f"{text}\n\n{task.instruction}", ""
+    return (f"{text}\n\n{task.instruction}" if task.instruction else text), ""
+
+
+def style_tasks(questions: list[dict], batches: int, seed: int) -> list[Task]:
+    """The steering of `batches` style batches: batch b quotes STYLE_EXEMPLARS questions of category
+    b % categories (sorted by name) drawn with seed + b. Only even-id questions: odd ids are refused here."""
+    if any(is_heldout(q) or any(is_heldout_text(t) for t in q["turns"]) for q in questions):
+        raise ValueError("style exemplars must not include held-out (odd-id) Spec-Bench questions")
+    by_category: dict[str, list[dict]] = {}
+    for q in questions:
+        by_category.setdefault(q["category"], []).append(q)
+    names = sorted(by_category)
+    tasks = []
+    for b in range(batches):
+        name = names[b % len(names)]
+        pool = by_category[name]
+        shown = random.Random(seed + b).sample(pool, min(STYLE_EXEMPLARS, len(pool)))
+        quoted = "\n\n".join(f"Request {i + 1}: {cut_words(q['turns'][0], STYLE_WORDS)}" for i, q in enumerate(shown))
+        words = sorted(len(q["turns"][0].split()) for q in pool)
+        document = words[len(words) // 2] > STYLE_WORDS
+        tasks.append(Task(f"style:{name}", "You are a helpful assistant. Users send requests like these:\n\n"
+                          f"{quoted}\n\nThe next user sends a new request of the same kind, on another subject.",
+                          STYLE_DOCUMENT_TOKENS if document else MAGPIE_TOKENS, document=document))
+    return tasks
+
+
+def cut_words(text: str, words: int) -> str:
+    parts = text.split()
+    return " ".join(parts[:words]) + (" ..." if len(parts) > words else "")
 
 
 def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]:
-    """User prompt files -> new prompt records (one user turn each) and drop counts; `seen` gains their keys."""
+    """User prompt files -> new prompt records (their first user turn; a Spec-Bench question's later turns wait in
+    `next_turns` for the reply to the first, `follow_ups`) and drop counts; `seen` gains their keys."""
     kept, dropped = [], Counter()
     for path in paths:
         stem = Path(path).stem
@@ -254,8 +295,16 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
                 dropped["duplicate"] += 1
                 continue
             seen.add(key)
-            kept.append({"id": f"{stem}:{conv['id']}", "source": stem, "prompt": text, "batch": -1})
+            later = record.get("turns", [])[1:] if isinstance(record, dict) and "turns" in record else []
+            kept.append({"id": f"{stem}:{conv['id']}", "source": stem, "prompt": text, "batch": -1}
+                        | ({"next_turns": later} if later and all(isinstance(t, str) and t.strip() for t in later)
+                           else {}))
     return kept, dropped
+
+
+def prompt_messages(record: dict) -> list[dict]:
+    """A prompt record's chat: the earlier turns of a follow-up (`history`), then its user turn."""
+    return [*record.get("history", []), {"role": "user", "content": record["prompt"]}]
 
 
 # ------------------------------------------------------------------------------------------ generation
@@ -325,30 +374,43 @@ class Engine:
         return f"{self.tokens / self.seconds:.0f} tok/s" if self.seconds else "-"
 
 
+@dataclass(frozen=True)
+class MagpieKind:
+    """One kind of Magpie batch: its prompt ids `{tag}:{batch}:{row}`, source name, log file and seed offset."""
+    tag: str
+    source: str
+    log: str
+    seed: int
+
+
+PLAIN_KIND = MagpieKind("magpie", "magpie", "magpie.jsonl", 0)
+TASK_KIND = MagpieKind("task", "magpie_task", "magpie-tasks.jsonl", TASK_SEED)
+STYLE_KIND = MagpieKind("style", "magpie_style", "magpie-styles.jsonl", STYLE_SEED)
+
+
 def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed: int, seen: set[str],
                    prompts_path: Path, progress: bool, on_batch: Callable[[], None],
-                   tasks: tuple[Task, ...] = ()) -> None:
-    """Sample Magpie batches until `count` samples have been drawn in all; each finished batch appends its kept
-    prompts, then its summary line (a batch without one is redone; `seen` drops the re-drawn copies). With `tasks`,
-    batch b is steered by tasks[b % len(tasks)] (its own log and ids)."""
-    log_path = out / ("magpie-tasks.jsonl" if tasks else "magpie.jsonl")
+                   kind: MagpieKind = PLAIN_KIND, tasks: tuple[Task, ...] = (PLAIN,)) -> None:
+    """Sample Magpie batches of `kind` until `count` samples have been drawn in all; each finished batch appends
+    its kept prompts, then its summary line (a batch without one is redone; `seen` drops the re-drawn copies).
+    Batch b is steered by tasks[b % len(tasks)]."""
+    log_path = out / kind.log
     done = {r["batch"] for r in read_shard(log_path)}
     batches = -(-count // batch_size)
     todo = [b for b in range(batches) if b not in done]
     if not todo:
         return
-    bar = tqdm(total=len(todo) * batch_size, desc="magpie task prompts" if tasks else "magpie prompts",
-               unit="sample", disable=not progress)
+    bar = tqdm(total=len(todo) * batch_size, desc=f"{kind.source} prompts", unit="sample", disable=not progress)
     for b in todo:
-        task = tasks[b % len(tasks)] if tasks else PLAIN
-        tag = {"task": task.name} if tasks else {}
+        task = tasks[b % len(tasks)]
+        tag = {} if kind is PLAIN_KIND else {"task": task.name}
         n = min(batch_size, count - b * batch_size)
         rows, _, _ = engine.run([magpie_prefix(engine.tokenizer, task.system)] * n, task.tokens, MAGPIE_TEMPERATURE,
-                                MAGPIE_TOP_P, seed + b + (TASK_SEED if tasks else 0))
+                                MAGPIE_TOP_P, seed + b + kind.seed)
         kept, dropped = [], Counter()
         for row, (ids, cut) in enumerate(rows):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            if task.instruction:
+            if task.document:
                 text, reason = document_prompt(text, cut, task)
             else:
                 reason = "cut" if cut else request_verdict(text)
@@ -360,8 +422,7 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
                 dropped[reason] += 1
                 continue
             seen.add(normalize(text))
-            kept.append({"id": f"{'task' if tasks else 'magpie'}:{b}:{row}",
-                         "source": "magpie_task" if tasks else "magpie", "prompt": text, "batch": b} | tag)
+            kept.append({"id": f"{kind.tag}:{b}:{row}", "source": kind.source, "prompt": text, "batch": b} | tag)
         append_shard(prompts_path, kept)
         append_shard(log_path, [{"batch": b, "samples": n, "kept": len(kept), "dropped": dict(dropped)} | tag])
         on_batch()
@@ -395,7 +456,7 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
         todo[t] = [p for p in prompts if p["id"] not in have]
         for p in todo[t]:  # only what is still to answer: a late round re-reads every prompt but encodes few
             if p["id"] not in encoded:
-                encoded[p["id"]] = prompt_ids(engine.tokenizer, [{"role": "user", "content": p["prompt"]}])
+                encoded[p["id"]] = prompt_ids(engine.tokenizer, prompt_messages(p))
     jobs = []
     for t, pending in todo.items():
         pending = sorted(pending, key=lambda p: -len(encoded[p["id"]]))
@@ -412,9 +473,10 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
             span = None if topk is None else [next_position[t], topk[b].size(0)]
             next_position[t] += span[1] if span else 0
+            chat = [*prompt_messages(p), {"role": "assistant", "content": text}]
             records.append({"id": p["id"], "source": p["source"], "temperature": t, "truncated": cut,
                             "reply_ids": ids, "topk": span, "conversations": [
-                                {"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": text}]})
+                                {"from": SHAREGPT[m["role"]], "value": m["content"]} for m in chat]})
         if states is not None:  # hidden, then top-K, then the reply lines: a kill leaves only a tail to cut
             append_bytes(hidden_path(out, t), torch.cat(states).view(torch.uint8).numpy().tobytes())
         if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
@@ -424,6 +486,60 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
         bar.update(len(batch))
         bar.set_postfix(speed=engine.rate())
     bar.close()
+
+
+def follow_ups(engine: Engine, out: Path, temperatures: list[float], count: int, batch_size: int, seed: int,
+               prompts_path: Path, progress: bool, on_batch: Callable[[], None]) -> int:
+    """Later user turns after the target's own reply (its greedy one, else the first temperature's): a Spec-Bench
+    question's next turn (`next_turns`), and for up to `count` first turns the target wrote (Magpie, not pasted
+    documents) a follow-up it writes itself (Magpie after the conversation so far; each first turn is tried once).
+    Each Magpie batch is logged in follow-ups.jsonl (a batch without its line is redone). Returns the prompts
+    added."""
+    replies = {r["id"]: r for r in read_shard(reply_path(out, 0.0 if 0.0 in temperatures else temperatures[0]))}
+    prompts = read_shard(prompts_path)
+    have = {p["id"] for p in prompts}
+
+    def chat(p: dict) -> list[dict]:
+        return [*prompt_messages(p), {"role": "assistant", "content": replies[p["id"]]["conversations"][-1]["value"]}]
+
+    def child(p: dict) -> str:
+        return f"{p['id']}/{len(p.get('history', [])) // 2 + 2}"
+
+    turns = [{"id": child(p), "source": p["source"], "prompt": p["next_turns"][0], "batch": -1, "history": chat(p)}
+             | ({"next_turns": p["next_turns"][1:]} if len(p["next_turns"]) > 1 else {})
+             for p in prompts if p.get("next_turns") and p["id"] in replies and child(p) not in have]
+    append_shard(prompts_path, turns)
+    log_path = out / "follow-ups.jsonl"
+    log = read_shard(log_path)
+    tried = {parent for line in log for parent in line["parents"]}
+    eligible = sorted((p for p in prompts if p["source"].startswith("magpie") and "history" not in p
+                       and p["id"] in replies and not replies[p["id"]]["truncated"] and p["id"] not in tried
+                       and len(p["prompt"].split()) <= FOLLOW_UP_WORDS), key=lambda p: zlib.crc32(p["id"].encode()))
+    eligible = eligible[:max(0, count - len(tried))]
+    bar = tqdm(total=len(eligible), desc="follow-up prompts", unit="sample", disable=not progress or not eligible)
+    added = len(turns)
+    for b, start in enumerate(range(0, len(eligible), batch_size), start=len(log)):
+        batch = eligible[start:start + batch_size]
+        rows, _, _ = engine.run([magpie_prefix(engine.tokenizer, history=chat(p)) for p in batch], MAGPIE_TOKENS,
+                                MAGPIE_TEMPERATURE, MAGPIE_TOP_P, seed + FOLLOW_UP_SEED + b)
+        kept, dropped = [], Counter()
+        for p, (ids, cut) in zip(batch, rows):
+            text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            reason = "cut" if cut else request_verdict(text)  # the same follow-up to another first turn is no copy
+            if not reason and overlaps_heldout(text):
+                reason = "heldout_overlap"
+            if reason:
+                dropped[reason] += 1
+                continue
+            kept.append({"id": child(p), "source": "follow_up", "prompt": text, "batch": b, "history": chat(p)})
+        append_shard(prompts_path, kept)
+        append_shard(log_path, [{"batch": b, "parents": [p["id"] for p in batch], "samples": len(batch),
+                                 "kept": len(kept), "dropped": dict(dropped)}])
+        added += len(kept)
+        on_batch()
+        bar.update(len(batch))
+    bar.close()
+    return added
 
 
 def cut_to_replies(path: Path, records: list[dict], row_bytes: int) -> int:
@@ -441,7 +557,7 @@ HIDDEN_PAIR_BUDGET = 1 << 22  # rows x length^2 of one teacher forward: bounds i
 
 
 @torch.no_grad()
-def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperature: float, hidden: bool,
+def teacher_forced(engine: Engine, out: Path, prompts: dict[str, list[dict]], temperature: float, hidden: bool,
                    progress: bool, on_batch: Callable[[], None]) -> None:
     """Append the rows the generating forward would have recorded for the replies whose rows the files lack: top-K
     rows and, with `hidden`, final-norm hidden states. Row j of a reply is the distribution its token j was drawn
@@ -478,7 +594,7 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, str], temperatu
         batch, longest = [], 0
         for record in todo[start:]:
             if record["id"] not in encoded:
-                encoded[record["id"]] = prompt_ids(tokenizer, [{"role": "user", "content": prompts[record["id"]]}])
+                encoded[record["id"]] = prompt_ids(tokenizer, prompts[record["id"]])
             ids = encoded[record["id"]]
             longest = max(longest, len(ids) + len(record["reply_ids"]))
             if batch and (len(batch) + 1) * longest ** 2 > HIDDEN_PAIR_BUDGET:
@@ -517,9 +633,16 @@ def settings_of(args: argparse.Namespace) -> dict:
     """What the data depends on: a resumed run must match these (--magpie may grow, --prompts may be added)."""
     magpie = {"temperature": MAGPIE_TEMPERATURE, "top_p": MAGPIE_TOP_P, "max_tokens": MAGPIE_TOKENS,
               "batch_size": args.batch_size, "seed": args.seed}
-    return {"target": str(args.target), "max_new_tokens": args.max_new_tokens, "magpie": magpie,
-            "magpie_tasks": {**magpie, "max_tokens": None, "seed": args.seed + TASK_SEED,
-                             "tasks": [[t.name, t.system, t.tokens, t.instruction] for t in TASKS]}}
+    settings = {"target": str(args.target), "max_new_tokens": args.max_new_tokens, "magpie": magpie,
+                "magpie_tasks": {**magpie, "max_tokens": None, "seed": args.seed + TASK_SEED,
+                                 "tasks": [[t.name, t.system, t.tokens, t.instruction] for t in TASKS]}}
+    if args.follow_ups:  # recorded once used, as styles are
+        settings["follow_ups"] = {**magpie, "seed": args.seed + FOLLOW_UP_SEED, "first_turn_words": FOLLOW_UP_WORDS}
+    if args.magpie_styles:  # recorded once used: a directory made before styles existed resumes as it was
+        settings["magpie_styles"] = {**magpie, "max_tokens": [MAGPIE_TOKENS, STYLE_DOCUMENT_TOKENS],
+                                     "seed": args.seed + STYLE_SEED, "exemplars": STYLE_EXEMPLARS,
+                                     "words": STYLE_WORDS}
+    return settings
 
 
 def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: list[float],
@@ -543,7 +666,11 @@ def write_manifest(out: Path, settings: dict, dtype: torch.dtype, temperatures: 
                             "dropped_from_files": dict(dropped_files)},
                 "magpie": summary(read_shard(out / "magpie.jsonl")),
                 "magpie_tasks": summary(read_shard(out / "magpie-tasks.jsonl"))
-                | {"by_task": dict(Counter(p["task"] for p in prompts if "task" in p))},
+                | {"by_task": dict(Counter(p["task"] for p in prompts if p["source"] == "magpie_task"))},
+                "magpie_styles": summary(read_shard(out / "magpie-styles.jsonl"))
+                | {"by_style": dict(Counter(p["task"] for p in prompts if p["source"] == "magpie_style"))},
+                "follow_ups": summary(read_shard(out / "follow-ups.jsonl"))
+                | {"later_turns": sum("history" in p for p in prompts)},
                 "replies": replies,
                 "last_run": {"tokens_per_s": round(engine.tokens / engine.seconds, 1) if engine.seconds else None}}
     write_json(out / "manifest.json", manifest)
@@ -565,11 +692,13 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     for path in args.prompts:
         if not Path(path).is_file():
             raise FileNotFoundError(f"prompt file not found: {path}")
-    if args.magpie == 0 and args.magpie_tasks == 0 and not args.prompts and not (out / "prompts.jsonl").exists():
-        raise ValueError("nothing to answer: give --magpie N, --magpie-tasks N and/or --prompts FILE")
+    magpie = args.magpie or args.magpie_tasks or args.magpie_styles
+    if not magpie and not args.prompts and not (out / "prompts.jsonl").exists():
+        raise ValueError("nothing to answer: give --magpie N, --magpie-tasks N, --magpie-styles N and/or "
+                         "--prompts FILE")
 
     tokenizer = target_tokenizer(args.target)
-    if args.magpie or args.magpie_tasks:
+    if magpie:
         magpie_prefix(tokenizer)  # refuses a template-less target before the model loads
     dtype = resolve_dtype(args.dtype, args.device)
     engine = Engine(load_target(args.target, args.device, dtype), tokenizer, generate or hf_sample)
@@ -586,19 +715,29 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     manifest()
     fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     step = ROUND_BATCHES * args.batch_size  # Magpie in rounds, each answered before the next
-    for round_ in range(1, max(1, -(-max(args.magpie, args.magpie_tasks) // step)) + 1):
-        for count, tasks in ((args.magpie, ()), (args.magpie_tasks, TASKS)):
-            magpie_batches(engine, out, min(count, round_ * step), args.batch_size, args.seed, seen, prompts_path,
-                           progress, manifest, tasks)
-        reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
-                      args.seed, progress, manifest, args.hidden)
+    evens = [q for q in read_spec_bench() if not is_heldout(q)]
+    styles = style_tasks(evens, -(-args.magpie_styles // args.batch_size), args.seed + STYLE_SEED) \
+        if args.magpie_styles else ()
+    kinds = ((args.magpie, PLAIN_KIND, (PLAIN,)), (args.magpie_tasks, TASK_KIND, TASKS),
+             (args.magpie_styles, STYLE_KIND, styles))
+    for round_ in range(1, max(1, -(-max(count for count, _, _ in kinds) // step)) + 1):
+        for count, kind, tasks in kinds:
+            if count:
+                magpie_batches(engine, out, min(count, round_ * step), args.batch_size, args.seed, seen, prompts_path,
+                               progress, manifest, kind, tasks)
+        while True:  # the replies, then those to the later turns they open (each first turn opens at most one)
+            reply_batches(engine, out, read_shard(prompts_path), temperatures, args.max_new_tokens, args.batch_size,
+                          args.seed, progress, manifest, args.hidden)
+            if not follow_ups(engine, out, temperatures, min(args.follow_ups, round_ * step), args.batch_size,
+                              args.seed, prompts_path, progress, manifest):
+                break
     fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     return manifest()
 
 
 def fill_rows(engine: Engine, out: Path, temperatures: list[float], hidden: bool, progress: bool,
               on_batch: Callable[[], None]) -> None:
-    prompts = {p["id"]: p["prompt"] for p in read_shard(out / "prompts.jsonl")}
+    prompts = {p["id"]: prompt_messages(p) for p in read_shard(out / "prompts.jsonl")}
     for t in temperatures:
         teacher_forced(engine, out, prompts, t, hidden, progress, on_batch)
 
@@ -620,6 +759,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--magpie-tasks", type=int, default=0,
                         help="more such samples, each batch steered to one kind of task by a system turn (math, "
                         "code, writing, translation, texts to summarize, ...: training.make_data.TASKS)")
+    parser.add_argument("--magpie-styles", type=int, default=0,
+                        help="more samples, each batch steered by real questions: even-id Spec-Bench questions of one "
+                        "category quoted as examples (writing, roleplay, reasoning, math, coding, extraction, STEM, "
+                        "humanities, translation, summarization, QA, RAG); odd ids are never shown")
+    parser.add_argument("--follow-ups", type=int, default=0,
+                        help="second turns the target writes after its own reply to that many of its first turns "
+                        "(multi-turn chats; a Spec-Bench question's own second turn is always asked)")
     parser.add_argument("--prompts", nargs="*", default=[],
                         help="prompt files: ShareGPT JSON/JSONL, {'prompt'} / {'messages'} JSONL, Spec-Bench "
                         "(odd ids are held out and skipped)")
@@ -635,13 +781,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("magpie", 0), ("magpie_tasks", 0)):
+    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("magpie", 0), ("magpie_tasks", 0),
+                        ("magpie_styles", 0), ("follow_ups", 0)):
         if getattr(args, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
     check_device(args.device)
     manifest = make_data(args)
     replies = ", ".join(f"T={t}: {r['replies']} replies, {r['tokens']} tokens" for t, r in manifest["replies"].items())
-    magpie = {k: manifest["magpie"][k] + manifest["magpie_tasks"][k] for k in ("kept", "samples")}
+    magpie = {k: sum(manifest[part][k] for part in ("magpie", "magpie_tasks", "magpie_styles"))
+              for k in ("kept", "samples")}
     print(f"make-data: {manifest['prompts']['total']} prompts ({magpie['kept']} of {magpie['samples']} Magpie "
           f"samples kept); {replies}; {args.out}/manifest.json")
     return 0
