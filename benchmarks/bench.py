@@ -124,8 +124,8 @@ class Pass:
 
     def __init__(self, method: Method, models: Models, cfg: BenchConfig, eos: list[int], seed: int) -> None:
         self.method, self.models, self.cfg, self.eos, self.seed = method, models, cfg, eos, seed
-        self.policy = (parse_policy(method.tree, next(models.target.parameters()).device,
-                                    persistent=cfg.bandit_memory == "pass") if method.kind == "spec" else None)
+        self.policy = (parse_policy(method.tree, persistent=cfg.bandit_memory == "pass")
+                       if method.kind == "spec" else None)
         self.pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
         self.sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
         self.outputs: list[list[int]] = []

@@ -225,19 +225,16 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 # The real demo's measurement (loading, sizing and both tables) fits this on every CPU kind: fewer questions or
 # repeats where plain decoding is slow (`fit_budget`); --budget-minutes changes it.
 BUDGET_MINUTES = 10.0
-TAX_REPEATS = 7  # timed calls per forward of the exactness tax's table (`mamba-draft tax` takes 25)
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
     """The greedy and sampled tables' methods: the baselines, `default` (what `generate` runs by default here) and
-    the measured-time bandit over the CPU arms without its lookup rounds, plus the assistant's methods when there is
-    one; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy verifiers."""
+    the small CPU trees under the measured-time bandit without lookup rounds, plus the assistant's methods when there
+    is one; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy verifiers."""
     from benchmarks import llama_cpp
-    from tree_search.bandit import CPU_ARMS
     from tree_search.calls import LOOKUP_TOKENS as LOOKUP
 
-    # generate's CPU default arms, chosen on even-id (training-side) questions only (docs/benchmarks.md has the sweep)
-    arms = "/".join(arm.spec for arm in CPU_ARMS)
+    arms = "none/1,1/1,1,1/2,1"  # small shapes for CPUs, where every verified token costs (docs/benchmarks.md)
     bandit = f"bandit-time:{arms}"
     # the assistant (a Transformer of the drafter's size, same data and steps) drafting in our engine: the paper's
     # Mamba-vs-Transformer comparison under the same decoding (`assistant:` methods)
@@ -262,10 +259,10 @@ def real_configs():
     from benchmarks.real_pair import RealPairConfig
 
     full = RealPairConfig()
-    quick = RealPairConfig(per_category=1, bench_prompts=2, max_new_tokens=12, magpie=4, magpie_tasks=4,
+    quick = RealPairConfig(per_category=1, bench_prompts=2, max_new_tokens=12, magpie=4, magpie_tasks=0,
                            train_prompts=4, max_prompt_tokens=96, reply_tokens=12, data_batch=4, draft_vocab_size=512,
                            drafter_layers=1, assistant_layers=1, assistant_intermediate=256, steps=3, seq_len=96,
-                           batch=2, eval_every=2)
+                           batch=2, eval_every=2, tax_repeats=1)
     return full, quick
 
 
@@ -367,7 +364,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     sizing = measure_sizing(models.target, models.drafter, first,
                             assistant=models.assistant_drafter if models.assistant is not None else None)
     plain = models.plain_target or load_plain(SHIPPED_TARGET, dtype, device)
-    tax = measure_tax(plain, models.target, repeats=TAX_REPEATS)
+    tax = measure_tax(plain, models.target, repeats=cfg.tax_repeats)
     measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress)
     result = {"dtype": dtype_name, "cpu": cpu_kind(), **measured, "sizing": sizing, "tax": tax,
               "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},

@@ -7,7 +7,7 @@
     llama-cpp        llama.cpp on the target's own GGUF file (`benchmarks/llama_cpp.py`; the `llama-cpp` extra)
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
     default          what `generate` runs by default on the target's device (tree "auto" and the lookup rounds and
-                     verifier it implies: tree_search.policy.default_policy / calls.default_lookup_tokens)
+                     verifier it implies: tree_search.arms.PlannedBandit / calls.default_lookup_tokens)
     chain[:N]        chain drafting with the drafter, N tokens per round (default 5)
     tree:3,2,2,1,1   a fixed tree shape (`tree:none`: no drafting)
     bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes), paper reward (Eq. 2)
@@ -95,8 +95,9 @@ def parse_method(spec: str) -> Method:
 
 def tree_policy(spec: str, drafting: str) -> str:
     """A method's drafting part as a policy spec of `generate`'s grammar (checked here, resolved per pass by
-    `parse_policy`, which `Pass` calls with persistent=True under `--bandit-memory pass`; `auto` restarts per
-    call whatever it is told, so `default` measures exactly what `generate` runs)."""
+    `parse_policy`, which `Pass` calls with persistent=True under `--bandit-memory pass`: `default` then learns over
+    the pass as a `SpeculativeDecoder` learns over its calls, and otherwise restarts per call as the one-call
+    `generate` function does)."""
     from tree_search.policy import FixedShape, parse_policy, spec_of
 
     kind, _, arg = drafting.partition(":")

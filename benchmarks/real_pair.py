@@ -54,6 +54,7 @@ class RealPairConfig:
     bench_prompts: int | None = None      # cap on benchmark prompts (the CI smoke run)
     max_new_tokens: int = 32              # 26 questions x each table's methods; demo.fit_budget cuts to 10 min
     temperature: float = 0.7              # the sampling table's temperature
+    tax_repeats: int = 7                  # timed calls per forward of the exactness tax (`mamba-draft tax`: 25)
     # rebuild (--train)
     magpie: int = 256                     # prompts the target writes (samples drawn)
     magpie_tasks: int = 256               # more, steered to kinds of task (make-data --magpie-tasks)

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         # what can be checked without the models, before any is loaded (the drafter loads with the target's
         # embedding at the first batch, which checks the vocabularies; nothing is written before the last batch).
         # One policy for every batch: a bandit keeps its statistics across them.
-        tree = parse_policy("bandit" if args.tree is None else args.tree, args.device, persistent=True)
+        tree = parse_policy("bandit" if args.tree is None else args.tree, persistent=True)
         sampling = resolve_sampling(None, args.temperature)
         verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"))
         check_options(verifier, tree, sampling, False)

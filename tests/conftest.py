@@ -19,6 +19,12 @@ def pytest_configure(config):
         os.environ["MAMBA_DRAFT_CACHE"] = config._mamba_draft_cache = tempfile.mkdtemp(prefix="mamba-draft-cache-")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files marked `heavy` first (stable otherwise): with two workers (pyproject addopts) a long file handed out
+    last would run alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 def pytest_unconfigure(config):
     if getattr(config, "_mamba_draft_cache", None):
         shutil.rmtree(config._mamba_draft_cache, ignore_errors=True)

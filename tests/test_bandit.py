@@ -3,10 +3,10 @@ import math
 import random
 
 import pytest
-import torch
 
 from mamba_draft.tree import TreeConfig
-from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
+from tree_search.arms import CANDIDATES, PlannedBandit
+from tree_search.bandit import DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
 from tree_search.calls import LOOKUP_TOKENS, default_lookup_tokens
 from tree_search.policy import FixedShape, TreePolicy, parse_policy, spec_of
 
@@ -94,7 +94,7 @@ def test_fixed_shape_always_picks_its_tree():
 
 def test_one_policy_grammar():
     """`tree_search.policy.parse_policy`: what generate, the CLI, the bench and regenerate all read."""
-    assert parse_policy("auto", "cpu").arms == CPU_ARMS
+    assert isinstance(parse_policy("auto"), PlannedBandit) and spec_of(parse_policy(" AUTO ")) == "auto"
     assert parse_policy("none").arms == (TreeConfig(()),) and parse_policy(" 3,2,1 ").arms == (TreeConfig((3, 2, 1)),)
     assert parse_policy("chain:4").arms == (TreeConfig((1, 1, 1, 1)),)
     assert parse_policy((2, 1)).arms == (TreeConfig((2, 1)),)
@@ -196,13 +196,12 @@ def test_time_reward_exploration_shrinks_with_an_arms_spread():
     assert noisy.stats[1].pulls >= 180  # 2 tokens per 1.6 s on average beats 1 per 1 s
 
 
-def test_auto_policy_follows_the_device():
-    """tree="auto": the CPU's measured-time bandit over small shapes and `none`; the paper's arms and reward on a
-    GPU (a torch.device needs no GPU to exist)."""
-    cpu, gpu = parse_policy("auto", "cpu"), parse_policy(" AUTO ", torch.device("cuda"))
-    assert cpu.arms == CPU_ARMS and cpu.reward == "time" and TreeConfig(()) in cpu.arms
-    assert gpu.arms == DEFAULT_ARMS and gpu.reward == "paper"
-    assert parse_policy("bandit", "cpu").arms == DEFAULT_ARMS  # asked for by name: the paper's, on any device
+def test_auto_plans_among_the_candidates_and_lookup_follows_the_device():
+    """tree="auto": the measured-time bandit over the candidate shapes (`none` among them) on every device, whose
+    arms the cost curve picks (tests/test_arms.py); prompt-lookup rounds for one prompt on a CPU."""
+    auto = parse_policy("auto")
+    assert auto.arms == CANDIDATES and auto.reward == "time" and TreeConfig(()) in auto.arms
+    assert parse_policy("bandit").arms == DEFAULT_ARMS  # asked for by name: the paper's, on any device
     assert default_lookup_tokens("auto", "cpu", False, False) == LOOKUP_TOKENS
     assert [default_lookup_tokens(*case) for case in (("auto", "cpu", True, False), ("auto", "cpu", False, True),
                                                       ("auto", "cuda", False, False), ("1,1", "cpu", False, False))] \

@@ -7,8 +7,9 @@ from tests.helpers.tree_models import (
     aligned_drafter, encoded_cache, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama, tiny_neox,
 )
 from tree_search import UCBBandit
-from tree_search.bandit import CPU_ARMS
 from tree_search.generate import generate, generate_autoregressive
+
+pytestmark = pytest.mark.heavy  # minutes of work: scheduled first (tests/conftest.py)
 
 TREES = ["1,1,1,1,1", "3,2,2,1,1", "3,3,2,1", "2,2,2,1,1,1", "4", "bandit"]
 NEW_TOKENS = 100
@@ -169,7 +170,7 @@ def test_lookup_rounds_keep_greedy_identical(setups, case, tree):
 
 
 def test_auto_is_the_cpu_default_bandit_with_lookup_rounds_for_one_prompt(setups):
-    """tree="auto" (the default) on a CPU: the measured-time bandit over CPU_ARMS, with prompt-lookup rounds of <= 8
+    """tree="auto" (the default) on a CPU: the planned measured-time bandit, with prompt-lookup rounds of <= 8
     tokens for one prompt, and the output stays the target's greedy output. A tree given, or a batch, runs no lookup
     rounds unless asked for."""
     target, drafter, ps, _ = setups["llama"]
@@ -177,12 +178,12 @@ def test_auto_is_the_cpu_default_bandit_with_lookup_rounds_for_one_prompt(setups
     ref = hf_greedy(target, repetitive, 40)
     auto = generate(target, drafter, repetitive, max_new_tokens=40)
     assert torch.equal(auto.tokens, ref)
-    assert set(auto.stats.arms) == {str(arm) for arm in CPU_ARMS} and auto.stats.lookup_rounds >= 1
+    assert "none" in auto.stats.arms and len(auto.stats.arms) >= 4 and auto.stats.lookup_rounds >= 1
     given = generate(target, drafter, repetitive, max_new_tokens=40, tree="1,1")
     assert torch.equal(given.tokens, ref) and given.stats.lookup_rounds == 0
     batch = generate(target, drafter, [repetitive[0].tolist(), ps[1][0].tolist()], max_new_tokens=20)
     assert batch.rows[0].tokens.tolist() == hf_greedy(target, repetitive, 20).tolist()
-    assert set(batch.stats.arms) == {str(arm) for arm in CPU_ARMS} and batch.stats.lookup_rounds == 0
+    assert "none" in batch.stats.arms and len(batch.stats.arms) >= 4 and batch.stats.lookup_rounds == 0
 
 
 @pytest.fixture

@@ -208,7 +208,7 @@ def test_time_reward_bandit_from_the_command_line(saved, capsys):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_defaults_follow_the_device(saved, capsys, monkeypatch, native):
-    """No --tree / --dtype / --lookup-tokens: the CPU's default bandit with lookup rounds, the target in bf16 where
+    """No --tree / --dtype / --lookup-tokens: the planned bandit with lookup rounds, the target in bf16 where
     this CPU has native bf16 products (else fp32), and greedy output equal to plain decoding in that dtype."""
     import mamba_draft.devices
 
@@ -219,7 +219,7 @@ def test_defaults_follow_the_device(saved, capsys, monkeypatch, native):
                      "--max-new-tokens", 16, "--json")
     report = json.loads(out)
     assert code == 0 and report["target_dtype"] == ("bfloat16" if native else "float32")
-    assert set(report["arms"]) == {"none", "(1,1)", "(1,1,1)", "(2,1)"} and report["lookup_rounds"] >= 1
+    assert "none" in report["arms"] and len(report["arms"]) >= 4 and report["lookup_rounds"] >= 1
     _, plain = _run(capsys, "--target", root / "target", *prompt, "--autoregressive", "--max-new-tokens", 16, "--json")
     assert json.loads(plain)["target_dtype"] == report["target_dtype"]
     assert json.loads(plain)["tokens"] == report["tokens"]

@@ -21,6 +21,8 @@ from mamba_draft.targets import (
 from tree_search import generate
 from tree_search.prompts import encode_prompt
 
+pytestmark = pytest.mark.heavy  # minutes of work: scheduled first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def smollm2():

@@ -26,6 +26,8 @@ from training.config import ModelConfig
 from training.export import export
 from training.model import load_tokenizer, model_config
 
+pytestmark = pytest.mark.heavy  # minutes of work: scheduled first (tests/conftest.py)
+
 TINY = REPO / "configs" / "tiny"
 LAUNCH_TIMEOUT = 240
 

@@ -18,6 +18,7 @@ Output directory layout:
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import importlib.util
 import json
@@ -347,9 +348,16 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         raise ValueError("no CONFIG given: train CONFIG [key=value ...] (a YAML file of TrainConfig fields)")
     train(load_config(config, overrides), resume_run=args.resume)
-    if torch.distributed.is_initialized():  # a process exiting with the gloo group alive can die in std::terminate
-        torch.distributed.destroy_process_group()
+    # a process exiting with the gloo group alive can die in std::terminate; destroyed now, the group DeepSpeed keeps
+    # for the process would be gone for a later run in it: destroyed at exit (registered once)
+    atexit.unregister(destroy_process_group)
+    atexit.register(destroy_process_group)
     return 0
+
+
+def destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

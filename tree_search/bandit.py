@@ -11,10 +11,6 @@ from dataclasses import dataclass, field
 from mamba_draft.tree import TreeConfig
 
 DEFAULT_ARMS = (TreeConfig((3, 3, 2, 1)), TreeConfig((3, 2, 2, 1, 1)), TreeConfig((2, 2, 2, 1, 1, 1)))
-# The CPU default (`tree="auto"`): the paper's wide trees are built for GPUs, where verifying one is nearly free; on a
-# CPU every verified node costs time, so small shapes with the measured-time reward, and `none` where drafts do not
-# pay (chosen on even-id Spec-Bench questions: docs/benchmarks.md).
-CPU_ARMS = (TreeConfig(()), TreeConfig((1, 1)), TreeConfig((1, 1, 1)), TreeConfig((2, 1)))
 
 
 def tree_reward(n_accept: int, gamma: int, lambda_gamma: float) -> float:
@@ -83,14 +79,24 @@ class UCBBandit:
     def reset(self) -> None:
         """Forget all pulls and rewards (and the online cost-ratio and throughput estimates)."""
         self.stats = [ArmStats() for _ in self.arms]
+        self.active = tuple(range(len(self.arms)))  # the arms `select` may pull (`arms.PlannedBandit` plans them)
         self.rounds = 0
         self._cost_ratio_sum, self._cost_ratio_n = 0.0, 0
         self._seconds, self._tokens = 0.0, 0  # all rounds (the time reward's scale)
 
-    def start_call(self) -> None:
-        """Called by `generate` at the start of every call: resets unless persistent."""
+    def start_call(self, rows: int = 1, costs=None) -> None:
+        """Called by `generate` at the start of every call (`rows` prompts; `costs`: what `arms.PlannedBandit`
+        plans from, unused here): resets unless persistent."""
         if not self.persistent:
             self.reset()
+
+    def observe(self, tree, paths: list[list[int]], lookup: bool = False) -> None:
+        """A verified tree (`lookup`: a prompt-lookup chain) and each row's accepted path (`arms.PlannedBandit` learns
+        the acceptance from them)."""
+
+    def lookup_length(self, offered: int) -> int:
+        """How many of `offered` prompt-lookup tokens a round verifies (0: none; here all)."""
+        return offered
 
     @property
     def current_lambda_gamma(self) -> float:
@@ -99,14 +105,13 @@ class UCBBandit:
         return self._cost_ratio_sum / self._cost_ratio_n if self._cost_ratio_n else 0.0
 
     def select(self) -> int:
-        """Index of the arm to pull this round."""
-        for k, s in enumerate(self.stats):
-            if s.pulls == 0:
+        """Index of the arm to pull this round (among the active ones)."""
+        for k in self.active:
+            if self.stats[k].pulls == 0:
                 return k
-        t = self.rounds + 1
-        scores = [v + self.lambda_ucb * math.sqrt(2.0 * math.log(t)) * self.spread(k)
-                  for k, v in enumerate(self.values())]
-        return max(range(len(scores)), key=scores.__getitem__)
+        t, values = self.rounds + 1, self.values()
+        return max(self.active, key=lambda k: values[k] + self.lambda_ucb * math.sqrt(2.0 * math.log(t))
+                   * self.spread(k))
 
     def spread(self, arm: int) -> float:
         """The exploration bonus's per-arm factor: 1/sqrt(n) (UCB1) for the paper reward; for the time reward
@@ -149,5 +154,6 @@ class UCBBandit:
         return self.values()[arm]
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per-arm pulls and value (mean reward), keyed by the arm's shape string."""
-        return {str(a): {"pulls": s.pulls, "mean_reward": v} for a, s, v in zip(self.arms, self.stats, self.values())}
+        """Per-arm pulls and value (mean reward), keyed by the arm's shape string: the arms pulled or active."""
+        return {str(a): {"pulls": s.pulls, "mean_reward": v}
+                for k, (a, s, v) in enumerate(zip(self.arms, self.stats, self.values())) if s.pulls or k in self.active}

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         lookup_tokens = default_lookup_tokens(spec, defaults.device, False, args.prompt_lookup)
     verifier_params = parse_verifier_params(args.verifier_param)
     verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"), **verifier_params)
-    check_options(verifier, parse_policy(spec, defaults.device), sampling, args.prompt_lookup, lookup_tokens or 0)
+    check_options(verifier, parse_policy(spec), sampling, args.prompt_lookup, lookup_tokens or 0)
 
     generator = SpeculativeGenerator(args.target, None if args.autoregressive else args.drafter, device=defaults.device,
                                      dtype=args.dtype, tree=spec, verifier=args.verifier,

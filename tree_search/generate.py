@@ -17,13 +17,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mamba_draft.targets.cache import ROOT_ONLY, TargetCache
-from mamba_draft.targets.facts import target_vocab_size
+from mamba_draft.targets.facts import TargetFacts, max_positions, target_vocab_size
+from tree_search.arms import VerifyCosts, measure_verify_costs, probe_forward
 from tree_search.calls import (
     BatchGenerateResult, Call, GenerateResult, GenerateStats, batch_prompts, check_drafter, check_drafter_room,
     check_limits, check_options, default_lookup_tokens, eos_set, is_batch,
 )
 from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
-from tree_search.policy import parse_policy
+from tree_search.policy import is_auto, parse_policy
 from tree_search.prompt_lookup import NgramLookup
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
 from tree_search.sampling import choose, resolve_sampling
@@ -32,6 +33,8 @@ from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verif
 from tree_search.verifiers.greedy import greedy_walk
 
 PLAIN = VerifyResult(path=[], next_token=0)  # what a plain decoding step counts as (no lossy accepts, no info)
+PROBE_CONTEXT = 16  # prompt tokens the verify-cost probe runs after
+PROBE_SLOTS = 48  # cache slots the probe's forwards leave (one each)
 
 
 @dataclass
@@ -61,7 +64,9 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.device = next(target.parameters()).device
         self.tree, self.prompt_lookup, self.lookup_tokens = tree, prompt_lookup, lookup_tokens
-        self.policy = parse_policy(tree, self.device) if drafter is not None else None
+        # `auto` learns over the decoder's calls (acceptance, draft cost, which arms pay): the decoder is what a
+        # stream of requests goes through
+        self.policy = parse_policy(tree, persistent=is_auto(tree)) if drafter is not None else None
         self.verifier, self.verifier_params = verifier, verifier_params
 
     @torch.no_grad()
@@ -122,7 +127,7 @@ class SpeculativeDecoder:
         """Rounds of draft -> verify -> commit -> resync for all rows until each has finished."""
         policy = self.policy
         widest = max(call.lookup_tokens, *(a.num_nodes for a in policy.arms)) + 1
-        policy.start_call()
+        policy.start_call(call.batch, lambda tokens: self.verify_costs(call, tokens))
         target, rec = self.start(call, widest), call.recorder
         drafts = self.strategy(call, widest)
         lookup = NgramLookup(call.ids[0].tolist(), call.lookup_tokens) if call.lookup_tokens else None
@@ -131,6 +136,8 @@ class SpeculativeDecoder:
         while True:
             rows = len(call.active)
             proposal = lookup.propose() if lookup is not None else None
+            if proposal:  # as many as this machine's verify costs and the lookups' acceptance make worth it
+                proposal = proposal[:policy.lookup_length(len(proposal))]
             arm = None if proposal else policy.select()  # a lookup round is no arm's: the policy learns from its own
             tree = None if proposal or not policy.arms[arm].depth else policy.arms[arm]
             if tree is not None and logits is None:  # once per call: not charged to this round's arm
@@ -144,6 +151,7 @@ class SpeculativeDecoder:
             rec.mark(VERIFY)
             if proposal or tree is not None:
                 results, proposed, hidden = self.verify(target, draft, call, drafts)
+                policy.observe(draft.tree, [r.path for r in results], lookup=bool(proposal))
             else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root)
                 scores, hidden = target.tree_forward(drafts.roots(rows)[:, None], ROOT_ONLY, drafts.reads_target)
                 plain = choose(scores[:, 0], call.params, call.generators)
@@ -179,6 +187,25 @@ class SpeculativeDecoder:
         return call.finish(target, drafter_calls=drafts.calls, drafter_calls_saved=drafts.calls_saved,
                            drafter_state_bytes=drafts.drafts.state.nbytes if logits is not None else 0,
                            arms=policy.summary())
+
+    def verify_costs(self, call: Call, widest: int) -> VerifyCosts:
+        """The target's verify costs on this device, dtype and thread count (`arms.measure_verify_costs`) up to
+        `widest` tokens a forward (fewer where its positions end: the rest extrapolated), measured once per target
+        (kept on its TargetFacts) after a few of the call's first prompt's tokens."""
+        known = TargetFacts.of(self.target).verify_costs
+        key = (str(self.device), next(self.target.parameters()).dtype, torch.get_num_threads())
+        if key not in known or known[key].covers < widest:
+            context = call.ids[0, -min(call.lengths[0], PROBE_CONTEXT):]
+            room = max_positions(self.target) or call.ids.shape[1] + call.max_new_tokens + widest + 1
+            probed = max(1, min(widest, room - PROBE_CONTEXT - PROBE_SLOTS))
+            # on a CPU the static cache the call then reuses; eager on a GPU: no graphs for shapes the call never runs
+            cache = TargetCache.for_call(self.target, max_len=max(call.ids.shape[1] + call.max_new_tokens,
+                                                                  PROBE_CONTEXT + PROBE_SLOTS) + widest + 1,
+                                         graphs=False)
+            cache.prefill(context[None, :-1])
+            costs = measure_verify_costs(probe_forward(cache, context[-1:]), probed)
+            known[key] = VerifyCosts(costs.seconds, max(costs.covers, widest))
+        return known[key]
 
     def strategy(self, call: Call, widest: int) -> TreeDrafting:
         """The call's drafting strategy on the drafter's reusable TreeDrafter (`TreeDrafter.of`), `widest` state rows

@@ -1,8 +1,8 @@
 """Tree policies: what picks each round's tree shape, and the one grammar every command writes them in.
 
-    auto                        the device's default (`default_policy`): on a CPU the measured-time bandit over
-                                none / 1,1 / 1,1,1 / 2,1 (with prompt-lookup rounds, `calls.default_lookup_tokens`),
-                                elsewhere the paper's bandit
+    auto                        the default (`arms.PlannedBandit`): the measured-time bandit over none and the
+                                shapes this machine's verify costs and the drafter's acceptance favour (on a CPU
+                                with prompt-lookup rounds, `calls.default_lookup_tokens`)
     none | 3,2,2,1,1 | chain:5  one fixed shape (`none`: no speculation, a plain decoding step per round;
                                 chain:N is N ones)
     bandit[:A/B/...]            UCB over the arms A, B, ... (default: the paper's three), the paper's reward (Eq. 2)
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-import torch
-
 from mamba_draft.tree import TreeConfig
-from tree_search.bandit import CPU_ARMS, DEFAULT_ARMS, UCBBandit
+from tree_search.arms import PlannedBandit
+from tree_search.bandit import DEFAULT_ARMS, UCBBandit
 
 GRAMMAR = "auto, none, a shape like 3,2,2,1,1, chain:N, bandit[:A/B/...] or bandit-time[:A/B/...]"
 
@@ -29,9 +28,13 @@ class TreePolicy(Protocol):
     arms: tuple[TreeConfig, ...]
     reward: str  # "time": rewarded with the round's tokens (its seconds given); "paper": tokens per row
 
-    def start_call(self) -> None: ...
+    def start_call(self, rows: int = 1, costs=None) -> None: ...
 
     def select(self) -> int: ...
+
+    def observe(self, tree, paths: list[list[int]], lookup: bool = False) -> None: ...
+
+    def lookup_length(self, offered: int) -> int: ...
 
     def update(self, arm: int, n_accept: float, draft_time: float | None = None,
                verify_time: float | None = None) -> float: ...
@@ -47,20 +50,13 @@ class FixedShape(UCBBandit):
         super().__init__(arms=(TreeConfig.parse(tree),))
 
 
-def default_policy(device: str | torch.device) -> UCBBandit:
-    """`auto`: on a CPU the measured-time bandit over `CPU_ARMS`; elsewhere the paper's arms and reward."""
-    if torch.device(device).type == "cpu":
-        return UCBBandit(arms=CPU_ARMS, reward="time")
-    return UCBBandit()
-
-
 def is_auto(spec) -> bool:
     return isinstance(spec, str) and spec.strip().lower() == "auto"
 
 
-def parse_policy(spec, device: str | torch.device = "cpu", persistent: bool = False) -> TreePolicy:
+def parse_policy(spec, persistent: bool = False) -> TreePolicy:
     """A policy from the grammar above, or a TreeConfig / tuple shape; a policy object passes through unchanged.
-    `persistent` keeps a bandit's statistics across generate calls (`auto` always restarts per call)."""
+    `persistent` keeps a bandit's statistics across generate calls."""
     if isinstance(spec, TreePolicy):
         return spec
     if isinstance(spec, (TreeConfig, tuple, list)):
@@ -70,7 +66,7 @@ def parse_policy(spec, device: str | torch.device = "cpu", persistent: bool = Fa
                         f"got {type(spec).__name__}")
     text = spec.strip().lower()
     if text == "auto":
-        return default_policy(device)
+        return PlannedBandit(persistent=persistent)
     kind, colon, arg = text.partition(":")
     try:
         if kind in ("bandit", "bandit-time"):
@@ -91,5 +87,7 @@ def spec_of(policy: TreePolicy) -> str:
     """The grammar's text for a policy (what reports print): the inverse of `parse_policy`."""
     if isinstance(policy, FixedShape):
         return policy.arms[0].spec
+    if isinstance(policy, PlannedBandit):
+        return "auto"
     kind = "bandit-time" if policy.reward == "time" else "bandit"
     return f"{kind}:" + "/".join(a.spec for a in policy.arms)

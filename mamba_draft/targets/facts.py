@@ -25,6 +25,7 @@ class TargetFacts:
             self.takes_logits_to_keep = False
         self.tree_mask_ok: set[tuple] = set()  # probe keys (`probe_key`) whose tree-mask probe passed
         self.static_cache = None  # a static TargetCache reused across calls (CUDA: its buffers and graphs)
+        self.verify_costs: dict[tuple, object] = {}  # (device, dtype, threads) -> tree_search.arms.VerifyCosts
 
     def __getstate__(self) -> dict:  # a copied model (copy.deepcopy, pickle) builds its own static cache
         return {**self.__dict__, "static_cache": None}
