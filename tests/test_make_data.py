@@ -62,6 +62,9 @@ def test_request_filter():
     assert md.request_verdict("The weather was nice yesterday.") == "not_a_request"
     assert md.request_verdict("Hi there") == "too_short"
     assert md.request_verdict("I'm SmolLM, a helpful assistant. How can I help?") == "assistant_voice"
+    assert md.request_verdict("You are a helpful assistant. I'll send you a text, what is it?") == "assistant_voice"
+    assert md.request_verdict("I'm a new AI assistant, how can I help you today?") == "assistant_voice"
+    assert md.request_verdict("I'm a student. How do I cite a book in APA style?") == ""
 
 
 def test_magpie_prompts_are_filtered_counted_and_answered(target, tmp_path):

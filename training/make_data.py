@@ -122,7 +122,9 @@ _REQUEST_START = re.compile(
     r"compare|suggest|provide|design|develop|analy[sz]e|imagine|i\s+(need|want|would|am|have|'m)|please|let's|"
     r"show|implement|convert|rewrite|edit|plan|recommend|name|define|discuss|outline|prepare|identify|evaluate)\b",
     re.IGNORECASE)
-_ASSISTANT_VOICE = re.compile(r"^(i'm smollm|i am smollm|as an ai|hello! i|hi! i|sure[,!]|certainly[,!])", re.IGNORECASE)
+# the assistant's side, or the system turn echoed (style batches quote requests in it)
+_ASSISTANT_VOICE = re.compile(r"^(i'm smollm|i am smollm|as an ai|hello! i|hi! i|sure[,!]|certainly[,!]|"
+                              r"you are an? [\w ]*assistant|i'?m an? (new )?ai\b|i am an? (new )?ai\b)", re.IGNORECASE)
 
 
 # ------------------------------------------------------------------------------------------ shards
