@@ -35,7 +35,7 @@ def test_the_probe_stops_where_forwards_turn_steep():
         now[0] += fixed + per_token * n + (0.01 if len(calls) == 1 else 0.0)  # the first call pays a warm-up
 
     costs = measure_verify_costs(forward, widest=64, repeats=2, clock=lambda: now[0])
-    # 8 tokens cost 4.5x one, past STEEP (4x): no wider probe, the rest extrapolated linearly
+    # 8 tokens cost 4.5x one, past STEEP (3x): no wider probe, the rest extrapolated linearly
     assert costs.seconds == pytest.approx({1: 0.002, 2: 0.003, 4: 0.005, 8: 0.009})
     assert set(calls) == {1, 2, 4, 8} and costs.covers == math.inf and costs(16) == pytest.approx(0.017)
     flat = measure_verify_costs(lambda n: forward(n, per_token=1e-5, fixed=0.002), widest=5, repeats=1,
