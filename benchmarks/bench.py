@@ -21,7 +21,7 @@ from tree_search.policy import parse_policy
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
-DEFAULT_METHODS = ("hf-ar", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit")
+DEFAULT_METHODS = ("hf-ar", "ar", "default", "chain:5", "3,2,2,1,1", "bandit")
 # what a user has without us: our plain decoding and transformers' `generate` on the plain model; every speedup is
 # stated against the faster of those that ran
 BASELINES = ("ar", "hf-ar")
@@ -105,7 +105,7 @@ class Batch(NamedTuple):
 
 def make_batches(prompt_ids: list[torch.Tensor], size: int) -> list[Batch]:
     """Consecutive groups of `size` prompts (the last may be smaller), left-padded; size 1: the prompts as they are."""
-    from tree_search.calls import batch_prompts
+    from tree_search.plan import batch_prompts
 
     if size == 1:
         return [Batch(i, ids, None) for i, ids in enumerate(prompt_ids)]
@@ -128,6 +128,7 @@ class Pass:
                        if method.kind == "spec" else None)
         self.pad = models.tokenizer.pad_token_id if models.tokenizer is not None else None
         self.sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+        self.decoders: dict = {}  # run_ours's SpeculativeDecoders, kept over the pass
         self.outputs: list[list[int]] = []
         self.records: list[dict] = []
 
@@ -144,7 +145,7 @@ class Pass:
                                            self.seed + start)
         else:
             tokens, record = run_ours(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
-                                      self.policy, self.seed + start, mask)
+                                      self.policy, self.seed + start, mask, self.decoders)
         self.outputs.extend([tokens] if mask is None else tokens)
         self.records.append(record)
 
@@ -438,9 +439,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, help="Spec-Bench question.jsonl or JSONL with 'prompt' (default: the "
                         "held-out, odd-id questions of the Spec-Bench copy shipped in mamba_draft/data)")
     parser.add_argument("--methods", nargs="+", default=list(d.methods),
-                        help="hf-ar hf-assisted hf-lookup ar default chain[:N] tree:3,2,2,1,1 bandit[:A/B] "
-                        "METHOD+lookup[:K] METHOD@VERIFIER verifier=NAME; `default` is what `generate` runs by "
-                        "default on --device, hf-* run transformers' generate on plain copies of the models")
+                        help="hf-ar hf-assisted hf-lookup llama-cpp ar default, or a tree policy in generate --tree's "
+                        "grammar (auto none 3,2,2,1,1 chain:N bandit[:A/B/...] bandit-time[:A/B/...]); "
+                        "METHOD+lookup[:K] METHOD@VERIFIER assistant:METHOD verifier=NAME LABEL=METHOD; `default` is "
+                        "what `generate` runs by default on --device, hf-* run transformers' generate on plain copies "
+                        "of the models")
     parser.add_argument("--assistant", help="small Transformer sharing the target's tokenizer: the assistant of "
                         "hf-assisted, and the drafter of assistant: methods in our engine")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")

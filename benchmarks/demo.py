@@ -29,7 +29,7 @@ from mamba_draft.io import atomic_directory
 # has few arms, chains of 4, 8 and 16 (every arm is explored once per prompt), rewarded by measured throughput.
 CPU_BANDIT = "bandit-time:1,1,1,1/1,1,1,1,1,1,1,1/1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"
 LOSSY_VERIFIERS = ("fly", "topk", "dropmatch")
-DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "default", "chain", "tree:3,2,2,1,1", "bandit",
+DEMO_METHODS = ("hf-ar", "hf-assisted", "ar", "default", "chain:5", "3,2,2,1,1", "bandit",
                 f"cpu-bandit={CPU_BANDIT}", *(f"cpu-bandit@{v}={CPU_BANDIT}@{v}" for v in LOSSY_VERIFIERS))
 SKIPPED_VERIFIERS = {"sampling": "lossless rejection sampling; needs temperature > 0 (the demo is greedy)",
                      "autojudge": "needs a trained AutoJudge head (`mamba-draft autojudge`), not part of the demo"}
@@ -232,7 +232,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     the small CPU trees under the measured-time bandit without lookup rounds, plus the assistant's methods when there
     is one; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy verifiers."""
     from benchmarks import llama_cpp
-    from tree_search.calls import LOOKUP_TOKENS as LOOKUP
+    from tree_search.plan import LOOKUP_TOKENS as LOOKUP
 
     arms = "none/1,1/1,1,1/2,1"  # small shapes for CPUs, where every verified token costs (docs/benchmarks.md)
     bandit = f"bandit-time:{arms}"
@@ -245,13 +245,13 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     greedy = ("hf-ar", *assisted, "hf-lookup", *llama, "ar", "default", f"cpu-bandit={bandit}", *tf)
     sampled = ("hf-ar", *llama, "ar", "default", f"cpu-bandit@sampling={bandit}@sampling", *tf)
     if assistant and full_sweep:
-        greedy += ("tf-chain:2=assistant:chain:2", "tf-tree:2,1=assistant:tree:2,1", f"tf-bandit=assistant:{bandit}")
-        sampled += ("tf-chain:2@sampling=assistant:chain:2@sampling", "tf-tree:2,1@sampling=assistant:tree:2,1@sampling")
+        greedy += ("tf-chain:2=assistant:chain:2", "tf-2,1=assistant:2,1", f"tf-bandit=assistant:{bandit}")
+        sampled += ("tf-chain:2@sampling=assistant:chain:2@sampling", "tf-2,1@sampling=assistant:2,1@sampling")
     if full_sweep:
-        greedy += ("chain:2", f"chain:2+lookup:{LOOKUP}", f"lookup=tree:none+lookup:{LOOKUP}",
-                   f"bandit-paper=bandit:{arms}", "chain:3", "tree:2,1", "tree:3,1", "tree:2,2,1",
+        greedy += ("chain:2", f"chain:2+lookup:{LOOKUP}", f"lookup=none+lookup:{LOOKUP}",
+                   f"bandit-paper=bandit:{arms}", "chain:3", "2,1", "3,1", "2,2,1",
                    *(f"cpu-bandit@{v}={bandit}@{v}" for v in LOSSY_VERIFIERS))
-        sampled += ("chain:2@sampling", "tree:2,1@sampling", *assisted)
+        sampled += ("chain:2@sampling", "2,1@sampling", *assisted)
     return {"greedy": greedy, "sampled": sampled}
 
 

@@ -1,4 +1,4 @@
-"""Decoding methods a benchmark compares, parsed from strings like `chain`, `tree:3,2,2,1,1@fly` or `verifier=fly`.
+"""Decoding methods a benchmark compares, parsed from strings like `default`, `3,2,2,1,1@fly` or `verifier=fly`.
 
     hf-ar            transformers `generate` (greedy or sampling), the target alone
     hf-assisted      transformers assisted generation with a Transformer assistant (`--assistant`)
@@ -6,17 +6,15 @@
                      (hf-* methods run on plain copies of the models, `load_plain`: what a user has without us)
     llama-cpp        llama.cpp on the target's own GGUF file (`benchmarks/llama_cpp.py`; the `llama-cpp` extra)
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
-    default          what `generate` runs by default on the target's device (tree "auto" and the lookup rounds and
-                     verifier it implies: tree_search.arms.PlannedBandit / calls.default_lookup_tokens)
-    chain[:N]        chain drafting with the drafter, N tokens per round (default 5)
-    tree:3,2,2,1,1   a fixed tree shape (`tree:none`: no drafting)
-    bandit[:A/B/..]  UCB bandit over tree shapes (default arms, or `/`-separated shapes), paper reward (Eq. 2)
-    bandit-time[:..] the same with the measured-time reward (tokens per second of each round)
-                     (the drafting part is `generate`'s tree grammar, tree_search.policy.parse_policy, with `default`
-                     for `auto`, `chain` for chain:5 and `tree:` before a shape)
+    default          a method, not a policy: what `generate` runs with its defaults on the target's device (policy
+                     `auto`, the prompt-lookup rounds `plan.default_lookup_tokens` gives it, and generate's own
+                     verifier for the temperature)
+    <policy>         drafting with the drafter under a tree policy of `generate`'s grammar, parsed by
+                     tree_search.policy.parse_policy alone: auto, none, a shape like 3,2,2,1,1, chain:N,
+                     bandit[:A/B/...] or bandit-time[:A/B/...] (no lookup rounds, greedy verification)
     <drafting>+lookup[:K]  also prompt-lookup rounds of <= K tokens (default 8; `generate(lookup_tokens=K)`);
-                     `tree:none+lookup` is prompt-lookup decoding alone in our harness
-    <drafting>@V     any drafting method verified by verifier V (default `greedy`, lossless)
+                     `none+lookup` is prompt-lookup decoding alone in our harness
+    <drafting>@V     any drafting method (`default` or a policy) verified by verifier V (default `greedy`, lossless)
     assistant:<drafting>  the same, drafted by the `--assistant` Transformer in our engine (`TransformerDrafter`)
     verifier=V       shorthand for `bandit@V`
     LABEL=METHOD     any of the above, shown as LABEL in tables and plots
@@ -29,11 +27,12 @@ from functools import cached_property
 
 import torch
 
-from tree_search.calls import LOOKUP_TOKENS
+from tree_search.plan import LOOKUP_TOKENS
 
 HF_KINDS = ("hf-ar", "hf-assisted", "hf-lookup")
 LLAMA_CPP = "llama-cpp"  # llama.cpp on the target's GGUF: another implementation, its agreement with `ar` reported
-DEFAULT_CHAIN = 5
+METHOD_GRAMMAR = ("hf-ar, hf-assisted, hf-lookup, llama-cpp, ar, default or a tree policy (with an optional assistant: "
+                  "prefix, +lookup[:K] and @verifier), verifier=NAME or LABEL=METHOD")
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class Method:
     # None (`default`): generate's own choice, greedy at temperature 0, else sampling (both lossless)
     verifier: str | None = "greedy"
     # spec: the longest prompt-lookup proposal a round verifies (0: none; None: generate's default for the tree,
-    # device and batch, `calls.default_lookup_tokens`)
+    # device and batch, `plan.default_lookup_tokens`)
     lookup: int | None = 0
     drafter: str = "drafter"  # spec: which model drafts: the drafter (--drafter) or the assistant (--assistant)
 
@@ -63,8 +62,12 @@ class Method:
 
 
 def parse_method(spec: str) -> Method:
-    """Parse and validate one method string (unknown verifiers and bad tree shapes raise ValueError)."""
+    """Parse and validate one method string (unknown verifiers and bad tree policies raise ValueError). The policy is
+    checked here and resolved per pass by `parse_policy`, which `Pass` calls with persistent=True under
+    `--bandit-memory pass`: `default` then learns over the pass as a `SpeculativeDecoder` learns over its calls, and
+    otherwise restarts per call as the one-call `generate` function does."""
     from tree_search import available_verifiers
+    from tree_search.policy import parse_policy, spec_of
 
     name = spec.strip()
     label, sep, rest = name.partition("=")
@@ -80,9 +83,9 @@ def parse_method(spec: str) -> Method:
     if body.startswith("verifier="):
         body = "bandit@" + body.removeprefix("verifier=")
     drafting, _, verifier = body.partition("@")
-    verifier = verifier or (None if drafting.partition("+")[0] == "default" else "greedy")
     drafting, with_lookup, lookup_arg = drafting.partition("+lookup")
-    lookup = None if drafting == "default" else 0
+    default = drafting == "default"  # generate's defaults: its verifier (None) and lookup rounds (None)
+    verifier, lookup = verifier or (None if default else "greedy"), None if default else 0
     if with_lookup:
         lookup = LOOKUP_TOKENS if not lookup_arg else int(lookup_arg[1:]) if lookup_arg[1:].isdigit() else -1
         if not 1 <= lookup <= 64 or (lookup_arg and not lookup_arg.startswith(":")):
@@ -90,39 +93,18 @@ def parse_method(spec: str) -> Method:
     for part in (verifier or "greedy").split("+"):
         if part not in available_verifiers():
             raise ValueError(f"method {spec!r}: unknown verifier {part!r}; available: {', '.join(available_verifiers())}")
-    return Method(name, "spec", tree_policy(spec, drafting), verifier, lookup, drafter)
-
-
-def tree_policy(spec: str, drafting: str) -> str:
-    """A method's drafting part as a policy spec of `generate`'s grammar (checked here, resolved per pass by
-    `parse_policy`, which `Pass` calls with persistent=True under `--bandit-memory pass`: `default` then learns over
-    the pass as a `SpeculativeDecoder` learns over its calls, and otherwise restarts per call as the one-call
-    `generate` function does)."""
-    from tree_search.policy import FixedShape, parse_policy, spec_of
-
-    kind, _, arg = drafting.partition(":")
-    if drafting == "default":
-        return "auto"
-    if kind not in ("chain", "tree", "bandit", "bandit-time") or (kind == "tree" and not arg):
-        raise ValueError(f"unknown method {spec!r}; expected hf-ar, hf-assisted, hf-lookup, llama-cpp, ar, default, "
-                         "chain[:N], "
-                         "tree:3,2,2,1,1, bandit[:A/B] or bandit-time[:A/B], with an optional assistant: prefix, "
-                         "+lookup[:K] and @verifier, or verifier=NAME")
-    policy = arg if kind == "tree" else f"chain:{DEFAULT_CHAIN}" if drafting == "chain" else drafting
     try:
-        parsed = parse_policy(policy)
-        if kind == "tree" and not isinstance(parsed, FixedShape):
-            raise ValueError("tree: takes one shape")
+        tree = spec_of(parse_policy("auto" if default else drafting))
     except ValueError as err:
-        raise ValueError(f"method {spec!r}: {err}") from None
-    return spec_of(parsed)
+        raise ValueError(f"unknown method {spec!r}: {err}; a method is {METHOD_GRAMMAR}") from None
+    return Method(name, "spec", tree, verifier, lookup, drafter)
 
 
 def lookup_of(method: Method, device: str | torch.device, batch: bool) -> int:
     """The prompt-lookup proposal length `method` runs with: its own, or for `default` what `generate` resolves for
-    tree "auto" on this device (`calls.default_lookup_tokens`; generate cannot resolve it here, as the bench hands
+    tree "auto" on this device (`plan.default_lookup_tokens`; generate cannot resolve it here, as the bench hands
     it a policy object rather than "auto")."""
-    from tree_search.calls import default_lookup_tokens
+    from tree_search.plan import default_lookup_tokens
 
     return method.lookup if method.lookup is not None else default_lookup_tokens(method.tree, device, batch,
                                                                                  prompt_lookup=False)
@@ -215,11 +197,14 @@ def until_eos(tokens: list[int], eos: list[int]) -> list[int]:
 
 
 def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
-             eos: list[int], policy, seed: int, mask: torch.Tensor | None = None) -> tuple[list, dict]:
+             eos: list[int], policy, seed: int, mask: torch.Tensor | None = None,
+             decoders: dict | None = None) -> tuple[list, dict]:
     """Our harness: `generate_autoregressive` for `ar`, tree speculative `generate` for the rest. `ids` (1, L) ->
     (new tokens, record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record), row b seeded
-    seed + b. rounds counts row-rounds (a batch's τ = accepted / rounds); batch_rounds the batched rounds."""
-    from tree_search.generate import generate, generate_autoregressive
+    seed + b. rounds counts row-rounds (a batch's τ = accepted / rounds); batch_rounds the batched rounds.
+    `decoders`: the pass's SpeculativeDecoders (what they keep across calls: caches, compiled step, verify costs),
+    filled here; None: a fresh one per call."""
+    from tree_search.generate import SpeculativeDecoder
 
     # a batch goes to generate as its list of prompts (any length, even one), which it left-pads as `ids` are
     prompts = ids if mask is None else [row[keep.bool()] for row, keep in zip(ids, mask)]
@@ -227,14 +212,17 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     kept = getattr(policy, "persistent", False)
     before = {str(a): s.pulls for a, s in zip(policy.arms, policy.stats)} if kept else {}
 
+    lookup = lookup_of(method, ids.device, mask is not None) if method.kind != "ar" else 0
+    decoders = {} if decoders is None else decoders
+    if lookup not in decoders:
+        drafter = None if method.kind == "ar" else (models.drafter if method.drafter == "drafter"
+                                                     else models.assistant_drafter)
+        decoders[lookup] = SpeculativeDecoder(models.target, drafter, tree=policy, verifier=method.verifier,
+                                              tokenizer=models.tokenizer, lookup_tokens=lookup)
+
     def decode():
-        if method.kind == "ar":
-            return generate_autoregressive(models.target, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                           seed=seed, **sampling)
-        drafter = models.drafter if method.drafter == "drafter" else models.assistant_drafter
-        return generate(models.target, drafter, prompts, max_new_tokens=max_new_tokens, tree=policy,
-                        verifier=method.verifier, eos_token_id=eos, seed=seed, tokenizer=models.tokenizer,
-                        lookup_tokens=lookup_of(method, ids.device, mask is not None), **sampling)
+        return decoders[lookup].generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos, seed=seed,
+                                         **sampling)
 
     result, wall = timed(decode, ids.device)
     s = result.stats

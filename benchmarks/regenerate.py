@@ -38,19 +38,21 @@ class DraftedGenerate:
 
     def __init__(self, load, tree, verifier: str | None = None) -> None:
         self.load, self.tree, self.verifier = load, tree, verifier
-        self.drafter = None
+        self.decoder = None  # built at the first batch, on the target it is handed
         self.totals = Counter()  # the batches' stats, summed
 
     def __call__(self, model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
                  eos_token_ids: list[int], seed: int | None = None) -> list[list[int]]:
-        from tree_search import generate
+        from tree_search import SpeculativeDecoder
 
-        if self.drafter is None:
-            self.drafter = self.load(model.get_input_embeddings().weight)
+        if self.decoder is None:
+            drafter = self.load(model.get_input_embeddings().weight)
+            self.decoder = SpeculativeDecoder(model, drafter, tree=self.tree, verifier=self.verifier,
+                                              tokenizer=tokenizer)
         # top_p / top_k None: the target's generation_config, as model.generate(do_sample=True, temperature=T)
-        result = generate(model, self.drafter, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=None, top_k=None, eos_token_id=list(eos_token_ids),
-                          seed=seed, tree=self.tree, verifier=self.verifier, tokenizer=tokenizer)
+        result = self.decoder.generate([list(p) for p in prompts], max_new_tokens=max_new_tokens,
+                                       temperature=temperature, top_p=None, top_k=None,
+                                       eos_token_id=list(eos_token_ids), seed=seed)
         stats = result.stats
         self.totals.update(batches=1, new_tokens=stats.new_tokens, drafter_calls=stats.drafter_calls,
                            rounds=stats.rounds, accepted=sum(stats.accepted_lengths),
@@ -67,10 +69,9 @@ class DraftedGenerate:
 
 def run(args: argparse.Namespace) -> int:
     from mamba_draft import load_drafter
-    from tree_search.calls import check_options
+    from tree_search.plan import plan_call
     from tree_search.policy import parse_policy
     from tree_search.sampling import resolve_sampling
-    from tree_search.verifiers import get_verifier
 
     plain.check_arguments(args)
     generate = None
@@ -89,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
         # embedding at the first batch, which checks the vocabularies; nothing is written before the last batch).
         # One policy for every batch: a bandit keeps its statistics across them.
         tree = parse_policy("bandit" if args.tree is None else args.tree, persistent=True)
-        sampling = resolve_sampling(None, args.temperature)
-        verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"))
-        check_options(verifier, tree, sampling, False)
+        plan_call(tree, resolve_sampling(None, args.temperature), verifier=args.verifier, lookup_tokens=0,
+                  batched=True)
         dtype = resolve_dtype(args.dtype, args.device)
         generate = DraftedGenerate(lambda embedding: load_drafter(args.drafter, device=args.device, dtype=dtype,
                                                                   embedding=embedding), tree, args.verifier)

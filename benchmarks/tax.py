@@ -56,11 +56,12 @@ class ExactPath:
 
     def __init__(self, model, max_len: int) -> None:
         self.model, self.max_len = model, max_len
+        self.kept = None  # the static cache, reused by every prefill as a SpeculativeDecoder reuses it
 
     def prefill(self, ids: torch.Tensor):
         from mamba_draft.targets.cache import TargetCache
 
-        cache = TargetCache.for_call(self.model, self.max_len)
+        self.kept = cache = TargetCache.for_call(self.model, self.max_len, kept=self.kept)
         cache.prefill(ids)
         return cache
 

@@ -23,11 +23,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("training.export", "export a DeepSpeed training checkpoint to an HF (or mamba_ssm) directory"),
     "eval": ("training.evaluate", "zero-shot multiple-choice accuracy and held-out perplexity of a model"),
     "make-data": ("training.make_data", "the data engine: the target writes prompts (Magpie) and answers them"),
+    "serve": ("tree_search.serve", "an OpenAI-compatible server: concurrent requests decode together as lossless "
+              "tree batches"),
     "regenerate": ("benchmarks.regenerate",
                    "regenerate chat replies with the target for distillation (optionally drafted)"),
     "demo": ("benchmarks.demo", "the shipped SmolLM2 target and its drafter against plain decoding on held-out "
              "Spec-Bench questions"),
     "bench": ("benchmarks.bench", "Spec-Bench-style side-by-side benchmark of decoding methods"),
+    "serve-bench": ("benchmarks.serve_bench", "N clients at once against one at a time on `serve`, per tree policy"),
     "tax": ("benchmarks.tax", "what the exact target path costs against transformers' plain model, per forward"),
     "bench-drafters": ("benchmarks.bench_drafters", "drafter step latency and memory vs context length"),
     "gpu-timings": ("benchmarks.gpu_timings", "GPU timings: drafter steps, tree drafting, verification, projected speedup"),

@@ -6,7 +6,6 @@ import statistics
 import pytest
 import torch
 
-from mamba_draft.targets.facts import TargetFacts
 from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama
 from tests.helpers.tree_models import prompts as make_prompts
@@ -105,25 +104,25 @@ def test_planned_bandit_learns_across_calls_when_persistent():
 
 
 def test_a_decoder_probes_verify_costs_once_and_learns_the_acceptance(tmp_path):
-    """`auto` in a SpeculativeDecoder: the target's verify costs probed once (kept on its TargetFacts, so another
-    decoder of the same target does not probe again), the acceptance learnt over calls, outputs the target's own."""
+    """`auto` in a SpeculativeDecoder: the target's verify costs probed once (kept by the decoder), the acceptance
+    learnt over calls, outputs the target's own."""
     target = tiny_llama()
     drafter, prompts = aligned_drafter(tmp_path, target), make_prompts(64, 2, seed=5)
     decoder = SpeculativeDecoder(target, drafter, lookup_tokens=0)  # every round an arm's
     policy = decoder.policy
     first = decoder.generate(prompts[0], max_new_tokens=24)
     assert torch.equal(first.tokens, hf_greedy(target, prompts[0], 24))
-    costs = dict(TargetFacts.of(target).verify_costs)
+    costs = dict(decoder.costs)
     assert len(costs) == 1 and policy.costs is next(iter(costs.values())) and policy.costs.seconds[1] > 0
     assert sum(policy.acceptance.trials) > sum(Acceptance().trials)  # every planned arm was pulled
     pulls = sum(s.pulls for s in policy.stats)
     second = decoder.generate(prompts[1], max_new_tokens=24)
     assert torch.equal(second.tokens, hf_greedy(target, prompts[1], 24))
-    assert TargetFacts.of(target).verify_costs == costs and decoder.policy is policy
+    assert decoder.costs == costs and decoder.policy is policy
     assert sum(s.pulls for s in policy.stats) == pulls + len(second.stats.accepted_lengths)  # learnt on
     other = SpeculativeDecoder(target, drafter)
     other.generate(prompts[0], max_new_tokens=4)
-    assert other.policy.costs is policy.costs  # the same target's probe, not a second one
+    assert other.policy.costs is not policy.costs and other.costs  # another decoder probes for itself
 
 
 def test_lookup_rounds_verify_as_many_tokens_as_pay():

@@ -7,7 +7,7 @@ import pytest
 from mamba_draft.tree import TreeConfig
 from tree_search.arms import CANDIDATES, PlannedBandit
 from tree_search.bandit import DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
-from tree_search.calls import LOOKUP_TOKENS, default_lookup_tokens
+from tree_search.plan import LOOKUP_TOKENS, default_lookup_tokens
 from tree_search.policy import FixedShape, TreePolicy, parse_policy, spec_of
 
 

@@ -7,13 +7,14 @@ import torch
 
 from mamba_draft import transformer as transformer_module
 from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.tree_mask import check_tree_support
 from mamba_draft.transformer import TransformerDrafter
 from tests.helpers.sampling_law import assert_follows, exact_first_two
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
 from tree_search.calls import Call
 from tree_search.drafting import TreeDrafter
-from tree_search.generate import generate, generate_autoregressive
+from tree_search.generate import SpeculativeDecoder, generate, generate_autoregressive
 from tree_search.sampling import SamplingParams
 from tree_search.verifiers.greedy import GreedyVerifier
 
@@ -93,8 +94,10 @@ def test_eos_and_budget_land_mid_round_in_different_rows(greedy_setup, monkeypat
         batches.append(tokens.shape[0])
         return forward(self, tokens, tree, want_hidden)
 
+    decoder = SpeculativeDecoder(target, drafter, tree="3,2,1")
+    check_tree_support(target, decoder.tree_mask_ok)  # the tree-mask probe's forwards: before the spy
     monkeypatch.setattr(TargetCache, "tree_forward", spy)
-    result = generate(target, drafter, prompts, max_new_tokens=budget, tree="3,2,1", eos_token_id=eos)
+    result = decoder.generate(prompts, max_new_tokens=budget, eos_token_id=eos)
     assert result.new_tokens == expected
     rounds = [row.stats.rounds for row in result.rows]
     assert len(set(rounds)) > 1  # rows finished in different rounds
@@ -308,3 +311,33 @@ def test_generate_and_generate_autoregressive_take_a_batch(greedy_setup):
         generate(target, drafter, prompts, max_new_tokens=NEW, streamer=object())
     one = generate(target, drafter, torch.tensor([prompts[0]]), max_new_tokens=NEW, tree="1,1")
     assert torch.equal(one.tokens, refs[0])  # (1, L) without a mask stays the single-prompt path
+
+
+def test_on_tokens_sees_every_rows_commits_and_stops_a_row_it_refuses(greedy_setup):
+    """`on_tokens(row, tokens)` gets each row's committed tokens every round; False ends that row there (a server's
+    client gone, a stop string), the other rows decode on as alone."""
+    target, drafter, prompts, refs = greedy_setup
+    seen: dict[int, list[int]] = {}
+
+    def on_tokens(row, tokens):
+        seen.setdefault(row, []).extend(tokens)
+        return not (row == 1 and len(seen[row]) >= 5)
+
+    result = generate(target, drafter, prompts, max_new_tokens=NEW, tree="2,1", on_tokens=on_tokens)
+    for b, (p, ref) in enumerate(zip(prompts, refs)):
+        assert seen[b] == result.new_tokens[b]
+        if b != 1:
+            assert result.new_tokens[b] == ref[0, len(p):].tolist()
+    assert 5 <= len(result.new_tokens[1]) < NEW and result.new_tokens[1] == refs[1][0, len(prompts[1]):].tolist()[
+        : len(result.new_tokens[1])]
+
+
+def test_a_seed_per_row_gives_each_row_what_that_seed_gives_alone(greedy_setup):
+    target, drafter, prompts, _ = greedy_setup
+    seeds = [11, 3, 29]
+    batch = generate(target, drafter, prompts[:3], max_new_tokens=16, tree="2,1", temperature=1.0, seed=seeds)
+    for p, s, row in zip(prompts, seeds, batch.new_tokens):
+        alone = generate(target, drafter, torch.tensor([p]), max_new_tokens=16, tree="2,1", temperature=1.0, seed=s)
+        assert alone.new_tokens[0].tolist() == row
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        generate(target, drafter, prompts[:3], max_new_tokens=4, tree="2,1", temperature=1.0, seed=[1, 2])

@@ -1,14 +1,14 @@
 """Batched target verification: B left-padded prompts in one `TargetCache` give, per row, the logits and the KV cache
 of that prompt alone (a cache of its own holding a batch of one, re-encoding), through greedy tree rounds with ragged
 accepted paths, finished rows dropped, and the plain batched decode step, in dynamic and static storage; bad batches
-are refused before any model runs (`calls.check_batch_prompts`)."""
+are refused before any model runs (`plan.check_batch_prompts`)."""
 import pytest
 import torch
 
 from mamba_draft.targets.cache import TargetCache
 from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import encoded_cache, hf_greedy, tiny_causal_lm
-from tree_search.calls import check_batch_prompts
+from tree_search.plan import check_batch_prompts
 
 VOCAB = 64
 TREES = [TreeConfig((2, 2, 1)).build(), TreeConfig((3, 1, 1)).build()]  # both depth 3, used in turn

@@ -49,28 +49,28 @@ def test_bench_writes_json_markdown_and_png(tiny_pair, tmp_path):
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
                      "--assistant", str(root / "assistant"), "--prompts", str(prompts), "--repeats", "2",
-                     "--max-new-tokens", "12", "--methods", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1",
-                     "cpu=bandit-time:1,1,1/2,1", "tree:2,1@fly", "hf-lookup", "lk=bandit-time:1,1,1/2,1+lookup:4",
-                     "tree:none+lookup", "tf=assistant:tree:2,1", "assistant:chain:2+lookup:4", "--out", str(out)])
+                     "--max-new-tokens", "12", "--methods", "hf-ar", "hf-assisted", "chain:3", "2,2,1",
+                     "cpu=bandit-time:1,1,1/2,1", "2,1@fly", "hf-lookup", "lk=bandit-time:1,1,1/2,1+lookup:4",
+                     "none+lookup", "tf=assistant:2,1", "assistant:chain:2+lookup:4", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "bench.json").read_text())
     assert list(result["batches"]) == ["1"]  # one prompt at a time: a batch of one
     methods = result["batches"]["1"]["methods"]
     # `ar` was added as the baseline of our harness; every speedup is against the faster of ar and hf-ar
     assert list(methods)[0] == "ar" and result["baselines"] == ["ar", "hf-ar"] and result["reference"] == "ar"
-    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "tree:2,2,1", "cpu", "hf-lookup", "lk", "tree:none+lookup",
+    for name in ("ar", "hf-ar", "hf-assisted", "chain:3", "2,2,1", "cpu", "hf-lookup", "lk", "none+lookup",
                  "tf", "assistant:chain:2+lookup:4"):
         s = methods[name]
         assert s["lossless"] and s["equality"]["all_repeats_identical"], (name, s["equality"])
         assert len(s["tokens_per_s"]) == 2 and all(v > 0 for v in s["tokens_per_s"])
         assert set(s["categories"]) == {"def", "class"}
     assert methods["ar"]["tau"] == [1.0, 1.0] and methods["hf-ar"]["tau"] == [1.0, 1.0]
-    assert methods["tree:2,2,1"]["tau"][0] >= 1.0
-    assert methods["tree:2,1@fly"]["lossless"] is False and "prefix_agreement" in methods["tree:2,1@fly"]["equality"]
+    assert methods["2,2,1"]["tau"][0] >= 1.0
+    assert methods["2,1@fly"]["lossless"] is False and "prefix_agreement" in methods["2,1@fly"]["equality"]
     assert methods["cpu"]["tree"] == "bandit-time:1,1,1/2,1"  # LABEL=METHOD; measured-time reward
-    assert parse_method("lk=bandit-time:1,1,1/2,1+lookup:4").lookup == 4 and parse_method("tree:none+lookup").lookup == 8
+    assert parse_method("lk=bandit-time:1,1,1/2,1+lookup:4").lookup == 4 and parse_method("none+lookup").lookup == 8
     # assistant: methods draft with the --assistant Llama in our engine (a TransformerDrafter), the rest with --drafter
-    assert parse_method("tf=assistant:tree:2,1").drafter == "assistant" and parse_method("tree:2,1").drafter == "drafter"
+    assert parse_method("tf=assistant:2,1").drafter == "assistant" and parse_method("2,1").drafter == "drafter"
     assert methods["tf"]["tau"][0] >= 1.0
     # the bandit starts afresh on each prompt; the report sums its pulls over the last repeat's three prompts
     last = result["batches"]["1"]["runs"]["cpu"][-1]["records"]
@@ -88,24 +88,24 @@ def test_bench_rejects_bad_arguments_before_loading(tiny_pair, tmp_path):
     root, prompts = tiny_pair
     base = ["bench", "--target", str(root / "target"), "--prompts", str(prompts), "--out", str(tmp_path / "o")]
     with pytest.raises(ValueError, match="need --drafter"):
-        cli.main(base + ["--methods", "chain"])
+        cli.main(base + ["--methods", "chain:5"])
     with pytest.raises(ValueError, match="needs --assistant"):
         cli.main(base + ["--methods", "hf-assisted"])
     with pytest.raises(ValueError, match="assistant: methods draft with --assistant"):
-        cli.main(base + ["--methods", "assistant:chain"])
+        cli.main(base + ["--methods", "assistant:chain:5"])
     with pytest.raises(ValueError, match="crashes with recurrent-state assistants"):
         cli.main(base + ["--methods", "hf-assisted", "--assistant", str(root / "drafter")])
     with pytest.raises(ValueError, match="unknown verifier 'nope'"):
-        cli.main(base + ["--drafter", str(root / "drafter"), "--methods", "chain@nope"])
+        cli.main(base + ["--drafter", str(root / "drafter"), "--methods", "chain:5@nope"])
     with pytest.raises(ValueError, match="unknown method"):
         resolve_methods(["beam"])
-    for bad in ("chain+lookup:0", "chain+lookup8", "chain+lookup:x"):
+    for bad in ("chain:5+lookup:0", "chain:5+lookup8", "chain:5+lookup:x"):
         with pytest.raises(ValueError, match=r"\+lookup takes a proposal length"):
             resolve_methods([bad])
     with pytest.raises(ValueError, match="prompt lookup decodes one prompt at a time"):
-        cli.main(base + ["--drafter", str(root / "drafter"), "--methods", "chain+lookup", "--batch-size", "2"])
+        cli.main(base + ["--drafter", str(root / "drafter"), "--methods", "chain:5+lookup", "--batch-size", "2"])
     with pytest.raises(ValueError, match="duplicate methods"):
-        resolve_methods(["chain", "chain"])
+        resolve_methods(["chain:5", "chain:5"])
     assert not (tmp_path / "o").exists()
 
 
@@ -195,7 +195,7 @@ def test_bench_rejects_bad_target_and_sampling_arguments_before_loading(tiny_pai
     with pytest.raises(ValueError, match="--system-prompt needs the chat template"):
         cli.main(base + target + ["--system-prompt", "hi", "--no-chat-template"])
     with pytest.raises(ValueError, match="greedy-only"):
-        cli.main(base + target + ["--drafter", str(root / "drafter"), "--methods", "chain", "--temperature", "0.5"])
+        cli.main(base + target + ["--drafter", str(root / "drafter"), "--methods", "chain:5", "--temperature", "0.5"])
     assert not (tmp_path / "o").exists()
 
 
@@ -203,7 +203,7 @@ def test_lossless_reference_is_our_plain_decoding_whenever_it_ran():
     """Lossless outputs are checked against `ar` on the same exact model; hf-* methods alone against `hf-ar`."""
     from benchmarks import bench
 
-    assert bench.reference_method(["ar", "hf-ar", "chain"]) == "ar"
+    assert bench.reference_method(["ar", "hf-ar", "chain:5"]) == "ar"
     assert bench.reference_text({"reference": "ar"}) == "plain decoding (ar)"
     assert bench.reference_method(["hf-ar", "hf-lookup"]) == "hf-ar"
     assert bench.reference_text({"reference": "hf-ar"}) == "transformers' greedy (hf-ar)"
@@ -217,7 +217,7 @@ def test_methods_take_turns_prompt_by_prompt_each_keeping_its_policy_over_the_pa
 
     calls = []
 
-    def fake_ours(method, models, ids, max_new_tokens, sampling, eos, policy, seed, mask=None):
+    def fake_ours(method, models, ids, max_new_tokens, sampling, eos, policy, seed, mask=None, decoders=None):
         calls.append((method.name, int(ids[0, 0]), id(policy) if policy is not None else None, seed))
         return [1], {"new_tokens": 1, "wall_time": 1.0, "rounds": 1, "accepted": 1, "arm_pulls": {}}
 
@@ -266,10 +266,10 @@ def test_speedups_are_against_the_faster_of_ar_and_hf_ar_repeat_by_repeat():
     from benchmarks import bench
     from tree_search.prompts import Prompt
 
-    runs = fake_runs({"ar": [10, 20], "hf-ar": [20, 10], "chain": [30, 30]})
+    runs = fake_runs({"ar": [10, 20], "hf-ar": [20, 10], "chain:5": [30, 30]})
     prompts = [Prompt("x", "a"), Prompt("y", "b")]
-    single = bench.summarize(parse_method("chain"), runs, prompts, None, by_prompt=True)
-    batch = bench.summarize(parse_method("chain"), runs, prompts, None, by_prompt=False)
+    single = bench.summarize(parse_method("chain:5"), runs, prompts, None, by_prompt=True)
+    batch = bench.summarize(parse_method("chain:5"), runs, prompts, None, by_prompt=False)
     assert "categories" in single and "categories" not in batch  # a batch's records are not one prompt's
     for s in (single, batch, single["categories"]["a"]):
         assert s["speedup"] == [pytest.approx(1.5), pytest.approx(1.5)]
@@ -287,7 +287,7 @@ def test_speedups_are_against_the_faster_of_ar_and_hf_ar_repeat_by_repeat():
     assert "| speedup vs best of ar/hf-ar | vs ar | vs hf-ar |" in md and "| 1.50 ± 0.00× | 2.25 ± 1.06× |" in md
     assert "faster of `ar` (our plain decoding) and `hf-ar`" in md and "Speedup vs best of ar/hf-ar (τ)" in md
     # one baseline ran: the speedups are against it, and the table says which one did not run
-    alone = bench.markdown_report(result(fake_runs({"ar": [10, 20], "chain": [30, 30]})))
+    alone = bench.markdown_report(result(fake_runs({"ar": [10, 20], "chain:5": [30, 30]})))
     assert "| speedup vs ar (hf-ar not run) | drafter state |" in alone and "| 2.25 ± 1.06× | – |" in alone
 
 
@@ -320,26 +320,28 @@ def test_hf_methods_run_transformers_generate_on_a_plain_copy(tiny_pair, tmp_pat
 
 
 def test_default_method_is_what_generate_runs_by_default(tiny_pair, tmp_path, monkeypatch):
-    """`--methods default` hands generate the policy, lookup rounds and verifier `mamba-draft generate` resolves
-    for tree "auto" (tree_search.cli: policy.parse_policy / calls.default_lookup_tokens), on a CPU and on a GPU."""
+    """`--methods default` hands the engine the policy, lookup rounds and verifier `mamba-draft generate` resolves
+    for tree "auto" (tree_search.cli: policy.parse_policy / plan.default_lookup_tokens), on a CPU and on a GPU: one
+    SpeculativeDecoder for the pass."""
     import importlib
 
     from benchmarks.bench import DEFAULT_METHODS
     from benchmarks.methods import lookup_of
-    from tree_search.calls import default_lookup_tokens
+    from tree_search.plan import default_lookup_tokens
     from tree_search.arms import PlannedBandit
     from tree_search.policy import parse_policy
 
     engine = importlib.import_module("tree_search.generate")  # the module (the package exports its function)
     root, prompts = tiny_pair
     seen = []
-    real = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    real = engine.SpeculativeDecoder
+    monkeypatch.setattr(engine, "SpeculativeDecoder", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     assert cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts",
                      str(prompts), "--methods", "default", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "3",
                      "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
-    assert len(seen) == 3 and all(kw["verifier"] is None for kw in seen)  # generate picks greedy / sampling
-    for kw in seen:  # --bandit-memory call: a fresh plan per call, as the one-call generate function makes
+    seen = [kw for kw in seen if kw["tree"] is not None]  # `ar`, which bench adds to any of ours, has no policy
+    assert len(seen) == 1 and all(kw["verifier"] is None for kw in seen)  # generate picks greedy / sampling
+    for kw in seen:  # --bandit-memory call: the policy restarts at every call
         assert isinstance(kw["tree"], PlannedBandit) and not kw["tree"].persistent
         assert kw["lookup_tokens"] == default_lookup_tokens("auto", "cpu", False, False) > 0
     method = parse_method("default")
@@ -357,21 +359,28 @@ def test_bench_dtype_defaults_to_auto():
 
 
 def test_methods_draft_in_generates_tree_grammar():
-    """A method's drafting part is `generate --tree`'s grammar (tree_search.policy): `default` is auto, `chain` is
-    chain:5, `tree:` takes one shape; a policy's spec is what the result records."""
+    """A method's drafting part is `generate --tree`'s grammar (tree_search.policy), parsed by `parse_policy` alone;
+    `default` is a method (policy auto with generate's lookup rounds and verifier), `auto` the bare policy; a policy's
+    spec is what the result records."""
     from tree_search.bandit import DEFAULT_ARMS
     from tree_search.policy import parse_policy, spec_of
 
-    assert parse_method("default").tree == "auto" and parse_method("chain").tree == "1,1,1,1,1"
-    assert parse_method("chain:3").tree == "1,1,1" and parse_method("tree:none").tree == "none"
+    default, auto = parse_method("default"), parse_method("auto")
+    assert default.tree == auto.tree == "auto" and (default.lookup, default.verifier) == (None, None)
+    assert (auto.lookup, auto.verifier) == (0, "greedy") and parse_method("auto+lookup:4@fly").lookup == 4
+    assert parse_method("chain:3").tree == "1,1,1" and parse_method("none").tree == "none"
+    assert parse_method("3,2,2,1,1").tree == "3,2,2,1,1" and parse_method("assistant:2,1").drafter == "assistant"
     assert parse_method("bandit").tree == spec_of(parse_policy("bandit")) == "bandit:" + "/".join(
         arm.spec for arm in DEFAULT_ARMS)
     assert parse_method("bandit-time:none/2,1@fly").tree == "bandit-time:none/2,1"
-    for bad, message in (("chain:0", "chain:N takes a positive length"), ("tree:bandit", "tree: takes one shape"),
-                         ("bandit:2,1//1", "tree spec '' is empty"), ("tree:3,,2", "cannot parse tree spec"),
-                         ("beam", "unknown method")):
-        with pytest.raises(ValueError, match=message):
+    for bad, message in (("chain:0", "chain:N takes a positive length"), ("bandit:2,1//1", "tree spec '' is empty"),
+                         ("3,,2", "cannot parse tree spec"), ("beam", "unknown method 'beam'"),
+                         ("tree:2,1", "unknown method"), ("chain", "unknown method"),
+                         ("assistant:ar", "unknown method")):
+        with pytest.raises(ValueError, match=message) as err:
             parse_method(bad)
+        assert "\n" not in str(err.value) and "a method is hf-ar, " in str(err.value)
+        assert "expected auto, none, a shape like 3,2,2,1,1, chain:N" in str(err.value)
 
 
 class StandInLlama:

@@ -11,7 +11,7 @@ from commands import cli
 from tests.test_bench import tiny_pair  # noqa: F401  (the same tiny target / drafter / 3 prompts)
 
 PNG = b"\x89PNG\r\n\x1a\n"
-LOSSLESS = ("hf-ar", "ar", "chain:2", "tree:2,1", "cpu")
+LOSSLESS = ("hf-ar", "ar", "chain:2", "2,1", "cpu")
 
 
 def test_batch_sweep_writes_tables_and_plots(tiny_pair, tmp_path):  # noqa: F811
@@ -19,8 +19,8 @@ def test_batch_sweep_writes_tables_and_plots(tiny_pair, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
                      "--prompts", str(prompts), "--batch-size", "1,2", "--repeats", "1", "--max-new-tokens", "10",
-                     "--methods", "hf-ar", "ar", "chain:2", "tree:2,1", "cpu=bandit-time:none/1,1/1,1,1",
-                     "tree:2,1@fly", "--out", str(out)])
+                     "--methods", "hf-ar", "ar", "chain:2", "2,1", "cpu=bandit-time:none/1,1/1,1,1",
+                     "2,1@fly", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "bench.json").read_text())
     assert result["config"]["batch_sizes"] == [1, 2] and list(result["batches"]) == ["1", "2"]
@@ -31,7 +31,7 @@ def test_batch_sweep_writes_tables_and_plots(tiny_pair, tmp_path):  # noqa: F811
         methods, runs = entry["methods"], entry["runs"]
         for name in LOSSLESS:
             assert methods[name]["lossless"] and methods[name]["equality"]["all_repeats_identical"], (size, name)
-        fly = methods["tree:2,1@fly"]
+        fly = methods["2,1@fly"]
         assert fly["lossless"] is False and "prefix_agreement" in fly["equality"]
         for name, s in methods.items():
             records = runs[name][0]["records"]

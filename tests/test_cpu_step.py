@@ -173,7 +173,7 @@ def test_weights_edited_in_place_are_packed_again():
     before = first.decode(torch.tensor([7]))[0]
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(3)
-    again = TargetCache.for_call(model, max_len=32)
+    again = TargetCache.for_call(model, max_len=32, kept=first)
     assert again is first  # the same static cache and step
     again.prefill(torch.tensor([prompt]))
     after = again.decode(torch.tensor([7]))[0]

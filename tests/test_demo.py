@@ -42,7 +42,7 @@ def test_quick_demo_trains_exports_and_benchmarks(quick_run):
             assert s["equality"]["all_repeats_identical"], (name, s["equality"])
         else:
             assert 0.0 <= s["equality"]["prefix_agreement"] <= 1.0
-    assert methods["chain"]["tree"] == "1,1,1,1,1"
+    assert methods["chain:5"]["tree"] == "1,1,1,1,1"
     assert set(result["skipped_verifiers"]) == {"sampling", "autojudge"}
     sizing = result["sizing"]  # bare target token vs drafter step, the sizing criterion
     assert sizing["target_token_ms"] > 0 and sizing["drafter_step_ms"] > 0

@@ -219,7 +219,7 @@ def test_padding_ids_the_drafter_cannot_read_are_clamped(narrow_pair, drafted, s
     assert max(read) < 48
     assert set(drafted["tokens"]) <= set((ids if subset else torch.arange(48)).tolist())
 
-    drafts = TreeDrafter.of(drafter, 8, VOCAB)
+    drafts = TreeDrafter(drafter, 8, VOCAB)
     assert drafts.read_limit == 47
     logits = drafts.prefill(torch.tensor([[1, 2]]))
     buf = drafts.draft(TreeConfig((1,)), drafts.roots[:1], logits, SamplingParams(0.0), "topk", False, None)

@@ -1,6 +1,9 @@
 """Prompt lookup: `NgramLookup` (proposals the target verifies) and FLy's multi-level acceleration (proposals
-pre-verified by the Mamba drafter), alone and on the TreeDrafter's batch-of-one buffers (`LookupDrafting`)."""
+pre-verified by the Mamba drafter), alone and as a proposer on the TreeDrafter's batch-of-one buffers
+(`LookupChainProposer`)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +13,10 @@ from tests.helpers.tree_models import random_drafter
 from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
 from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams
-from tree_search.strategies import LookupDrafting, TreeDrafting
+from tree_search.proposers import Round
+from tree_search.proposers.lookup_chain import LookupChainProposer
+from tree_search.proposers.plain import PlainStep
+from tree_search.proposers.tree import TreeProposer
 from tree_search.verifiers import VerifyResult
 
 VOCAB = 64
@@ -112,33 +118,39 @@ def test_a_proposal_is_a_point_mass_chain_in_the_batch_of_one_buffers_without_a_
     assert torch.equal(buf.probs[0, :3], torch.nn.functional.one_hot(torch.tensor([16, 23, 42]), VOCAB).float())
 
 
-def test_lookup_drafting_drafts_the_tree_strategys_chains_and_counts_the_calls_it_saves(drafter):
-    """The two strategies generate picks between for one greedy prompt, round for round on the same commits (drafted
-    rounds accepting every depth, leaves included, and proposal rounds the drafter skips): the same chains and q, the
-    same root logits, and lookup's calls plus the calls it saved are the tree strategy's calls."""
+def test_the_lookup_chain_proposer_drafts_the_tree_proposers_chains_and_counts_the_calls_it_saves(drafter):
+    """The two proposers generate picks between for one greedy prompt, round for round on the same commits (drafted
+    rounds accepting every depth, leaves included, and rounds another proposer made, which the drafter reads when it
+    next drafts): the same chains and q, the same root logits, and lookup's calls plus the calls it saved are the
+    tree proposer's calls."""
     context = repetitive_context(drafter)
     config = TreeConfig((1,) * 8)
     rows = config.num_nodes + 1
-    tree = TreeDrafting(TreeDrafter(drafter, rows, VOCAB), GREEDY, "topk", True)
-    lookup = LookupDrafting(TreeDrafter(drafter, max(rows, LOOKUP_ROWS), VOCAB), True, len(context) + 100)
-    strategies = (tree, lookup)
+    tree = TreeProposer(TreeDrafter(drafter, rows, VOCAB), GREEDY, "topk", True)
+    lookup = LookupChainProposer(TreeDrafter(drafter, max(rows, LOOKUP_ROWS), VOCAB), True, len(context) + 100)
+    proposers = (tree, lookup)
     ids = context.view(1, -1)
-    logits = [s.prefill(ids, torch.ones_like(ids)) for s in strategies]
-    for r, accepted in enumerate((0, 8, None, 3, 8, None, 5, 1)):  # accepted nodes; None: a prompt-lookup round
-        if accepted is None:  # a given chain verified, then read when the drafter next drafts
-            drafts = [s.proposal([5, 6, 7]) for s in strategies]
-            assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist() == [[int(tree.roots(1)), 5, 6, 7]]
-            for s in strategies:
-                s.skip(torch.tensor([[5, 6, (3 * r) % VOCAB]]))
+    call = SimpleNamespace(ids=ids, mask=torch.ones_like(ids), active=[0], generators=None)
+    roots = ids[:, -1]
+    for s in proposers:
+        s.prepare(call)
+    for r, accepted in enumerate((0, 8, None, 3, 8, None, 5, 1)):  # accepted nodes; None: another's round
+        if accepted is None:  # three tokens committed by a round neither drafted
+            proposed = [[5, 6, (3 * r) % VOCAB]]
+            other = Round(PlainStep().propose(None, roots, call), PlainStep(), [VerifyResult([1, 2], proposed[0][-1])],
+                          proposed, proposed, torch.tensor([proposed[0][-1]]), None, None)
+            for s in proposers:
+                s.accept(other)
+            roots = other.next_tokens
             continue
-        logits = [s.catch_up(x) for s, x in zip(strategies, logits)]
-        drafts = [s.draft(config, x, None) for s, x in zip(strategies, logits)]
+        drafts = [s.propose(config, roots, call) for s in proposers]
         assert torch.equal(drafts[0].tokens, drafts[1].tokens), f"round {r}"
         torch.testing.assert_close(drafts[0].probs[:, :-1], drafts[1].probs[:, :-1], **Q_CLOSE)
-        proposed = drafts[0].tokens[0, 1 : accepted + 1].tolist() + [(7 * r + 3) % VOCAB]
-        result = VerifyResult(list(range(1, accepted + 1)), proposed[-1])
-        logits = [s.resync(d, [result], [proposed]) for s, d in zip(strategies, drafts)]
-        torch.testing.assert_close(logits[0], logits[1], **Q_CLOSE)
-        assert int(tree.roots(1)) == int(lookup.roots(1)) == proposed[-1]
+        proposed = [drafts[0].tokens[0, 1 : accepted + 1].tolist() + [(7 * r + 3) % VOCAB]]
+        result = VerifyResult(list(range(1, accepted + 1)), proposed[0][-1])
+        roots = torch.tensor([proposed[0][-1]])
+        for s, d in zip(proposers, drafts):
+            s.accept(Round(d, s, [result], proposed, proposed, roots, None, None))
+        torch.testing.assert_close(tree.logits, lookup.logits, **Q_CLOSE)
     assert lookup.calls_saved > 0
     assert lookup.calls + lookup.calls_saved == tree.calls

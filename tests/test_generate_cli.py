@@ -4,11 +4,9 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from commands.cli import main
-from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama
+from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama, word_tokenizer
 
 WORDS = ("the cat dog sat ran on a mat log and then it was big small red blue green one two three four five six "
          "seven eight nine ten up down left right in out over under by to from with at").split()
@@ -17,10 +15,7 @@ WORDS = ("the cat dog sat ran on a mat log and then it was big small red blue gr
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    tokenizer = word_tokenizer(WORDS)
     target = tiny_llama(vocab=64)
     aligned_drafter(root / "drafter", target)
     target.save_pretrained(root / "target")

@@ -23,7 +23,7 @@ NEW_TOKENS = 40
 CHAIN = "1,1,1,1,1"
 PROMPT = torch.tensor([[3, 17, 41, 8, 25, 60, 12]])
 REPETITIVE = torch.tensor([[5, 9, 13, 2, 7, 30] * 5])
-LOOP_FILES = {"generate.py", "strategies.py", "recorder.py"}
+LOOP_FILES = {"generate.py", "recorder.py", "proposers"}  # tree_search's loop modules; every proposer
 TRANSFERS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")  # every way a value reaches the host
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -49,7 +49,7 @@ def transfers(monkeypatch):
         def counted(self, *args, _original=original, _method=method, **kwargs):
             caller = sys._getframe(1).f_code
             path = Path(caller.co_filename)
-            if path.parent.name == "tree_search" and path.name in LOOP_FILES:
+            if path.parent.name == "proposers" or path.parent.name == "tree_search" and path.name in LOOP_FILES:
                 seen[caller.co_name, _method] += 1
             return _original(self, *args, **kwargs)
 

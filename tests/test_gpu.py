@@ -23,12 +23,11 @@ from benchmarks.gpu_timings import host_syncs
 from mamba_draft.graphs import StepRunner
 from mamba_draft.kernels import kernels_available
 from mamba_draft.targets.cache import TargetCache
-from mamba_draft.targets.facts import TargetFacts
 from mamba_draft.tree import Tree, TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama
 from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
 from tree_search.drafting import TreeDrafter
-from tree_search.generate import generate, generate_autoregressive
+from tree_search.generate import SpeculativeDecoder, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="mamba-ssm / causal-conv1d not importable")
@@ -105,13 +104,12 @@ def test_graphs_are_dropped_after_to_dtype_and_output_stays_lossless(tmp_path, d
     drafter = aligned_drafter(tmp_path, target).to("cuda")  # aligned_drafter shrinks the target's layers first
     prompt = torch.tensor([[3, 14, 15, 9, 2]], device="cuda")
     reference = hf_greedy(target, prompt, 24)
-    first = None
+    first, decoder = None, SpeculativeDecoder(target, drafter, tree="3,2,1", verifier="greedy")
     for step_dtype in (torch.float32, dtype):
         drafter.to(step_dtype)
-        result = generate(target, drafter, prompt, max_new_tokens=24, tree="3,2,1", temperature=0.0,
-                          verifier="greedy")
+        result = decoder.generate(prompt, max_new_tokens=24, temperature=0.0)
         assert torch.equal(result.tokens, reference)
-        drafts = TreeDrafter.of(drafter, 2, VOCAB)
+        drafts = decoder.drafts
         assert drafts.runner.graphs and drafts.state.conv.dtype == step_dtype
         if first is None:
             first = drafts
@@ -122,12 +120,12 @@ def test_graphs_are_dropped_after_to_dtype_and_output_stays_lossless(tmp_path, d
 def test_backend_switch_drops_the_graphs(tmp_path):
     drafter = random_drafter(tmp_path, vocab=VOCAB).to("cuda")
     drafter.set_backend("torch")
-    first = TreeDrafter.of(drafter, 8, VOCAB)
+    first = TreeDrafter.reuse(None, drafter, 8, VOCAB)
     first.draft(TreeConfig((2, 2)), first.roots[:1], first.prefill(torch.tensor([[1, 2]], device="cuda")),
                 GREEDY, "topk", False, None)
     assert first.runner.graphs
     drafter.set_backend("kernels")
-    second = TreeDrafter.of(drafter, 8, VOCAB)
+    second = TreeDrafter.reuse(first, drafter, 8, VOCAB)
     assert second is not first and first.runner.graphs == {}
 
 
@@ -182,7 +180,7 @@ def _random_rounds(count: int, rows: int = 1, seed: int = 0, drop_at: int | None
 def test_static_verify_graphs_equal_eager_and_stay_lossless(tmp_path, kind):
     """TargetCache(static=True, graphs=True): one captured forward per (rows, tree size, want_hidden) and one commit
     per (rows, tree size), replayed with the same outputs and cache as the eager static path, for one prompt and for
-    a left-padded batch of 3 with ragged paths and a row dropped; generate through it (the cache kept on the model)
+    a left-padded batch of 3 with ragged paths and a row dropped; generate through it (the cache a decoder keeps)
     stays token-identical to the target's own greedy generate."""
     target = tiny_causal_lm(kind, vocab=VOCAB).to("cuda")
     drafter = aligned_drafter(tmp_path, target).to("cuda")
@@ -200,14 +198,16 @@ def test_static_verify_graphs_equal_eager_and_stay_lossless(tmp_path, kind):
         big = graphed_state._shapes[(ids.shape[0], 16)]
         assert big.graphs.keys() == {False, True, "commit"}
     reference = hf_greedy(target, prompt, 24)
-    for tree in ("3,2,1", "2,2,1", "none"):  # generate's own cache: static and captured on CUDA
-        assert torch.equal(generate(target, drafter, prompt, max_new_tokens=24, tree=tree).tokens, reference)
-    state = TargetFacts.of(target).static_cache
+    decoders = [SpeculativeDecoder(target, drafter, tree=tree) for tree in ("3,2,1", "2,2,1", "none")]
+    for decoder in decoders:  # the decoder's own cache: static and captured on CUDA
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=24).tokens, reference)
+    state = decoders[0].static_cache
     assert state.static and state.use_graphs
-    assert {(1, 16), (1, 11), (1, 1)} <= set(state._shapes) and state._shapes[(1, 16)].graphs
-    assert torch.equal(generate_autoregressive(target, prompt, max_new_tokens=24).tokens, reference)
-    assert TargetFacts.of(target).static_cache is state  # reused while it has room
-    assert TargetCache.for_call(target, state.max_len) is state
+    assert (1, 16) in state._shapes and state._shapes[(1, 16)].graphs
+    assert (1, 11) in decoders[1].static_cache._shapes and (1, 1) in decoders[2].static_cache._shapes
+    assert torch.equal(decoders[0].generate(prompt, max_new_tokens=24).tokens, reference)
+    assert decoders[0].static_cache is state  # reused while it has room
+    assert TargetCache.for_call(target, state.max_len, kept=state) is state
 
 
 def test_static_verify_compiled_with_reduce_overhead_equals_eager():

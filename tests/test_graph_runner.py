@@ -6,9 +6,7 @@ static-buffer ownership, output lifetime and invalidation go through the same co
 """
 from __future__ import annotations
 
-import copy
 import math
-import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +21,7 @@ from mamba_draft.model import _conv_step
 from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search.drafting import TreeDrafter
-from tree_search.generate import generate
+from tree_search.generate import SpeculativeDecoder, generate
 from tree_search.sampling import SamplingParams
 
 VOCAB = 64
@@ -157,28 +155,29 @@ def test_invalidate_drops_graphs_and_the_pool(drafter):
     assert capture.captured == [(1, 3), (1, 3)]
 
 
-# ---------------------------------------------------------------- the TreeDrafter kept on the drafter
+# ---------------------------------------------------------------- the TreeDrafter a decoder keeps
 
 
-def test_the_drafters_tree_drafter_is_kept_while_nothing_changes(drafter):
-    first = TreeDrafter.of(drafter, 8, VOCAB)
-    assert drafter.tree_drafter is first  # visible on the drafter, no module-level cache
-    assert TreeDrafter.of(drafter, 8, VOCAB) is first
-    assert TreeDrafter.of(drafter, 4, VOCAB) is first  # fewer rows fit
-    bigger = TreeDrafter.of(drafter, 9, VOCAB)
-    assert bigger is not first and bigger.state.max_batch == 9 and drafter.tree_drafter is bigger
-    assert TreeDrafter.of(drafter, 9, VOCAB + 1) is not bigger  # another output width
+def test_a_kept_tree_drafter_is_reused_while_it_serves(drafter):
+    first = TreeDrafter.reuse(None, drafter, 8, VOCAB)
+    assert TreeDrafter.reuse(first, drafter, 8, VOCAB) is first
+    assert TreeDrafter.reuse(first, drafter, 4, VOCAB) is first  # fewer rows fit
+    bigger = TreeDrafter.reuse(first, drafter, 9, VOCAB)
+    assert bigger is not first and bigger.state.max_batch == 9
+    assert TreeDrafter.reuse(bigger, drafter, 9, VOCAB + 1) is not bigger  # another output width
 
 
-def test_the_kept_tree_drafter_is_no_part_of_the_module(tmp_path):
-    drafter = random_drafter(tmp_path, vocab=VOCAB)
-    keys = list(drafter.state_dict())
-    drafts = TreeDrafter.of(drafter, 4, VOCAB)
-    assert list(drafter.state_dict()) == keys  # nothing saved with the weights
-    assert "tree_drafter" not in drafter._modules and all(m is not drafts for m in drafter.modules())
-    assert copy.deepcopy(drafter).tree_drafter is None  # a copy builds its own
-    assert pickle.loads(pickle.dumps(drafter)).tree_drafter is None
-    assert TreeDrafter.of(drafter, 4, VOCAB) is drafts
+def test_a_decoder_sets_no_attribute_on_the_models_it_is_given(tmp_path):
+    """What lives across calls (drafter state rows, static cache, verify costs, probe verdicts) is the decoder's."""
+    target = tiny_llama(vocab=VOCAB, seed=4)
+    drafter = aligned_drafter(tmp_path, target)
+    before = {name: set(vars(model)) for name, model in (("target", target), ("drafter", drafter))}
+    decoder = SpeculativeDecoder(target, drafter)
+    for _ in range(2):
+        decoder.generate(torch.tensor([[3, 14, 15, 9, 2]]), max_new_tokens=12)
+    generate(target, drafter, torch.tensor([[3, 14, 15]]), max_new_tokens=4, tree="2,1")
+    assert {name: set(vars(model)) for name, model in (("target", target), ("drafter", drafter))} == before
+    assert decoder.drafts is not None and decoder.tree_mask_ok
 
 
 def test_weights_key_follows_every_weights_address_dtype_and_device():
@@ -195,7 +194,7 @@ def test_weights_key_follows_every_weights_address_dtype_and_device():
 @pytest.mark.parametrize("change", ["backend", "weights", "state_dtype", "dtype"])
 def test_cache_and_graphs_are_dropped_when_the_drafter_changes(tmp_path, change):
     drafter = random_drafter(tmp_path, vocab=VOCAB)
-    first = TreeDrafter.of(drafter, 8, VOCAB)
+    first = TreeDrafter.reuse(None, drafter, 8, VOCAB)
     fake_graphs(first.runner)
     first.draft(TreeConfig((2, 2)), first.roots[:1], first.prefill(torch.tensor([[1, 2]])), GREEDY, "topk", False,
                 None)
@@ -210,27 +209,25 @@ def test_cache_and_graphs_are_dropped_when_the_drafter_changes(tmp_path, change)
     else:
         drafter.state_dtype = torch.float64
     assert drafter_key(drafter) != first.runner.key
-    second = TreeDrafter.of(drafter, 8, VOCAB)
-    assert second is not first and first.runner.graphs == {} and drafter.tree_drafter is second
+    second = TreeDrafter.reuse(first, drafter, 8, VOCAB)
+    assert second is not first and first.runner.graphs == {}
     assert second.runner.key == drafter_key(drafter)
-    assert TreeDrafter.of(drafter, 8, VOCAB) is second
+    assert TreeDrafter.reuse(second, drafter, 8, VOCAB) is second
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_changing_the_drafters_dtype_after_a_generate_stays_lossless(tmp_path, dtype):
-    """Used to raise `RuntimeError: expected m1 and m2 to have the same dtype`: the cached TreeDrafter kept the old
-    dtype's state (and, on CUDA, graphs reading the freed weights)."""
+    """A decoder's kept TreeDrafter follows the drafter's dtype (its state, and on CUDA its graphs, are rebuilt)."""
     target = tiny_llama(vocab=VOCAB, seed=4)
     drafter = aligned_drafter(tmp_path, target)
     prompt = torch.tensor([[3, 14, 15, 9, 2]])
     reference = hf_greedy(target, prompt, 24)
+    decoder = SpeculativeDecoder(target, drafter, tree="3,2,1", verifier="greedy")
     for step_dtype in (torch.float32, dtype, torch.float32):
         drafter.to(step_dtype)
-        result = generate(target, drafter, prompt, max_new_tokens=24, tree="3,2,1", temperature=0.0,
-                          verifier="greedy")
+        result = decoder.generate(prompt, max_new_tokens=24, temperature=0.0)
         assert torch.equal(result.tokens, reference)
-        drafts = TreeDrafter.of(drafter, 2, VOCAB)
-        assert drafts.state.conv.dtype == step_dtype
+        assert decoder.drafts.state.conv.dtype == step_dtype
         assert result.stats.mean_accepted > 1  # the drafter really drafted, in every dtype
 
 

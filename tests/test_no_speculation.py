@@ -245,14 +245,15 @@ def test_a_time_reward_bandit_falls_back_to_none_when_speculating_is_slow(pair):
 
 
 def test_a_none_round_moves_one_token_to_the_host(pair, monkeypatch):
-    loop = {"generate.py", "strategies.py", "recorder.py"}
+    loop = {"generate.py", "recorder.py"}
     seen: Counter = Counter()
     for method in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
         original = getattr(torch.Tensor, method)
 
         def counted(self, *args, _original=original, _method=method, **kwargs):
             caller = sys._getframe(1).f_code
-            if Path(caller.co_filename).parent.name == "tree_search" and Path(caller.co_filename).name in loop:
+            path = Path(caller.co_filename)
+            if path.parent.name == "proposers" or path.parent.name == "tree_search" and path.name in loop:
                 seen[caller.co_name, _method] += 1
             return _original(self, *args, **kwargs)
 
@@ -262,7 +263,7 @@ def test_a_none_round_moves_one_token_to_the_host(pair, monkeypatch):
     result = generate(target, drafter, torch.tensor([[3, 17, 41, 8]]), max_new_tokens=30, tree=policy)
     none = sum(ARMS[a] == "none" for a in policy.pulled)
     in_loop = Counter({key: n for key, n in seen.items() if not key[0].startswith("check_")})
-    assert in_loop == Counter({("speculate", "tolist"): none, ("verify", "tolist"): result.stats.rounds - none})
+    assert none and in_loop == Counter({("verify", "tolist"): result.stats.rounds})
 
 
 def test_cli_tree_none_and_a_none_arm(saved, capsys):  # noqa: F811
@@ -292,4 +293,4 @@ def test_spec_round_trips_through_parse_and_bench_methods():
     for spec in ("none", "3,2,1", "1"):
         assert TreeConfig.parse(spec).spec == spec
     assert parse_method("bandit-time:none/1,1").tree == "bandit-time:none/1,1"
-    assert parse_method("tree:none").tree == "none"
+    assert parse_method("none").tree == "none"

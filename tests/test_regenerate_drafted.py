@@ -80,9 +80,9 @@ def test_greedy_drafted_replies_equal_the_plain_ones(pair, tmp_path, capsys, mon
 
     import tree_search
 
-    batches, real = [], tree_search.generate  # what DraftedGenerate calls, once per batch of prompts
-    monkeypatch.setattr(tree_search, "generate", lambda target, drafter, prompts, **kw:
-                        batches.append((drafter, prompts, kw)) or real(target, drafter, prompts, **kw))
+    batches, real = [], tree_search.SpeculativeDecoder.generate  # what DraftedGenerate calls, once per batch
+    monkeypatch.setattr(tree_search.SpeculativeDecoder, "generate", lambda self, prompts, **kw:
+                        batches.append((self.drafter, prompts, kw)) or real(self, prompts, **kw))
     assert regenerate_cli(target_dir, tmp_path / "drafted.json", "--drafter", str(drafter_dir), "--tree", tree) == 0
     assert json.loads((tmp_path / "drafted.json").read_text()) == want
     out = capsys.readouterr().out.strip().splitlines()

@@ -10,12 +10,11 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers import GenerationConfig
 
 from benchmarks.methods import Models, parse_method, run_hf
 from commands.cli import main
-from tests.helpers.tree_models import random_drafter, tiny_llama
+from tests.helpers.tree_models import random_drafter, tiny_llama, word_tokenizer
 from tests.test_generate_cli import cli_fp32  # noqa: F401  (fixture: the CLI in fp32 on every CPU kind)
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import HF_DEFAULTS, SamplingParams, resolve_sampling
@@ -134,9 +133,7 @@ WORDS = "the cat dog sat ran on a mat log and then it was big small red blue gre
 @pytest.fixture(scope="module")
 def saved_sampling_target(tmp_path_factory):
     root = tmp_path_factory.mktemp("sampling_cli")
-    core = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    tokenizer = word_tokenizer(WORDS)
     target = sampling_target(temperature=0.9)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")

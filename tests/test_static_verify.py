@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mamba_draft.targets.cache import TargetCache, use_static
-from mamba_draft.targets.facts import TargetFacts, UnsupportedTargetError, static_cache_refusal
+from mamba_draft.targets.facts import UnsupportedTargetError, static_cache_refusal
 from mamba_draft.tree import Tree, TreeConfig
 from tests.helpers.tree_models import aligned_drafter, encoded_cache, hf_greedy, prompts, tiny_causal_lm
 from tests.test_batch_target import left_pad
@@ -34,7 +34,7 @@ def static_targets(monkeypatch, max_len: int, forward=None) -> list[TargetCache]
     them. The max_len generate asks for must fit the one given here."""
     built = []
 
-    def for_call(cls, model, max_len: int, graphs: bool = True):
+    def for_call(cls, model, max_len: int, graphs: bool = True, kept=None):
         assert max_len <= room, (max_len, room)
         state = cls(model, static=True, max_len=room)
         if forward is not None:
@@ -265,39 +265,43 @@ def test_bad_arguments_and_unservable_models_are_refused_in_one_line():
 # ------------------------------------------------------------------------------------------ for_call
 
 
-def test_for_call_keeps_a_static_cache_on_the_model_while_it_fits_and_the_weights_stay(monkeypatch):
-    """With the auto rule made to choose static storage here (as it does on CUDA), `for_call` reuses the cache kept
-    on the model while it has room and the weights, attention, dtype and device are those it was built for."""
+def test_for_call_reuses_a_kept_static_cache_while_it_fits_and_the_weights_stay(monkeypatch):
+    """With the auto rule made to choose static storage here (as it does on CUDA), `for_call` reuses the cache the
+    caller kept while it has room and the weights, attention, dtype and device are those it was built for."""
     real = cache_module.use_static
     monkeypatch.setenv("MAMBA_DRAFT_CPU_STEP", "0")  # transformers' forward, as on CUDA (mask conventions differ)
     monkeypatch.setattr(cache_module, "use_static", lambda model, device, static, max_len: real(
         model, torch.device("cuda") if static is None else device, static, max_len))
     model = target("qwen2")
-    facts = TargetFacts.of(model)
-    first = TargetCache.for_call(model, 32, graphs=False)
-    assert first.static and first.max_len == 32 and facts.static_cache is first
-    assert TargetCache.for_call(model, 20, graphs=False) is first
-    bigger = TargetCache.for_call(model, 48, graphs=False)
-    assert bigger is not first and bigger.max_len == 48 and facts.static_cache is bigger
-    assert TargetCache.for_call(model, 32, graphs=False) is bigger  # the bigger one is kept
-    assert TargetCache.for_call(model, 32, graphs=True) is bigger  # graphs are CUDA's: not asked of a CPU cache
+
+    def reused(max_len, kept, graphs=False):
+        return TargetCache.for_call(model, max_len, graphs=graphs, kept=kept)
+
+    first = reused(32, None)
+    assert first.static and first.max_len == 32
+    assert reused(20, first) is first
+    bigger = reused(48, first)
+    assert bigger is not first and bigger.max_len == 48
+    assert reused(32, bigger) is bigger and reused(32, bigger, graphs=True) is bigger  # graphs are CUDA's
+    assert reused(32, None) is not bigger  # nothing kept: a new one
     model.set_attn_implementation("eager")  # another mask convention: a cache built for sdpa is not reused
-    eager = TargetCache.for_call(model, 20, graphs=False)
+    eager = reused(20, bigger)
     assert eager is not bigger and eager.style.dtype == torch.float32  # eager: the additive float mask
-    assert TargetCache.for_call(model, 20, graphs=False) is eager
+    assert reused(20, eager) is eager
     model.to(torch.float64)  # new weights: a cache built for the old ones is not reused
-    wide = TargetCache.for_call(model, 20, graphs=False)
-    assert wide is not eager and TargetCache.for_call(model, 20, graphs=False) is wide
+    wide = reused(20, eager)
+    assert wide is not eager and reused(20, wide) is wide
     head = model.get_output_embeddings()
     head.weight = torch.nn.Parameter(head.weight.detach().clone())  # one weight reallocated, same dtype and device
-    assert TargetCache.for_call(model, 20, graphs=False) is not wide
+    assert reused(20, wide) is not wide
+    assert TargetCache.for_call(target("qwen2"), 20, graphs=False, kept=wide) is not wide  # another model
     # a model the static storage cannot serve gets a fresh dynamic cache, as any model on a CPU does
     windowed = tiny_causal_lm("mistral", sliding_window=32)
     assert TargetCache.for_call(windowed, 31, graphs=False).static
     assert not TargetCache.for_call(windowed, 40, graphs=False).static
     monkeypatch.undo()
-    plain = [TargetCache.for_call(model, 20), TargetCache.for_call(model, 20)]
-    assert not plain[0].static and plain[0] is not plain[1]  # CPU, fp64 (no compiled step): dynamic, fresh each call
+    plain = TargetCache.for_call(model, 20)
+    assert not plain.static and TargetCache.for_call(model, 20, kept=plain) is not plain  # CPU, fp64: dynamic
 
 
 def test_for_call_asks_graphs_only_of_static_caches():
@@ -306,7 +310,7 @@ def test_for_call_asks_graphs_only_of_static_caches():
     llama = target("llama")
     state = TargetCache.for_call(llama, 40, graphs=True)  # CPU: static for the compiled step, no graphs
     assert state.static and state.step is not None and not state.use_graphs
-    assert TargetFacts.of(llama).static_cache is state
+    assert TargetCache.for_call(llama, 40, graphs=True, kept=state) is state
 
 
 # ------------------------------------------------------------------------------------------ compile and graphs

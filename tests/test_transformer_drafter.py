@@ -14,7 +14,7 @@ from mamba_draft.transformer import TransformerDrafter
 from tests.helpers.drafters import lean_drafter
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama, tiny_neox
 from tree_search import UCBBandit
-from tree_search.calls import check_drafter_room
+from tree_search.plan import check_drafter_room
 from tree_search.generate import generate
 
 VOCAB = 64

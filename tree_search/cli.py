@@ -10,33 +10,41 @@ import yaml
 
 from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.dtypes import DTYPES
-from tree_search.calls import check_options, default_lookup_tokens
+from tree_search.plan import plan_call
 from tree_search.policy import GRAMMAR, parse_policy
 from tree_search.sampling import resolve_sampling
-from tree_search.verifiers import get_verifier
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, shape=None) -> None:
+    """The target, drafter, tree policy, verifier, device and dtype: what `generate` and `serve` share."""
     parser.add_argument("--target", required=True, help="HF causal LM directory, hub id or .gguf file with its "
                         "tokenizer; 'smollm2' is the shipped SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--drafter", help=DRAFTER_HELP)
-    prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
-    shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--tree", metavar="SPEC", help=f"the tree policy: {GRAMMAR}. A shape such as 3,2,2,1,1 is "
-                       "fixed (a chain is 1,1,1,1 or chain:4; 'none' drafts nothing: plain decoding on the same "
-                       "harness); bandit is UCB over the paper's shapes (3,3,2,1 / 3,2,2,1,1 / 2,2,2,1,1,1) or the arms "
-                       "given, e.g. bandit:2,1/1,1,1, with the paper's reward (Eq. 2), bandit-time with each round's "
-                       "measured tokens per second (an arm 'none' is a plain round, the fallback when drafting does not "
-                       "pay). Default auto: the device's own, on a CPU bandit-time:none/1,1/1,1,1/2,1 with "
-                       "prompt-lookup rounds of <= 8 tokens, elsewhere the paper's bandit")
-    shape.add_argument("--autoregressive", action="store_true", help="plain target decoding (baseline; no drafter)")
+    (shape or parser).add_argument(
+        "--tree", metavar="SPEC", help=f"the tree policy: {GRAMMAR}. A shape such as 3,2,2,1,1 is fixed (a chain is "
+        "1,1,1,1 or chain:4; 'none' drafts nothing: plain decoding on the same harness); bandit is UCB over the "
+        "paper's shapes (3,3,2,1 / 3,2,2,1,1 / 2,2,2,1,1,1) or the arms given, e.g. bandit:2,1/1,1,1, with the "
+        "paper's reward (Eq. 2), bandit-time with each round's measured tokens per second (an arm 'none' is a plain "
+        "round). Default auto: a measured-time bandit over none and the shapes this machine's verify costs and the "
+        "drafter's acceptance favour (on a CPU, with prompt-lookup rounds of <= 8 tokens for one prompt)")
     parser.add_argument("--verifier", help="verifier name, or lossy ones joined by '+' to accept a token if any accepts "
                         "it, e.g. autojudge+dropmatch (default: greedy at temperature 0, else sampling)")
     parser.add_argument("--verifier-param", action="append", default=[], metavar="KEY=VALUE",
                         help="verifier parameter, repeatable; VALUE is YAML (0.3, .inf, true, naive); "
                         "NAME.KEY targets one verifier of a '+' combination, e.g. fly.theta=0.5")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                        help="target and drafter dtype (auto, the default: bfloat16 where the device has native bf16 "
+                        "products, else float32)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    shape = parser.add_mutually_exclusive_group()
+    add_model_arguments(parser, shape)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
+    shape.add_argument("--autoregressive", action="store_true", help="plain target decoding (baseline; no drafter)")
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="chains at temperature 0: prompt-lookup n-grams pre-verified by the drafter "
                         "(same output, fewer drafter calls)")
@@ -54,17 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-prompt", help="system message placed before the prompt by the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                        help="target and drafter dtype (auto, the default: bfloat16 where the device has native bf16 "
-                        "products, else float32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
 
 
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
-
-    from tree_search.generator import SpeculativeGenerator, check_model_name, run_defaults
 
     if not args.autoregressive and not args.drafter:
         fail("--drafter is required (or pass --autoregressive for the baseline)")
@@ -76,28 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_file is not None and not args.prompt_file.is_file():
         fail(f"prompt file {args.prompt_file} does not exist")
     text = args.prompt if args.prompt_file is None else args.prompt_file.read_text()
-    for name, what in ((args.target, "target"), (None if args.autoregressive else args.drafter, "drafter")):
-        if name is not None:
-            try:
-                check_model_name(name, what)
-            except ValueError as err:
-                fail(f"--{err}")
-    defaults = run_defaults(args.device, args.dtype)  # what Python's SpeculativeGenerator picks too
-    # everything checkable without the models is checked before loading them; sampling left unset is only known
-    # from the target's generation_config, so the engine checks it again once the target is loaded
-    sampling = resolve_sampling(None, args.temperature, args.top_p, args.top_k)
-    spec = defaults.tree if args.tree is None else args.tree  # an empty --tree is a malformed spec, not an absent one
-    lookup_tokens = args.lookup_tokens
-    if lookup_tokens is None and not args.autoregressive:
-        lookup_tokens = default_lookup_tokens(spec, defaults.device, False, args.prompt_lookup)
-    verifier_params = parse_verifier_params(args.verifier_param)
-    verifier = get_verifier(args.verifier or ("greedy" if sampling.greedy else "sampling"), **verifier_params)
-    check_options(verifier, parse_policy(spec), sampling, args.prompt_lookup, lookup_tokens or 0)
-
-    generator = SpeculativeGenerator(args.target, None if args.autoregressive else args.drafter, device=defaults.device,
-                                     dtype=args.dtype, tree=spec, verifier=args.verifier,
-                                     verifier_params=verifier_params, prompt_lookup=args.prompt_lookup,
-                                     lookup_tokens=lookup_tokens)
+    generator = load_generator(args, None if args.autoregressive else args.drafter,
+                               resolve_sampling(None, args.temperature, args.top_p, args.top_k),
+                               prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens)
+    lookup_tokens = generator.decoder.lookup_tokens
     dtype = str(generator.target.dtype).removeprefix("torch.")
     sampling = resolve_sampling(generator.target, args.temperature, args.top_p, args.top_k)
     streamer = None if args.json else TextStreamer(generator.tokenizer, skip_prompt=True)
@@ -128,23 +112,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def fail(message: str):
-    """A one-line usage error for `mamba-draft generate` (exit status 1)."""
-    raise SystemExit(f"mamba-draft generate: error: {message}")
+def load_generator(args: argparse.Namespace, drafter, sampling, *, prompt_lookup: bool = False,
+                   lookup_tokens: int | None = None, batched: bool = False, command: str = "generate"):
+    """The `SpeculativeGenerator` of `add_model_arguments`' flags: the model names and the call's plan checked
+    first (`plan_call`, no model loaded; sampling left unset is only known from the target's generation_config, so
+    the engine checks it again once the target is loaded)."""
+    from tree_search.generator import SpeculativeGenerator, check_model_name, run_defaults
+
+    for name, what in ((args.target, "target"), (drafter, "drafter")):
+        if name is not None:
+            try:
+                check_model_name(name, what)
+            except ValueError as err:
+                fail(f"--{err}", command)
+    defaults = run_defaults(args.device, args.dtype)  # what Python's SpeculativeGenerator picks too
+    spec = defaults.tree if args.tree is None else args.tree  # an empty --tree is a malformed spec, not an absent one
+    verifier_params = parse_verifier_params(args.verifier_param, command)
+    plan = plan_call(None if drafter is None else parse_policy(spec), sampling, verifier=args.verifier,
+                     verifier_params=verifier_params, prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens,
+                     device=defaults.device, batched=batched)
+    return SpeculativeGenerator(args.target, drafter, device=defaults.device, dtype=args.dtype, tree=spec,
+                                verifier=args.verifier, verifier_params=verifier_params, prompt_lookup=prompt_lookup,
+                                lookup_tokens=plan.lookup_tokens if drafter is not None else lookup_tokens)
 
 
-def parse_verifier_params(items: list[str]) -> dict:
+def fail(message: str, command: str = "generate"):
+    """A one-line usage error for `mamba-draft COMMAND` (exit status 1)."""
+    raise SystemExit(f"mamba-draft {command}: error: {message}")
+
+
+def parse_verifier_params(items: list[str], command: str = "generate") -> dict:
     """['theta=0.5', 'fly.window=4'] -> {'theta': 0.5, 'fly.window': 4}; values are parsed as YAML."""
     params = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            fail(f"--verifier-param expects KEY=VALUE, got {item!r}")
+            fail(f"--verifier-param expects KEY=VALUE, got {item!r}", command)
         if key in params:
-            fail(f"--verifier-param {key} is given twice")
+            fail(f"--verifier-param {key} is given twice", command)
         try:
             params[key] = yaml.safe_load(value)
         except yaml.YAMLError as err:
-            fail(f"--verifier-param {key}: cannot parse {value!r} ({err})")
+            fail(f"--verifier-param {key}: cannot parse {value!r} ({err})", command)
     return params

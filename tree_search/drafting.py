@@ -18,7 +18,7 @@ import torch
 from mamba_draft.checkpoint import check_draft_ids
 from mamba_draft.graphs import StepRunner, drafter_key, to_device
 from mamba_draft.tree import Forest, Tree, TreeConfig, equal_runs
-from tree_search.calls import check_batch_prompts
+from tree_search.plan import check_batch_prompts
 from tree_search.prompt_lookup import LookupDraft, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams, sample_without_replacement, soft_probs
 
@@ -47,7 +47,8 @@ class DraftTree:
 
 
 class TreeDrafter:
-    """Owns the drafter's state (one row per forest node) and the per-shape buffers; reuse it across calls (`of`)."""
+    """Owns the drafter's state (one row per forest node) and the per-shape buffers; reuse it across calls
+    (`reuse`: `SpeculativeDecoder` keeps one)."""
 
     def __init__(self, drafter, max_rows: int, out_vocab: int) -> None:
         if getattr(drafter, "reads_target", False) and drafter.config.drafted_features != "stand_in":
@@ -77,22 +78,17 @@ class TreeDrafter:
         self.calls = 0  # sequential drafter invocations (prefill, step, extend) since construction
 
     @classmethod
-    def of(cls, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
-        """The drafter's own TreeDrafter, kept on it as `drafter.tree_drafter` across generate calls; rebuilt, graphs
-        dropped, when its weights, dtype or backend (`drafter_key`) or vocabulary map changed, or when more rows or
+    def reuse(cls, kept: TreeDrafter | None, drafter, max_rows: int, out_vocab: int) -> TreeDrafter:
+        """`kept` (an earlier call's, which the caller keeps) while it serves: rebuilt, graphs dropped, for another
+        drafter, when its weights, dtype or backend (`drafter_key`) or vocabulary map changed, or when more rows or
         another output width are needed."""
-        kept = getattr(drafter, "tree_drafter", None)
-        if (kept is None or kept.state.max_batch < max_rows or kept.out_vocab != out_vocab
-                or kept.draft_ids is not drafter.draft_ids or kept.runner.key != drafter_key(drafter)):
+        if (kept is None or kept.drafter is not drafter or kept.state.max_batch < max_rows
+                or kept.out_vocab != out_vocab or kept.draft_ids is not drafter.draft_ids
+                or kept.runner.key != drafter_key(drafter)):
             if kept is not None:
                 kept.runner.invalidate()  # its graphs read the old weights / state / kernels
             kept = cls(drafter, max_rows, out_vocab)
-            drafter.tree_drafter = kept  # not a Module: nn.Module.__setattr__ stores it as a plain attribute
         return kept
-
-    def __reduce__(self):
-        """Copying or pickling the drafter it is kept on gives `tree_drafter = None` (state and graphs are rebuilt)."""
-        return type(None), ()
 
     def buffers(self, config: TreeConfig, batch: int) -> DraftTree:
         """The buffers and index tensors of `batch` trees of shape `config`, built once per (config, batch)."""

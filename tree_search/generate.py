@@ -1,35 +1,35 @@
 """Speculative generation, one engine for any number of prompts (one prompt is a batch of one), and plain
 autoregressive decoding on the same harness (the fair baseline).
 
-Each round: **draft** one tree per row (`strategies`), or a prompt-lookup proposal -> **verify** every row in one
-target forward (`target.TargetCache`), the verifier deciding each row -> **commit** each row's path -> **resync** the
-drafter. A row leaves the batch at its own EOS / max_new_tokens. The policy picks one tree shape per round for the
-whole batch; a `none` round is a plain decoding step that leaves the drafter alone (it catches up when it next drafts).
+Each round: **select** a proposer (the policy's arm for the whole batch, or a prompt-lookup round) -> **propose**
+one draft per row (`proposers`: a tree, a lookup chain, or the root alone for `none`) -> **verify** every row in one
+target forward (`TargetCache`), the verifier deciding each row -> **commit** each row's path -> **accept**: every
+proposer reads what was committed (the one that proposed resyncs, the others catch up when they next propose) ->
+**update** the policy. A row leaves the batch at its own EOS / max_new_tokens.
 
 Per row the output is what that prompt gives alone: token-identical to the target's greedy decoding at temperature
 0, and at temperature > 0 row b draws all its randomness from its own generator seeded `seed + b`. What the engine
-reuses across calls lives on the models (`TargetFacts`, the drafter's `TreeDrafter`), not in this module.
+reuses across calls lives on the `SpeculativeDecoder`: keep one for a stream of calls (the `generate` function is one
+call of a fresh one).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
-from mamba_draft.targets.cache import ROOT_ONLY, TargetCache
-from mamba_draft.targets.facts import TargetFacts, max_positions, target_vocab_size
+from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.facts import max_positions
 from tree_search.arms import VerifyCosts, measure_verify_costs, probe_forward
-from tree_search.calls import (
-    BatchGenerateResult, Call, GenerateResult, GenerateStats, batch_prompts, check_drafter, check_drafter_room,
-    check_limits, check_options, default_lookup_tokens, eos_set, is_batch,
-)
-from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
+from tree_search.calls import BatchGenerateResult, Call, GenerateResult, GenerateStats
+from tree_search.drafting import TreeDrafter
+from tree_search.plan import batch_prompts, check_models, eos_set, is_batch, plan_call, row_seeds
 from tree_search.policy import is_auto, parse_policy
-from tree_search.prompt_lookup import NgramLookup
+from tree_search.proposers import Proposers, Round, draft_mode, records_probs
 from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
 from tree_search.sampling import choose, resolve_sampling
-from tree_search.strategies import LookupDrafting, TargetAwareDrafting, TreeDrafting
-from tree_search.verifiers import Verifier, VerifyInput, VerifyResult, get_verifier
+from tree_search.verifiers import Verifier, VerifyInput, VerifyResult
 from tree_search.verifiers.greedy import greedy_walk
 
 PLAIN = VerifyResult(path=[], next_token=0)  # what a plain decoding step counts as (no lossy accepts, no info)
@@ -46,16 +46,18 @@ class CallOptions:
     top_p: float | None = None
     top_k: int | None = None
     eos_token_id: int | list[int] | None = None
-    seed: int | None = None
+    seed: int | list[int] | None = None  # row b draws from seed + b, or from seed[b]
     streamer: object = None
     attention_mask: torch.Tensor | None = None
+    on_tokens: Callable[[int, list[int]], bool] | None = None  # each round, per row: its committed tokens; False
+    #                                                             stops that row there (a client gone, a stop string)
 
 
 class SpeculativeDecoder:
     """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape (`tree`: a
     policy spec, a TreeConfig / tuple, or a policy object). verifier None: "greedy" when a call's sampling is greedy,
     else "sampling". prompt_lookup: FLy's lookup inside the drafter's greedy chains. lookup_tokens K > 0:
-    prompt-lookup rounds of <= K tokens (one prompt only); None: `calls.default_lookup_tokens`.
+    prompt-lookup rounds of <= K tokens (one prompt only); None: `plan.default_lookup_tokens`.
     """
 
     def __init__(self, target: torch.nn.Module, drafter=None, *, tree="auto", verifier: str | Verifier | None = None,
@@ -63,11 +65,18 @@ class SpeculativeDecoder:
                  lookup_tokens: int | None = None) -> None:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.device = next(target.parameters()).device
-        self.tree, self.prompt_lookup, self.lookup_tokens = tree, prompt_lookup, lookup_tokens
+        self.prompt_lookup, self.lookup_tokens = prompt_lookup, lookup_tokens
         # `auto` learns over the decoder's calls (acceptance, draft cost, which arms pay): the decoder is what a
         # stream of requests goes through
         self.policy = parse_policy(tree, persistent=is_auto(tree)) if drafter is not None else None
         self.verifier, self.verifier_params = verifier, verifier_params
+        # what lives across calls is kept here, nothing on the models passed in: the drafter's state rows and tree
+        # buffers (CUDA: its graphs), the target's static KV cache (CPU: its compiled step; CUDA: its graphs), the
+        # verify costs `auto` plans from, and the tree-mask probe's verdicts
+        self.drafts: TreeDrafter | None = None
+        self.static_cache: TargetCache | None = None
+        self.costs: dict[tuple, VerifyCosts] = {}
+        self.tree_mask_ok: set[tuple] = set()
 
     @torch.no_grad()
     def generate(self, input_ids, **options) -> GenerateResult | BatchGenerateResult:
@@ -78,160 +87,105 @@ class SpeculativeDecoder:
         return self.speculate(call) if self.drafter is not None else self.decode_plainly(call)
 
     def prepare(self, prompts, options: CallOptions) -> Call:
-        """Validate a call's inputs before any model runs -> its Call."""
-        seed = options.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer (row b uses seed + b) or None, got {seed!r}")
-        m = options.max_new_tokens  # checked with the other limits (`check_limits`)
-        batched = is_batch(prompts, options.attention_mask)
+        """Validate a call's inputs before any model runs (`plan`) -> its Call."""
         params = resolve_sampling(self.target, options.temperature, options.top_p, options.top_k)
-        verifier, lookup, arms = None, 0, ()
-        if self.drafter is not None:
-            verifier = get_verifier(self.verifier or ("greedy" if params.greedy else "sampling"),
-                                    **(self.verifier_params or {}))
-            lookup = self.lookup_tokens if self.lookup_tokens is not None else default_lookup_tokens(
-                self.tree, self.device, batched, self.prompt_lookup)
-            if batched and (options.streamer is not None or self.prompt_lookup or lookup):
-                raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one "
-                                 "prompt for those")
-            check_options(verifier, self.policy, params, self.prompt_lookup, lookup)
-            arms = self.policy.arms
-        elif batched and options.streamer is not None:
-            raise ValueError("a batch of prompts takes no streamer; pass one prompt to stream")
-        depth = max(lookup, *(a.depth for a in arms), 0)
-        nodes = max(lookup, *(a.num_nodes for a in arms), 0)
+        batched = is_batch(prompts, options.attention_mask)
+        plan = plan_call(self.policy, params, verifier=self.verifier, verifier_params=self.verifier_params,
+                         prompt_lookup=self.prompt_lookup, lookup_tokens=self.lookup_tokens,
+                         device=self.device, batched=batched,
+                         streamer=options.streamer is not None)
         ids, mask, lengths = batch_prompts(prompts, options.attention_mask)
-        check_limits(self.target, ids, lengths, m, tree_depth=depth, tree_nodes=nodes)
-        if self.drafter is not None:
-            check_drafter_room(self.drafter, len(lengths), nodes + 1, target_vocab_size(self.target),
-                               max(lengths) + m + depth)
-            check_drafter(self.target, self.drafter, self.tokenizer, verifier, self.policy)
+        seeds = row_seeds(options.seed, len(lengths))
+        check_models(plan, self.target, self.drafter, self.tokenizer, self.policy, ids, lengths,
+                     options.max_new_tokens, self.tree_mask_ok)
+        verifier = plan.verifier
         name, lossless = (verifier.name, verifier.lossless) if verifier is not None else ("autoregressive", True)
         stats = [GenerateStats(prompt_tokens=n, verifier=name, lossless=lossless, sampling=asdict(params))
                  for n in [sum(lengths), *lengths]]
-        generators = None if seed is None else [torch.Generator(device=self.device).manual_seed(seed + b)
-                                                for b in range(len(lengths))]
-        return Call(ids.to(self.device), mask.to(self.device), lengths, batched, m, params,
-                    eos_set(self.target, options.eos_token_id), stats[0], stats[1:], generators, options.streamer,
-                    verifier, lookup)
+        generators = None if seeds is None else [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        return Call(ids.to(self.device), mask.to(self.device), lengths, batched,
+                    options.max_new_tokens, params, eos_set(self.target, options.eos_token_id), stats[0], stats[1:],
+                    generators, options.streamer, verifier, plan.lookup_tokens, options.on_tokens)
 
     def start(self, call: Call, widest: int) -> TargetCache:
         """Start the clock and the stream; the target cache with every prompt but its last token prefilled (that
         token goes through the first round, as a plain decoding step feeds it: mamba_draft.targets.row_blocks)."""
         call.start()
-        target = TargetCache.for_call(self.target, max_len=call.ids.shape[1] + call.max_new_tokens + widest)
+        target = self.target_cache(call.ids.shape[1] + call.max_new_tokens + widest)
         target.prefill(call.ids[:, :-1], call.mask[:, :-1])
         return target
 
+    def target_cache(self, max_len: int, graphs: bool = True) -> TargetCache:
+        """A call's target cache: the kept static one while it serves (`TargetCache.for_call`), else a new one."""
+        cache = TargetCache.for_call(self.target, max_len, graphs, kept=self.static_cache)
+        if cache.static:
+            self.static_cache = cache
+        return cache
+
+    def tree_drafter(self, rows: int, out_vocab: int) -> TreeDrafter:
+        """The drafter's state rows and tree buffers, kept across calls while they serve (`TreeDrafter.reuse`)."""
+        self.drafts = TreeDrafter.reuse(self.drafts, self.drafter, rows, out_vocab)
+        return self.drafts
+
     def speculate(self, call: Call) -> GenerateResult | BatchGenerateResult:
-        """Rounds of draft -> verify -> commit -> resync for all rows until each has finished."""
+        """Rounds of select -> propose -> verify -> commit -> accept -> update for all rows until each has finished."""
         policy = self.policy
         widest = max(call.lookup_tokens, *(a.num_nodes for a in policy.arms)) + 1
         policy.start_call(call.batch, lambda tokens: self.verify_costs(call, tokens))
         target, rec = self.start(call, widest), call.recorder
-        drafts = self.strategy(call, widest)
-        lookup = NgramLookup(call.ids[0].tolist(), call.lookup_tokens) if call.lookup_tokens else None
-        logits = None  # the drafter's logits after each root (None until its prefill; never, if only none runs)
-        drafts_ever = any(arm.depth for arm in policy.arms)  # tree "none" alone never drafts: nothing to catch up on
+        proposers, roots = Proposers(self, call, widest), call.ids[:, -1]
         while True:
-            rows = len(call.active)
-            proposal = lookup.propose() if lookup is not None else None
-            if proposal:  # as many as this machine's verify costs and the lookups' acceptance make worth it
-                proposal = proposal[:policy.lookup_length(len(proposal))]
-            arm = None if proposal else policy.select()  # a lookup round is no arm's: the policy learns from its own
-            tree = None if proposal or not policy.arms[arm].depth else policy.arms[arm]
-            if tree is not None and logits is None:  # once per call: not charged to this round's arm
-                logits = drafts.prefill(call.ids[call.active], call.mask[call.active])
+            proposer, arm = proposers.select(policy)
+            proposer.prepare(call)  # once per call (the drafter's prefill): not charged to this round's arm
             rec.mark(DRAFT)
-            if proposal:
-                draft = drafts.proposal(proposal)
-            elif tree is not None:
-                logits = drafts.catch_up(logits)  # after rounds that left the drafter alone
-                draft = drafts.draft(tree, logits, call.generators)
+            draft = proposer.propose(policy.arms[arm] if arm is not None else None, roots, call)
             rec.mark(VERIFY)
-            if proposal or tree is not None:
-                results, proposed, hidden = self.verify(target, draft, call, drafts)
-                policy.observe(draft.tree, [r.path for r in results], lookup=bool(proposal))
-            else:  # no speculation: one plain decoding step of every row (what any verifier picks on a root)
-                scores, hidden = target.tree_forward(drafts.roots(rows)[:, None], ROOT_ONLY, drafts.reads_target)
-                plain = choose(scores[:, 0], call.params, call.generators)
-                results, proposed = [PLAIN] * rows, [[t] for t in plain.tolist()]  # the one host transfer
+            results, proposed, roots, hidden = self.verify(target, draft, call, proposers.reads_target)
+            policy.observe(draft.tree, [r.path for r in results], lookup=arm is None)
             rec.mark(VERIFIED)
             committed, finished = call.emit(proposed, results)
-            if lookup is not None:
-                lookup.extend(committed[0])
-                call.stats.lookup_rounds += bool(proposal)
             if not all(finished):
                 target.commit([r.path for r in results])
-                # a drafter that reads the target reads each committed token with the target's state before it
-                features = [hidden[b, [0, *r.path]] for b, r in enumerate(results)] if drafts.reads_target else None
                 keep = call.drop_finished(target, finished)
                 rec.mark(RESYNC)
-                if tree is not None:
-                    logits = drafts.resync(draft, results, proposed, features)
-                elif drafts.reads_target:  # it reads them with their states when it next drafts (host lists: no sync)
-                    drafts.skip(proposed, catch_up=drafts_ever, features=features)
-                else:  # it reads these tokens when it next drafts
-                    drafts.skip(torch.tensor(proposed, device=call.ids.device) if proposal else plain[:, None],
-                                catch_up=drafts_ever)
-                if keep is not None:
-                    drafts.compact(keep)
-                    logits = logits[keep] if logits is not None else None
+                proposers.accept(Round(draft, proposer, results, proposed, committed, roots, hidden, keep))
+                roots = roots[keep] if keep is not None else roots
                 rec.mark(DONE)
-            tokens_out = sum(map(len, proposed))
+            times = rec.round_times(finished=all(finished))
             if arm is not None:  # charged the whole round, commit and resync included
-                policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / rows,
-                              *rec.round_times(finished=all(finished)))
+                tokens_out = sum(map(len, proposed))
+                policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / len(proposed), *times)
             if all(finished):
-                break
-        return call.finish(target, drafter_calls=drafts.calls, drafter_calls_saved=drafts.calls_saved,
-                           drafter_state_bytes=drafts.drafts.state.nbytes if logits is not None else 0,
-                           arms=policy.summary())
+                return call.finish(target, arms=policy.summary(), **proposers.drafter_stats())
 
     def verify_costs(self, call: Call, widest: int) -> VerifyCosts:
         """The target's verify costs on this device, dtype and thread count (`arms.measure_verify_costs`) up to
         `widest` tokens a forward (fewer where its positions end: the rest extrapolated), measured once per target
-        (kept on its TargetFacts) after a few of the call's first prompt's tokens."""
-        known = TargetFacts.of(self.target).verify_costs
+        (kept by this decoder) after a few of the call's first prompt's tokens."""
+        known = self.costs
         key = (str(self.device), next(self.target.parameters()).dtype, torch.get_num_threads())
         if key not in known or known[key].covers < widest:
             context = call.ids[0, -min(call.lengths[0], PROBE_CONTEXT):]
             room = max_positions(self.target) or call.ids.shape[1] + call.max_new_tokens + widest + 1
             probed = max(1, min(widest, room - PROBE_CONTEXT - PROBE_SLOTS))
             # on a CPU the static cache the call then reuses; eager on a GPU: no graphs for shapes the call never runs
-            cache = TargetCache.for_call(self.target, max_len=max(call.ids.shape[1] + call.max_new_tokens,
-                                                                  PROBE_CONTEXT + PROBE_SLOTS) + widest + 1,
-                                         graphs=False)
+            cache = self.target_cache(max(call.ids.shape[1] + call.max_new_tokens, PROBE_CONTEXT + PROBE_SLOTS)
+                                      + widest + 1, graphs=False)
             cache.prefill(context[None, :-1])
             costs = measure_verify_costs(probe_forward(cache, context[-1:]), probed)
             known[key] = VerifyCosts(costs.seconds, max(costs.covers, widest))
         return known[key]
 
-    def strategy(self, call: Call, widest: int) -> TreeDrafting:
-        """The call's drafting strategy on the drafter's reusable TreeDrafter (`TreeDrafter.of`), `widest` state rows
-        per prompt; the roots are the prompts' last tokens (the drafter reads the prompts when it first drafts)."""
-        params, verifier, drafter = call.params, call.verifier, self.drafter
-        record_probs = not params.greedy or verifier.needs_draft_probs
-        rows, out_vocab = call.batch * widest, target_vocab_size(self.target)
-        if self.prompt_lookup:
-            if drafter.reads_target:
-                raise ValueError("prompt_lookup drafts chains on scratch rows without target states; a drafter that "
-                                 "reads the target takes tree shapes (and lookup_tokens rounds) instead")
-            drafts = LookupDrafting(TreeDrafter.of(drafter, max(rows, LOOKUP_ROWS), out_vocab), record_probs,
-                                    capacity=call.ids.shape[1] + call.max_new_tokens)
-        else:
-            mode = "sample" if verifier.draft_mode == "sample" and not params.greedy else "topk"
-            kind = TargetAwareDrafting if drafter.reads_target else TreeDrafting
-            drafts = kind(TreeDrafter.of(drafter, rows, out_vocab), params, mode, record_probs)
-        drafts.drafts.roots[: call.batch] = call.ids[:, -1]
-        return drafts
-
-    def verify(self, target: TargetCache, draft, call: Call, drafts):
-        """One target forward over every row's tree (`drafts` drafted them), the verifier's decision per row ->
-        (results, each row's proposed tokens: accepted path + next token, the final hidden states), with the round's
-        one device -> host transfer (the trees' tokens come along: no index tensor has to go the other way first)."""
+    def verify(self, target: TargetCache, draft, call: Call, need_hidden: bool):
+        """One target forward over every row's draft, the verifier's decision per row -> (results, each row's proposed
+        tokens: accepted path + next token, the next tokens on the device, the final hidden states), with the
+        round's one device -> host transfer (the drafts' tokens come along: no index tensor has to go the other way
+        first). A root-only draft is a plain decoding step, sampled as `decode_plainly` samples."""
         verifier, params = call.verifier, call.params
-        scores, hidden = target.tree_forward(draft.tokens, draft.tree, drafts.reads_target or verifier.needs_hidden)
+        scores, hidden = target.tree_forward(draft.tokens, draft.tree, need_hidden or verifier.needs_hidden)
+        if len(draft.tree) == 1:
+            plain = choose(scores[:, 0], params, call.generators)
+            return [PLAIN] * len(plain), [[t] for t in plain.tolist()], plain, hidden
         if verifier.walks_argmax(params):  # one batched argmax and one host copy instead of B verifier calls
             n = len(draft.tree)
             host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
@@ -241,12 +195,13 @@ class SpeculativeDecoder:
             lm_head = self.target.get_output_embeddings() if verifier.needs_hidden else None
             results = [verifier.verify(VerifyInput(
                 tree=draft.tree, tokens=draft.tokens[b], target_logits=scores[b],
-                draft_probs=draft.probs[b] if drafts.record_probs else None,
+                draft_probs=draft.probs[b] if records_probs(call) else None,
                 hidden=hidden[b] if hidden is not None else None, lm_head=lm_head, sampling=params,
-                generator=call.generators[b] if call.generators else None, draft_mode=drafts.mode))
+                generator=call.generators[b] if call.generators else None, draft_mode=draft_mode(call)))
                 for b in range(scores.shape[0])]
             tokens = draft.tokens.tolist()
-        return results, [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)], hidden
+        proposed = [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)]
+        return results, proposed, torch.tensor([p[-1] for p in proposed], device=scores.device), hidden
 
     def decode_plainly(self, call: Call) -> GenerateResult | BatchGenerateResult:
         """One target forward per token for all rows, on the same cache, sampling and stats code as `speculate`."""

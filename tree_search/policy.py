@@ -2,7 +2,7 @@
 
     auto                        the default (`arms.PlannedBandit`): the measured-time bandit over none and the
                                 shapes this machine's verify costs and the drafter's acceptance favour (on a CPU
-                                with prompt-lookup rounds, `calls.default_lookup_tokens`)
+                                with prompt-lookup rounds, `plan.default_lookup_tokens`)
     none | 3,2,2,1,1 | chain:5  one fixed shape (`none`: no speculation, a plain decoding step per round;
                                 chain:N is N ones)
     bandit[:A/B/...]            UCB over the arms A, B, ... (default: the paper's three), the paper's reward (Eq. 2)
@@ -51,7 +51,8 @@ class FixedShape(UCBBandit):
 
 
 def is_auto(spec) -> bool:
-    return isinstance(spec, str) and spec.strip().lower() == "auto"
+    """Whether a spec, or a policy object, is `auto` (`arms.PlannedBandit`)."""
+    return isinstance(spec, PlannedBandit) or isinstance(spec, str) and spec.strip().lower() == "auto"
 
 
 def parse_policy(spec, persistent: bool = False) -> TreePolicy:

@@ -19,7 +19,7 @@ from mamba_draft.targets import cache_keyword
 from mamba_draft.targets import cpu_step
 from mamba_draft.targets.exact import make_exact, prefilling
 from mamba_draft.targets.facts import (
-    MaskStyle, TargetFacts, UnsupportedTargetError, last_logits_only, probe_key, sliding_windows, static_cache_refusal,
+    MaskStyle, UnsupportedTargetError, cache_layers, last_logits_only, probe_key, sliding_windows, static_cache_refusal,
 )
 from mamba_draft.tree import Tree
 
@@ -93,25 +93,24 @@ class TargetCache:
             self.key = weights_key(model), probe_key(model)
             self._arange = torch.arange(max_len, device=self.device)
             self._write = torch.zeros(max_len, dtype=torch.long, device=self.device)  # slots the next forward writes
-            self.cache = Cache(layers=[_SlotLayer(max_len, self._write) for _ in TargetFacts.of(model).layers])
+            self.cache = Cache(layers=[_SlotLayer(max_len, self._write) for _ in cache_layers(model)])
             self._shapes: dict[tuple[int, int], _Shape] = {}
             self._pool = None  # one memory pool for all graphs
 
     @classmethod
-    def for_call(cls, model: torch.nn.Module, max_len: int, graphs: bool = True) -> TargetCache:
-        """The cache of one generate call: a fresh dynamic one where static storage does not apply, else the static
-        one kept on the model (`TargetFacts.static_cache`) while it has room and the model's weights, attention, dtype
-        and device are unchanged."""
+    def for_call(cls, model: torch.nn.Module, max_len: int, graphs: bool = True,
+                 kept: TargetCache | None = None) -> TargetCache:
+        """The cache of one generate call: a fresh dynamic one where static storage does not apply, else `kept` (the
+        static cache of an earlier call, which the caller keeps) while it has room and the model's weights,
+        attention, dtype and device are unchanged, or a new static one."""
         device = next(model.parameters()).device
         if not use_static(model, device, None, max_len):
             return cls(model, static=False)
         graphs = graphs and device.type == "cuda"
-        facts = TargetFacts.of(model)
-        cached = facts.static_cache
-        if (cached is None or cached.max_len < max_len or cached.use_graphs != graphs
-                or cached.key != (weights_key(model), probe_key(model))):
-            cached = facts.static_cache = cls(model, static=True, max_len=max_len, graphs=graphs)
-        return cached
+        if (kept is None or not kept.static or kept.model is not model or kept.max_len < max_len
+                or kept.use_graphs != graphs or kept.key != (weights_key(model), probe_key(model))):
+            kept = cls(model, static=True, max_len=max_len, graphs=graphs)
+        return kept
 
     @property
     def batch_size(self) -> int:

@@ -1,5 +1,5 @@
-"""What the engine needs to know of a Hugging Face causal LM: limits, windows, cache layers, mask convention, and the
-per-model facts that cost something to find out, kept on the model (`TargetFacts.of`)."""
+"""What the engine needs to know of a Hugging Face causal LM: limits, windows, cache layers and mask convention, read
+from the model each time it is asked (cheap); what costs a forward to find out is kept by the engine that asked."""
 from __future__ import annotations
 
 import inspect
@@ -11,32 +11,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from mamba_draft.targets.row_attention import ROW_STABLE
 from mamba_draft.tree import Tree
 
-ATTRIBUTE = "_tree_search_facts"  # where TargetFacts lives on the model (a plain attribute, not a submodule)
-
-
-class TargetFacts:
-    """Per-model facts that cost something to find out; `of(model)` builds them once and keeps them on the model."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.layers = list(DynamicCache(config=model.config).layers)  # the cache layer objects HF builds for it
-        try:
-            self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):  # a forward without an inspectable signature: keep every position
-            self.takes_logits_to_keep = False
-        self.tree_mask_ok: set[tuple] = set()  # probe keys (`probe_key`) whose tree-mask probe passed
-        self.static_cache = None  # a static TargetCache reused across calls (CUDA: its buffers and graphs)
-        self.verify_costs: dict[tuple, object] = {}  # (device, dtype, threads) -> tree_search.arms.VerifyCosts
-
-    def __getstate__(self) -> dict:  # a copied model (copy.deepcopy, pickle) builds its own static cache
-        return {**self.__dict__, "static_cache": None}
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> TargetFacts:
-        facts = model.__dict__.get(ATTRIBUTE)
-        if facts is None:
-            facts = cls(model)
-            object.__setattr__(model, ATTRIBUTE, facts)  # not an nn.Module attribute: no state dict, no hooks
-        return facts
+def cache_layers(model: torch.nn.Module) -> list:
+    """The cache layer objects transformers builds for the model (one per layer)."""
+    return list(DynamicCache(config=model.config).layers)
 
 
 def target_vocab_size(model: torch.nn.Module) -> int:
@@ -55,7 +32,7 @@ def max_positions(model: torch.nn.Module) -> int | None:
 
 def sliding_windows(model: torch.nn.Module) -> list[int]:
     """Tokens each sliding-window cache layer holds before HF starts dropping its head."""
-    return [layer.sliding_window - 1 for layer in TargetFacts.of(model).layers
+    return [layer.sliding_window - 1 for layer in cache_layers(model)
             if isinstance(layer, DynamicSlidingWindowLayer)]
 
 
@@ -90,7 +67,7 @@ def probe_key(model: torch.nn.Module) -> tuple:
 
 def foreign_cache_layer(model: torch.nn.Module) -> str | None:
     """The name of a cache layer type the engine cannot compact (None: all are attention KV layers)."""
-    return next((type(layer).__name__ for layer in TargetFacts.of(model).layers
+    return next((type(layer).__name__ for layer in cache_layers(model)
                  if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)), None)
 
 
@@ -115,7 +92,11 @@ def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:
 def last_logits_only(model: torch.nn.Module) -> dict:
     """`logits_to_keep=1` where the model's forward takes it: a prefill needs the last position's logits only, and
     the head over every prompt token costs time and B x L x V floats of memory."""
-    return {"logits_to_keep": 1} if TargetFacts.of(model).takes_logits_to_keep else {}
+    try:
+        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without an inspectable signature: keep every position
+        takes = False
+    return {"logits_to_keep": 1} if takes else {}
 
 
 class UnsupportedTargetError(TypeError):

@@ -3,7 +3,7 @@
 A tree forward hands the model a 4D mask in which a node sees the committed slots and its own ancestors only, and
 depth positions; a model that ignores the mask (flash attention, a silent causal fallback) would verify the wrong
 sequences. `check_tree_support` refuses those by static checks, then by a probe run once per (model, attention,
-dtype, device) and remembered on the model (`TargetFacts.tree_mask_ok`).
+dtype, device) and remembered by the engine that asked (`SpeculativeDecoder`).
 """
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ import torch
 from mamba_draft.targets.cache import TargetCache
 from mamba_draft.targets.exact import make_exact
 from mamba_draft.targets.facts import (
-    TargetFacts, UnsupportedTargetError, attn_implementation, foreign_cache_layer, probe_key, target_vocab_size,
+    UnsupportedTargetError, attn_implementation, foreign_cache_layer, probe_key, target_vocab_size,
 )
 from mamba_draft.tree import Tree
 
 
-def check_tree_support(model: torch.nn.Module) -> None:
-    """Refuse targets whose attention cannot take an arbitrary 4D mask, naming the model class (module docstring)."""
+def check_tree_support(model: torch.nn.Module, passed: set | None = None) -> None:
+    """Refuse targets whose attention cannot take an arbitrary 4D mask, naming the model class (module docstring).
+    `passed`: the probe keys (`probe_key`) whose probe this model passed, kept by the caller (the engine) and
+    added to here; None: probe every time."""
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedTargetError(f"{name} is an encoder-decoder; tree verification needs a decoder-only causal LM")
@@ -32,8 +34,8 @@ def check_tree_support(model: torch.nn.Module) -> None:
                                      "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the "
                                      "accepted path")
     make_exact(model)  # the attention that will verify is the one probed
-    facts, key = TargetFacts.of(model), probe_key(model)
-    if key in facts.tree_mask_ok:
+    key, passed = probe_key(model), set() if passed is None else passed
+    if key in passed:
         return
     try:
         ok = _probe_tree_mask(model)
@@ -42,7 +44,7 @@ def check_tree_support(model: torch.nn.Module) -> None:
     if not ok:
         raise UnsupportedTargetError(f"{name} ignores 4D attention masks (attn_implementation={attn!r}), so it cannot "
                                      "verify a draft tree")
-    facts.tree_mask_ok.add(key)
+    passed.add(key)
 
 
 @torch.no_grad()

@@ -161,3 +161,15 @@ def encoded_cache(model, ids: torch.Tensor):
     with torch.no_grad():
         model(ids, use_cache=True, **{cache_keyword(model): cache})
     return cache
+
+
+def word_tokenizer(words, chat_template: str | None = None):
+    """A whitespace word-level fast tokenizer over `words` (id 0 is [UNK]), with a chat template if given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer

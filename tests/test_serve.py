@@ -1,0 +1,234 @@
+"""`mamba-draft serve` on loopback with the real `openai` client and httpx: outputs equal `generate`'s, streaming,
+concurrent requests decoded together with the same tokens as alone, a client that leaves, bad input answered with
+OpenAI error objects while the server keeps serving."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from benchmarks.serve_bench import LoopbackServer
+from mamba_draft.targets.cache import TargetCache
+from tests.helpers.tree_models import aligned_drafter, tiny_llama, word_tokenizer
+from tree_search.batcher import Request
+from tree_search.generator import SpeculativeGenerator
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+from tree_search.serve import create_app  # noqa: E402  (needs fastapi, as uvicorn does)
+
+WORDS = ("the cat dog sat on mat red blue green a is and user assistant system hello world why how what when big "
+         "small tree bird sky sun moon run jump fast slow yes no").split()
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}")
+MODEL = "tiny"
+QUESTIONS = ["the cat sat on", "why is the sky blue", "a big red tree", "how fast is the bird", "what is the moon",
+             "hello world and sun", "the dog run jump", "is the mat green"]
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = word_tokenizer(WORDS, TEMPLATE)
+    target = tiny_llama(vocab=64)
+    aligned_drafter(root / "drafter", target)
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    return SpeculativeGenerator(root / "target", root / "drafter", device="cpu", dtype="float32", tree="2,1")
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    server = LoopbackServer(create_app(generator, MODEL, max_batch=8, max_queue=16), MODEL)
+    yield server
+    server.close()
+
+
+def chat(server, question: str, **options):
+    return server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                 **{"max_tokens": 16, "temperature": 0, **options})
+
+
+def test_models_health_and_a_chat_completion_equal_to_generate(server, generator):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    messages = [{"role": "user", "content": "the cat sat on"}]
+    want = generator.generate(messages, max_new_tokens=16, temperature=0.0)
+    got = chat(server, "the cat sat on")
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    assert got.usage.completion_tokens == len(want.token_ids) and got.usage.prompt_tokens == len(
+        generator.encode(messages))
+    assert got.choices[0].finish_reason in ("length", "stop") and got.model == MODEL
+    extra = got.model_extra["speculative"]
+    assert extra["rounds"] >= 1 and extra["tau"] >= 1 and extra["batch"] == 1
+
+
+def test_a_stream_carries_the_whole_text_then_usage(server):
+    whole = chat(server, "why is the sky blue", max_tokens=20).choices[0].message.content
+    chunks = list(chat(server, "why is the sky blue", max_tokens=20, stream=True,
+                       stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+
+def test_eight_concurrent_requests_decode_together_with_the_tokens_each_gets_alone(server):
+    alone = {q: chat(server, q, max_tokens=24).choices[0].message.content for q in QUESTIONS}
+    before = len(server.app.state.batcher.batches)
+    gate = threading.Barrier(len(QUESTIONS))
+
+    def ask(question):
+        gate.wait()
+        return chat(server, question, max_tokens=24)
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        results = list(pool.map(ask, QUESTIONS))
+    assert [r.choices[0].message.content for r in results] == [alone[q] for q in QUESTIONS]
+    sizes = server.app.state.batcher.batches[before:]
+    assert sum(sizes) == len(QUESTIONS) and max(sizes) > 1  # some decoded in one batch
+    assert max(r.model_extra["speculative"]["batch"] for r in results) == max(sizes)
+
+
+def test_completions_endpoint_and_stop_strings(server, generator):
+    want = generator.generate("the cat sat on", max_new_tokens=12, temperature=0.0, chat_template=False).text
+    got = server.client.completions.create(model=MODEL, prompt="the cat sat on", max_tokens=12, temperature=0)
+    assert got.choices[0].text == want and got.object == "text_completion"
+    words = want.split()
+    stop = " ".join(words[2:4])
+    cut = server.client.completions.create(model=MODEL, prompt="the cat sat on", max_tokens=12, temperature=0,
+                                           stop=[stop])
+    assert cut.choices[0].text == want[: want.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model=MODEL, prompt="the cat sat on", max_tokens=12, temperature=0,
+                                                stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_sampled_requests_with_a_seed_repeat(server):
+    first, again = (chat(server, "a big red tree", temperature=1.0, seed=7, max_tokens=12) for _ in range(2))
+    assert first.choices[0].message.content == again.choices[0].message.content
+
+
+def test_a_client_that_leaves_frees_its_row_at_the_next_round(server, monkeypatch):
+    forward = TargetCache.tree_forward
+
+    def slow(self, *args, **kwargs):  # a round of a few ms: the request cannot finish before the client leaves
+        time.sleep(0.005)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetCache, "tree_forward", slow)
+    batcher = server.app.state.batcher
+    served = len(batcher.finished)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 200,
+            "temperature": 0, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the role chunk: the request is in the engine
+    deadline = time.time() + 30
+    while len(batcher.finished) == served:
+        assert time.time() < deadline, "the row was not freed"
+        time.sleep(0.01)
+    reason, tokens = batcher.finished[-1]
+    assert reason == "cancelled" and tokens < 200
+    assert chat(server, "the cat sat on").choices[0].message.content  # and the server goes on
+
+
+BAD = [  # (body or raw bytes, status, the error's param or code)
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_json"),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     400, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "messages[0]"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}, 400,
+     "context_length_exceeded"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "the " * 5000}]}, 400, "context_length_exceeded"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -0.5}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 7}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.0}, 400,
+     "presence_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": "abc"}, 400, "seed"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, 400,
+     "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400, "frobnicate"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * (1 << 21) + b'"}]}', 413,
+     "request_too_large"),
+]
+
+
+def test_bad_input_gets_an_openai_error_object_and_the_server_goes_on(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for body, status, where in BAD:
+            raw = body if isinstance(body, bytes) else None
+            response = http.post("/v1/chat/completions", content=raw, json=None if raw else body,
+                                 headers={"content-type": "application/json"})
+            error = response.json()["error"]
+            assert response.status_code == status, (body if raw is None else raw[:40], response.text)
+            assert where in (error["param"], error["code"]) and error["message"] and error["type"]
+        for path, method, status in (("/v1/nothing", "GET", 404), ("/v1/chat/completions", "GET", 405)):
+            response = http.request(method, path)
+            assert response.status_code == status and response.json()["error"]["message"]
+        bad_prompt = http.post("/v1/completions", json={"model": MODEL, "prompt": 42})
+        assert bad_prompt.status_code == 400 and bad_prompt.json()["error"]["param"] == "prompt"
+    assert len(BAD) + 3 >= 20
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        chat(server, "the cat", max_tokens=0)
+    assert chat(server, "the cat sat on").choices[0].message.content  # still serving
+    assert httpx.get(server.url + "/health").json()["running"] == 0  # no stuck row
+
+
+def test_a_full_queue_answers_503(generator):
+    from fastapi.testclient import TestClient
+
+    app = create_app(generator, MODEL, max_queue=0)
+    with TestClient(app) as http:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+            {"role": "user", "content": "the cat"}]})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "server_overloaded"
+
+
+def test_stop_strings_are_held_back_until_they_cannot_start():
+    class Words:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(["ab", "cd", "ef"][i] for i in ids)
+
+    sent = []
+    request = Request([1], max_tokens=10, stop=("de",), on_text=sent.append)
+    assert request.take([0], Words(), eos=set()) and sent == ["ab"]
+    assert request.take([1], Words(), eos=set()) and sent == ["ab", "c"]  # "d" may start "de": held back
+    assert not request.take([2], Words(), eos=set())  # "abcdef" holds "de": stop
+    assert request.text == "abc" and request.finish_reason == "stop"
+    request.finish()
+    assert "".join(sent) == "abc"
+
+
+def test_serve_refuses_bad_flags_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    from commands.cli import DEBUG_ENV, main
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)  # errors as users see them, not tracebacks
+    with pytest.raises(SystemExit, match="^mamba-draft serve: error: --target .*nowhere does not exist"):
+        main(["serve", "--target", str(tmp_path / "nowhere")])
+    assert main(["serve", "--target", "smollm2", "--max-batch", "0"]) == 1
+    assert capsys.readouterr().err.strip() == ("mamba-draft serve: error: --max-batch must be >= 1, --max-queue >= 0 "
+                                               "and --port in [0, 65535]")

@@ -1,0 +1,170 @@
+"""Requests decoded together: a `Batcher` owns the engine (a `SpeculativeGenerator`'s decoder) and one worker thread.
+
+When the engine is free, the worker takes every waiting request that samples like the first one (same temperature and
+top-p), up to `max_batch`, and decodes them as one batch (`SpeculativeDecoder.generate` on a list of prompts): rows
+leave the batch at their own EOS, budget or stop string, and a request whose client went away (`cancel`) leaves it
+at the next round. Requests that arrive meanwhile wait for the next batch; a full queue refuses them (`QueueFull`).
+A greedy row's tokens do not depend on the rows beside it (the engine's batch invariance), so a request gets the
+same output alone or among others.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tree_search.plan import eos_set
+
+HOLD = "\ufffd"  # a decoded text ending in a replacement character waits for the rest of its UTF-8 sequence
+
+
+class QueueFull(RuntimeError):
+    """The server's queue holds `max_queue` requests already."""
+
+
+@dataclass
+class Request:
+    """One completion: its prompt ids and sampling, and, as the worker decodes it, its tokens, text and outcome.
+    on_text: called from the worker thread with each new piece of text (streaming)."""
+
+    ids: list[int]
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    on_text: Callable[[str], None] | None = None
+    on_done: Callable[[], None] | None = None  # called from the worker thread once the request has finished
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the completion so far, cut at a stop string
+    sent: int = 0  # characters of `text` handed to on_text
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    error: str | None = None
+    stats: dict = field(default_factory=dict)  # τ, rounds, the batch it decoded in
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def sampling(self) -> tuple:
+        """Requests that decode together sample alike."""
+        return self.temperature, self.top_p
+
+    def take(self, tokens: list[int], tokenizer, eos: set[int]) -> bool:
+        """A round's committed tokens -> whether the row goes on (False: cancelled, budget spent, a stop string)."""
+        if self.cancelled:
+            self.finish_reason = "cancelled"
+            return False
+        self.tokens += tokens[: self.max_tokens - len(self.tokens)]
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = min((text.find(s) for s in self.stop if s in text), default=-1)
+        if cut >= 0:
+            text, self.finish_reason = text[:cut], "stop"
+        elif any(t in eos for t in tokens):
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+        self.text = text
+        self.flush()
+        return self.finish_reason is None
+
+    def flush(self) -> None:
+        """Hand on the text not sent yet, holding back an incomplete character and a possible stop string's start
+        (unless the request has finished)."""
+        end = len(self.text)
+        if self.finish_reason is None:
+            end -= max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])),
+                       default=0)
+            while end > self.sent and self.text[end - 1] == HOLD:
+                end -= 1
+        if self.on_text is not None and end > self.sent:
+            self.on_text(self.text[self.sent:end])
+        self.sent = max(self.sent, end)
+
+    def finish(self, reason: str | None = None, error: str | None = None) -> None:
+        self.finish_reason = self.finish_reason or reason
+        self.error = error
+        self.flush()
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done()
+
+
+class Batcher:
+    """The engine's one worker: `submit` queues a request, the worker decodes batches of them (module docstring)."""
+
+    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        self.decoder, self.max_batch, self.max_queue = generator.decoder, max_batch, max_queue
+        self.tokenizer, self.eos = generator.tokenizer, eos_set(generator.target, None)
+        self.queue: deque[Request] = deque()
+        self.wake = threading.Condition()
+        self.running = 0  # requests in the batch being decoded
+        self.finished: list[tuple[str, int]] = []  # (finish_reason, tokens) of every request served, in order
+        self.batches: list[int] = []  # the size of every batch decoded
+        self.closed = False
+        self.worker = threading.Thread(target=self.work, name="mamba-draft-engine", daemon=True)
+        self.worker.start()
+
+    def submit(self, request: Request) -> Request:
+        with self.wake:
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
+            self.queue.append(request)
+            self.wake.notify()
+        return request
+
+    def close(self) -> None:
+        with self.wake:
+            self.closed = True
+            self.wake.notify()
+        self.worker.join()
+
+    def next_batch(self) -> list[Request]:
+        """Wait for a request, then take it and every waiting one that samples alike, up to max_batch."""
+        with self.wake:
+            while not self.queue and not self.closed:
+                self.wake.wait()
+            if self.closed:
+                return []
+            first = self.queue[0]
+            batch = [r for r in self.queue if r.sampling == first.sampling][: self.max_batch]
+            for request in batch:
+                self.queue.remove(request)
+            self.running = len(batch)
+            return batch
+
+    def work(self) -> None:
+        while batch := self.next_batch():
+            live = [r for r in batch if not r.cancelled]
+            for request in batch:
+                if request.cancelled:
+                    request.finish("cancelled")
+            try:
+                if live:
+                    self.decode(live)
+            except Exception as err:  # the requests fail, the server goes on
+                for request in live:
+                    request.finish("error", f"{type(err).__name__}: {err}")
+            finally:
+                with self.wake:
+                    self.running = 0
+                    self.finished += [(r.finish_reason, len(r.tokens)) for r in batch]
+
+    def decode(self, batch: list[Request]) -> None:
+        first, start = batch[0], time.perf_counter()
+        seeds = [r.seed for r in batch]  # a row without a seed draws one: rows never share a random stream
+        result = self.decoder.generate(
+            [r.ids for r in batch], max_new_tokens=max(r.max_tokens for r in batch), temperature=first.temperature,
+            top_p=first.top_p, seed=None if all(s is None for s in seeds) else
+            [random.randrange(2**31) if s is None else s for s in seeds],
+            on_tokens=lambda row, tokens: batch[row].take(tokens, self.tokenizer, self.eos))
+        seconds = time.perf_counter() - start
+        self.batches.append(len(batch))
+        for request, row in zip(batch, result.rows):
+            request.stats = {"tau": row.stats.mean_accepted, "rounds": row.stats.rounds, "batch": len(batch),
+                             "seconds": seconds}
+            request.finish("length" if len(request.tokens) >= request.max_tokens else "stop")
