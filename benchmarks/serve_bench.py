@@ -1,12 +1,14 @@
 """Load on `mamba-draft serve`: N clients at once against the same requests one at a time, for each tree policy, in
 one process (servers on loopback, the real `openai` client), the policies taking turns repeat by repeat.
 
-    mamba-draft serve-bench --target smollm2 --drafter smollm2 [--clients 8] [--max-tokens 64] [--trees auto,none]
+    mamba-draft serve-bench --target smollm2 --drafter smollm2 [--clients 8] [--max-tokens 64] [--trees auto none]
 
 The prompts are the first turns of held-out (odd-id) Spec-Bench questions, one per category in turn; greedy. Prints,
 per policy, the tokens per second of one client (the requests in sequence) and of N clients at once (all the
 requests' tokens over the wall time until the last one ends), and how many concurrent outputs equal the same
-request's output alone.
+request's output alone; and the time to the first streamed token of a 200-token prompt against the time the engine
+takes for that prompt's first token in-process (`SpeculativeDecoder.generate` with max_new_tokens=1: its prefill and
+one step), medians of alternating runs.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--trees", default="auto,none", help="tree policies to compare, comma-separated (none: "
-                        "no speculation, plain decoding rounds of the same batches)")
+    parser.add_argument("--trees", nargs="+", default=["auto", "none"], metavar="SPEC",
+                        help="tree policies to compare (none: no speculation, plain decoding rounds of the same "
+                        "batches); default: auto none")
     parser.add_argument("--repeats", type=int, default=2)
 
 
@@ -59,6 +62,16 @@ class LoopbackServer:
         self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
+    def first_token(self, ids: list[int]) -> float:
+        """Seconds until the first streamed content of a completion of prompt `ids` (as raw text)."""
+        start = time.perf_counter()
+        with self.client.completions.create(model=self.model, prompt=ids, max_tokens=8, temperature=0,
+                                            stream=True) as stream:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    return time.perf_counter() - start
+        return time.perf_counter() - start
+
     def ask(self, prompt: str, max_tokens: int) -> tuple[str, int]:
         reply = self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": prompt}],
                                                     max_tokens=max_tokens, temperature=0)
@@ -69,6 +82,25 @@ class LoopbackServer:
         self.thread.join(timeout=60)
 
 
+PREFILL_TOKENS = 200
+
+
+def time_to_first_token(server: LoopbackServer, generator, prompts: list[str], repeats: int) -> tuple[float, float]:
+    """Median seconds to the first streamed token of a PREFILL_TOKENS-token prompt through the server, and to the
+    first token of the same prompt in-process (the server's decoder, max_new_tokens=1), alternating."""
+    import torch
+
+    text = " ".join(prompts * (1 + PREFILL_TOKENS // 16))
+    ids = generator.tokenizer(text)["input_ids"][:PREFILL_TOKENS]
+    streamed, direct = [], []
+    for _ in range(2 * repeats + 1):
+        streamed.append(server.first_token(ids))
+        start = time.perf_counter()
+        server.app.state.batcher.decoder.generate(torch.tensor([ids]), max_new_tokens=1, temperature=0.0)
+        direct.append(time.perf_counter() - start)
+    return statistics.median(streamed[1:]), statistics.median(direct[1:])
+
+
 def run(args: argparse.Namespace) -> int:
     from tree_search.cli import load_generator
     from tree_search.generate import SpeculativeDecoder
@@ -77,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.clients < 1 or args.max_tokens < 1 or args.repeats < 1:
         raise ValueError("--clients, --max-tokens and --repeats must be >= 1")
-    trees = [t.strip() for t in args.trees.split(",") if t.strip()]
+    trees = args.trees
     generator = load_generator(args, args.drafter, SamplingParams(temperature=0.0), batched=True,
                                command="serve-bench")
     servers = {}
@@ -90,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
     crowd_rate = {t: [] for t in trees}
     same = {t: 0 for t in trees}
     try:
-        for tree, server in servers.items():  # warm: compiled step, verify-cost probe, drafter state
+        for server in servers.values():  # warm, alone and all at once: compiled step, verify-cost probes, state rows
             server.ask(prompts[0], 8)
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                list(pool.map(lambda p, server=server: server.ask(p, 8), prompts))
         for _ in range(args.repeats):
             for tree, server in servers.items():
                 start = time.perf_counter()
@@ -102,9 +136,12 @@ def run(args: argparse.Namespace) -> int:
                     crowd = list(pool.map(lambda p, server=server: server.ask(p, args.max_tokens), prompts))
                 crowd_rate[tree].append(sum(n for _, n in crowd) / (time.perf_counter() - start))
                 same[tree] += sum(a == c for a, c in zip(alone, crowd))
+        first, prefill = time_to_first_token(servers[trees[0]], generator, prompts, args.repeats)
     finally:
         for server in servers.values():
             server.close()
+    print(f"time to the first streamed token of a {PREFILL_TOKENS}-token prompt ({trees[0]}): {first * 1000:.0f} ms; "
+          f"the engine's first token in-process: {prefill * 1000:.0f} ms ({first / prefill:.2f}x)")
     print(f"{len(prompts)} clients, {args.max_tokens} tokens each, greedy, {args.repeats} repeats (medians)")
     print("| policy | one client tok/s | all at once tok/s | ratio | outputs equal to alone |")
     print("|---|---|---|---|---|")

@@ -67,6 +67,9 @@ def test_flat_verification_plans_deeper_and_wider_trees_than_steep():
     assert max(a.depth for a in flat[1:]) > max(a.depth for a in steep[1:])
     poor = Acceptance(hits=[0.8, 0.2, 0.1, 0.0], trials=[8.0] * 4)
     assert all(predicted_speedup(a, STEEP_CPU, poor, 2.0) < 1 for a in CANDIDATES if a.depth)
+    # a batch of 8 on the steep CPU: every shape far below plain decoding, so none is pulled at all (the prior)
+    assert [CANDIDATES[i] for i in plan_arms(CANDIDATES, STEEP_CPU, Acceptance(), 2.0, rows=8)] == [TreeConfig(())]
+    assert len(plan_arms(CANDIDATES, FLAT, Acceptance(), 2.0, rows=8)) == 4  # flat: trees still pay
     # a slow drafter shortens the trees it drafts
     slow = [CANDIDATES[i] for i in plan_arms(CANDIDATES, FLAT, good, draft_level=15.0)]
     assert max(a.depth for a in slow[1:]) < max(a.depth for a in flat[1:])

@@ -24,7 +24,7 @@ from mamba_draft.targets.row_blocks import (agreeing_classes, make_row_invariant
                                             unblocked_forward)
 from mamba_draft.tree import Tree
 from tests.helpers.tree_models import random_drafter, tiny_llama
-from tree_search.generate import generate, generate_autoregressive
+from tree_search.generate import SpeculativeDecoder, generate, generate_autoregressive
 from tree_search.prompts import encode_prompt
 
 pytestmark = pytest.mark.heavy  # minutes of work: scheduled first (tests/conftest.py)
@@ -316,11 +316,14 @@ def test_bf16_speculation_equals_plain_decoding_on_the_real_target(bf16_pair):
     """SmolLM2-135M in bf16: tree and chain outputs equal plain (autoregressive) decoding token for token."""
     target, drafter, tokenizer = bf16_pair
     questions = [r["turns"][0] for r in read_spec_bench() if not is_heldout(r)][::80][:2]
+    # decoders kept over the questions, as a stream of calls keeps them (one static cache and packed step each)
+    plain_decoder = SpeculativeDecoder(target)
+    decoders = {tree: SpeculativeDecoder(target, drafter, tree=tree) for tree in ("3,2,1", "1,1")}
     for text in questions:
         ids = torch.tensor([encode_prompt(tokenizer, text)])[:, -200:]
-        plain = generate_autoregressive(target, ids, max_new_tokens=24, temperature=0).new_tokens[0].tolist()
-        for tree in ("3,2,1", "1,1"):
-            spec = generate(target, drafter, ids, max_new_tokens=24, temperature=0, tree=tree).new_tokens[0].tolist()
+        plain = plain_decoder.generate(ids, max_new_tokens=24, temperature=0).new_tokens[0].tolist()
+        for tree, decoder in decoders.items():
+            spec = decoder.generate(ids, max_new_tokens=24, temperature=0).new_tokens[0].tolist()
             assert spec == plain, (text[:40], tree)
 
 
@@ -344,9 +347,10 @@ def test_a_real_batch_decodes_every_row_as_its_prompt_alone(bf16_pair):
     texts = [r["turns"][0] for r in read_spec_bench() if not is_heldout(r)][3::13][:6]
     prompts = [encode_prompt(tokenizer, text)[-120:] for text in texts]
     assert len({len(p) for p in prompts}) > 3
-    plain = generate_autoregressive(target, prompts, max_new_tokens=16, temperature=0)
+    plain_decoder = SpeculativeDecoder(target)
+    plain = plain_decoder.generate(prompts, max_new_tokens=16, temperature=0)
     spec = generate(target, drafter, prompts, max_new_tokens=16, temperature=0, tree="3,2,1")
     for b, prompt in enumerate(prompts):
-        alone = generate_autoregressive(target, torch.tensor([prompt]), max_new_tokens=16, temperature=0)
+        alone = plain_decoder.generate(torch.tensor([prompt]), max_new_tokens=16, temperature=0)
         assert plain.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b
         assert spec.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b

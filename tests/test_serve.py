@@ -30,14 +30,19 @@ QUESTIONS = ["the cat sat on", "why is the sky blue", "a big red tree", "how fas
 
 
 @pytest.fixture(scope="module")
-def generator(tmp_path_factory):
+def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     tokenizer = word_tokenizer(WORDS, TEMPLATE)
     target = tiny_llama(vocab=64)
     aligned_drafter(root / "drafter", target)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
-    return SpeculativeGenerator(root / "target", root / "drafter", device="cpu", dtype="float32", tree="2,1")
+    return root
+
+
+@pytest.fixture(scope="module")
+def generator(saved):
+    return SpeculativeGenerator(saved / "target", saved / "drafter", device="cpu", dtype="float32", tree="2,1")
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +194,10 @@ def test_bad_input_gets_an_openai_error_object_and_the_server_goes_on(server):
         for path, method, status in (("/v1/nothing", "GET", 404), ("/v1/chat/completions", "GET", 405)):
             response = http.request(method, path)
             assert response.status_code == status and response.json()["error"]["message"]
-        bad_prompt = http.post("/v1/completions", json={"model": MODEL, "prompt": 42})
-        assert bad_prompt.status_code == 400 and bad_prompt.json()["error"]["param"] == "prompt"
-    assert len(BAD) + 3 >= 20
+        for prompt in (42, [1, 999], [], ""):
+            bad_prompt = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+            assert bad_prompt.status_code == 400 and bad_prompt.json()["error"]["param"] == "prompt"
+    assert len(BAD) + 6 >= 20
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         chat(server, "the cat", max_tokens=0)
     assert chat(server, "the cat sat on").choices[0].message.content  # still serving
@@ -232,3 +238,16 @@ def test_serve_refuses_bad_flags_in_one_line_before_loading(tmp_path, capsys, mo
     assert main(["serve", "--target", "smollm2", "--max-batch", "0"]) == 1
     assert capsys.readouterr().err.strip() == ("mamba-draft serve: error: --max-batch must be >= 1, --max-queue >= 0 "
                                                "and --port in [0, 65535]")
+
+
+def test_serve_bench_times_each_policy_and_the_first_token(saved, capsys, monkeypatch):
+    import mamba_draft.devices
+    from commands.cli import main
+
+    monkeypatch.setattr(mamba_draft.devices, "native_bf16", lambda device="cpu": False)  # fp32 on every CPU kind
+    assert main(["serve-bench", "--target", str(saved / "target"), "--drafter", str(saved / "drafter"),
+                 "--clients", "3", "--max-tokens", "6", "--repeats", "1", "--trees", "2,1", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "time to the first streamed token of a 200-token prompt (2,1)" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2,1 |") or line.startswith("| none |")]
+    assert len(rows) == 2 and all(line.endswith("| 3/3 |") for line in rows)  # outputs equal to alone

@@ -14,7 +14,7 @@ from mamba_draft.checkpoint import (EMBEDDING, SHIPPED_DRAFTER, SHIPPED_DRAFTER_
                                    embedding_digest, resolve_directory)
 from mamba_draft.heldout import is_heldout, read_spec_bench
 from mamba_draft.targets import SHIPPED_TARGET, load_causal_lm, load_tokenizer
-from tree_search.generate import generate, generate_autoregressive
+from tree_search.generate import SpeculativeDecoder
 from tree_search.prompts import encode_prompt
 
 
@@ -57,11 +57,11 @@ def test_greedy_with_the_shipped_drafter_is_the_targets_own_and_drafts_are_accep
     """Even-id (training-side) questions: identical output; a trained drafter gets well past one token a round."""
     target, drafter, tokenizer, _ = pair
     questions = [r for r in read_spec_bench() if not is_heldout(r)][::60][:3]
-    taus = []
+    taus, plain_decoder, decoder = [], SpeculativeDecoder(target), SpeculativeDecoder(target, drafter, tree="1,1,1")
     for record in questions:
         ids = torch.tensor([encode_prompt(tokenizer, record["turns"][0])])
-        plain = generate_autoregressive(target, ids, max_new_tokens=24, temperature=0)
-        result = generate(target, drafter, ids, max_new_tokens=24, temperature=0, tree="1,1,1")
+        plain = plain_decoder.generate(ids, max_new_tokens=24, temperature=0)
+        result = decoder.generate(ids, max_new_tokens=24, temperature=0)
         assert torch.equal(result.tokens, plain.tokens), record["question_id"]
         taus.append(result.stats.mean_accepted)
     assert sum(taus) / len(taus) > 1.3, taus  # an untrained drafter of this vocabulary: ~1.0

@@ -33,6 +33,10 @@ CANDIDATES = tuple(TreeConfig.parse(s) for s in (
     "none", "1", "1,1", "1,1,1", "1,1,1,1", "1,1,1,1,1", "1,1,1,1,1,1", "2", "2,1", "2,1,1", "2,1,1,1", "3,1,1",
     "2,2,1", "2,2,1,1", "3,2,1,1", "3,2,2,1,1", "2,2,2,1,1,1", "3,3,2,1"))
 PLANNED_ARMS = 3  # shapes the bandit pulls besides `none`
+# a shape predicted below this share of plain decoding's speed is not pulled at all (the prior acceptance is a guess,
+# so shapes near break-even are still tried): where every shape scores below it (a steep CPU and a batch of rows),
+# `auto` decodes plainly instead of paying to explore shapes that cannot win
+PLAN_FLOOR = 0.8
 # Before any round is seen: a drafter's top proposal is the target's token about half the time on chat replies
 # (the shipped drafter's chain of 3 commits τ 1.77 on even-id questions: p_1 ≈ 0.45), its second and third less
 # often; PRIOR_WEIGHT pseudo-trials, so a few calls' rounds outweigh it.
@@ -153,11 +157,12 @@ def predicted_speedup(shape: TreeConfig, costs: VerifyCosts, acceptance: Accepta
 
 def plan_arms(candidates: tuple[TreeConfig, ...], costs: VerifyCosts, acceptance: Acceptance, draft_level: float,
               rows: int = 1, keep: int = PLANNED_ARMS) -> list[int]:
-    """Indices into `candidates`: `none` (when it is one) and the `keep` drafting shapes of highest S, best first."""
-    scored = sorted((i for i, c in enumerate(candidates) if c.depth),
-                    key=lambda i: -predicted_speedup(candidates[i], costs, acceptance, draft_level, rows))
+    """Indices into `candidates`: `none` (when it is one) and the `keep` drafting shapes of highest S, best first,
+    those predicted at least `PLAN_FLOOR` of plain decoding's speed."""
+    speed = {i: predicted_speedup(c, costs, acceptance, draft_level, rows) for i, c in enumerate(candidates) if c.depth}
+    scored = sorted((i for i in speed if speed[i] >= PLAN_FLOOR), key=lambda i: -speed[i])
     none = [i for i, c in enumerate(candidates) if not c.depth]
-    return none + scored[:keep]
+    return (none + scored[:keep]) or [max(speed, key=speed.get)]  # candidates without `none`: the best shape
 
 
 def probe_forward(target_cache, token: torch.Tensor):

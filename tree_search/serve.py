@@ -2,7 +2,8 @@
 
     mamba-draft serve --target smollm2 --drafter smollm2 [--host 127.0.0.1] [--port 8000] [--max-batch 8]
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with "stream": true),
+Endpoints: POST /v1/chat/completions and /v1/completions (a prompt as text or token ids; streamed as server-sent
+events with "stream": true),
 GET /v1/models and GET /health. Sampling as the OpenAI API names it: max_tokens (or max_completion_tokens),
 temperature, top_p, seed, stop; `usage` counts tokens; an extra "speculative" field (τ, rounds, batch size) that
 OpenAI clients ignore. Parameters the engine cannot honour (tools, logprobs, penalties, n > 1, ...) are refused by
@@ -24,7 +25,7 @@ try:
 except ImportError as err:  # an optional extra: the rest of the package runs without it
     raise ImportError(f"mamba-draft serve needs FastAPI and uvicorn: pip install 'mamba-draft[serve]' ({err})") from None
 
-from mamba_draft.targets.facts import max_positions
+from mamba_draft.targets.facts import max_positions, target_vocab_size
 from tree_search.batcher import Batcher, QueueFull, Request
 
 MAX_BODY_BYTES = 1 << 20
@@ -198,11 +199,16 @@ def prompt_ids(generator, body: dict, chat: bool) -> list[int]:
 
     if not chat:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = target_vocab_size(generator.target)
+            if not all(0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", "prompt", "invalid_prompt")
+            return list(prompt)
         if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "prompt must be a non-empty string (one prompt per request)", "prompt",
-                           "invalid_prompt")
+            raise ApiError(400, "prompt must be a non-empty string or token id array (one prompt per request)",
+                           "prompt", "invalid_prompt")
         return generator.encode(prompt, chat_template=False)
     messages = body.get("messages")
     if messages is None:
