@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tree_search.plan import eos_set
 
+RECENT = 256  # outcomes and batch sizes a Batcher remembers
 HOLD = "\ufffd"  # a decoded text ending in a replacement character waits for the rest of its UTF-8 sequence
 
 
@@ -103,8 +104,10 @@ class Batcher:
         self.queue: deque[Request] = deque()
         self.wake = threading.Condition()
         self.running = 0  # requests in the batch being decoded
-        self.finished: list[tuple[str, int]] = []  # (finish_reason, tokens) of every request served, in order
-        self.batches: list[int] = []  # the size of every batch decoded
+        # counts since start, and the latest outcomes (bounded: a server runs for days)
+        self.served = self.batches = 0
+        self.finished: deque[tuple[str, int]] = deque(maxlen=RECENT)  # (finish_reason, tokens) of recent requests
+        self.batch_sizes: deque[int] = deque(maxlen=RECENT)  # of recent batches
         self.closed = False
         self.worker = threading.Thread(target=self.work, name="mamba-draft-engine", daemon=True)
         self.worker.start()
@@ -152,7 +155,8 @@ class Batcher:
             finally:
                 with self.wake:
                     self.running = 0
-                    self.finished += [(r.finish_reason, len(r.tokens)) for r in batch]
+                    self.finished.extend((r.finish_reason, len(r.tokens)) for r in batch)
+                    self.served += len(batch)
 
     def decode(self, batch: list[Request]) -> None:
         first, start = batch[0], time.perf_counter()
@@ -163,7 +167,8 @@ class Batcher:
             [random.randrange(2**31) if s is None else s for s in seeds],
             on_tokens=lambda row, tokens: batch[row].take(tokens, self.tokenizer, self.eos))
         seconds = time.perf_counter() - start
-        self.batches.append(len(batch))
+        self.batches += 1
+        self.batch_sizes.append(len(batch))
         for request, row in zip(batch, result.rows):
             request.stats = {"tau": row.stats.mean_accepted, "rounds": row.stats.rounds, "batch": len(batch),
                              "seconds": seconds}

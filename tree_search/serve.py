@@ -74,7 +74,7 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
     async def health():
         with batcher.wake:
             return {"status": "ok", "waiting": len(batcher.queue), "running": batcher.running,
-                    "served": len(batcher.finished), "batches": len(batcher.batches)}
+                    "served": batcher.served, "batches": batcher.batches}
 
     @app.get("/v1/models")
     async def models():
