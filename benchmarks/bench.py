@@ -65,24 +65,11 @@ def resolve_methods(specs) -> list[Method]:
     return methods
 
 
-def encode_prompts(tokenizer, prompts: list[Prompt], cfg: BenchConfig, device) -> list[torch.Tensor]:
-    """Each prompt as (1, L) ids, longer ones cut to their last max_prompt_tokens."""
-    encoded = [encode_prompt(tokenizer, p.text, cfg.chat_template, cfg.system_prompt) for p in prompts]
-    return [torch.tensor([ids[-cfg.max_prompt_tokens:]], dtype=torch.long, device=device) for ids in encoded]
-
-
 def eos_ids(models: Models) -> list[int]:
     eos = getattr(models.target.generation_config, "eos_token_id", None)
     if eos is None and models.tokenizer is not None:
         eos = models.tokenizer.eos_token_id
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-
-def resolve_config(cfg: BenchConfig, target, methods: list[Method]) -> BenchConfig:
-    """cfg with the sampling values every method uses: explicit ones, else the target's generation_config."""
-    params = resolve_sampling(target, cfg.temperature, cfg.top_p, cfg.top_k)
-    check_verifiers(methods, params)
-    return replace(cfg, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
 
 
 def check_verifiers(methods: list[Method], params: SamplingParams) -> None:
@@ -109,18 +96,15 @@ def make_batches(prompt_ids: list[torch.Tensor], size: int) -> list[Batch]:
 
     if size == 1:
         return [Batch(i, ids, None) for i, ids in enumerate(prompt_ids)]
-    out = []
-    for start in range(0, len(prompt_ids), size):
-        ids, mask, _ = batch_prompts([p[0] for p in prompt_ids[start:start + size]], None)  # pads are masked
-        device = prompt_ids[start].device
-        out.append(Batch(start, ids.to(device), mask.to(device)))
-    return out
+    device = prompt_ids[0].device
+    padded = {start: batch_prompts([p[0] for p in prompt_ids[start:start + size]], None)  # pads are masked
+              for start in range(0, len(prompt_ids), size)}
+    return [Batch(start, ids.to(device), mask.to(device)) for start, (ids, mask, _) in padded.items()]
 
 
 class Pass:
-    """One method's pass over batches, fed one batch at a time so that methods can alternate batch by batch: its
-    tree policy (a bandit kept over the whole pass when cfg.bandit_memory is "pass"), per-prompt outputs and
-    per-batch records."""
+    """One method's pass over batches, fed batch by batch so that methods can alternate: its tree policy (a bandit
+    kept over the whole pass when cfg.bandit_memory is "pass"), per-prompt outputs and per-batch records."""
 
     def __init__(self, method: Method, models: Models, cfg: BenchConfig, eos: list[int], seed: int) -> None:
         self.method, self.models, self.cfg, self.eos, self.seed = method, models, cfg, eos, seed
@@ -132,22 +116,23 @@ class Pass:
         self.outputs: list[list[int]] = []
         self.records: list[dict] = []
 
-    def run(self, batch: Batch) -> None:
-        start, ids, mask = batch
+    def run(self, *batches: Batch) -> Pass:
         method, cfg = self.method, self.cfg
-        if method.kind in HF_KINDS:
-            if cfg.temperature > 0:
-                torch.manual_seed(self.seed + start)
-            tokens, record = run_hf(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
-                                    self.pad, mask)
-        elif method.kind == LLAMA_CPP:
-            tokens, record = llama_cpp.run(self.models.llama_cpp, ids, cfg.max_new_tokens, self.sampling, self.eos,
-                                           self.seed + start)
-        else:
-            tokens, record = run_ours(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
-                                      self.policy, self.seed + start, mask, self.decoders)
-        self.outputs.extend([tokens] if mask is None else tokens)
-        self.records.append(record)
+        for start, ids, mask in batches:
+            if method.kind in HF_KINDS:
+                if cfg.temperature > 0:
+                    torch.manual_seed(self.seed + start)
+                tokens, record = run_hf(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
+                                        self.pad, mask)
+            elif method.kind == LLAMA_CPP:
+                tokens, record = llama_cpp.run(self.models.llama_cpp, ids, cfg.max_new_tokens, self.sampling,
+                                               self.eos, self.seed + start)
+            else:
+                tokens, record = run_ours(method, self.models, ids, cfg.max_new_tokens, self.sampling, self.eos,
+                                          self.policy, self.seed + start, mask, self.decoders)
+            self.outputs.extend([tokens] if mask is None else tokens)
+            self.records.append(record)
+        return self
 
     def result(self) -> dict:
         """Per-prompt outputs, per-batch records, and the pulls per tree shape summed over the pass's batches."""
@@ -156,14 +141,6 @@ class Pass:
             for shape, pulls in record.get("arm_pulls", {}).items():
                 arms.setdefault(shape, {"pulls": 0})["pulls"] += pulls
         return {"outputs": self.outputs, "records": self.records, "arms": arms}
-
-
-def run_pass(method: Method, models: Models, batches: list[Batch], cfg: BenchConfig, eos: list[int],
-             seed: int) -> dict:
-    one = Pass(method, models, cfg, eos, seed)
-    for batch in batches:
-        one.run(batch)
-    return one.result()
 
 
 def reference_method(names) -> str:
@@ -180,7 +157,7 @@ def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: Be
     times every method on a batch within seconds) -> {method: [per repeat: outputs, records, arms]}."""
     for method in methods:
         for _ in range(cfg.warmup):
-            run_pass(method, models, batches[:1], warmup, eos, cfg.seed)
+            Pass(method, models, warmup, eos, cfg.seed).run(*batches[:1])
     runs = {m.name: [] for m in methods}
     for repeat in range(cfg.repeats):
         passes = [Pass(method, models, cfg, eos, cfg.seed + 1000 * repeat) for method in methods]
@@ -204,9 +181,13 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     check, so the table shows whether it does)."""
     from tqdm import tqdm
 
-    cfg = resolve_config(cfg, models.target, methods)
+    # the sampling values every method uses: explicit ones, else the target's generation_config
+    params = resolve_sampling(models.target, cfg.temperature, cfg.top_p, cfg.top_k)
+    check_verifiers(methods, params)
+    cfg = replace(cfg, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     device = next(models.target.parameters()).device
-    prompt_ids = encode_prompts(models.tokenizer, prompts, cfg, device)
+    encoded = [encode_prompt(models.tokenizer, p.text, cfg.chat_template, cfg.system_prompt) for p in prompts]
+    prompt_ids = [torch.tensor([ids[-cfg.max_prompt_tokens:]], dtype=torch.long, device=device) for ids in encoded]
     eos = eos_ids(models)
     warmup = cfg if per_prompt(cfg) else replace(cfg, max_new_tokens=min(cfg.max_new_tokens, BATCH_WARMUP_TOKENS))
     total = cfg.repeats * len(methods) * len(prompts) * len(cfg.batch_sizes)
@@ -219,8 +200,8 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     references, reference = None, reference_method([m.name for m in methods])
     if cfg.temperature == 0:  # the reference's greedy outputs, one prompt at a time: no extra pass when it ran
         lone = runs.get(1, {}).get(reference)
-        lone = lone[0] if lone else run_pass(parse_method(reference), models, make_batches(prompt_ids, 1), cfg, eos,
-                                             cfg.seed)
+        lone = lone[0] if lone else Pass(parse_method(reference), models, cfg, eos, cfg.seed).run(
+            *make_batches(prompt_ids, 1)).result()
         references = lone["outputs"]
     batches = {str(size): {"methods": {m.name: summarize(m, r, prompts, references, per_prompt(cfg)) for m in methods},
                            "runs": r} for size, r in runs.items()}
@@ -531,7 +512,7 @@ def validate(args: argparse.Namespace, methods: list[Method]) -> None:
     for flag, least in (("repeats", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1), ("warmup", 0)):
         if getattr(args, flag) < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
-    # explicit sampling values are checked now; unset ones come from the target once it is loaded (resolve_config)
+    # explicit sampling values are checked now; unset ones come from the target once it is loaded (run_benchmark)
     check_verifiers(methods, resolve_sampling(None, args.temperature, args.top_p, args.top_k))
     if args.system_prompt is not None and args.no_chat_template:
         raise ValueError("--system-prompt needs the chat template; drop --no-chat-template")

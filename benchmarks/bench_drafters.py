@@ -89,9 +89,8 @@ def time_round_robin(steps: dict, device: torch.device, warmup: int, n_steps: in
 
 @torch.no_grad()
 def prepare(drafter, context: int, cfg: DrafterBenchConfig, device: torch.device):
-    """Prefill a random `context`-token prompt through the drafter interface (chunks of PREFILL_CHUNK, bounding a
-    Transformer's attention temporaries); returns its record (prefill time, state size) and a step function, after
-    one untimed step."""
+    """Prefill a random `context`-token prompt through the drafter interface, PREFILL_CHUNK tokens at a time; returns
+    its record (prefill time, state size) and a step function, after one untimed step."""
     gen = torch.Generator().manual_seed(cfg.seed + context)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
 
@@ -153,10 +152,8 @@ def run_bench(cfg: DrafterBenchConfig, progress: bool = True) -> dict:
         bar.set_postfix_str(f"{name}: {cfg.steps} steps per context, round robin")
         step_s = time_round_robin(steps, device, cfg.warmup, cfg.steps)
         bar.update()
-        base = step_s[BASE_CONTEXT]
-        for r in rows:
-            r["step_ms"] = 1e3 * step_s[r["context"]]
-            r["ratio_to_64"] = step_s[r["context"]] / base
+        rows = [r | {"step_ms": 1e3 * step_s[r["context"]], "ratio_to_64": step_s[r["context"]] / step_s[BASE_CONTEXT]}
+                for r in rows]
         results[name] = {"params": n_params(model), "weight_bytes": weight_bytes, "rows": rows}
         del steps  # free this model's states / KV caches before the next model
     bar.close()
@@ -175,12 +172,10 @@ def markdown_report(result: dict) -> str:
     header = ["drafter", "params", "context", "step ms", "ratio to ctx 64", "prefill ms", "state / KV cache MiB"]
     if not result["device"].startswith("CPU"):
         header.append("peak MiB")
-    rows = []
-    for name, m in result["models"].items():
-        for r in m["rows"]:
-            peak = [] if r["peak_bytes"] is None else [f"{r['peak_bytes'] / 2**20:.0f}"]
-            rows.append([name, f"{m['params'] / 1e6:.1f}M", r["context"], f"{r['step_ms']:.2f}",
-                         f"{r['ratio_to_64']:.2f}", f"{r['prefill_ms']:.0f}", f"{r['cache_bytes'] / 2**20:.2f}", *peak])
+    rows = [[name, f"{m['params'] / 1e6:.1f}M", r["context"], f"{r['step_ms']:.2f}", f"{r['ratio_to_64']:.2f}",
+             f"{r['prefill_ms']:.0f}", f"{r['cache_bytes'] / 2**20:.2f}",
+             *([] if r["peak_bytes"] is None else [f"{r['peak_bytes'] / 2**20:.0f}"])]
+            for name, m in result["models"].items() for r in m["rows"]]
     return (f"Device: {result['device']}, torch {result['torch']}, {result['config']['dtype']}. "
             f"{result['memory_measure']}.\n\n" + markdown_table(header, rows))
 
@@ -225,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_device(args.device)
-    result = run_bench(DrafterBenchConfig(
-        contexts=tuple(args.contexts), arch=args.arch, d_model=args.d_model, n_layer=args.n_layer,
-        vocab_size=args.vocab_size, steps=args.steps, warmup=args.warmup, device=args.device,
-        dtype=dtype_name(resolve_dtype(args.dtype, args.device)), seed=args.seed))
+    same = ("arch", "d_model", "n_layer", "vocab_size", "steps", "warmup", "device", "seed")  # fields set as given
+    dtype = dtype_name(resolve_dtype(args.dtype, args.device))
+    result = run_bench(DrafterBenchConfig(contexts=tuple(args.contexts), dtype=dtype,
+                                          **{field: getattr(args, field) for field in same}))
     paths = write_outputs(result, args.out)
     print(markdown_report(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

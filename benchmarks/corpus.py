@@ -55,12 +55,11 @@ def read_texts(files: list[Path], max_chars: int) -> list[str]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if not text.strip():
-            continue
-        texts.append(text[: max_chars - total])
-        total += len(texts[-1])
-        if total >= max_chars:
-            break
+        if text.strip():
+            texts.append(text[: max_chars - total])
+            total += len(texts[-1])
+            if total >= max_chars:
+                break
     return texts
 
 
@@ -125,8 +124,7 @@ def completion_prompts(texts: list[str], n: int, prompt_chars: int) -> list[dict
                 m = matches[depth * 7 % len(matches)] if depth else matches[len(matches) // 2]
                 end = m.end()
                 start = text.find("\n", max(0, end - prompt_chars)) + 1
-                kind = "class" if m.group(1) == "class" else "def"
-                prompts.append({"prompt": text[start:end], "category": kind})
+                prompts.append({"prompt": text[start:end], "category": "class" if m.group(1) == "class" else "def"})
         depth += 1
     if len(prompts) < n:
         raise ValueError(f"only {len(prompts)} completion prompts could be cut from the held-out files, {n} requested")

@@ -94,10 +94,8 @@ def training_precision() -> str:
     """bf16 on GPU and on CPUs with native bf16 matmuls (AVX512-BF16 / AMX: ~2x fp32 training throughput), else fp32."""
     import torch
 
-    if torch.cuda.is_available():
-        return "bf16"
     try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        native = torch.cuda.is_available() or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch build without oneDNN
         native = False
     return "bf16" if native else "fp32"
@@ -124,9 +122,8 @@ def train_config(size: ModelSize, tokenizer: Path, data: Path, out: Path, distil
 
 
 def train_and_export(name: str, make_config, cache: Path, what: str) -> Path:
-    """Train through `training` (DeepSpeed), export to cache/<name>; reused when already there.
-
-    make_config(run_dir) -> TrainConfig. The training metrics (and agreement plot) are kept next to the export."""
+    """Train make_config(run_dir), a TrainConfig, through `training` (DeepSpeed) and export it to cache/<name>, with
+    its training metrics (and agreement plot); reused when already there."""
     from training.export import export
     from training.train import train
 
@@ -150,16 +147,6 @@ def train_and_export(name: str, make_config, cache: Path, what: str) -> Path:
     return final
 
 
-def prepare_corpus(cfg: DemoConfig, cache: Path) -> dict[str, Path]:
-    done = cache / "corpus"
-    if not (done / "tokenizer").is_dir():
-        print("[demo] corpus: standard-library sources, split by file; training a BPE tokenizer")
-        with atomic_directory(done, overwrite=True) as tmp:
-            build_corpus(tmp, cfg.corpus)
-    return {"train": done / "train.jsonl", "heldout": done / "heldout.jsonl", "prompts": done / "prompts.jsonl",
-            "tokenizer": done / "tokenizer"}
-
-
 def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
                measurement: dict) -> tuple[Path, dict | None]:
     """Create (or, with force, empty) the cache; returns the results dir and the cached result unless re-measuring.
@@ -179,7 +166,7 @@ def open_cache(cache: Path, out_dir: Path | None, force: bool, rebench: bool,
 
 
 def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, force: bool = False,
-             rebench: bool = False, progress: bool = True) -> dict:
+             rebench: bool = False) -> dict:
     """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
     import torch
 
@@ -193,10 +180,14 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
         return cached
 
     started = time.perf_counter()
-    corpus = prepare_corpus(cfg, cache)
+    corpus = cache / "corpus"
+    if not (corpus / "tokenizer").is_dir():
+        print("[demo] corpus: standard-library sources, split by file; training a BPE tokenizer")
+        with atomic_directory(corpus, overwrite=True) as tmp:
+            build_corpus(tmp, cfg.corpus)
 
     def toy(size, distill_from):
-        return lambda run: train_config(size, corpus["tokenizer"], corpus["train"], run, distill_from)
+        return lambda run: train_config(size, corpus / "tokenizer", corpus / "train.jsonl", run, distill_from)
 
     target = train_and_export("target", toy(cfg.target, None), cache, "trained from scratch")
     drafter = train_and_export("drafter", toy(cfg.drafter, target), cache, "distilled from the target")
@@ -204,12 +195,12 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
     device = "cuda" if torch.cuda.is_available() else "cpu"
     methods = resolve_methods(cfg.methods)
     # fp32: the exports keep DeepSpeed's fp32 master weights
-    models = load_models(methods, target, dtype=torch.float32, device=device, tokenizer=corpus["tokenizer"],
+    models = load_models(methods, target, dtype=torch.float32, device=device, tokenizer=corpus / "tokenizer",
                          drafter=drafter, assistant=assistant)
     bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=cfg.repeats,
                             max_new_tokens=cfg.max_new_tokens, chat_template=False)
-    prompts = load_prompts(corpus["prompts"])
-    result = run_benchmark(models, prompts, methods, bench_cfg, progress)
+    prompts = load_prompts(corpus / "prompts.jsonl")
+    result = run_benchmark(models, prompts, methods, bench_cfg)
     first = models.tokenizer(prompts[0].text, return_tensors="pt").input_ids.to(device)
     result |= {"sizing": measure_sizing(models.target, models.drafter, first),
                "models": {"target": str(target), "drafter": str(drafter), "assistant": str(assistant),
@@ -302,19 +293,16 @@ def rebuild_pair(cfg, records: list[dict], cache: Path) -> tuple[Path, Path]:
     print(f"[demo] data: {manifest['prompts']['total']} prompts, replies "
           f"{ {t: r['tokens'] for t, r in manifest['replies'].items()} } tokens in {time.perf_counter() - started:.0f} s")
     precision = training_precision()
-
-    def recipe(arch):
-        return lambda run: train_config(cfg, arch, data, run, precision)
-
-    drafter = train_and_export("drafter", recipe("mamba2"), cache, "KL to the cached target distributions")
-    assistant = train_and_export("assistant", recipe("llama"), cache, "same data, steps and initialisation")
+    drafter = train_and_export("drafter", lambda run: train_config(cfg, "mamba2", data, run, precision), cache,
+                               "KL to the cached target distributions")
+    assistant = train_and_export("assistant", lambda run: train_config(cfg, "llama", data, run, precision), cache,
+                                 "same data, steps and initialisation")
     return drafter, assistant
 
 
 def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None = None, force: bool = False,
-                  rebench: bool = False, full_sweep: bool = False, repeats: int = 1, progress: bool = True,
-                  train: bool = False, drafter: str | None = None,
-                  budget_minutes: float = BUDGET_MINUTES) -> dict:
+                  rebench: bool = False, full_sweep: bool = False, repeats: int = 1, train: bool = False,
+                  drafter: str | None = None, budget_minutes: float = BUDGET_MINUTES) -> dict:
     """Shipped drafter (or --drafter, or one rebuilt with --train) vs the target, loaded as `generate` loads it (and
     plain copies for the hf-* methods): its sizing, then greedy and sampled tables measured within `budget_minutes`
     from the end of any rebuild (`measure_tables`)."""
@@ -345,9 +333,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     if cached is not None:
         return cached
     started = time.perf_counter()
-    assistant = None
-    if train:
-        drafter, assistant = rebuild_pair(cfg, records, cache)
+    drafter, assistant = rebuild_pair(cfg, records, cache) if train else (drafter, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = default_dtype(device)  # the same for every method: bf16 where native (AVX512-BF16, AMX, GPUs)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -365,7 +351,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
                             assistant=models.assistant_drafter if models.assistant is not None else None)
     plain = models.plain_target or load_plain(SHIPPED_TARGET, dtype, device)
     tax = measure_tax(plain, models.target, repeats=cfg.tax_repeats)
-    measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress)
+    measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress=True)
     result = {"dtype": dtype_name, "cpu": cpu_kind(), **measured, "sizing": sizing, "tax": tax,
               "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},
               # a rebuild's held-out agreement curves (--train rebuilds both models)
@@ -381,9 +367,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
 def heldout_curve(run_or_export: Path) -> list[dict]:
     """(training tokens, held-out agreement, tau) records the training run logged."""
     metrics = run_or_export / "metrics.jsonl"
-    if not metrics.is_file():
-        return []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     return [{k: r[k] for k in r if k.startswith("heldout_") or k in ("step", "train_tokens")}
             for r in rows if "heldout_agreement" in r]
 
@@ -546,8 +530,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for flag in ("repeats", "max_new_tokens", "per_category"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
+        if (value := getattr(args, flag)) is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.budget_minutes is not None and not args.budget_minutes > 0:
         raise ValueError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
@@ -587,9 +570,8 @@ def print_real(result: dict) -> None:
         print(f"\n## {name}\n\n" + markdown_report(result[name]))
     for name, curve in result["training"].items():
         if curve:
-            last = curve[-1]
-            print(f"{name.capitalize()} held-out agreement {last['heldout_agreement']:.3f} after "
-                  f"{last['train_tokens']} training tokens")
+            print(f"{name.capitalize()} held-out agreement {curve[-1]['heldout_agreement']:.3f} after "
+                  f"{curve[-1]['train_tokens']} training tokens")
     sizing = result["sizing"]
     assistant = (f", assistant (Transformer drafter) step {sizing['assistant_step_ms']:.2f} ms"
                  if "assistant_step_ms" in sizing else "")

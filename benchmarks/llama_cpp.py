@@ -45,19 +45,16 @@ def run(llm, ids: torch.Tensor, max_new_tokens: int, sampling: dict, eos: list[i
     the same temperature, top-k (0: off) and top-p and none of its own extra filters (min-p, repeat penalty)."""
     if ids.shape[0] != 1:
         raise ValueError("the llama-cpp method decodes one prompt at a time (batch size 1)")
-    prompt = ids[0].tolist()
-    temperature = sampling["temperature"] or 0.0
-    options = dict(temp=temperature, top_k=sampling.get("top_k") or 0, top_p=sampling.get("top_p") or 1.0,
-                   min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True)
+    options = dict(temp=sampling["temperature"] or 0.0, top_k=sampling.get("top_k") or 0,
+                   top_p=sampling.get("top_p") or 1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True)
     start = time.perf_counter()
     llm.reset()  # the whole prompt is prefilled, as every other method prefills it
     llm.set_seed(seed)
     tokens = []
-    for token in llm.generate(prompt, **options):
+    for token in llm.generate(ids[0].tolist(), **options):
         tokens.append(int(token))
         if token in eos or len(tokens) >= max_new_tokens:
             break
     wall = time.perf_counter() - start
-    record = {"new_tokens": len(tokens), "wall_time": wall, "rounds": len(tokens), "accepted": len(tokens),
-              "target_forwards": len(tokens)}
-    return tokens, record
+    return tokens, {"new_tokens": len(tokens), "wall_time": wall, "rounds": len(tokens), "accepted": len(tokens),
+                    "target_forwards": len(tokens)}

@@ -77,9 +77,8 @@ def parse_method(spec: str) -> Method:
         return replace(parse_method(rest), name=label)
     if name in (*HF_KINDS, LLAMA_CPP, "ar"):
         return Method(name, name)
-    body, drafter = name, "drafter"
-    if body.startswith("assistant:"):
-        body, drafter = body.removeprefix("assistant:"), "assistant"
+    drafter = "assistant" if name.startswith("assistant:") else "drafter"
+    body = name.removeprefix("assistant:")
     if body.startswith("verifier="):
         body = "bandit@" + body.removeprefix("verifier=")
     drafting, _, verifier = body.partition("@")
@@ -146,13 +145,9 @@ class Models:
         return TransformerDrafter(self.assistant, self.assistant_draft_ids)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn, device: torch.device):
     """(fn(), its wall seconds), the device synchronized before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     sync(device)
     start = time.perf_counter()
     out = fn()
@@ -163,12 +158,10 @@ def timed(fn, device: torch.device):
 @torch.no_grad()
 def run_hf(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
            eos: list[int], pad: int | None, mask: torch.Tensor | None = None) -> tuple[list, dict]:
-    """transformers `generate`, alone or assisted, on the plain copies (`Models.for_hf`); rounds = target forward
-    calls. `ids` (1, L) -> (new tokens, record); with `mask`, a left-padded batch (B, L) -> (new tokens per row,
-    record).
-
-    `sampling` holds resolved values (bench.resolve_config), passed explicitly so that the generation_config cannot
-    add a top-k or top-p our methods do not apply (top_k 0 is off in transformers too)."""
+    """transformers `generate`, alone or assisted, on the plain copies (`Models.for_hf`): `ids` (1, L) -> (new tokens,
+    record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record). `sampling` holds resolved values
+    (bench.run_benchmark), passed explicitly so that the generation_config cannot add a top-k or top-p our methods
+    do not apply (top_k 0 is off in transformers too)."""
     sample = sampling["temperature"] > 0  # greedy: None, so that no generation_config value applies
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
                   attention_mask=torch.ones_like(ids) if mask is None else mask, do_sample=sample,
@@ -220,11 +213,8 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
         decoders[lookup] = SpeculativeDecoder(models.target, drafter, tree=policy, verifier=method.verifier,
                                               tokenizer=models.tokenizer, lookup_tokens=lookup)
 
-    def decode():
-        return decoders[lookup].generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos, seed=seed,
-                                         **sampling)
-
-    result, wall = timed(decode, ids.device)
+    result, wall = timed(lambda: decoders[lookup].generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                                           seed=seed, **sampling), ids.device)
     s = result.stats
     record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
               "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,

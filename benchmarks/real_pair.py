@@ -4,9 +4,8 @@ for it (`mamba_draft/drafters/smollm2`), benchmarked on held-out (odd-id) Spec-B
 `demo --train` rebuilds a drafter from scratch with the external drafter's recipe (`smollm2-external`) at a smaller
 scale (and a Transformer assistant of the same size on the same data, for transformers' assisted generation):
 * data: the data engine (`training.make_data`): prompts the target writes itself (Magpie, plain and steered to
-  kinds of task) plus the even-id
-  Spec-Bench questions (odd ids are held out and refused), the target's greedy and T = 0.7 replies with its top-20
-  next-token distributions cached at every reply position;
+  kinds of task) plus the even-id Spec-Bench questions (odd ids are held out and refused), the target's greedy and
+  T = 0.7 replies with its top-20 next-token distributions cached at every reply position;
 * drafter: Mamba-2, d_model 576 = the target's width, embedding (tied, so also the head) the target's own, frozen;
   a frequency-ranked draft vocabulary (FR-Spec); trained on forward KL to the cached distributions
   (configs/distill/smollm2-engine.yaml is the full-scale recipe);

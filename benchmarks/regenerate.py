@@ -74,13 +74,12 @@ def run(args: argparse.Namespace) -> int:
     from tree_search.sampling import resolve_sampling
 
     plain.check_arguments(args)
+    given = [flag for flag in ("tree", "verifier") if getattr(args, flag) is not None]
+    if given and not args.drafter:
+        raise ValueError(" and ".join(f"--{flag}" for flag in given) + (" need" if len(given) > 1 else " needs")
+                         + " --drafter")
     generate = None
-    if not args.drafter:
-        given = [flag for flag in ("tree", "verifier") if getattr(args, flag) is not None]
-        if given:
-            raise ValueError(" and ".join(f"--{flag}" for flag in given) + (" need" if len(given) > 1 else " needs")
-                             + " --drafter")
-    else:
+    if args.drafter:
         check_device(args.device)
         path = Path(args.drafter).expanduser()
         if (args.drafter.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():

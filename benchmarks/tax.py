@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from benchmarks.methods import load_plain, timed
 from mamba_draft.devices import cpu_info, resolve_dtype
 from mamba_draft.dtypes import DTYPES
 
@@ -89,23 +89,13 @@ def measure(plain, exact, repeats: int) -> list[dict]:
             calls = {name: (lambda p=p, c=caches[name]: p.forward(c, ids[:, CONTEXT:CONTEXT + n]))
                      for name, p in paths.items()}
         times = {name: [] for name in calls}
-        for turn in range(repeats + 2):  # two warm-up turns (packing, first touch, a grown cache)
+        for _ in range(repeats + 2):
             for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                if turn >= 2:
-                    times[name].append(time.perf_counter() - start)
-        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+                times[name].append(timed(call, ids.device)[1])
+        # two warm-up turns (packing, first touch, a grown cache)
+        ms = {name: 1e3 * statistics.median(t[2:]) for name, t in times.items()}
         rows.append({"forward": kind, "tokens": n, **ms, "ratio": ms["exact"] / ms["plain"]})
     return rows
-
-
-def measure_loaded(target: str, dtype: torch.dtype, repeats: int) -> list[dict]:
-    """`measure` of `target` loaded both ways: as transformers loads it, and as `generate` does."""
-    from mamba_draft.targets import load_causal_lm
-
-    plain = load_causal_lm(target, dtype=dtype, attn_implementation=None, pack=False, row_blocks=False)
-    return measure(plain, load_causal_lm(target, dtype=dtype), repeats)
 
 
 def report(rows: list[dict]) -> list[str]:
@@ -127,10 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mamba_draft.targets import load_causal_lm
+
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     dtype = resolve_dtype(args.dtype, "cpu")
     print(f"CPU: {cpu_kind()}; {torch.get_num_threads()} threads; dtype {str(dtype).removeprefix('torch.')}")
-    for line in report(measure_loaded(args.target, dtype, args.repeats)):
-        print(line)
+    # the target loaded both ways: as transformers loads it, and as `generate` does
+    rows = measure(load_plain(args.target, dtype, "cpu"), load_causal_lm(args.target, dtype=dtype), args.repeats)
+    print("\n".join(report(rows)))
     return 0

@@ -171,8 +171,7 @@ def check_draft_ids(draft_ids, vocab: int, device=None, vocab_name: str = "") ->
 
 
 def read_draft_ids(path: str | os.PathLike) -> torch.Tensor | None:
-    """The draft vocabulary's id map (`d2t`) of a draft_vocab.safetensors file or of a model directory holding
-    one; None when there is none."""
+    """The id map (`d2t`) of a draft_vocab.safetensors file or of a model directory holding one, else None."""
     file = Path(path) / DRAFT_VOCAB if Path(path).is_dir() else Path(path)
     if not file.is_file():
         return None

@@ -44,10 +44,8 @@ class StepRunner:
         # graphs need fixed shapes: a Transformer drafter's forward widens with its longest row (not capturable)
         capturable = device.type == "cuda" and drafter.capturable
         self.use_graphs = capturable if use_graphs is None else use_graphs
-        rows = state.max_batch
         # Static inputs and output of every graph: allocated outside any capture, never reassigned.
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.parents = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tokens, self.parents = (torch.zeros(state.max_batch, dtype=torch.long, device=device) for _ in range(2))
         self.logits: torch.Tensor | None = None  # (rows, V), allocated at the first capture
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None  # one memory pool for all graphs, created at the first capture

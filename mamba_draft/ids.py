@@ -27,7 +27,6 @@ def check_ids(input_ids, vocab_rows: int, device: torch.device) -> torch.Tensor:
 
 
 def check_batch(batch: int, state) -> int:
-    """`batch`, if the state has that many rows; else ValueError."""
     if batch > state.max_batch:
         raise ValueError(f"batch of {batch} rows exceeds the state's preallocated max_batch={state.max_batch}; "
                          "allocate_state(max_batch) with room for every row")

@@ -87,9 +87,8 @@ class KVState:
             return self  # every row its own source (a resync after a round that kept row 0's node): no copy
         lengths = self.store.lengths.index_select(0, src)
         used = int(lengths.max())  # copy only the slots a source row holds (a host sync: this drafter is eager)
-        for cache in (self.store.keys, self.store.values):
-            for layer in cache:
-                layer[dst, :, :used] = layer[:, :, :used].index_select(0, src)
+        for layer in (*self.store.keys, *self.store.values):
+            layer[dst, :, :used] = layer[:, :, :used].index_select(0, src)
         self.store.lengths[dst] = lengths
         return self
 

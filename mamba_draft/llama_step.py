@@ -12,12 +12,10 @@ from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .targets.cpu_attention import grouped_attention
+from .targets.cpu_step import llama_layer
 from .kv_state import write_rows
 from .packed_linear import PackCache
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
-_LAYER = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 _BODY = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 
@@ -55,17 +53,9 @@ class LlamaBody:
     def of(cls, model: nn.Module) -> LlamaBody | None:
         """The lean body of `model` if its modules have the Llama layout (and nothing else that acts), else None."""
         body = getattr(model, "base_model", None)
-        if body is None or not all(hasattr(body, name) for name in _BODY) or len(body.layers) == 0:
+        if (body is None or not all(hasattr(body, name) for name in _BODY) or len(body.layers) == 0
+                or not all(llama_layer(layer) and hasattr(layer.mlp, "act_fn") for layer in body.layers)):
             return None
-        for layer in body.layers:
-            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if (set(name for name, _ in layer.named_children()) != set(_LAYER)
-                    or not all(isinstance(getattr(attn, n, None), nn.Linear) for n in _ATTENTION)
-                    or {n for n, _ in attn.named_children()} != set(_ATTENTION)
-                    or not all(hasattr(mlp, n) for n in _MLP)
-                    or {n for n, _ in mlp.named_children()} - {"act_fn"} != set(_MLP[:3])
-                    or getattr(attn, "sliding_window", None) or not hasattr(attn, "scaling")):
-                return None
         return cls(body)
 
     def forward(self, ids: torch.Tensor, starts: list[int], positions: torch.Tensor, visible: torch.Tensor,
@@ -76,8 +66,7 @@ class LlamaBody:
         batch, n = ids.shape
         width = visible.shape[-1]
         hidden = self.body.embed_tokens(ids)
-        cos, sin = self.body.rotary_emb(hidden, positions)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = (t[:, None] for t in self.body.rotary_emb(hidden, positions))
         mask = visible[:, None]  # (B, 1, n, width)
         for i, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp

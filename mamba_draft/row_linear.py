@@ -50,9 +50,7 @@ class RowKernelCache:
         failed = cpu_step.library().cpu_linear(
             inputs.data_ptr(), rows, inputs.shape[1], self.weight, None if bias is None else bias.data_ptr(), padded,
             out.data_ptr(), cpu_step.DTYPES[x.dtype], torch.get_num_threads())
-        if failed:
-            return None
-        return out[:, :outs].to(x.dtype)
+        return None if failed else out[:, :outs].to(x.dtype)
 
     def __getstate__(self) -> dict:  # a copy starts empty (copy.deepcopy goes through it too)
         return {"key": None, "held": (), "weight": None}

@@ -6,14 +6,13 @@ model runs `llama_step`'s lean body where a probe shows transformers' logits.
 from __future__ import annotations
 
 import functools
-import inspect
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .checkpoint import DRAFT_VOCAB, check_draft_ids, read_draft_ids
 from .ids import SharedCalls, check_batch
@@ -21,6 +20,7 @@ from .kv_state import KVState, KVStore, write_rows
 from .llama_step import LlamaBody
 from .packed_linear import PackCache
 from .targets import cache_keyword
+from .targets.facts import attn_implementation, last_logits_only, sliding_windows
 
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
@@ -77,12 +77,12 @@ class TransformerDrafter(SharedCalls, nn.Module):
                              "causal LM")
         self.model = model.eval()
         self.config = config
-        if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=config).layers):
+        if sliding_windows(model):
             raise ValueError(f"{type(model).__name__} has sliding-window attention layers; the Transformer drafter "
                              "supports full-attention models only")
         # the 4D mask each attention implementation takes: sdpa a boolean one, the others an additive one
-        self._bool_mask = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._bool_mask = attn_implementation(model) == "sdpa"
+        self._last_logits = last_logits_only(model)  # `logits_to_keep=1` where the forward takes it
         self._cache_keyword = cache_keyword(model)
         for name in ("draft_ids", "draft_head", "draft_bias"):
             self.register_buffer(name, None, persistent=False)
@@ -212,8 +212,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
         positions = lengths[:, None] + torch.arange(n, device=self.device)  # (B, n): slot = position
         # query t of row b sees slots [0, its position]: its row's cache (contiguous from 0) and the block so far
         visible = torch.arange(width, device=self.device) <= positions[:, :, None]
-        keys = [k[rows.start:rows.stop] for k in rows.store.keys]
-        values = [v[rows.start:rows.stop] for v in rows.store.values]
+        keys, values = ([t[rows.start:rows.stop] for t in ts] for ts in (rows.store.keys, rows.store.values))
         if self.lean is not None:
             hidden = self.lean.forward(ids, starts, positions, visible, keys, values)
         else:
@@ -225,7 +224,7 @@ class TransformerDrafter(SharedCalls, nn.Module):
             kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                           **{self._cache_keyword: cache})
             if self.draft_head is None:  # the model's own head (and logit transforms)
-                out = self.model(**kwargs, **({"logits_to_keep": 1} if last_only and self._logits_to_keep else {}))
+                out = self.model(**kwargs, **(self._last_logits if last_only else {}))
                 lengths += n
                 return out.logits[:, -1] if last_only else out.logits
             hidden = self.model.base_model(**kwargs).last_hidden_state

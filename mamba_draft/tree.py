@@ -15,11 +15,8 @@ _SPEC = re.compile(r" *[0-9]+ *(?:, *[0-9]+ *)*")  # "3,2,2,1,1", "3, 2": ASCII 
 
 def equal_runs(values):
     """(start, stop) of each run of equal values."""
-    start = 0
-    for _, run in itertools.groupby(values):
-        stop = start + len(list(run))
-        yield start, stop
-        start = stop
+    stops = list(itertools.accumulate(len(list(run)) for _, run in itertools.groupby(values)))
+    return zip([0, *stops], stops)
 
 
 @dataclass(frozen=True)
@@ -31,9 +28,8 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         branching = tuple(self.branching)
-        for n in branching:
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ValueError(f"TreeConfig branching factors must be positive integers, got {branching!r}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in branching):
+            raise ValueError(f"TreeConfig branching factors must be positive integers, got {branching!r}")
         object.__setattr__(self, "branching", branching)
         if self.num_nodes > MAX_TREE_NODES:
             raise ValueError(f"TreeConfig{branching} has {self.num_nodes} draft nodes, over the budget of "
@@ -145,12 +141,9 @@ class Tree:
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:
         """(T+1, T+1) bool: mask[i, j] = j is i or an ancestor of i (what node i may attend to)."""
-        n = len(self.parents)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
+        mask = torch.eye(len(self.parents), dtype=torch.bool)
+        for i, p in enumerate(self.parents[1:], start=1):
+            mask[i] |= mask[p]
         return mask
 
     def path_to(self, node: int) -> list[int]:

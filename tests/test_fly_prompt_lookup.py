@@ -10,7 +10,7 @@ import torch
 
 from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import random_drafter
-from tree_search.drafting import LOOKUP_ROWS, TreeDrafter
+from tree_search.proposers.tree import LOOKUP_ROWS, TreeDrafter
 from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams
 from tree_search.proposers import Round

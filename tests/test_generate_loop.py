@@ -14,16 +14,16 @@ import torch
 
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama
 from tree_search import UCBBandit
-from tree_search.drafting import TreeDrafter
+from tree_search.calls import Recorder
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.recorder import Recorder
+from tree_search.proposers.tree import TreeDrafter
 from tree_search.verifiers.greedy import GreedyVerifier
 
 NEW_TOKENS = 40
 CHAIN = "1,1,1,1,1"
 PROMPT = torch.tensor([[3, 17, 41, 8, 25, 60, 12]])
 REPETITIVE = torch.tensor([[5, 9, 13, 2, 7, 30] * 5])
-LOOP_FILES = {"generate.py", "recorder.py", "proposers"}  # tree_search's loop modules; every proposer
+LOOP_FILES = {"generate.py", "calls.py", "proposers"}  # tree_search's loop modules; every proposer
 TRANSFERS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")  # every way a value reaches the host
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

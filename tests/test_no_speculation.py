@@ -20,7 +20,7 @@ from tests.helpers.sampling_law import assert_follows, empirical, tv_bound
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_llama
 from tests.test_generate_cli import _run, cli_fp32, saved  # noqa: F401  (fixtures: fp32 CLI, saved pair)
 from tree_search import Tree, TreeConfig, UCBBandit
-from tree_search.drafting import TreeDrafter
+from tree_search.proposers.tree import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import SamplingParams, logits_to_probs, sample
 from tree_search.verifiers import VerifyInput, get_verifier
@@ -245,7 +245,7 @@ def test_a_time_reward_bandit_falls_back_to_none_when_speculating_is_slow(pair):
 
 
 def test_a_none_round_moves_one_token_to_the_host(pair, monkeypatch):
-    loop = {"generate.py", "recorder.py"}
+    loop = {"generate.py", "calls.py"}
     seen: Counter = Counter()
     for method in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
         original = getattr(torch.Tensor, method)

@@ -110,10 +110,9 @@ def measure_ids(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Te
                 gammas: Sequence[int] = (1, 3, 5)) -> Agreement:
     """`measure` from the drafter's (or any predictor's) chosen ids (B, L) instead of its logits."""
     gammas = check_gammas(gammas)
-    draft = draft.cpu()
     live = scored[:, 1:].cpu().bool()            # the prediction made at t scores token t+1
     guess = target_ids[:, :-1].cpu()
-    agree = (draft[:, :-1] == guess) & live
+    agree = (draft[:, :-1].cpu() == guess) & live
     on_path = (tokens[:, 1:].cpu() == guess) & live
     accepted, alive, run = {}, torch.ones_like(agree), torch.zeros(agree.shape, dtype=torch.long)
     for k in range(max(gammas)):                  # alive[t]: the drafts for tokens t+1 .. t+1+k all agree
@@ -161,9 +160,8 @@ def engine_rows(examples: Sequence) -> tuple[list[Row], list[torch.Tensor]]:
     for e in examples:
         n = min(ENGINE_EVAL_LEN, e.input_ids.numel())
         scored = (e.labels[:n] != data_lib.IGNORE_INDEX).tolist()
-        choice = torch.full((n,), -1, dtype=torch.long)
-        choice[:n - 1] = e.soft_ids[1:n, 0].long()
-        choice[:n - 1][~torch.tensor(scored[1:], dtype=torch.bool)] = -1
+        choice = torch.cat([e.soft_ids[1:n, 0].long(), torch.tensor([-1])])
+        choice[~torch.tensor(scored[1:] + [False])] = -1
         rows.append((e.input_ids[:n].tolist(), scored))
         target_ids.append(choice)
     return rows, target_ids
@@ -262,11 +260,10 @@ class HeldoutEval:
     def __init__(self, cfg: TrainConfig, tokenizer, rank: int, world: int, device, dtype: torch.dtype,
                  target=None):
         e = cfg.eval
-        self.gammas, self.batch_size, self.device = tuple(e.gammas), cfg.micro_batch_size, device
+        self.gammas, self.batch_size, self.device, self.seed = tuple(e.gammas), cfg.micro_batch_size, device, cfg.seed
         self.pad_id, self.vocab = tokenizer.pad_token_id, len(tokenizer)
         self.baselines: dict = {}
         self.features = self.examples = None  # a drafter that reads the target: states per row, replies to draft
-        self.seed = cfg.seed
         if Path(e.data).expanduser().is_dir():
             width = cfg.model.target_hidden_size or None
             # whole replies (packed training windows may be short; a reply's prompt alone can fill one)
@@ -369,8 +366,7 @@ def tree_tau(ranks: torch.Tensor, branching: Sequence[int]) -> float:
     while the target's token is among the children the drafter gave the node it reached."""
     if not 1 <= len(branching) <= ranks.shape[1]:
         raise ValueError(f"a tree of depth {len(branching)} needs ranks to that depth, have {ranks.shape[1]}")
-    widths = torch.tensor(list(branching))
-    hits = (ranks[:, :len(branching)] < widths).long().cumprod(dim=1)
+    hits = (ranks[:, :len(branching)] < torch.tensor(list(branching))).long().cumprod(dim=1)
     return 1 + float(hits.float().mean(0).sum()) if ranks.shape[0] else math.nan
 
 

@@ -42,8 +42,7 @@ def normalize_conversation(record: dict, evaluation: bool = False) -> tuple[list
     body = messages[1:] if messages and messages[0]["role"] == "system" else messages
     if not body:
         return None, "empty_conversation"
-    expected = ["user", "assistant"] * len(body)
-    if [m["role"] for m in body] != expected[:len(body)]:
+    if [m["role"] for m in body] != (["user", "assistant"] * len(body))[:len(body)]:
         return None, "non_alternating"
     if body[-1]["role"] == "user":
         messages = messages[:-1]  # a trailing question without an answer teaches nothing

@@ -146,8 +146,7 @@ def _build(cls, raw: dict, where: str):
         raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)}; "
                           f"valid keys in {where or 'top level'}: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
-    kwargs = {name: _coerce(hints[name], value, where + name) for name, value in raw.items()}
-    return cls(**kwargs)
+    return cls(**{name: _coerce(hints[name], value, where + name) for name, value in raw.items()})
 
 
 def _coerce(hint, value, key: str):
@@ -157,8 +156,7 @@ def _coerce(hint, value, key: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        hint = next(a for a in args if a is not type(None))
-        return _coerce(hint, value, key)
+        return _coerce(next(a for a in args if a is not type(None)), value, key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

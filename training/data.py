@@ -63,8 +63,7 @@ def require_columns(ds, wanted: list[str], what: str) -> None:
 
 def rank_order(n: int, seed: int, epoch: int, rank: int, world: int) -> list[int]:
     """This rank's record indices for one epoch: a seeded permutation, then every world-th record."""
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(n, generator=g)[rank::world].tolist()
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))[rank::world].tolist()
 
 
 @dataclass
@@ -101,8 +100,7 @@ class PackedSequences:
     def __init__(self, docs, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, rank: int, world: int):
         require_columns(docs, [cfg.text_column], "pretraining")
         self.docs, self.tokenizer, self.cfg, self.rank, self.world = docs, tokenizer, cfg, rank, world
-        self.epoch, self.doc_pos, self.buffer = 0, 0, []
-        self._docs_iter = None
+        self.load_state_dict({"epoch": 0, "doc_pos": 0, "buffer": []})
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "doc_pos": self.doc_pos, "buffer": list(self.buffer)}
@@ -181,9 +179,7 @@ def prepare_sft(records: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, m
 
     def process(record):
         messages, reason = normalize_conversation(record, evaluation)
-        ids, labels = [], []
-        if messages is not None:
-            ids, labels, reason = render_sft(messages, tokenizer, max_len)
+        ids, labels, reason = render_sft(messages, tokenizer, max_len) if messages is not None else ([], [], reason)
         return {"input_ids": ids, "labels": labels, "skip": reason}
 
     processed = records.map(process, remove_columns=records.column_names, keep_in_memory=True,

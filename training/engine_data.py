@@ -154,9 +154,8 @@ class PackedEngine(EpochCursor):
         def stack(name: str) -> torch.Tensor:
             return torch.stack([torch.cat([getattr(e, name)[a:b] for e, a, b in w]) for w in windows])
 
-        labels = stack("labels")
         # a window that starts inside a reply: its first position has no prediction of its own (shift drops it)
-        batch = {"input_ids": stack("input_ids"), "labels": labels, "soft_ids": stack("soft_ids").long(),
+        batch = {"input_ids": stack("input_ids"), "labels": stack("labels"), "soft_ids": stack("soft_ids").long(),
                  "soft_logp": stack("soft_logp").float()}
         if self.examples[0].hidden is not None:
             batch["hidden"] = stack("hidden").float()

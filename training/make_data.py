@@ -29,6 +29,7 @@ come from one teacher-forced forward before anything new is made.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -48,8 +49,8 @@ from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.heldout import is_heldout, is_heldout_text, normalize, overlaps_heldout, read_spec_bench
 from mamba_draft.io import write_json, write_text
 from training.regenerate import (
-    Generate, add_device_arguments, conversation, cut_at_eos, eos_token_ids, hf_sample, load_target, prompt_ids,
-    read_records, target_tokenizer,
+    SHAREGPT_ROLE, Generate, add_device_arguments, check_arguments, conversation, cut_at_eos, eos_token_ids, hf_sample,
+    load_target, prompt_ids, read_records, target_tokenizer,
 )
 
 MAGPIE_TEMPERATURE, MAGPIE_TOP_P, MAGPIE_TOKENS = 0.9, 0.95, 96
@@ -110,7 +111,6 @@ PLAIN = Task("plain", "")  # unsteered Magpie: the template's default system tur
 # (summaries, retrieved passages: median over STYLE_WORDS words) is sampled up to STYLE_DOCUMENT_TOKENS and cut back
 # to its last full sentence. Odd ids, the evaluation set, are never shown.
 STYLE_EXEMPLARS, STYLE_WORDS, STYLE_DOCUMENT_TOKENS = 3, 60, 320
-SHAREGPT = {"user": "human", "assistant": "gpt"}  # a chat's roles as ShareGPT names them (replies-T*.jsonl)
 STYLE_SEED = 2 << 20  # style batch b samples with seed + STYLE_SEED + b
 FOLLOW_UP_SEED = 3 << 20  # follow-up batch b samples with seed + FOLLOW_UP_SEED + b
 FOLLOW_UP_WORDS = 150  # a first turn longer than this (a pasted text) gets no Magpie follow-up
@@ -183,26 +183,24 @@ def rows_end(records: list[dict]) -> int:
     return max((r["topk"][0] + r["topk"][1] for r in records if r.get("topk")), default=0)
 
 
-def read_rows(path: Path, record: dict, row_bytes: int) -> bytearray:
-    """The bytes of a reply's rows in a per-position file."""
+def read_rows(path: Path, record: dict, row_bytes: int) -> torch.Tensor:
+    """A reply's rows in a per-position file: (positions, row_bytes) uint8."""
     start, count = record["topk"]
     with open(path, "rb") as f:
         f.seek(start * row_bytes)
-        return bytearray(f.read(count * row_bytes))
+        return torch.frombuffer(bytearray(f.read(count * row_bytes)), dtype=torch.uint8).view(count, row_bytes)
 
 
 def read_topk(out: Path, temperature: float, record: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A reply's cached (positions, K) int64 ids and float32 log-probs."""
-    raw = torch.frombuffer(read_rows(topk_path(out, temperature), record, topk_bytes()), dtype=torch.uint8)
-    raw = raw.view(record["topk"][1], -1)
+    raw = read_rows(topk_path(out, temperature), record, topk_bytes())
     return raw[:, :TOPK * 4].view(torch.int32).long(), raw[:, TOPK * 4:].view(torch.float16).float()
 
 
 def read_hidden(out: Path, temperature: float, record: dict, width: int) -> torch.Tensor:
     """A reply's cached (positions, width) bfloat16 hidden states, aligned with its top-K rows (that the file holds
     them all, `engine_data.check_hidden_width` checks)."""
-    raw = read_rows(hidden_path(out, temperature), record, width * 2)
-    return torch.frombuffer(raw, dtype=torch.bfloat16).view(record["topk"][1], width)
+    return read_rows(hidden_path(out, temperature), record, width * 2).view(torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -257,14 +255,11 @@ def style_tasks(questions: list[dict], batches: int, seed: int) -> list[Task]:
     b % categories (sorted by name) drawn with seed + b. Only even-id questions: odd ids are refused here."""
     if any(is_heldout(q) or any(is_heldout_text(t) for t in q["turns"]) for q in questions):
         raise ValueError("style exemplars must not include held-out (odd-id) Spec-Bench questions")
-    by_category: dict[str, list[dict]] = {}
-    for q in questions:
-        by_category.setdefault(q["category"], []).append(q)
-    names = sorted(by_category)
+    names = sorted({q["category"] for q in questions})
     tasks = []
     for b in range(batches):
         name = names[b % len(names)]
-        pool = by_category[name]
+        pool = [q for q in questions if q["category"] == name]
         shown = random.Random(seed + b).sample(pool, min(STYLE_EXEMPLARS, len(pool)))
         quoted = "\n\n".join(f"Request {i + 1}: {cut_words(q['turns'][0], STYLE_WORDS)}" for i, q in enumerate(shown))
         words = sorted(len(q["turns"][0].split()) for q in pool)
@@ -288,16 +283,13 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
         stem = Path(path).stem
         for i, record in enumerate(read_records(path)):
             conv, reason = conversation(record, i)  # held-out questions come back as "heldout_question"
-            if conv is None:
+            text = next(m["content"] for m in conv["messages"] if m["role"] == "user") if conv else ""
+            reason = reason or ("duplicate" if normalize(text) in seen else "")
+            if reason:
                 dropped[reason] += 1
                 continue
-            text = next(m["content"] for m in conv["messages"] if m["role"] == "user")
-            key = normalize(text)
-            if key in seen:
-                dropped["duplicate"] += 1
-                continue
-            seen.add(key)
-            later = record.get("turns", [])[1:] if isinstance(record, dict) and "turns" in record else []
+            seen.add(normalize(text))
+            later = record.get("turns", [])[1:]  # a kept record is a dict
             kept.append({"id": f"{stem}:{conv['id']}", "source": stem, "prompt": text, "batch": -1}
                         | ({"next_turns": later} if later and all(isinstance(t, str) and t.strip() for t in later)
                            else {}))
@@ -334,8 +326,7 @@ class Engine:
         with `record_hidden` the head's input at those positions, (positions, hidden_size) bfloat16 (None when the
         generator ran no forward of this model, e.g. a scripted one)."""
         torch.manual_seed(seed)
-        steps: list[torch.Tensor] = []
-        states: list[torch.Tensor] = []
+        steps, states = [], []  # per decoding step: packed top-K rows, the head's inputs
 
         def record(module, inputs, output):  # each decoding step's head output: (B, 1, V) (prefill: last position)
             steps.append(pack_topk(output[:, -1]))
@@ -347,7 +338,7 @@ class Engine:
         # the next replay overwrites, and each batch's new hook recompiles it. Rows come from an eager forward.
         config = self.model.generation_config
         own_setting = config.disable_compile
-        config.disable_compile = True if record_topk else own_setting
+        config.disable_compile = record_topk or own_setting
         start = time.perf_counter()
         try:
             rows = self.generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
@@ -398,8 +389,7 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
     Batch b is steered by tasks[b % len(tasks)]."""
     log_path = out / kind.log
     done = {r["batch"] for r in read_shard(log_path)}
-    batches = -(-count // batch_size)
-    todo = [b for b in range(batches) if b not in done]
+    todo = [b for b in range(-(-count // batch_size)) if b not in done]
     if not todo:
         return
     bar = tqdm(total=len(todo) * batch_size, desc=f"{kind.source} prompts", unit="sample", disable=not progress)
@@ -412,14 +402,10 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
         kept, dropped = [], Counter()
         for row, (ids, cut) in enumerate(rows):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            if task.document:
-                text, reason = document_prompt(text, cut, task)
-            else:
-                reason = "cut" if cut else request_verdict(text)
-            if not reason and normalize(text) in seen:
-                reason = "duplicate"
-            if not reason and overlaps_heldout(text):
-                reason = "heldout_overlap"
+            text, reason = (document_prompt(text, cut, task) if task.document
+                            else (text, "cut" if cut else request_verdict(text)))
+            if not reason:
+                reason = "duplicate" if normalize(text) in seen else "heldout_overlap" if overlaps_heldout(text) else ""
             if reason:
                 dropped[reason] += 1
                 continue
@@ -450,18 +436,16 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
     """Answer every prompt at every temperature it lacks a reply for, longest prompts first. The generating
     forward's rows (with `hidden` its hidden states too) append at `rows_end` (`teacher_forced` has levelled the files
     with the replies, and fills in the rows of a reply whose forward the hook did not see)."""
-    todo, next_position, encoded = {}, {}, {}
+    next_position, encoded, jobs = {}, {}, []
     for t in temperatures:
         records = read_shard(reply_path(out, t))
         next_position[t] = rows_end(records)
         have = {r["id"] for r in records}
-        todo[t] = [p for p in prompts if p["id"] not in have]
-        for p in todo[t]:  # only what is still to answer: a late round re-reads every prompt but encodes few
-            if p["id"] not in encoded:
-                encoded[p["id"]] = prompt_ids(engine.tokenizer, prompt_messages(p))
-    jobs = []
-    for t, pending in todo.items():
-        pending = sorted(pending, key=lambda p: -len(encoded[p["id"]]))
+        pending = [p for p in prompts if p["id"] not in have]
+        # only what is still to answer: a late round re-reads every prompt but encodes few
+        encoded |= {p["id"]: prompt_ids(engine.tokenizer, prompt_messages(p)) for p in pending
+                    if p["id"] not in encoded}
+        pending.sort(key=lambda p: -len(encoded[p["id"]]))
         sizes = [len(encoded[p["id"]]) + max_new_tokens for p in pending]
         jobs += [(t, pending[i:j]) for i, j in length_batches(sizes, batch_size)]
     bar = tqdm(total=sum(len(batch) for _, batch in jobs), desc="replies", unit="reply", disable=not progress)
@@ -478,7 +462,7 @@ def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: 
             chat = [*prompt_messages(p), {"role": "assistant", "content": text}]
             records.append({"id": p["id"], "source": p["source"], "temperature": t, "truncated": cut,
                             "reply_ids": ids, "topk": span, "conversations": [
-                                {"from": SHAREGPT[m["role"]], "value": m["content"]} for m in chat]})
+                                {"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in chat]})
         if states is not None:  # hidden, then top-K, then the reply lines: a kill leaves only a tail to cut
             append_bytes(hidden_path(out, t), torch.cat(states).view(torch.uint8).numpy().tobytes())
         if topk is not None:  # the positions first: a reply line never points past the end of the top-K file
@@ -495,8 +479,7 @@ def follow_ups(engine: Engine, out: Path, temperatures: list[float], count: int,
     """Later user turns after the target's own reply (its greedy one, else the first temperature's): a Spec-Bench
     question's next turn (`next_turns`), and for up to `count` first turns the target wrote (Magpie, not pasted
     documents) a follow-up it writes itself (Magpie after the conversation so far; each first turn is tried once).
-    Each Magpie batch is logged in follow-ups.jsonl (a batch without its line is redone). Returns the prompts
-    added."""
+    Each Magpie batch is logged in follow-ups.jsonl (a batch without its line is redone); returns the prompts added."""
     replies = {r["id"]: r for r in read_shard(reply_path(out, 0.0 if 0.0 in temperatures else temperatures[0]))}
     prompts = read_shard(prompts_path)
     have = {p["id"] for p in prompts}
@@ -527,9 +510,8 @@ def follow_ups(engine: Engine, out: Path, temperatures: list[float], count: int,
         kept, dropped = [], Counter()
         for p, (ids, cut) in zip(batch, rows):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            reason = "cut" if cut else request_verdict(text)  # the same follow-up to another first turn is no copy
-            if not reason and overlaps_heldout(text):
-                reason = "heldout_overlap"
+            # the same follow-up to another first turn is no copy
+            reason = "cut" if cut else request_verdict(text) or ("heldout_overlap" if overlaps_heldout(text) else "")
             if reason:
                 dropped[reason] += 1
                 continue
@@ -545,11 +527,9 @@ def follow_ups(engine: Engine, out: Path, temperatures: list[float], count: int,
 
 
 def cut_to_replies(path: Path, records: list[dict], row_bytes: int) -> int:
-    """Cut a per-position file (top-K or hidden rows) back to the last whole reply it holds; returns the positions
-    it covers."""
+    """Cut a per-position file (top-K or hidden rows) back to its last whole reply; returns the positions it covers."""
     size = path.stat().st_size if path.exists() else 0
-    ends = [r["topk"][0] + r["topk"][1] for r in records if r.get("topk")]
-    done = max((e for e in ends if e * row_bytes <= size), default=0)
+    done = rows_end([r for r in records if r.get("topk") and sum(r["topk"]) * row_bytes <= size])
     if size != done * row_bytes:
         os.truncate(path, done * row_bytes)
     return done
@@ -590,18 +570,15 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, list[dict]], te
                          "was changed by hand")
     tokenizer, base, head = engine.tokenizer, engine.model.base_model, engine.model.get_output_embeddings()
     bar = tqdm(total=len(todo), desc=f"teacher-forced rows T={temperature:g}", unit="reply", disable=not progress)
-    encoded: dict[str, list[int]] = {}  # a reply that did not fit one batch opens the next: encode it once
+    encoded = {record["id"]: prompt_ids(tokenizer, prompts[record["id"]]) for record in todo}
     start = 0
     while start < len(todo):
         batch, longest = [], 0
         for record in todo[start:]:
-            if record["id"] not in encoded:
-                encoded[record["id"]] = prompt_ids(tokenizer, prompts[record["id"]])
-            ids = encoded[record["id"]]
-            longest = max(longest, len(ids) + len(record["reply_ids"]))
+            longest = max(longest, len(encoded[record["id"]]) + len(record["reply_ids"]))
             if batch and (len(batch) + 1) * longest ** 2 > HIDDEN_PAIR_BUDGET:
                 break
-            batch.append((record, ids))
+            batch.append((record, encoded[record["id"]]))
         seqs = [ids + record["reply_ids"] for record, ids in batch]
         # right padding: every real position keeps its own index
         input_ids = pad_sequence([torch.tensor(q) for q in seqs], batch_first=True,
@@ -711,9 +688,7 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     new, dropped_files = file_prompts(args.prompts, seen)
     append_shard(prompts_path, new)
 
-    def manifest():
-        return write_manifest(out, settings, dtype, temperatures, dropped_files, engine)
-
+    manifest = functools.partial(write_manifest, out, settings, dtype, temperatures, dropped_files, engine)
     manifest()
     fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     step = ROUND_BATCHES * args.batch_size  # Magpie in rounds, each answered before the next
@@ -783,10 +758,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("magpie", 0), ("magpie_tasks", 0),
-                        ("magpie_styles", 0), ("follow_ups", 0)):
-        if getattr(args, name) < least:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
+    check_arguments(args, (("max_new_tokens", 1), ("batch_size", 1), ("magpie", 0), ("magpie_tasks", 0),
+                           ("magpie_styles", 0), ("follow_ups", 0)))
     check_device(args.device)
     manifest = make_data(args)
     replies = ", ".join(f"T={t}: {r['replies']} replies, {r['tokens']} tokens" for t, r in manifest["replies"].items())

@@ -185,9 +185,8 @@ def frequency_ranked_vocab(token_lists, size: int, always: tuple[int, ...] = (),
         counts = grown
     seen = torch.nonzero(counts).flatten()
     order = seen[torch.argsort(counts[seen], descending=True, stable=True)]
-    forced = [i for i in dict.fromkeys(always) if i is not None and i >= 0]
-    rest = order[~torch.isin(order, torch.tensor(forced, dtype=torch.long))] if forced else order
-    ranked = torch.cat([torch.tensor(forced, dtype=torch.long), rest])[: max(size, len(forced))]
+    forced = torch.tensor([i for i in dict.fromkeys(always) if i is not None and i >= 0], dtype=torch.long)
+    ranked = torch.cat([forced, order[~torch.isin(order, forced)]])[: max(size, len(forced))]
     if vocab is not None and ranked.numel() < size:
         unseen = torch.ones(vocab, dtype=torch.bool)
         unseen[ranked[ranked < vocab]] = False
@@ -214,8 +213,6 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     """AdamW groups: no decay on norms, biases and the SSM's A_log / D (as mamba_ssm marks them)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        skip = p.ndim < 2 or name.endswith(("A_log", ".D"))
-        (no_decay if skip else decay).append(p)
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or name.endswith(("A_log", ".D")) else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -89,16 +89,13 @@ def conversation(record, index: int) -> tuple[dict | None, str]:
     messages, reason = normalize_conversation(chat)
     if messages is None:
         return None, reason
-    conv = {"id": str(record.get("id", record.get("question_id", index)))}
-    if isinstance(record.get("category"), str):
-        conv["category"] = record["category"]
-    return {**conv, "messages": messages}, ""
+    category = {"category": record["category"]} if isinstance(record.get("category"), str) else {}
+    return {"id": str(record.get("id", record.get("question_id", index))), **category, "messages": messages}, ""
 
 
 # ------------------------------------------------------------------------------------------- generation
 
 def target_tokenizer(model: str | os.PathLike):
-    """`training.model.load_tokenizer`'s tokenizer, padding on the left for generate."""
     tokenizer = load_tokenizer(str(model))
     tokenizer.padding_side = "left"  # right padding would put pads between the prompt and the reply
     return tokenizer
@@ -126,8 +123,7 @@ Generate = Callable[..., list[list[int]]]
 
 def load_target(target: str | os.PathLike, device: str, dtype: torch.dtype):
     """The target that makes data (regenerate, make-data): training data needs speed, not batch invariance, so no
-    row blocks and the fastest batched attention: grouped on CPU, where sdpa copies the repeated key heads, else
-    sdpa."""
+    row blocks and the fastest batched attention: grouped on CPU (sdpa copies the repeated key heads), else sdpa."""
     return load_causal_lm(target, dtype=dtype, device=device, row_blocks=False,
                           attn_implementation="grouped" if torch.device(device).type == "cpu" else "sdpa")
 
@@ -156,11 +152,9 @@ def hf_sample(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int
     """The default `Generate`: transformers' `generate` on the left-padded batch with a static cache, sampling with
     `TopKSampler` from torch's global RNG (`seed` is not used: the callers seed that RNG)."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
-    processors = []
-    if temperature > 0:
-        config = model.generation_config
-        processors = [TopKSampler(temperature, config.top_k if config.top_k is not None else 50,
-                                  top_p if top_p else config.top_p)]
+    config = model.generation_config
+    processors = [TopKSampler(temperature, config.top_k if config.top_k is not None else 50,
+                              top_p or config.top_p)] if temperature > 0 else []
     # a static cache: the default one grows by concatenation, copying the whole batch's KV cache every step
     out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids,
                          pad_token_id=tokenizer.pad_token_id, cache_implementation="static", do_sample=False,
@@ -210,13 +204,9 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
     if not output.resolve().parent.is_dir():
         raise FileNotFoundError(f"output directory {output.parent} does not exist")
     records = read_records(source)[:limit]
-    counts, convs = Counter(), []
-    for i, record in enumerate(records):
-        conv, reason = conversation(record, i)
-        if conv is None:
-            counts[reason] += 1
-        else:
-            convs.append(conv)
+    parsed = [conversation(record, i) for i, record in enumerate(records)]
+    counts = Counter(reason for conv, reason in parsed if conv is None)
+    convs = [conv for conv, _ in parsed if conv is not None]
     if not convs:  # before loading the model
         raise ValueError(f"nothing to write: all {len(records)} input records were skipped ({summary(counts)})")
 
@@ -242,10 +232,8 @@ def regenerate(model: str | os.PathLike, source: str | os.PathLike | list, outpu
                 for i, (text, was_cut) in zip(batch, replies):
                     convs[i]["messages"][slots[i][k]] = {"role": "assistant", "content": text}
                     cut[i] |= was_cut
-                    if not text:
-                        fate[i] = "empty_reply"  # SFT would reject an empty turn; the original is not silently kept
-                    elif was_cut and truncated == "drop":
-                        fate[i] = "truncated"
+                    # SFT would reject an empty turn; the original is not silently kept
+                    fate[i] = "empty_reply" if not text else "truncated" if was_cut and truncated == "drop" else ""
                     if fate[i]:
                         bar.total -= len(slots[i]) - k - 1
                 bar.update(len(batch))
@@ -298,13 +286,14 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs), else float32")
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """ValueError on out-of-range arguments (before anything is read or loaded)."""
-    for name in ("max_new_tokens", "batch_size", "limit"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0:
-        raise ValueError("--temperature must be >= 0")
+MINIMUMS = (("max_new_tokens", 1), ("batch_size", 1), ("limit", 1), ("temperature", 0))  # of `add_arguments`
+
+
+def check_arguments(args: argparse.Namespace, minimums=MINIMUMS) -> None:
+    """ValueError on an argument below its minimum (before anything is read or loaded); None: not given."""
+    for name, least in minimums:
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
 
 
 def run(args: argparse.Namespace, generate: Generate | None = None) -> Counter:
@@ -323,11 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     try:
-        check_arguments(args)
+        check_arguments(args, MINIMUMS + (("threads", 1),))
     except ValueError as e:
         parser.error(str(e))
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -22,12 +22,13 @@ import torch
 from mamba_draft.targets.cache import TargetCache
 from mamba_draft.targets.facts import max_positions
 from tree_search.arms import VerifyCosts, measure_verify_costs, probe_forward
-from tree_search.calls import BatchGenerateResult, Call, GenerateResult, GenerateStats
-from tree_search.drafting import TreeDrafter
+from tree_search.calls import (
+    DONE, DRAFT, RESYNC, VERIFIED, VERIFY, BatchGenerateResult, Call, GenerateResult, GenerateStats,
+)
 from tree_search.plan import batch_prompts, check_models, eos_set, is_batch, plan_call, row_seeds
 from tree_search.policy import is_auto, parse_policy
 from tree_search.proposers import Proposers, Round, draft_mode, records_probs
-from tree_search.recorder import DONE, DRAFT, RESYNC, VERIFIED, VERIFY
+from tree_search.proposers.tree import TreeDrafter
 from tree_search.sampling import choose, resolve_sampling
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult
 from tree_search.verifiers.greedy import greedy_walk

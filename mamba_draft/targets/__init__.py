@@ -88,13 +88,19 @@ def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of an HF directory, hub id or GGUF file (with its chat template)."""
     from transformers import AutoTokenizer
 
+    return _load(path, AutoTokenizer, _gguf_tokenizer)
+
+
+def _load(path: str | os.PathLike, auto, load_gguf, **kwargs):
+    """`auto.from_pretrained(path, **kwargs)` for an HF directory or hub id; for a GGUF, from its `dense_copy`, else
+    `load_gguf(gguf, **kwargs)` from the file itself."""
     gguf = resolve_gguf(path)
     if gguf is not None:
         path = dense_copy(gguf)
         if path is None:
-            return _gguf_tokenizer(gguf)
+            return load_gguf(gguf, **kwargs)
     with _load_errors(path):
-        return AutoTokenizer.from_pretrained(str(path))
+        return auto.from_pretrained(str(path), **kwargs)
 
 
 def _gguf_tokenizer(gguf: tuple[Path, str]):
@@ -172,15 +178,7 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
         row_attention.register()
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    gguf = resolve_gguf(path)
-    if gguf is not None:
-        path = dense_copy(gguf)
-    if path is None:
-        model = _load_gguf(gguf, **kwargs)
-    else:
-        with _load_errors(path):
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    model = model.to(device).eval()
+    model = _load(path, AutoModelForCausalLM, _load_gguf, **kwargs).to(device).eval()
     if pack:
         pack_linears(model)
     if row_blocks is True or (row_blocks == "auto" and low_precision_cpu(model)):

@@ -48,8 +48,7 @@ class _Shape:
     """Every input of the static forward and commit of B rows of n-token trees, at fixed addresses for graphs."""
 
     def __init__(self, batch: int, n: int, max_len: int, style: MaskStyle, device: torch.device) -> None:
-        self.ids = torch.zeros(batch, n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, n, dtype=torch.long, device=device)
+        self.ids, self.positions = (torch.zeros(batch, n, dtype=torch.long, device=device) for _ in range(2))
         self.mask = style.all_hidden((batch, 1, n, max_len), device)
         self.src = torch.zeros(batch, 1, max(n - 1, 1), 1, dtype=torch.long, device=device)  # commit: sources
         self.dst = torch.zeros(max(n - 1, 1), dtype=torch.long, device=device)  # commit: slots S+1 ... S+n-1
@@ -209,8 +208,7 @@ class TargetCache:
             raise ValueError("prefill needs at least one row with a token that is not padding")
         for index in range(len(self.cache.layers)):
             first = next(cache.layers[index] for cache in rows if cache is not None)
-            keys = first.keys.new_zeros(batch, first.keys.shape[1], length, first.keys.shape[3])
-            values = first.values.new_zeros(batch, first.values.shape[1], length, first.values.shape[3])
+            keys, values = (t.new_zeros(batch, t.shape[1], length, t.shape[3]) for t in (first.keys, first.values))
             for b, cache in enumerate(rows):
                 if cache is not None:
                     keys[b, :, length - cache.layers[index].keys.shape[2]:] = cache.layers[index].keys[0]

@@ -9,10 +9,6 @@ import torch
 GROUPED = "grouped"
 
 
-def _scaling(query: torch.Tensor, scaling: float | None) -> float:
-    return query.shape[-1] ** -0.5 if scaling is None else scaling
-
-
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
     """query (B, H, q, D), key/value (B, KVH, K, D), attention_mask (B, 1, q, K) additive or boolean, or None
     -> ((B, q, H, D), None)."""
@@ -20,8 +16,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     q = query.reshape(batch, kv_heads, groups * queries, dim)  # heads h = kv * G + g: a view when contiguous
-    scores = (torch.matmul(q, key.transpose(-1, -2)) * _scaling(query, scaling)).view(
-        batch, kv_heads, groups, queries, keys)
+    scale = dim ** -0.5 if scaling is None else scaling
+    scores = (torch.matmul(q, key.transpose(-1, -2)) * scale).view(batch, kv_heads, groups, queries, keys)
     if attention_mask is not None:
         mask = attention_mask[:, :, None, :, :keys]  # (B, 1, 1, q, K)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool \

@@ -27,7 +27,7 @@ from .row_attention import DTYPES
 SOURCE = Path(__file__).with_name("cpu_step.c")
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # RMSNorm, rotary embedding, SiLU-gated MLP, nothing else that acts
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+_MLP = {"gate_proj", "up_proj", "down_proj"}  # and its activation `act_fn`, a module or a function
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 LANES = 16  # cpu_step.c: the output rows of a packed weight block
 GROUP = 32  # cpu_step.c: the inputs that share a scale in a coded weight (a GGUF block)
@@ -63,7 +63,6 @@ def library() -> ctypes.CDLL:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib`'s entry points with their argument types."""
     pointer, i32 = ctypes.c_void_p, ctypes.c_int
     lib.cpu_step_forward.argtypes = [ctypes.POINTER(_Model), i32, i32, pointer, pointer, pointer, pointer, pointer,
                                      ctypes.POINTER(ctypes.c_int64), i32, pointer, pointer, pointer, i32]
@@ -85,10 +84,6 @@ def available() -> bool:
 @functools.cache
 def _compiler_missing(reason: str) -> None:
     print(f"mamba-draft: {reason}; the target runs transformers' eager step instead", file=sys.stderr)
-
-
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -138,16 +133,14 @@ def _coded(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
             rebuilt = rebuilt.to(torch.bfloat16).float()
         fits = (rebuilt == values).all(-1, keepdim=True)
         if found is None:
-            if bool(fits.all()):
-                scale, codes, found = candidate, code, fits
-                break
             if float(fits.float().mean()) < 0.5:
                 return None  # values of another form (8-bit codes, plain weights): spare the neighbours' tries
-            scale, codes, found = torch.where(fits, candidate, 0.0), torch.where(fits, code, 0.0), fits
-            continue
+            scale, codes, found = torch.zeros_like(candidate), torch.zeros_like(code), torch.zeros_like(fits)
         fits &= ~found
         scale, codes = torch.where(fits, candidate, scale), torch.where(fits, code, codes)
         found |= fits
+        if bool(found.all()):
+            break
     if not bool(found.all()):
         return None
     codes = codes.to(torch.int16)
@@ -175,23 +168,25 @@ def llama_layout(model: nn.Module) -> bool:
             or getattr(config, "mlp_bias", False) or not isinstance(model.get_output_embeddings(), nn.Linear)
             or model.get_output_embeddings().bias is not None):
         return False
-    for layer in body.layers:
-        names = {name for name, _ in layer.named_children()}
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if (names != _LAYER or {n for n, _ in attn.named_children()} != _ATTENTION
-                or {n for n, _ in mlp.named_children()} - {"act_fn"} != _MLP - {"act_fn"}
-                or not all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTENTION)
-                or not hasattr(attn, "scaling") or getattr(attn, "sliding_window", None)
-                or any(type(norm).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
-                       for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
-            return False
-    return True
+    norms = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+    return all(llama_layer(layer) and type(layer.input_layernorm).__name__ in norms
+               and type(layer.post_attention_layernorm).__name__ in norms for layer in body.layers)
+
+
+def llama_layer(layer: nn.Module) -> bool:
+    """Whether a decoder layer has the Llama layout: two norms, attention by four linear products with a `scaling`
+    and no window, a gated MLP, and nothing else that acts (`llama_step.LlamaBody` reads it too)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return ({name for name, _ in layer.named_children()} == _LAYER
+            and {n for n, _ in attn.named_children()} == _ATTENTION
+            and {n for n, _ in mlp.named_children()} - {"act_fn"} == _MLP
+            and all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTENTION)
+            and hasattr(attn, "scaling") and not getattr(attn, "sliding_window", None))
 
 
 def applies(model: nn.Module) -> bool:
-    """Whether the step computes `model` here (cheap: no forward; `CpuStep.of` also probes it): a Llama-family model
-    on a CPU in fp32 / bf16 / fp16, contiguous, with widths in whole 16-lane blocks, the step not switched off, and
-    its library built (a missing compiler is said once, in one line)."""
+    """Whether the step computes `model` here, cheaply (`CpuStep.of` also probes it): a contiguous Llama-family model
+    on a CPU in fp32 / bf16 / fp16, widths in whole 16-lane blocks, the step on, its library built (else said once)."""
     parameter = next(model.parameters(), None)
     if (os.environ.get(SWITCH) == "0" or parameter is None or parameter.device.type != "cpu"
             or parameter.dtype not in DTYPES or not llama_layout(model)
@@ -211,8 +206,7 @@ def applies(model: nn.Module) -> bool:
 
 
 class CpuStep:
-    """The compiled step of one model (its weights read in place; `key` says which): call `forward` with the static
-    cache's layers; `of(model)` builds and probes it."""
+    """The compiled step of one model, its weights read in place: `forward` over a static cache; `of` builds one."""
 
     def __init__(self, model: nn.Module, codes: bool = True) -> None:
         self.model = model
@@ -233,9 +227,7 @@ class CpuStep:
         self.versions = self._versions()
         self.held = []  # what the struct points at stays allocated
 
-        def keep(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
+        def keep(t: torch.Tensor) -> int:
             self.held.append(t)
             return t.data_ptr()
 
@@ -243,7 +235,7 @@ class CpuStep:
             data, bits = encode(linear.weight) if self.codes else (pack(linear.weight.detach()), 0)
             return Weight(keep(data), bits)
 
-        bias = lambda linear: keep(None if linear.bias is None else linear.bias.detach())  # noqa: E731
+        bias = lambda linear: None if linear.bias is None else keep(linear.bias.detach())  # noqa: E731
         self.layers = (_Layer * len(body.layers))()
         for i, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -312,15 +304,15 @@ class CpuStep:
         size = library().cpu_step_work(struct, rows)
         if self.work.numel() < size:
             self.work = torch.empty(size)
-        ids = ids.to(torch.long).contiguous()
-        write = write.to(torch.long).contiguous()
+        ids, write = (t.to(torch.long).contiguous() for t in (ids, write))
         logits = torch.empty(rows, struct.vocab)
         states = torch.empty(rows, struct.hidden) if want_hidden else None
         view = mask[:, 0]
         strides = (ctypes.c_int64 * 3)(view.stride(0), view.stride(1), view.stride(2))
         failed = library().cpu_step_forward(
             struct, batch, n, ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), write.data_ptr(), view.data_ptr(),
-            strides, keys, logits.data_ptr(), _pointer(states), self.work.data_ptr(), torch.get_num_threads())
+            strides, keys, logits.data_ptr(), None if states is None else states.data_ptr(), self.work.data_ptr(),
+            torch.get_num_threads())
         if failed == 3:
             raise IndexError(f"token ids must be in [0, {struct.tokens}), the target's embedding rows")
         if failed:

@@ -48,11 +48,9 @@ def local_window(model: torch.nn.Module) -> int | None:
     """The window of local attention layers that hide keys by their slot in the forward (None: no such layers):
     GPT-Neo's "local" layers see key slots (s - W, s] from query slot s, whatever the positions and the 4D mask say,
     so past W slots a tree's siblings lose keys their depth still sees; within W slots the tree mask is exact."""
-    config = model.config
-    window = getattr(config, "window_size", None)
-    if "local" in (getattr(config, "attention_layers", None) or ()) and isinstance(window, int) and window > 0:
-        return window
-    return None
+    window = getattr(model.config, "window_size", None)
+    local = "local" in (getattr(model.config, "attention_layers", None) or ())
+    return window if local and isinstance(window, int) and window > 0 else None
 
 
 def attn_implementation(model: torch.nn.Module) -> str:

@@ -45,7 +45,6 @@ def build(source: Path, purpose: str) -> ctypes.CDLL:
     if not path.is_file():
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-        errors = ""
         for extra in ATTEMPTS:
             done = subprocess.run([cc, *FLAGS, *extra, "-I", str(source.parent), "-o", str(tmp), str(source), "-lm"],
                                   capture_output=True, text=True)

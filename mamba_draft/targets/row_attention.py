@@ -25,7 +25,6 @@ SERIAL_WORK = 1 << 17  # multiply-adds below which a call runs on one thread (a 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled kernel (`native.build`)."""
     lib = build(SOURCE, "exact bf16/fp16 attention")
     pointer, strides, i32, f32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_float
     lib.row_attention.argtypes = [pointer, strides, pointer, strides, pointer, strides, pointer, strides, i32, pointer,
@@ -60,11 +59,8 @@ def row_attention(module, query, key, value, attention_mask, scaling=None, dropo
         kind, mask = (MASK_CAUSAL if causal and queries > 1 else MASK_NONE), None
     else:
         mask = attention_mask[:, 0, :, :keys]
-        if mask.dtype == torch.bool:
-            kind = MASK_BOOL
-        else:
-            kind, mask = MASK_F32, mask.float()
-        mask = mask.expand(batch, queries, keys)
+        kind = MASK_BOOL if mask.dtype == torch.bool else MASK_F32
+        mask = (mask if kind == MASK_BOOL else mask.float()).expand(batch, queries, keys)
     out = torch.empty(batch, queries, heads, dim, dtype=dtype)
     sinks = None if s_aux is None else s_aux.detach().float().contiguous()
     threads = 1 if batch * heads * queries * keys * dim < SERIAL_WORK else torch.get_num_threads()

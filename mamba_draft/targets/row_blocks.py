@@ -83,7 +83,6 @@ def _row_wise(module: nn.Module) -> bool:
 
 
 def unblocked_forward(layer: nn.Module):
-    """The layer's own product, without row blocks."""
     return super(RowBlocks, layer).forward if isinstance(layer, RowBlocks) else layer.forward
 
 

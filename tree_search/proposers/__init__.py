@@ -14,13 +14,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mamba_draft.targets.facts import target_vocab_size
-from tree_search.drafting import LOOKUP_ROWS
 from tree_search.proposers.base import Proposer, Round
 from tree_search.proposers.lookup_chain import LookupChainProposer
 from tree_search.proposers.ngram import NgramProposer
 from tree_search.proposers.plain import PlainStep
 from tree_search.proposers.target_aware import TargetAwareProposer
-from tree_search.proposers.tree import TreeProposer
+from tree_search.proposers.tree import LOOKUP_ROWS, TreeProposer
 
 if TYPE_CHECKING:
     from tree_search.calls import Call

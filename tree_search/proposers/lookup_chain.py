@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from mamba_draft.tree import TreeConfig
-from tree_search.drafting import DraftTree, TreeDrafter
-from tree_search.proposers.tree import TreeProposer
+from tree_search.proposers.tree import DraftTree, TreeDrafter, TreeProposer
 
 
 class LookupChainProposer(TreeProposer):

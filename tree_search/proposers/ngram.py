@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tree_search.drafting import DraftTree, TreeDrafter
+from tree_search.proposers.tree import DraftTree, TreeDrafter
 from tree_search.prompt_lookup import NgramLookup
 
 
