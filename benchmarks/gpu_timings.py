@@ -1,6 +1,7 @@
 """The GPU timings: drafter step (eager vs CUDA graph, torch vs kernels), tree drafting per shape, target verification
 by tree size (dynamic vs static vs captured), the projected speedup at the paper's τ, batched trees vs batched
-plain decoding, and the host syncs in a round. One JSON and one markdown table (plus two plots) under --out.
+plain decoding, the host syncs in a round, and the greedy identity rate in the timing dtype (speculative output
+against the target's own greedy `generate`, trees and a batch). One JSON and one markdown table (plus two plots) under --out.
 
 Random weights of real shapes (no downloads): a Mamba-130M-shaped drafter (d 768 × 24, Mamba-1) and Pythia-1.4B /
 6.9B-shaped GPT-NeoX targets, bf16. `scripts/gpu_check.sh` runs it on a GPU machine; `--smoke` runs tiny shapes
@@ -12,6 +13,7 @@ Projected speedup = τ · T_target / T_round, T_round = drafting the tree (graph
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 import warnings
 from collections import Counter
@@ -51,6 +53,8 @@ class GpuTimingConfig:
     batches: tuple[int, ...] = (1, 3, 6, 12, 24, 48)
     prefix: int = 512          # cached tokens before every timed verification
     batch: int = 8             # batched trees vs batched plain decoding
+    identity_prompts: int = 12  # prompts of the identity rate, each decoded identity_tokens tokens
+    identity_tokens: int = 32
     iters: int = 50
     warmup: int = 5
     dtype: str = "bfloat16"
@@ -60,7 +64,7 @@ class GpuTimingConfig:
 def smoke_config(device: str) -> GpuTimingConfig:
     return GpuTimingConfig(drafter={"arch": "mamba1", "d_model": 32, "n_layer": 2, "vocab_size": 96},
                            targets={"tiny-neox": Shape(64, 2, 4, 128, 104)}, batches=(1, 3), prefix=16, batch=2,
-                           iters=2, warmup=1, dtype="float32", device=device)
+                           identity_prompts=3, identity_tokens=8, iters=2, warmup=1, dtype="float32", device=device)
 
 
 def mean_ms(fn, cfg: GpuTimingConfig) -> float:
@@ -100,7 +104,10 @@ def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
 def backends(drafter) -> list[str]:
     from mamba_draft.kernels import kernels_available
 
-    return ["torch"] + (["kernels"] if drafter.device.type == "cuda" and kernels_available() else [])
+    on_cuda = drafter.device.type == "cuda"
+    # 'fused' (opt-in until timed) before 'kernels', which stays the best backend that `tree_drafting` takes
+    fused = ["fused"] if on_cuda and importlib.util.find_spec("triton") else []
+    return ["torch"] + fused + (["kernels"] if on_cuda and kernels_available() else [])
 
 
 def time_drafter_steps(drafter, cfg: GpuTimingConfig) -> list[dict]:
@@ -316,6 +323,33 @@ def sync_counts(model, drafter, device: torch.device) -> dict:
                            "generate": None if whole is None else sorted(set(whole))}}
 
 
+def identity_rates(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
+    """Exactness in the timing dtype on this device: greedy speculative output, per tree shape one prompt at a time
+    and the prompts as one left-padded batch, against the target's own greedy `generate` of each prompt alone. GPU
+    kernels choose their reduction order by shape (a root verified among T + 1 tokens, a row among B): a random-weight
+    target's near-tied logits show any rounding that differs. Rows identical, and the first differing position."""
+    from tree_search.generate import SpeculativeDecoder
+
+    vocab = min(model.config.vocab_size, drafter.vocab_size)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (24 + 4 * (i % 5),), generator=generator).tolist()
+               for i in range(cfg.identity_prompts)]
+    n = cfg.identity_tokens
+    want = [model.generate(torch.tensor([p], device=drafter.device), max_new_tokens=n, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    rows = []
+    for branching in PAPER_TAU:
+        decoder = SpeculativeDecoder(model, drafter, tree=branching, tokenizer=range(vocab))
+        alone = [decoder.generate(torch.tensor([p]), max_new_tokens=n).new_tokens[0].tolist() for p in prompts]
+        batched = decoder.generate(prompts, max_new_tokens=n).new_tokens
+        for mode, got in (("one prompt", alone), (f"batch {len(prompts)}", batched)):
+            differ = [next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+                      for g, w in zip(got, want) if g != w]
+            rows.append({"tree": branching, "mode": mode, "identical": len(prompts) - len(differ),
+                         "rows": len(prompts), "first_difference": sorted(differ)})
+    return rows
+
+
 def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
@@ -337,7 +371,8 @@ def run_timings(cfg: GpuTimingConfig, progress=print) -> dict:
         model = build_target(shape, device, dtype)
         result["targets"][name] = {"verify": time_verification(model, cfg),
                                    "batched": time_batched(model, drafter, cfg),
-                                   "syncs": sync_counts(model, drafter, device)}
+                                   "syncs": sync_counts(model, drafter, device),
+                                   "identity": identity_rates(model, drafter, cfg)}
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -410,6 +445,10 @@ def markdown_report(result: dict) -> str:
                     f"{syncs['generate_rounds']} rounds", ""]
             out += [line for part, sites in syncs.get("sync_sites", {}).items() if sites
                     for line in (f"- {part} syncs at: {', '.join(sites)}", "")]
+        out += section(f"{name}: greedy identity in {cfg['dtype']} (speculative vs the target's own `generate`, "
+                       f"{cfg['identity_tokens']} tokens)", ["tree", "mode", "identical rows", "first differences"],
+                       [[shape(r["tree"]), r["mode"], f"{r['identical']}/{r['rows']}",
+                         ", ".join(map(str, r["first_difference"])) or "-"] for r in entry.get("identity", [])])
     out += section("Projected speedup = τ · T_target / T_round (batch 1)",
                    ["target", "tree", "τ", "T_target ms", "draft ms", "verify ms", "speedup"],
                    [[r["target"], shape(r["tree"]), r["tau"], fmt(r["target_ms"]), fmt(r["draft_ms"]),

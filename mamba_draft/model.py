@@ -19,7 +19,7 @@ from .kernels import Kernels, load_kernels
 from .packed_linear import PackCache, pack_linears
 from .row_linear import RowKernelCache, use_row_kernel
 
-BACKENDS = ("auto", "torch", "kernels")
+BACKENDS = ("auto", "torch", "kernels", "fused")
 # Prefill runs the recurrence in slices of this many positions, bounding the (B, L, d_inner, d_state) temporaries.
 SCAN_SLICE = 128
 
@@ -339,6 +339,7 @@ class MambaDrafter(SharedCalls, nn.Module):
         self.register_buffer("draft_head", None, persistent=False)
         self.head_cache = PackCache()  # the head's prepacked copy (bf16 on CPU; packed_linear)
         self.head_rows = RowKernelCache()  # ... and its copy for few-row steps on a CPU (row_linear)
+        self.fused = None  # the 'fused' backend's FusedStep (fused_step.py), made by its first set_backend
         self.set_backend(backend)
 
     @classmethod
@@ -395,7 +396,8 @@ class MambaDrafter(SharedCalls, nn.Module):
         self.draft_head = self.lm_head.weight[self.draft_ids].detach().clone()
 
     def set_backend(self, backend: str) -> None:
-        """'torch' (reference), 'kernels' (mamba-ssm + causal-conv1d on CUDA) or 'auto' (kernels when usable)."""
+        """'torch' (reference), 'kernels' (mamba-ssm + causal-conv1d on CUDA), 'fused' (our Triton kernels, a few a
+        layer: fused_step.py; opt-in until timed on GPUs) or 'auto' (kernels when usable)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         on_cuda = self.lm_head.weight.device.type == "cuda"
@@ -405,6 +407,14 @@ class MambaDrafter(SharedCalls, nn.Module):
             if load_kernels() is None:
                 raise RuntimeError("backend='kernels' needs mamba-ssm and causal-conv1d (pip install "
                                    "'mamba-draft[cuda]' on a CUDA machine); they could not be imported")
+        if backend == "fused":
+            try:
+                from . import fused_step  # imports triton: only when asked for
+            except ImportError as err:
+                raise RuntimeError("backend='fused' needs triton (a CUDA torch brings it); it could not be imported") \
+                    from err
+            fused_step.check_device(self.device)
+            self.fused = self.fused or fused_step.FusedStep()
         if backend == "auto":
             backend = "kernels" if on_cuda and load_kernels() is not None else "torch"
         self.backend = backend
@@ -518,7 +528,9 @@ class MambaDrafter(SharedCalls, nn.Module):
         if token_ids.dim() != 1:
             raise ValueError(f"step takes one token per row, shape (B,), got {tuple(token_ids.shape)}")
         batch = check_batch(token_ids.shape[0], state)
-        if self.backend == "kernels":
+        if self.backend == "fused":
+            normed = self.fused(self, token_ids, state, features)
+        elif self.backend == "kernels":
             kernels, residual, h = load_kernels(), None, self.embed(token_ids, features)
             for i, layer in enumerate(self.backbone.layers):
                 h, residual = layer.kernel_step(h, residual, state.conv[i, :batch], state.ssm[i, :batch], kernels)

@@ -1,6 +1,7 @@
 """GPU checks, skipped without CUDA: run them all with `python -m pytest -q tests/test_gpu.py` on a CUDA machine.
 
-- the kernel step (mamba-ssm + causal-conv1d, skipped when they are not importable) against the torch step;
+- the kernel steps (mamba-ssm + causal-conv1d, and our fused Triton step; each skipped when not importable) against
+  the torch step;
 - CUDA-graph replay of tree drafting against eager drafting (mamba_draft/graphs.py), shared pool and output lifetime;
 - graphs dropped and lossless output after the drafter's `.to(dtype)` / backend switch;
 - the target's static verify path (mamba_draft/targets/cache.py, `TargetCache(static=True)`): captured graphs and
@@ -14,6 +15,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -31,7 +33,8 @@ from tree_search.generate import SpeculativeDecoder, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="mamba-ssm / causal-conv1d not importable")
-BACKENDS = ["torch", pytest.param("kernels", marks=needs_kernels)]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable")
+BACKENDS = ["torch", pytest.param("kernels", marks=needs_kernels), pytest.param("fused", marks=needs_triton)]
 
 
 def steps(drafter, tokens=(5, 9, 33, 2, 60, 11, 40, 7)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,13 +47,13 @@ def steps(drafter, tokens=(5, 9, 33, 2, 60, 11, 40, 7)) -> tuple[torch.Tensor, t
     return torch.stack(out), state.ssm
 
 
-@needs_kernels
+@pytest.mark.parametrize("backend", BACKENDS[1:])
 @pytest.mark.parametrize("arch, dt_limit", [("mamba1", None), ("mamba2", None), ("mamba2", (0.05, 0.2))])
-def test_kernel_step_matches_torch_step(arch, dt_limit):
+def test_kernel_step_matches_torch_step(arch, dt_limit, backend):
     drafter = tiny_drafter(arch, dt_limit or (0.0, math.inf)).to("cuda")
     drafter.set_backend("torch")
     want_logits, want_state = steps(drafter)
-    drafter.set_backend("kernels")
+    drafter.set_backend(backend)
     got_logits, got_state = steps(drafter)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(got_state, want_state, rtol=1e-3, atol=1e-3)

@@ -33,6 +33,11 @@ def test_every_section_is_measured(smoke):
         for r in trees:
             assert r["projected_speedup"] == pytest.approx(r["tau"] * plain["ms"] / (r["ms"] + r["draft_ms"]))
         assert entry["syncs"]["generate_rounds"] > 0 and entry["syncs"]["generate_syncs"] is None  # no CUDA
+        # fp32 on a CPU: exact by construction, every row alone and in the batch, per paper shape
+        assert {(tuple(r["tree"]), r["mode"]) for r in entry["identity"]} == \
+            {(t, m) for t in PAPER_TAU for m in ("one prompt", f"batch {cfg['identity_prompts']}")}
+        assert all(r["identical"] == r["rows"] == cfg["identity_prompts"] and not r["first_difference"]
+                   for r in entry["identity"])
 
 
 def test_projected_speedup_is_tau_times_target_over_round(smoke):
@@ -49,7 +54,8 @@ def test_outputs_json_markdown_and_plots(smoke):
     result, paths = smoke
     assert json.loads(paths["json"].read_text())["projected"] == json.loads(json.dumps(result["projected"]))
     text = paths["markdown"].read_text()
-    for heading in ("Drafter step", "Tree drafting", "verify + commit", "trees vs plain decoding", "Projected speedup"):
+    for heading in ("Drafter step", "Tree drafting", "verify + commit", "trees vs plain decoding", "greedy identity",
+                    "Projected speedup"):
         assert heading in text
     assert paths["steps_png"].stat().st_size > 0 and paths["verify_png"].stat().st_size > 0
 

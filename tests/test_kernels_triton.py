@@ -151,14 +151,15 @@ def interpreted_kernels(monkeypatch):
 
 
 def drafter(arch: str, dtype: torch.dtype, state_dtype: torch.dtype | None = torch.float32,
-            dt_limit=(0.0, math.inf), n_layer: int = 2) -> MambaDrafter:
-    """A random drafter (2 layers unless told) whose parameters all matter: dt_bias (Mamba-2) / the dt projection's
-    bias (Mamba-1) as trained models have them (softplus(bias) = dt in [1e-3, 1e-1], far from 0), D random per
-    channel, Mamba-2 with 4 heads of dim 8 in 2 groups (the group of head h is h // 2) and d_state 16. Small,
-    because the interpreter runs each of a kernel's programs (rows x heads) in Python."""
+            dt_limit=(0.0, math.inf), **options) -> MambaDrafter:
+    """A random drafter (2 layers, d_model 16, unless `options` say otherwise) whose parameters all matter: dt_bias
+    (Mamba-2) / the dt projection's bias (Mamba-1) as trained models have them (softplus(bias) = dt in [1e-3, 1e-1],
+    far from 0), D random per channel, Mamba-2 with 4 heads of dim 8 in 2 groups (the group of head h is h // 2) and
+    d_state 16. Small, because the interpreter runs each of a kernel's programs (rows x heads) in Python."""
     torch.manual_seed(0)
     extra = dict(headdim=8, ngroups=2, dt_limit=dt_limit) if arch == "mamba2" else {}
-    config = MambaConfig(arch=arch, d_model=16, n_layer=n_layer, vocab_size=VOCAB, d_state=16, **extra)
+    shape = {"d_model": 16, "n_layer": 2, "d_state": 16, **extra, **options}
+    config = MambaConfig(arch=arch, vocab_size=VOCAB, **shape)
     model = MambaDrafter(config, backend="torch", state_dtype=state_dtype)
     with torch.no_grad():
         for p in model.parameters():
