@@ -249,7 +249,7 @@ class Scratch:
     y: torch.Tensor  # (rows, d_inner) fp32: the SSM's output gated by silu(z)
 
 
-def check_device(device: torch.device) -> None:
+def check_fused_device(device: torch.device) -> None:
     """RuntimeError unless the kernels can run on `device`: CUDA, or a CPU under Triton's interpreter."""
     if device.type != "cuda" and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError(f"backend='fused' needs the drafter on a CUDA device (it is on {device}; on a CPU only "
@@ -313,7 +313,7 @@ class FusedStep:
         """The buffers for `batch` rows: those of the next power of two, made at its first step."""
         layout = (drafter.device, drafter.dtype)
         if layout != self.layout:  # new weights: graphs captured on the old scratch are invalid anyway
-            check_device(drafter.device)
+            check_fused_device(drafter.device)
             self.layout, self.scratch = layout, {}
         rows = triton.next_power_of_2(batch)
         if rows not in self.scratch:

@@ -413,7 +413,7 @@ class MambaDrafter(SharedCalls, nn.Module):
             except ImportError as err:
                 raise RuntimeError("backend='fused' needs triton (a CUDA torch brings it); it could not be imported") \
                     from err
-            fused_step.check_device(self.device)
+            fused_step.check_fused_device(self.device)
             self.fused = self.fused or fused_step.FusedStep()
         if backend == "auto":
             backend = "kernels" if on_cuda and load_kernels() is not None else "torch"

@@ -283,8 +283,10 @@ def file_prompts(paths: list[str], seen: set[str]) -> tuple[list[dict], Counter]
         stem = Path(path).stem
         for i, record in enumerate(read_records(path)):
             conv, reason = conversation(record, i)  # held-out questions come back as "heldout_question"
-            text = next(m["content"] for m in conv["messages"] if m["role"] == "user") if conv else ""
-            reason = reason or ("duplicate" if normalize(text) in seen else "")
+            if conv is not None:
+                text = next(m["content"] for m in conv["messages"] if m["role"] == "user")
+                if normalize(text) in seen:
+                    reason = "duplicate"
             if reason:
                 dropped[reason] += 1
                 continue
@@ -402,10 +404,14 @@ def magpie_batches(engine: Engine, out: Path, count: int, batch_size: int, seed:
         kept, dropped = [], Counter()
         for row, (ids, cut) in enumerate(rows):
             text = engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            text, reason = (document_prompt(text, cut, task) if task.document
-                            else (text, "cut" if cut else request_verdict(text)))
-            if not reason:
-                reason = "duplicate" if normalize(text) in seen else "heldout_overlap" if overlaps_heldout(text) else ""
+            if task.document:
+                text, reason = document_prompt(text, cut, task)
+            else:
+                reason = "cut" if cut else request_verdict(text)
+            if not reason and normalize(text) in seen:
+                reason = "duplicate"
+            elif not reason and overlaps_heldout(text):
+                reason = "heldout_overlap"
             if reason:
                 dropped[reason] += 1
                 continue
