@@ -29,9 +29,8 @@ class CorpusConfig:
     chunk_lines: int = 40            # training documents: files cut at blank lines into ~this many lines
 
 
-def source_files(root: str | Path | None = None) -> list[Path]:
-    """Sorted .py files under `root` (default: the standard library), skipping tests and generated tables."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
+def source_files(root: Path) -> list[Path]:
+    """Sorted .py files under `root`, skipping tests and generated tables."""
     if not root.is_dir():
         raise FileNotFoundError(f"corpus root is not a directory: {root}")
     files = [p for p in root.rglob("*.py")

@@ -85,8 +85,7 @@ QUICK = DemoConfig(
     target=ModelSize("llama", 64, 2, steps=12, lr=3e-3, num_heads=2, seq_len=64, global_batch_size=8, micro_batch_size=8),
     drafter=ModelSize("mamba1", 32, 1, steps=6, lr=3e-3, seq_len=32, global_batch_size=4, micro_batch_size=4),
     assistant=ModelSize("llama", 32, 1, steps=6, lr=3e-3, num_heads=1, seq_len=32, global_batch_size=4, micro_batch_size=4),
-    max_new_tokens=24,
-    repeats=1,
+    max_new_tokens=24, repeats=1,
 )
 
 
@@ -310,8 +309,7 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
 
     from benchmarks.bench import RESULT_LAYOUT, load_models, resolve_methods, write_outputs
     from benchmarks.methods import load_plain
-    from benchmarks.tax import cpu_kind
-    from benchmarks.tax import measure as measure_tax
+    from benchmarks.tax import cpu_kind, measure as measure_tax
     from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
     from mamba_draft.devices import default_dtype
     from mamba_draft.heldout import read_spec_bench

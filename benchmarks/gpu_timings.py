@@ -191,9 +191,7 @@ def time_tree_drafting(drafter, cfg: GpuTimingConfig) -> list[dict]:
     drafts.runner.invalidate()
     drafter.set_backend("torch")
     chain5 = next(r["ms"] for r in rows if r["tree"] == CHAIN5)
-    for r in rows:
-        r["vs_chain5"] = r["ms"] / chain5
-    return rows
+    return [r | {"vs_chain5": r["ms"] / chain5} for r in rows]
 
 
 def verify_call(state, tokens: torch.Tensor, tree, kept: list[list[int]]):
@@ -205,12 +203,6 @@ def verify_call(state, tokens: torch.Tensor, tree, kept: list[list[int]]):
     return verify
 
 
-def verify_modes(device: torch.device) -> dict[str, dict]:
-    """TargetCache kinds: dynamic or static storage, and on CUDA static storage captured in graphs."""
-    captured = {"captured": {"static": True, "graphs": True}} if device.type == "cuda" else {}
-    return {"dynamic": {"static": False}, "static": {"static": True}} | captured
-
-
 def time_verification(model, cfg: GpuTimingConfig) -> list[dict]:
     """A forward over the root + tree after `prefix` cached tokens and its commit (the root kept), per tree size and
     cache kind. The cache grows by one token per call: max_len leaves room for every call."""
@@ -220,8 +212,10 @@ def time_verification(model, cfg: GpuTimingConfig) -> list[dict]:
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     calls = (cfg.iters + cfg.warmup + 2) * len(VERIFY_TREES)
+    # TargetCache kinds: dynamic or static storage, and on CUDA static storage captured in graphs
+    captured = {"captured": {"static": True, "graphs": True}} if device.type == "cuda" else {}
     rows = []
-    for mode, kwargs in verify_modes(device).items():
+    for mode, kwargs in ({"dynamic": {"static": False}, "static": {"static": True}} | captured).items():
         state = TargetCache(model, max_len=cfg.prefix + calls + max(VERIFY_TREES) + 1, **kwargs)
         state.prefill(torch.randint(0, vocab, (1, cfg.prefix), device=device))
         for size, branching in VERIFY_TREES.items():
@@ -241,8 +235,8 @@ def time_batched(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
     # every timed call grows the cache by one token (the root kept); on CUDA the storage the engine uses there
     calls = (cfg.iters + cfg.warmup + 2) * (1 + len(PAPER_TAU))
     nodes = max(len(TreeConfig(b).build()) for b in PAPER_TAU)
-    state = TargetCache(model, max_len=cfg.prefix + calls + nodes + 1, **verify_modes(device)["captured" if
-                        device.type == "cuda" else "dynamic"])
+    on_cuda = device.type == "cuda"
+    state = TargetCache(model, max_len=cfg.prefix + calls + nodes + 1, static=on_cuda, graphs=on_cuda)
     prompts = torch.randint(0, vocab, (batch, cfg.prefix), device=device)
     state.prefill(prompts)
     roots = prompts[:, -1]
@@ -250,8 +244,7 @@ def time_batched(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
     rows = [{"tree": (), "ms": plain, "draft_ms": 0.0}]
     for branching, tau in PAPER_TAU.items():
         config = TreeConfig(branching)
-        nodes = len(config.build())
-        drafts, draft = tree_drafting(drafter, prompts, batch * nodes + batch, model.config.vocab_size)
+        drafts, draft = tree_drafting(drafter, prompts, batch * (len(config.build()) + 1), model.config.vocab_size)
         verify = verify_call(state, draft(config).tokens.clone(), config.build(), [[] for _ in range(batch)])
         ms, draft_ms = mean_ms(verify, cfg), mean_ms(lambda: draft(config), cfg)
         rows.append({"tree": branching, "ms": ms, "draft_ms": draft_ms, "tau": tau,
@@ -328,6 +321,7 @@ def identity_rates(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
     and the prompts as one left-padded batch, against the target's own greedy `generate` of each prompt alone. GPU
     kernels choose their reduction order by shape (a root verified among T + 1 tokens, a row among B): a random-weight
     target's near-tied logits show any rounding that differs. Rows identical, and the first differing position."""
+    from tree_search.divergence import divergence
     from tree_search.generate import SpeculativeDecoder
 
     vocab = min(model.config.vocab_size, drafter.vocab_size)
@@ -343,10 +337,9 @@ def identity_rates(model, drafter, cfg: GpuTimingConfig) -> list[dict]:
         alone = [decoder.generate(torch.tensor([p]), max_new_tokens=n).new_tokens[0].tolist() for p in prompts]
         batched = decoder.generate(prompts, max_new_tokens=n).new_tokens
         for mode, got in (("one prompt", alone), (f"batch {len(prompts)}", batched)):
-            differ = [next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-                      for g, w in zip(got, want) if g != w]
+            differ = sorted(d for g, w in zip(got, want) if (d := divergence(w, g).first_divergence) is not None)
             rows.append({"tree": branching, "mode": mode, "identical": len(prompts) - len(differ),
-                         "rows": len(prompts), "first_difference": sorted(differ)})
+                         "rows": len(prompts), "first_difference": differ})
     return rows
 
 
@@ -387,9 +380,8 @@ def projected(result: dict) -> list[dict]:
     drafting = {tuple(r["tree"]): r["ms"] for r in result["tree_drafting"]}
     rows = []
     for name, entry in result["targets"].items():
-        best = {}  # ms by tree size (every size of VERIFY_TREES is measured)
-        for r in entry["verify"]:
-            best[r["tokens"]] = min(best.get(r["tokens"], float("inf")), r["ms"])
+        # ms by tree size, the fastest mode's (every size of VERIFY_TREES is measured)
+        best = {size: min(r["ms"] for r in entry["verify"] if r["tokens"] == size) for size in VERIFY_TREES}
         for branching, tau in PAPER_TAU.items():
             draft_ms, verify_ms = drafting[branching], best[len(TreeConfig(branching).build())]
             rows.append({"target": name, "tree": branching, "tau": tau, "target_ms": best[1], "draft_ms": draft_ms,
@@ -491,8 +483,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--iters must be >= 1, got {args.iters}")
         cfg.iters = args.iters
     if args.targets:
-        unknown = sorted(set(args.targets) - set(cfg.targets))
-        if unknown:
+        if unknown := sorted(set(args.targets) - set(cfg.targets)):
             raise ValueError(f"unknown --targets {unknown}; choose from {sorted(cfg.targets)}")
         cfg.targets = {k: v for k, v in cfg.targets.items() if k in args.targets}
     result = run_timings(cfg, progress=lambda what: print(f"[gpu-timings] {what}", flush=True))

@@ -22,9 +22,9 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def load(target: str, threads: int | None = None):
-    """A llama_cpp.Llama over `target`'s GGUF file (the shipped SmolLM2's when `target` is "smollm2"), on `threads`
-    threads (default: torch's), quiet; a one-line error where llama-cpp-python is missing or `target` is no GGUF."""
+def load(target: str):
+    """A llama_cpp.Llama over `target`'s GGUF file (the shipped SmolLM2's when `target` is "smollm2"), on torch's
+    threads, quiet; a one-line error where llama-cpp-python is missing or `target` is no GGUF."""
     from mamba_draft.targets import resolve_gguf
 
     gguf = resolve_gguf(target)
@@ -34,7 +34,7 @@ def load(target: str, threads: int | None = None):
         raise ImportError(f"the llama-cpp method needs llama-cpp-python: {INSTALL}")
     from llama_cpp import Llama
 
-    threads = threads or torch.get_num_threads()
+    threads = torch.get_num_threads()
     return Llama(model_path=str(gguf[0] / gguf[1]), n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads,
                  verbose=False)
 
@@ -55,6 +55,5 @@ def run(llm, ids: torch.Tensor, max_new_tokens: int, sampling: dict, eos: list[i
         tokens.append(int(token))
         if token in eos or len(tokens) >= max_new_tokens:
             break
-    wall = time.perf_counter() - start
-    return tokens, {"new_tokens": len(tokens), "wall_time": wall, "rounds": len(tokens), "accepted": len(tokens),
-                    "target_forwards": len(tokens)}
+    return tokens, {"new_tokens": len(tokens), "wall_time": time.perf_counter() - start, "rounds": len(tokens),
+                    "accepted": len(tokens), "target_forwards": len(tokens)}

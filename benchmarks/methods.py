@@ -205,7 +205,7 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     kept = getattr(policy, "persistent", False)
     before = {str(a): s.pulls for a, s in zip(policy.arms, policy.stats)} if kept else {}
 
-    lookup = lookup_of(method, ids.device, mask is not None) if method.kind != "ar" else 0
+    lookup = lookup_of(method, ids.device, mask is not None)  # 0 for `ar`, whose Method has lookup 0
     decoders = {} if decoders is None else decoders
     if lookup not in decoders:
         drafter = None if method.kind == "ar" else (models.drafter if method.drafter == "drafter"

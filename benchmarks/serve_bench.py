@@ -39,8 +39,7 @@ def questions(count: int) -> list[str]:
     for record in read_spec_bench():
         if is_heldout(record):
             by_category.setdefault(record["category"], []).append(record["turns"][0])
-    rows = [row for group in zip(*by_category.values()) for row in group]
-    return rows[:count]
+    return [row for group in zip(*by_category.values()) for row in group][:count]
 
 
 class LoopbackServer:
@@ -67,10 +66,8 @@ class LoopbackServer:
         start = time.perf_counter()
         with self.client.completions.create(model=self.model, prompt=ids, max_tokens=8, temperature=0,
                                             stream=True) as stream:
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    return time.perf_counter() - start
-        return time.perf_counter() - start
+            next((chunk for chunk in stream if chunk.choices and chunk.choices[0].text), None)
+            return time.perf_counter() - start
 
     def ask(self, prompt: str, max_tokens: int) -> tuple[str, int]:
         reply = self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": prompt}],

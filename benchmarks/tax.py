@@ -78,8 +78,7 @@ def measure(plain, exact, repeats: int) -> list[dict]:
     same weights), the two taking turns call by call."""
     longest = max(n for _, n in FORWARDS) + CONTEXT
     paths = {"plain": PlainPath(plain), "exact": ExactPath(exact, longest + repeats + 2)}
-    vocab = plain.config.vocab_size
-    ids = torch.randint(0, vocab, (1, longest), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, plain.config.vocab_size, (1, longest), generator=torch.Generator().manual_seed(0))
     rows = []
     for kind, n in FORWARDS:
         if kind == "prefill":

@@ -1,9 +1,12 @@
 """Suite-wide settings: tiny models are pure per-op overhead, and on a busy 2-core machine a second intra-op
 thread mostly spin-waits (measured up to 25x slower), so every test runs single-threaded."""
+import importlib
+import math
 import os
 import shutil
 import tempfile
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
@@ -28,3 +31,13 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     if getattr(config, "_mamba_draft_cache", None):
         shutil.rmtree(config._mamba_draft_cache, ignore_errors=True)
+
+
+@pytest.fixture
+def flat_verify_costs(monkeypatch):
+    """`auto`'s measured verify costs pinned flat, as a tiny target's forwards are on an idle machine: a loaded one
+    may time them steep, and then the plan rightly runs no lookup round (what tests of the defaults assert)."""
+    from tree_search.arms import VerifyCosts
+
+    monkeypatch.setattr(importlib.import_module("tree_search.generate"), "measure_verify_costs",
+                        lambda forward, widest: VerifyCosts({1: 1e-3, widest: 1.1e-3}, math.inf))

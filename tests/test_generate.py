@@ -169,7 +169,7 @@ def test_lookup_rounds_keep_greedy_identical(setups, case, tree):
     assert lookups >= 4  # every prompt starts with a lookup round
 
 
-def test_auto_is_the_cpu_default_bandit_with_lookup_rounds_for_one_prompt(setups):
+def test_auto_is_the_cpu_default_bandit_with_lookup_rounds_for_one_prompt(setups, flat_verify_costs):
     """tree="auto" (the default) on a CPU: the planned measured-time bandit, with prompt-lookup rounds of <= 8
     tokens for one prompt, and the output stays the target's greedy output. A tree given, or a batch, runs no lookup
     rounds unless asked for."""

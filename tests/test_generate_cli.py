@@ -202,7 +202,7 @@ def test_time_reward_bandit_from_the_command_line(saved, capsys):
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_defaults_follow_the_device(saved, capsys, monkeypatch, native):
+def test_defaults_follow_the_device(saved, capsys, monkeypatch, flat_verify_costs, native):
     """No --tree / --dtype / --lookup-tokens: the planned bandit with lookup rounds, the target in bf16 where
     this CPU has native bf16 products (else fp32), and greedy output equal to plain decoding in that dtype."""
     import mamba_draft.devices

@@ -59,19 +59,12 @@ class Agreement:
             raise ValueError(f"cannot pool agreement over gammas {self.gammas} and {other.gammas}")
         return Agreement.from_counts(self.gammas, [a + b for a, b in zip(self.counts(), other.counts())])
 
-    @property
-    def agreement(self) -> float:
-        return self.matches / self.positions if self.positions else math.nan
-
-    @property
-    def tau(self) -> dict[int, float]:
-        return {g: a / self.positions if self.positions else math.nan for g, a in zip(self.gammas, self.accepted)}
-
     def as_dict(self, prefix: str = "") -> dict:
         """{agreement, tau1, tau3, ..., greedy_path, positions}, keys prefixed (e.g. 'heldout_')."""
-        greedy_path = self.greedy_path / self.positions if self.positions else math.nan
-        return {f"{prefix}agreement": self.agreement, **{f"{prefix}tau{g}": t for g, t in self.tau.items()},
-                f"{prefix}greedy_path": greedy_path, f"{prefix}positions": self.positions}
+        rate = lambda count: count / self.positions if self.positions else math.nan  # per scored token
+        return {f"{prefix}agreement": rate(self.matches),
+                **{f"{prefix}tau{g}": rate(a) for g, a in zip(self.gammas, self.accepted)},
+                f"{prefix}greedy_path": rate(self.greedy_path), f"{prefix}positions": self.positions}
 
     def counts(self) -> list[int]:
         return [self.positions, self.matches, self.greedy_path, *self.accepted]
@@ -120,8 +113,7 @@ def measure_ids(tokens: torch.Tensor, scored: torch.Tensor, target_ids: torch.Te
         run += alive
         if k + 1 in gammas:
             accepted[k + 1] = int((1 + run)[live].sum())
-    return Agreement(gammas, int(live.sum()), int(agree.sum()), int(on_path.sum()),
-                     tuple(accepted[g] for g in gammas))
+    return Agreement(gammas, int(live.sum()), int(agree.sum()), int(on_path.sum()), tuple(accepted[g] for g in gammas))
 
 
 # ------------------------------------------------------------------------------------------ held-out data
@@ -257,8 +249,7 @@ class HeldoutEval:
     a drafter that reads the target is fed the target's states on reply rows, and its per-depth acceptance
     (`depth_acceptance`) is logged too (heldout_depth1 .., heldout_chain_tau, heldout_depth_roots)."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer, rank: int, world: int, device, dtype: torch.dtype,
-                 target=None):
+    def __init__(self, cfg: TrainConfig, tokenizer, rank: int, world: int, device, dtype: torch.dtype, target=None):
         e = cfg.eval
         self.gammas, self.batch_size, self.device, self.seed = tuple(e.gammas), cfg.micro_batch_size, device, cfg.seed
         self.pad_id, self.vocab = tokenizer.pad_token_id, len(tokenizer)
@@ -281,8 +272,7 @@ class HeldoutEval:
             name = e.target or cfg.distill.target
             if target is None or name != cfg.distill.target:
                 target = frozen_target(name, "eval.target", tokenizer, device, dtype, attn_implementation=None)
-            self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device,
-                                         self.vocab)
+            self.target_ids = greedy_ids(hf_logits(target), self.rows, self.batch_size, self.pad_id, device, self.vocab)
         self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)  # the same on every rank
 
     @torch.no_grad()

@@ -437,8 +437,7 @@ def length_batches(sizes: list[int], batch_size: int, row_tokens: int = REPLY_RO
 
 
 def reply_batches(engine: Engine, out: Path, prompts: list[dict], temperatures: list[float], max_new_tokens: int,
-                  batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None],
-                  hidden: bool = False) -> None:
+                  batch_size: int, seed: int, progress: bool, on_batch: Callable[[], None], hidden: bool) -> None:
     """Answer every prompt at every temperature it lacks a reply for, longest prompts first. The generating
     forward's rows (with `hidden` its hidden states too) append at `rows_end` (`teacher_forced` has levelled the files
     with the replies, and fills in the rows of a reply whose forward the hook did not see)."""
@@ -699,8 +698,7 @@ def make_data(args: argparse.Namespace, generate: Generate | None = None, progre
     fill_rows(engine, out, temperatures, args.hidden, progress, manifest)
     step = ROUND_BATCHES * args.batch_size  # Magpie in rounds, each answered before the next
     evens = [q for q in read_spec_bench() if not is_heldout(q)]
-    styles = style_tasks(evens, -(-args.magpie_styles // args.batch_size), args.seed + STYLE_SEED) \
-        if args.magpie_styles else ()
+    styles = style_tasks(evens, -(-args.magpie_styles // args.batch_size), args.seed + STYLE_SEED)
     kinds = ((args.magpie, PLAIN_KIND, (PLAIN,)), (args.magpie_tasks, TASK_KIND, TASKS),
              (args.magpie_styles, STYLE_KIND, styles))
     for round_ in range(1, max(1, -(-max(count for count, _, _ in kinds) // step)) + 1):

@@ -170,8 +170,7 @@ def cut_at_eos(row: list[int], eos_ids: list[int], max_new_tokens: int) -> tuple
 
 
 def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                     eos_ids: list[int], generate: Generate | None = None,
-                     seed: int | None = None) -> list[tuple[str, bool]]:
+                     eos_ids: list[int], generate: Generate | None, seed: int | None) -> list[tuple[str, bool]]:
     """One left-padded batch -> (reply text, truncated) per prompt; generate None: `hf_sample`."""
     rows = (generate or hf_sample)(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                    temperature=temperature, eos_token_ids=eos_ids, seed=seed)
