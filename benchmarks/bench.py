@@ -17,6 +17,7 @@ from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES
 from mamba_draft.heldout import SPEC_BENCH
+from tree_search.cli import PRODUCTS
 from tree_search.policy import parse_policy
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
@@ -447,6 +448,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="dtype of every model, hf-* copies included (auto, the default: bfloat16 where the device "
                         "has native bf16 products, else float32, as every command)")
+    parser.add_argument("--products", choices=PRODUCTS, default="float",
+                        help="our methods' target products: float (the default; the model's own) or int8 (a GGUF's "
+                        "codes as integers, llama.cpp's numerics; `ar` then decodes with them too)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--batch-size", type=parse_batch_sizes, default=d.batch_sizes, metavar="B[,B2,...]",
                         help="1 (default): the per-prompt table; else, for each size, every method decodes the "
@@ -568,8 +572,10 @@ def run(args: argparse.Namespace) -> int:
                       batch_sizes=args.batch_size, **{field: getattr(args, field) for field in same})
     models = load_models(methods, args.target, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
                          tokenizer=args.tokenizer, drafter=args.drafter, assistant=args.assistant)
+    models.integer_products = args.products == "int8"
     result = run_benchmark(models, prompts, methods, cfg)
-    result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant}
+    result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant,
+                        "products": args.products}
     paths = write_outputs(result, args.out)
     print(markdown_report(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -22,9 +22,10 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def load(target: str):
+def load(target: str, logits_all: bool = False):
     """A llama_cpp.Llama over `target`'s GGUF file (the shipped SmolLM2's when `target` is "smollm2"), on torch's
-    threads, quiet; a one-line error where llama-cpp-python is missing or `target` is no GGUF."""
+    threads, quiet (`logits_all`: keeping every position's logits); a one-line error where llama-cpp-python is
+    missing or `target` is no GGUF."""
     from mamba_draft.targets import resolve_gguf
 
     gguf = resolve_gguf(target)
@@ -36,7 +37,7 @@ def load(target: str):
 
     threads = torch.get_num_threads()
     return Llama(model_path=str(gguf[0] / gguf[1]), n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads,
-                 verbose=False)
+                 logits_all=logits_all, verbose=False)
 
 
 def run(llm, ids: torch.Tensor, max_new_tokens: int, sampling: dict, eos: list[int], seed: int) -> tuple[list, dict]:

@@ -130,6 +130,7 @@ class Models:
     plain_target: torch.nn.Module | None = None
     plain_assistant: torch.nn.Module | None = None
     llama_cpp: object = None  # llama_cpp.Llama on the target's GGUF file (`llama-cpp`)
+    integer_products: bool = False  # ours: the target's GGUF codes multiplied as integers (`--products int8`)
 
     def for_hf(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """(target, assistant) of the hf-* methods."""
@@ -211,7 +212,8 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
         drafter = None if method.kind == "ar" else (models.drafter if method.drafter == "drafter"
                                                      else models.assistant_drafter)
         decoders[lookup] = SpeculativeDecoder(models.target, drafter, tree=policy, verifier=method.verifier,
-                                              tokenizer=models.tokenizer, lookup_tokens=lookup)
+                                              tokenizer=models.tokenizer, lookup_tokens=lookup,
+                                              integer_products=models.integer_products)
 
     result, wall = timed(lambda: decoders[lookup].generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                                            seed=seed, **sampling), ids.device)

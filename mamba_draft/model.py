@@ -17,9 +17,10 @@ from .config import MambaConfig
 from .ids import SharedCalls, check_batch
 from .kernels import Kernels, load_kernels
 from .packed_linear import PackCache, pack_linears
+from . import cpu_drafter
 from .row_linear import RowKernelCache, use_row_kernel
 
-BACKENDS = ("auto", "torch", "kernels", "fused")
+BACKENDS = ("auto", "torch", "kernels", "fused", "compiled")
 # Prefill runs the recurrence in slices of this many positions, bounding the (B, L, d_inner, d_state) temporaries.
 SCAN_SLICE = 128
 
@@ -340,6 +341,7 @@ class MambaDrafter(SharedCalls, nn.Module):
         self.head_cache = PackCache()  # the head's prepacked copy (bf16 on CPU; packed_linear)
         self.head_rows = RowKernelCache()  # ... and its copy for few-row steps on a CPU (row_linear)
         self.fused = None  # the 'fused' backend's FusedStep (fused_step.py), made by its first set_backend
+        self.compiled = None  # the 'compiled' backend's CompiledStep (cpu_drafter.py), likewise
         self.set_backend(backend)
 
     @classmethod
@@ -415,8 +417,17 @@ class MambaDrafter(SharedCalls, nn.Module):
                     from err
             fused_step.check_fused_device(self.device)
             self.fused = self.fused or fused_step.FusedStep()
+        if backend == "compiled":
+            if not cpu_drafter.applies(self):
+                raise RuntimeError("backend='compiled' needs a Mamba-2 drafter on a CPU in float32 / bfloat16 without "
+                                   "projection biases, and a C compiler for its kernel")
+            self.compiled = self.compiled or cpu_drafter.CompiledStep()
         if backend == "auto":
-            backend = "kernels" if on_cuda and load_kernels() is not None else "torch"
+            if on_cuda:
+                backend = "kernels" if load_kernels() is not None else "torch"
+            else:
+                backend = "compiled" if cpu_drafter.applies(self) else "torch"
+                self.compiled = self.compiled or (cpu_drafter.CompiledStep() if backend == "compiled" else None)
         self.backend = backend
 
     @property
@@ -528,6 +539,9 @@ class MambaDrafter(SharedCalls, nn.Module):
         if token_ids.dim() != 1:
             raise ValueError(f"step takes one token per row, shape (B,), got {tuple(token_ids.shape)}")
         batch = check_batch(token_ids.shape[0], state)
+        if self.backend == "compiled" and self.device.type == "cpu":
+            logits, normed = self.compiled(self, token_ids, state, features)
+            return (logits, normed) if with_hidden else logits
         if self.backend == "fused":
             normed = self.fused(self, token_ids, state, features)
         elif self.backend == "kernels":

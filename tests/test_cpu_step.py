@@ -5,8 +5,10 @@ import gguf as gguf_quants
 import pytest
 import torch
 
+from mamba_draft.devices import cpu_info
 from mamba_draft.targets import cpu_step, native
 from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.facts import UnsupportedTargetError
 from mamba_draft.tree import Tree
 from tests.helpers.tree_models import aligned_drafter, tiny_causal_lm
 from tree_search.generate import generate, generate_autoregressive
@@ -14,8 +16,8 @@ from tree_search.generate import generate, generate_autoregressive
 CHAIN = Tree((-1, 0, 1, 2))
 
 
-def _model(kind: str, dtype: torch.dtype, gguf: bool = False):
-    model = tiny_causal_lm(kind, hidden=64, layers=2)  # head dim 16
+def _model(kind: str, dtype: torch.dtype, gguf: bool = False, hidden: int = 64):
+    model = tiny_causal_lm(kind, hidden=hidden, layers=2)  # head dim hidden / 4
     if gguf:  # a GGUF of a bf16 checkpoint as transformers dequantizes it: Q4_1 products, a Q8_0 head
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -112,7 +114,8 @@ def test_other_layouts_a_look_alike_and_no_compiler_keep_the_eager_step(monkeypa
     assert cache.decode(torch.tensor([4])).shape == (1, 64)
 
 
-def test_a_portable_build_computes_the_same_bits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_portable_build_computes_the_same_bits(tmp_path, monkeypatch, dtype):
     """The kernel's bits do not depend on the instructions the compiler picked: the library built without
     -march=native (scalar fused multiply-adds, no AVX intrinsics) gives a tree forward the native build's bits."""
     cc = native.c_compiler()
@@ -120,7 +123,7 @@ def test_a_portable_build_computes_the_same_bits(tmp_path, monkeypatch):
     native.subprocess.run([cc, *native.FLAGS, "-fopenmp", "-I", str(cpu_step.SOURCE.parent), "-o", str(path),
                            str(cpu_step.SOURCE), "-lm"], check=True, capture_output=True)
     portable = cpu_step.declare(native.ctypes.CDLL(str(path)))
-    model = _model("llama", torch.bfloat16, gguf=True)  # coded weights decoded and rounded to bf16 too
+    model = _model("llama", dtype, gguf=True, hidden=256)  # coded weights decoded (and rounded to bf16); head dim 64
     results = []
     for lib in (cpu_step.library(), portable):
         monkeypatch.setattr(cpu_step, "library", lambda lib=lib: lib)
@@ -181,3 +184,113 @@ def test_weights_edited_in_place_are_packed_again():
         reference = model(input_ids=torch.tensor([prompt + [7]])).logits[0, -1].float()
     assert not torch.equal(after, before)
     assert (after.float() - reference).abs().max() < 0.02 * float(reference.max() - reference.min())
+
+
+def _integer_product(lib, tiles: torch.Tensor, bits: int, x: torch.Tensor, outs: int) -> torch.Tensor:
+    weight = cpu_step.Weight(tiles.data_ptr(), bits, 1)
+    out = torch.empty(x.shape[0], outs)
+    assert lib.cpu_linear(x.data_ptr(), x.shape[0], x.shape[1], native.ctypes.byref(weight), None, outs,
+                          out.data_ptr(), 0, 2) == 0
+    return out
+
+
+def _integer_reference(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """int_products.c's definition, in float64 (the integer sums exact, each float operation rounded to float32)."""
+    rows, inner = x.shape
+    groups = x.view(rows, inner // 32, 32)
+    scale = groups.abs().amax(-1) / 127.0
+    codes = torch.round(groups * torch.where(scale > 0, 1.0 / scale, 0.0)[..., None]).clamp_(-127, 127)
+    blocks = weight.view(weight.shape[0], inner // 32, 32).double()
+    if kind == "Q4_1":
+        offset = blocks.amin(-1)
+        steps = (blocks.amax(-1) - offset) / 15
+    else:
+        offset, steps = torch.zeros_like(blocks[..., 0]), blocks.abs().amax(-1) / 127
+    w_codes = torch.round((blocks - offset[..., None]) / torch.where(steps > 0, steps, 1)[..., None])
+    isum = torch.einsum("mgk,ngk->mng", codes.double(), w_codes)
+    f32 = lambda t: t.float().double()  # noqa: E731
+    acc = torch.zeros(rows, weight.shape[0], dtype=torch.float64)
+    for g in range(inner // 32):
+        acc = f32(isum[..., g] * f32(f32(steps[:, g])[None] * f32(scale[:, g])[:, None]) + acc)
+        if kind == "Q4_1":
+            acc = f32(f32(offset[:, g])[None] * f32(scale[:, g] * codes[:, g].sum(-1))[:, None] + acc)
+    return acc.float()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_integer_products_are_the_same_bits_on_every_instruction_set_and_row_count(kind, tmp_path):
+    """A GGUF's codes multiplied as integers (`int_products.c`): the portable, AVX2, AVX512, AVX512-VNNI and native
+    builds (on an AMX machine its tiles from 4 rows on, VNNI below) give every row the same bits, alone or among 1-33
+    rows, and the definition's value (a float64 reference) within float32 rounding. Each build runs the CPU kinds'
+    paths that this machine can run (a machine cannot run a wider one than it has: the others build and are skipped
+    where their instructions are missing)."""
+    cc = native.c_compiler()
+    builds = {"native": cpu_step.library()}
+    has = set(cpu_info("flags").split())
+    avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
+    for name, flags, needs in (("portable", [], set()), ("avx2", ["-mavx2", "-mfma"], {"avx2", "fma"}),
+                               ("avx512", avx512, {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
+                               ("vnni", [*avx512, "-mavx512vnni"],
+                                {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})):
+        if not needs <= has:  # instructions this CPU lacks: the build would not run here
+            continue
+        path = tmp_path / f"{name}.so"
+        built = native.subprocess.run([cc, *native.FLAGS, "-fopenmp", *flags, "-I", str(cpu_step.SOURCE.parent), "-o",
+                                       str(path), str(cpu_step.SOURCE), "-lm"], capture_output=True)
+        if built.returncode == 0:  # a compiler without those targets builds the others
+            builds[name] = cpu_step.declare(native.ctypes.CDLL(str(path)))
+    assert "portable" in builds
+    torch.manual_seed(3)
+    weight = _gguf_values(torch.randn(48, 160).bfloat16().float(), kind)
+    tiles, bits = cpu_step.encode(weight, integer=True)
+    assert bits == (4 if kind == "Q4_1" else 8)
+    x = torch.randn(33, 160) * 2
+    x[2, :32] = 0  # a group of zeros
+    x[3, 5] = 1e4  # and one outlier
+    together = {name: _integer_product(lib, tiles, bits, x, 48) for name, lib in builds.items()}
+    for name, out in together.items():
+        assert torch.equal(out, together["portable"]), name
+    for rows in (1, 3, 4, 5, 17):
+        alone = _integer_product(builds["native"], tiles, bits, x[-rows:].contiguous(), 48)
+        assert torch.equal(alone, together["native"][-rows:]), rows
+    reference = _integer_reference(x, weight, kind)
+    assert torch.allclose(together["native"], reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    plain = x @ weight.T  # and close to the float product: 8-bit activations
+    assert (together["native"] - plain).abs().max() < 0.02 * plain.abs().max()
+
+
+def test_integer_products_decode_speculatively_as_plainly_and_close_to_the_model(tmp_path):
+    model = _model("llama", torch.float32, gguf=True)
+    drafter = aligned_drafter(tmp_path, model)
+    prompts = torch.tensor([[0, 0, 5, 9, 17], [3, 8, 1, 4, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    plain = generate_autoregressive(model, prompts, attention_mask=mask, max_new_tokens=24, integer_products=True)
+    for tree in ([2, 1, 1], [3, 2, 2, 1, 1]):
+        fast = generate(model, drafter, prompts, attention_mask=mask, tree=tree, max_new_tokens=24,
+                        integer_products=True)
+        assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(fast.rows, plain.rows)), tree
+    cache = TargetCache(model, max_len=48, static=True, integer_products=True)
+    assert cache.step.has_integer_products
+    cache.prefill(torch.tensor([[5, 9, 17, 3]]))
+    verified, _ = cache.tree_forward(torch.tensor([[7, 30, 2, 11]]), CHAIN)
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([[5, 9, 17, 3, 7, 30, 2, 11]])).logits[0, 4:]
+    assert (verified[0] - reference).abs().max() < 0.05 * float(reference.max() - reference.min())
+
+
+def test_integer_products_without_coded_weights_are_refused_in_one_line():
+    with pytest.raises(UnsupportedTargetError, match="integer products need .* no coded weights$") as err:
+        TargetCache(_model("llama", torch.float32), max_len=32, static=True, integer_products=True)
+    assert "\n" not in str(err.value)
+
+
+def test_the_kernels_build_with_the_machines_own_instructions(tmp_path):
+    """The first build attempt (-march=native, OpenMP) succeeds: a source error would otherwise fall back, with a
+    warning, to the portable build, right but several times slower."""
+    from mamba_draft.targets import row_attention
+
+    cc = native.c_compiler()
+    for source in (cpu_step.SOURCE, row_attention.SOURCE):  # the libraries (the other sources are included)
+        built = native.subprocess.run([cc, *native.FLAGS, *native.ATTEMPTS[0], "-Wall", "-I", str(source.parent), "-o",
+                                       str(tmp_path / "k.so"), str(source), "-lm"], capture_output=True, text=True)
+        assert built.returncode == 0 and "warning" not in built.stderr, (source.name, built.stderr[:2000])

@@ -34,7 +34,7 @@ def static_targets(monkeypatch, max_len: int, forward=None) -> list[TargetCache]
     them. The max_len generate asks for must fit the one given here."""
     built = []
 
-    def for_call(cls, model, max_len: int, graphs: bool = True, kept=None):
+    def for_call(cls, model, max_len: int, graphs: bool = True, kept=None, **_):
         assert max_len <= room, (max_len, room)
         state = cls(model, static=True, max_len=room)
         if forward is not None:

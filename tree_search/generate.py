@@ -58,13 +58,16 @@ class SpeculativeDecoder:
     """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape (`tree`: a
     policy spec, a TreeConfig / tuple, or a policy object). verifier None: "greedy" when a call's sampling is greedy,
     else "sampling". prompt_lookup: FLy's lookup inside the drafter's greedy chains. lookup_tokens K > 0:
-    prompt-lookup rounds of <= K tokens (one prompt only); None: `plan.default_lookup_tokens`.
+    prompt-lookup rounds of <= K tokens (one prompt only); None: `plan.default_lookup_tokens`. integer_products: the
+    target's GGUF-coded products as integers, llama.cpp's numerics (`TargetCache`); plain decoding with the same
+    setting is what the output equals.
     """
 
     def __init__(self, target: torch.nn.Module, drafter=None, *, tree="auto", verifier: str | Verifier | None = None,
                  verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
-                 lookup_tokens: int | None = None) -> None:
+                 lookup_tokens: int | None = None, integer_products: bool = False) -> None:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.integer_products = integer_products
         self.device = next(target.parameters()).device
         self.prompt_lookup, self.lookup_tokens = prompt_lookup, lookup_tokens
         # `auto` learns over the decoder's calls (acceptance, draft cost, which arms pay): the decoder is what a
@@ -118,7 +121,8 @@ class SpeculativeDecoder:
 
     def target_cache(self, max_len: int, graphs: bool = True) -> TargetCache:
         """A call's target cache: the kept static one while it serves (`TargetCache.for_call`), else a new one."""
-        cache = TargetCache.for_call(self.target, max_len, graphs, kept=self.static_cache)
+        cache = TargetCache.for_call(self.target, max_len, graphs, kept=self.static_cache,
+                                     integer_products=self.integer_products)
         if cache.static:
             self.static_cache = cache
         return cache
@@ -164,7 +168,7 @@ class SpeculativeDecoder:
         `widest` tokens a forward (fewer where its positions end: the rest extrapolated), measured once per target
         (kept by this decoder) after a few of the call's first prompt's tokens."""
         known = self.costs
-        key = (str(self.device), next(self.target.parameters()).dtype, torch.get_num_threads())
+        key = (str(self.device), next(self.target.parameters()).dtype, torch.get_num_threads(), self.integer_products)
         if key not in known or known[key].covers < widest:
             context = call.ids[0, -min(call.lengths[0], PROBE_CONTEXT):]
             room = max_positions(self.target) or call.ids.shape[1] + call.max_new_tokens + widest + 1
@@ -227,17 +231,20 @@ class SpeculativeDecoder:
 @torch.no_grad()
 def generate(target: torch.nn.Module, drafter, input_ids, *, tree="auto", verifier: str | Verifier | None = None,
              verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
-             lookup_tokens: int | None = None, **options) -> GenerateResult | BatchGenerateResult:
+             lookup_tokens: int | None = None, integer_products: bool = False,
+             **options) -> GenerateResult | BatchGenerateResult:
     """Tree speculative decoding of one prompt or a batch: `SpeculativeDecoder.generate` of this pair for one call
     (options: `CallOptions`; sampling None: the target's generation_config, as `target.generate` does)."""
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
     decoder = SpeculativeDecoder(target, drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
-                                 tokenizer=tokenizer, prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens)
+                                 tokenizer=tokenizer, prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens,
+                                 integer_products=integer_products)
     return decoder.generate(input_ids, **options)
 
 
 @torch.no_grad()
-def generate_autoregressive(target: torch.nn.Module, input_ids, **options) -> GenerateResult | BatchGenerateResult:
+def generate_autoregressive(target: torch.nn.Module, input_ids, *, integer_products: bool = False,
+                            **options) -> GenerateResult | BatchGenerateResult:
     """The baseline: `generate` without a drafter, one target forward per token for all rows."""
-    return SpeculativeDecoder(target).generate(input_ids, **options)
+    return SpeculativeDecoder(target, integer_products=integer_products).generate(input_ids, **options)

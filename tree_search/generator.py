@@ -82,7 +82,7 @@ class SpeculativeGenerator:
 
     def __init__(self, target, drafter=None, *, tokenizer=None, device: str | None = None,
                  dtype: str | torch.dtype = "auto", tree=None, verifier=None, verifier_params: dict | None = None,
-                 prompt_lookup: bool = False, lookup_tokens: int | None = None) -> None:
+                 prompt_lookup: bool = False, lookup_tokens: int | None = None, integer_products: bool = False) -> None:
         from mamba_draft import load_drafter
         from mamba_draft.targets import load_causal_lm, load_tokenizer
 
@@ -102,7 +102,8 @@ class SpeculativeGenerator:
         self.target, self.drafter, self.defaults = target, drafter, defaults
         self.decoder = SpeculativeDecoder(target, drafter, tree=defaults.tree if tree is None else tree,
                                           verifier=verifier, verifier_params=verifier_params, tokenizer=self.tokenizer,
-                                          prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens)
+                                          prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens,
+                                          integer_products=integer_products)
 
     def encode(self, prompt, system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
         """Token ids of one prompt: a string (`encode_prompt`) or a list of {"role", "content"} messages."""

@@ -61,17 +61,26 @@ class TargetCache:
     """The target model plus one KV cache for B prompts, each row holding its committed sequence minus its root:
     prefill(ids, mask) -> tree_forward(tokens, tree) -> commit(paths) -> ...; decode(tokens) is a root-only round;
     drop_rows(keep) lets finished rows go. `static=None`: static storage where `use_static` allows it; its `max_len`
-    must cover the padded prompts + max_new_tokens + the widest tree (a forward beyond it is refused)."""
+    must cover the padded prompts + max_new_tokens + the widest tree (a forward beyond it is refused).
+    `integer_products`: the compiled CPU step multiplies a GGUF's coded weights as integers (`int_products.c`,
+    llama.cpp's numerics) instead of the model's own float products; refused where that step does not apply."""
 
     def __init__(self, model: torch.nn.Module, static: bool | None = None, max_len: int | None = None,
-                 graphs: bool = False) -> None:
-        self.model = model
+                 graphs: bool = False, integer_products: bool = False, step: cpu_step.CpuStep | None = None) -> None:
+        self.model, self.integer_products = model, integer_products
         self.device = next(model.parameters()).device
         # a position's logits do not depend on how many tokens, or which rows, share its forward
         exact = make_exact(model)
         self.static = use_static(model, self.device, static, max_len)
         # the compiled CPU step (static storage only: it writes the cache in place), exact by itself
-        self.step = cpu_step.CpuStep.of(model) if self.static and self.device.type == "cpu" else None
+        # (`step`: this model's step from a cache it outgrew, its packed weights reused)
+        self.step = (step or cpu_step.CpuStep.of(model, integer=integer_products)
+                     if self.static and self.device.type == "cpu" else None)
+        if integer_products and (self.step is None or not self.step.has_integer_products):
+            raise UnsupportedTargetError(
+                f"integer products need the compiled CPU step over a GGUF's Q4_1 / Q8_0 weights (a Llama-family target "
+                f"on a CPU, with a static cache); {type(model).__name__} here has "
+                + ("no compiled step" if self.step is None else "no coded weights"))
         self.exact = exact or self.step is not None
         self.style = MaskStyle(model, boolean=self.step is not None)
         self._cache_keyword = cache_keyword(model)
@@ -98,17 +107,19 @@ class TargetCache:
 
     @classmethod
     def for_call(cls, model: torch.nn.Module, max_len: int, graphs: bool = True,
-                 kept: TargetCache | None = None) -> TargetCache:
+                 kept: TargetCache | None = None, integer_products: bool = False) -> TargetCache:
         """The cache of one generate call: a fresh dynamic one where static storage does not apply, else `kept` (the
         static cache of an earlier call, which the caller keeps) while it has room and the model's weights,
         attention, dtype and device are unchanged, or a new static one."""
         device = next(model.parameters()).device
         if not use_static(model, device, None, max_len):
-            return cls(model, static=False)
+            return cls(model, static=False, integer_products=integer_products)
         graphs = graphs and device.type == "cuda"
-        if (kept is None or not kept.static or kept.model is not model or kept.max_len < max_len
-                or kept.use_graphs != graphs or kept.key != (weights_key(model), probe_key(model))):
-            kept = cls(model, static=True, max_len=max_len, graphs=graphs)
+        same = (kept is not None and kept.static and kept.model is model and kept.integer_products == integer_products
+                and kept.key == (weights_key(model), probe_key(model)))
+        if not same or kept.max_len < max_len or kept.use_graphs != graphs:
+            kept = cls(model, static=True, max_len=max_len, graphs=graphs, integer_products=integer_products,
+                       step=kept.step if same else None)
         return kept
 
     @property

@@ -23,7 +23,7 @@
  * bits is exact in fp32 (at most 19 significant bits), so one fused multiply-add rounds as the product and the sum
  * rounded apart do. 4-bit: byte j of an input's 8 holds output j (low nibble) and j + 8. 8-bit: signed, no offset.
  * A GGUF's Q4_1 / Q8_0 weights dequantize to such values, so they cost their file's bytes. */
-typedef struct { const void *data; int codes; } Weight;
+typedef struct { const void *data; int codes, integer; } Weight; /* integer: the tiles of `int_products.c` */
 
 static inline int tile_bytes(int codes) {
     return codes == 4 ? 2 * LANES * 4 + GROUP * LANES / 2 : LANES * 4 + GROUP * LANES;
@@ -259,6 +259,8 @@ static void coded_many(const uint8_t *tiles, int codes, int bf16, int inner, con
     }
 }
 
+#include "int_products.c"
+
 /* out[m * stride + n] = dtype(x[m] . w[n] + bias[n]) for m < rows, n < outs; x (rows, inner) fp32; w the weight
  * (outs, inner) by blocks of 16 output rows (`Weight`); plain: column-major within a block, w[n] [k] at
  * ((n / 16) * inner + k) * 16 + n % 16 (`CpuStep.pack`). Each output is one sequential sum of fused multiply-adds
@@ -267,6 +269,10 @@ static void coded_many(const uint8_t *tiles, int codes, int bf16, int inner, con
  * BLOCK rows share it too; a coded tile is decoded once for a call of more rows (`coded_many`). */
 static void linear(const float *x, int rows, int inner, Weight w, const void *bias, int outs, float *out,
                    int64_t stride, int dtype, int threads) {
+    if (w.integer) {
+        int_linear(x, rows, inner, w, bias, outs, out, stride, dtype, threads);
+        return;
+    }
     const int bf16 = dtype == BF16, weight_dtype = w.codes == 16 ? BF16 : dtype;
     if (w.codes == 16) w.codes = 0;
 #pragma omp parallel num_threads(threads)
@@ -348,7 +354,10 @@ static void gated(float *gate, const float *up, int64_t count, int dtype, int th
 
 /* element i of a dtype array := v (row_attention.c's conversion, which rounds to nearest even) */
 static inline void store(void *dst, int64_t i, float v, int dtype) {
-    from_float((char *)dst + i * (dtype == F32 ? 4 : 2), &v, 1, dtype);
+    if (dtype == F32)
+        ((float *)dst)[i] = v;
+    else
+        from_float((char *)dst + i * 2, &v, 1, dtype);
 }
 
 /* ids: (batch, n) tokens; cos, sin: their rotary tables (batch, n, head dim) as fp32; write: the n cache slots the
@@ -405,7 +414,7 @@ int cpu_step_forward(const Model *m, int batch, int n, const int64_t *ids, const
                           MASK_BOOL, out_cast, q_strides, NULL, batch, m->heads, m->kv_heads, n, keys, D, dtype,
                           m->scale, 0.0f, split, threads))
             return 2;
-        for (int64_t j = 0; j < (int64_t)rows * qw; j++) x[j] = element(out_cast, j, dtype);
+        to_float(x, out_cast, (int64_t)rows * qw, dtype);
         linear(x, rows, qw, L->o, L->o_bias, H, y, H, dtype, threads);
         for (int64_t j = 0; j < (int64_t)rows * H; j++) h[j] = to_dtype(h[j] + y[j], dtype);
         rms_norm(h, rows, H, L->post_norm, m->eps, x, dtype);
@@ -425,7 +434,7 @@ int cpu_step_forward(const Model *m, int batch, int n, const int64_t *ids, const
  * few-row products; `mamba_draft.row_linear`) */
 int cpu_linear(const float *x, int rows, int inner, const Weight *w, const void *bias, int outs, float *out,
                int dtype, int threads) {
-    if (outs % LANES || ((w->codes == 4 || w->codes == 8) && inner % GROUP)) return 1;
+    if (outs % LANES || ((w->codes == 4 || w->codes == 8 || w->integer) && inner % GROUP)) return 1;
     linear(x, rows, inner, *w, bias, outs, out, outs, dtype, threads);
     return 0;
 }
@@ -436,3 +445,5 @@ int64_t cpu_step_work(const Model *m, int rows) {
     const int64_t wide = m->hidden > qw ? m->hidden : qw;
     return (int64_t)rows * (2 * m->hidden + wide + 3 * qw + 2 * kw + 2 * (int64_t)m->inter);
 }
+
+#include "drafter_step.c"

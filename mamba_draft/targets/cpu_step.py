@@ -36,9 +36,10 @@ SWITCH = "MAMBA_DRAFT_CPU_STEP"  # "0": transformers' eager step everywhere (com
 
 
 class Weight(ctypes.Structure):
-    """cpu_step.c's Weight: a product's weight as `encode` lays it out, and its code width."""
+    """cpu_step.c's Weight: a product's weight as `encode` lays it out, its code width, and whether it is multiplied
+    as integers (`int_products.c`)."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("codes", ctypes.c_int)]
+    _fields_ = [("data", ctypes.c_void_p), ("codes", ctypes.c_int), ("integer", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -93,17 +94,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(out // LANES, LANES, inner).transpose(1, 2).contiguous()
 
 
-def encode(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+def encode(weight: torch.Tensor, integer: bool = False) -> tuple[torch.Tensor, int]:
     """A product's weight (out, in) as the kernel reads it, with its code width (`cpu_step.c`'s Weight): where every
     group of 32 inputs of a row holds values dtype(scale * code + offset) with a 4-bit code (or scale * code with a
     signed 8-bit code) and a float16 scale — what a GGUF's Q4_1 / Q8_0 weights become when transformers dequantizes
-    them — the codes and scales, 1/5 or 1/3.5 of the float32 bytes, found here and checked value by value; else, for
+    them — the codes and scales, 1/5 or 1/3.5 of the float32 bytes, found here and checked value by value (`integer`:
+    the codes in the order of `int_products.c`, for integer products); else, for
     a float32 weight of bfloat16 values (a bf16 checkpoint loaded in fp32), `pack`ed in bf16 (16); else `pack(weight)`
     (0). The kernel reads back the very values, so the products' bits do not change."""
     weight = weight.detach()
     if weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % GROUP == 0:
         for bits in (4, 8):
-            tiles = _coded(weight, bits)
+            tiles = _coded(weight, bits, integer)
             if tiles is not None:
                 return tiles, bits
     if weight.dtype == torch.float32 and torch.equal(weight.bfloat16().float(), weight):
@@ -111,9 +113,10 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     return pack(weight), 0
 
 
-def _coded(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
+def _coded(weight: torch.Tensor, bits: int, integer: bool = False) -> torch.Tensor | None:
     """`weight`'s tiles at `bits` bits (per block of 16 output rows and group of 32 inputs: 16 fp32 scales, 16 fp32
-    offsets for 4 bits, then the codes input by input), or None if a value is not of that form."""
+    offsets for 4 bits, then the codes input by input, or with `integer` in dot-product order: `int_products.c`), or
+    None if a value is not of that form."""
     out, inner = weight.shape
     values = weight.float().view(out, inner // GROUP, GROUP)
     if bits == 4:
@@ -143,16 +146,40 @@ def _coded(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
             break
     if not bool(found.all()):
         return None
+    return _tiles(codes, scale, offset, bits, integer)
+
+
+def quantized(weight: torch.Tensor) -> torch.Tensor:
+    """Integer tiles (8-bit codes, `int_products.c`) of any weight (out, in), in % 16 == in % 32 == 0: per row and
+    group of 32 inputs the scale max |w| / 127 and the nearest codes, as llama.cpp's Q8_0 quantizes (a drafter's
+    products: its proposals are verified, so they may round so)."""
+    out, inner = weight.shape
+    values = weight.detach().float().view(out, inner // GROUP, GROUP)
+    scale = values.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(scale > 0, values / scale, 0.0).round_().clamp_(-127, 127)
+    return _tiles(codes, scale, None, 8, integer=True)
+
+
+def _tiles(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+           integer: bool) -> torch.Tensor:
+    """The kernel's tiles from codes (out, groups, 32) and per-group scales (and 4-bit offsets) (out, groups, 1)."""
+    out, inner = codes.shape[0], codes.shape[1] * GROUP
     codes = codes.to(torch.int16)
     blocks = out // LANES
     by_input = codes.view(blocks, LANES, inner // GROUP, GROUP).permute(0, 2, 3, 1)  # (blocks, groups, 32, 16)
-    if bits == 4:
+    if integer:  # byte q * 64 + n * 4 + r: output n, input 4q + r (4 bits: the high nibble input 16 + 4q + r)
+        quads = by_input.reshape(blocks, inner // GROUP, GROUP // 4, 4, LANES).transpose(3, 4)  # (.., q, n, r)
+        if bits == 4:
+            packed = (quads[:, :, :4] | quads[:, :, 4:] << 4).to(torch.uint8)
+        else:
+            packed = (quads + 128).to(torch.uint8)
+    elif bits == 4:
         packed = (by_input[..., : LANES // 2] | by_input[..., LANES // 2:] << 4).to(torch.uint8)
     else:
         packed = by_input.to(torch.int8).view(torch.uint8)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # (out, groups, 1) floats -> (blocks, groups, 64) bytes
-        return t.view(blocks, LANES, inner // GROUP).transpose(1, 2).contiguous().view(torch.uint8)
+        return t.float().view(blocks, LANES, inner // GROUP).transpose(1, 2).contiguous().view(torch.uint8)
 
     parts = [per_block(scale), *([per_block(offset)] if bits == 4 else []), packed.reshape(blocks, inner // GROUP, -1)]
     return torch.cat(parts, dim=-1).contiguous()
@@ -208,9 +235,10 @@ def applies(model: nn.Module) -> bool:
 class CpuStep:
     """The compiled step of one model, its weights read in place: `forward` over a static cache; `of` builds one."""
 
-    def __init__(self, model: nn.Module, codes: bool = True) -> None:
+    def __init__(self, model: nn.Module, codes: bool = True, integer: bool = False) -> None:
         self.model = model
         self.codes = codes  # coded weights where the values allow (`encode`); False: every weight `pack`ed
+        self.integer = integer  # coded weights multiplied as integers (`int_products.c`), the others as floats
         # the tensors whose version counters `forward` watches, listed once: walking the module tree costs 1.2 ms, a
         # twelfth of a step (a parameter replaced by another tensor changes `weights_key`: the static cache, and so
         # this step, is built again at the next call)
@@ -232,8 +260,8 @@ class CpuStep:
             return t.data_ptr()
 
         def packed(linear: nn.Linear) -> Weight:
-            data, bits = encode(linear.weight) if self.codes else (pack(linear.weight.detach()), 0)
-            return Weight(keep(data), bits)
+            data, bits = encode(linear.weight, self.integer) if self.codes else (pack(linear.weight.detach()), 0)
+            return Weight(keep(data), bits, int(self.integer and bits in (4, 8)))
 
         bias = lambda linear: None if linear.bias is None else keep(linear.bias.detach())  # noqa: E731
         self.layers = (_Layer * len(body.layers))()
@@ -252,15 +280,38 @@ class CpuStep:
             float(body.layers[0].input_layernorm.variance_epsilon), float(first.scaling),
             keep(body.embed_tokens.weight.detach()), keep(body.norm.weight.detach()), packed(head), self.layers)
 
+    def weights(self) -> list[tuple[Weight, nn.Linear]]:
+        """Every product's kernel weight with its module, the head last."""
+        names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+        return [(getattr(kernel, name), layer.get_submodule(path))
+                for kernel, layer in zip(self.layers, self.model.model.layers) for name, path in names.items()
+                ] + [(self.struct.head, self.model.get_output_embeddings())]
+
+    @property
+    def has_integer_products(self) -> bool:
+        """Whether some product runs on integer codes (`integer` and the model holds coded weights)."""
+        return any(w.integer for w, _ in self.weights())
+
+    def multiply_adds(self) -> int:
+        """A row's multiply-adds in the products."""
+        return sum(linear.in_features * linear.out_features for _, linear in self.weights())
+
+    def weight_bytes(self) -> int:
+        """The bytes of the products' weights as the kernel reads them: what one step reads at least."""
+        sizes = {t.data_ptr(): t.numel() * t.element_size() for t in self.held}
+        return sum(sizes[w.data] for w, _ in self.weights())
+
     def _versions(self) -> list[int]:
         return [p._version for p in self.parameters]
 
     @classmethod
-    def of(cls, model: nn.Module) -> CpuStep | None:
-        """The step of `model`, or None where it does not apply (`applies`) or fails its probe (`agrees`)."""
+    def of(cls, model: nn.Module, integer: bool = False) -> CpuStep | None:
+        """The step of `model` (`integer`: with integer products), or None where it does not apply (`applies`) or
+        fails its probe (`agrees`)."""
         if not applies(model):
             return None
-        step = cls(model)
+        step = cls(model, integer=integer)
         return step if step.agrees() else None
 
     @torch.no_grad()

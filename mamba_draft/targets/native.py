@@ -11,6 +11,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -50,6 +51,9 @@ def build(source: Path, purpose: str) -> ctypes.CDLL:
                                   capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(tmp, path)  # atomic: another process sees no library or a whole one
+                if extra != ATTEMPTS[0]:  # slower kernels: say why, once (the library is then cached)
+                    print(f"mamba-draft: the kernel for {purpose} built without {' '.join(ATTEMPTS[0])} (slower): "
+                          f"{errors[:200]}", file=sys.stderr)
                 break
             errors = " ".join(done.stderr.split())[:400]
         else:

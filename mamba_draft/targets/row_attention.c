@@ -60,12 +60,26 @@ static float fold(float *lanes) {
 }
 
 /* q and k hold `padded` floats (a multiple of LANES; zeros past the head dimension) */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline float dot(const float *q, const float *k, int padded) { /* the portable loop's operations, in registers */
+    __m512 lanes = _mm512_setzero_ps();
+    for (int c = 0; c < padded; c += LANES) lanes = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), lanes);
+    /* fold's order: lane l + lane l + 8, then + 4, + 2, + 1 */
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+    const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    const __m128 pair = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+#else
 static float dot(const float *q, const float *k, int padded) {
     float lanes[LANES] = {0};
     for (int c = 0; c < padded; c += LANES)
         for (int l = 0; l < LANES; l++) lanes[l] = fmaf(q[c + l], k[c + l], lanes[l]);
     return fold(lanes);
 }
+#endif
 
 /* e^x for x <= 0 (a score minus the row's max): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 7;
  * relative error ~1e-7; 0 below -87 (what it would add to a sum whose largest term is 1 is below float's reach) */
@@ -125,19 +139,27 @@ static void rows(const Call *c, int b, int i, int h0, int h1, int *index, float 
     }
     memset(kf, 0, padded * sizeof(float));
     const char *keys = c->k + b * c->ks[0] + kvh * c->ks[1];
+    const int in_place = c->dtype == F32 && c->dim == padded; /* fp32 rows of whole lanes: read where they lie */
     for (int n = 0; n < seen; n++) {
-        to_float(kf, keys + index[n] * c->ks[2], c->dim, c->dtype);
-        for (int g = 0; g < heads; g++) {
-            float s = dot(qf + g * padded, kf, padded) * c->scale;
-            if (c->softcap > 0.0f) s = c->softcap * tanhf(s / c->softcap);
-            scores[g * c->keys + n] = s + bias[n];
-        }
+        const float *key = in_place ? (const float *)(keys + index[n] * c->ks[2]) : kf;
+        if (!in_place) to_float(kf, keys + index[n] * c->ks[2], c->dim, c->dtype);
+        for (int g = 0; g < heads; g++) scores[g * c->keys + n] = dot(qf + g * padded, key, padded) * c->scale;
+        if (c->softcap > 0.0f)
+            for (int g = 0; g < heads; g++)
+                scores[g * c->keys + n] = c->softcap * tanhf(scores[g * c->keys + n] / c->softcap);
+        for (int g = 0; g < heads; g++) scores[g * c->keys + n] += bias[n];
     }
     memset(acc, 0, (size_t)heads * padded * sizeof(float));
     float denom[64];
     for (int g = 0; g < heads; g++) {
         float *e = scores + g * c->keys, top = c->sinks ? c->sinks[h0 + g] : -INFINITY;
-        for (int n = 0; n < seen; n++) top = e[n] > top ? e[n] : top;
+        float tops[LANES]; /* the max is the same in any order: by lanes, so that it vectorizes */
+        for (int l = 0; l < LANES; l++) tops[l] = top;
+        int n0 = 0;
+        for (; n0 + LANES <= seen; n0 += LANES)
+            for (int l = 0; l < LANES; l++) tops[l] = e[n0 + l] > tops[l] ? e[n0 + l] : tops[l];
+        for (int n = n0; n < seen; n++) top = e[n] > top ? e[n] : top;
+        for (int l = 0; l < LANES; l++) top = tops[l] > top ? tops[l] : top;
         for (int n = 0; n < seen; n++) e[n] -= top;
         exp_nonpositive(e, seen);
         float lanes[LANES] = {0};
@@ -150,12 +172,32 @@ static void rows(const Call *c, int b, int i, int h0, int h1, int *index, float 
         }
     }
     const char *values = c->v + b * c->vs[0] + kvh * c->vs[1];
+#if defined(__AVX512F__)
+    if (in_place && padded % 64 == 0) { /* the same fused multiply-adds, each output's sum in a register over the keys */
+        for (int g = 0; g < heads; g++)
+            for (int c0 = 0; c0 < padded; c0 += 64) {
+                __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+                for (int n = 0; n < seen; n++) {
+                    const float *value = (const float *)(values + index[n] * c->vs[2]) + c0;
+                    const __m512 p = _mm512_set1_ps(scores[g * c->keys + n]);
+                    o0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(value), o0);
+                    o1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16), o1);
+                    o2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 32), o2);
+                    o3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 48), o3);
+                }
+                float *o = acc + g * padded + c0;
+                _mm512_storeu_ps(o, o0), _mm512_storeu_ps(o + 16, o1);
+                _mm512_storeu_ps(o + 32, o2), _mm512_storeu_ps(o + 48, o3);
+            }
+    } else
+#endif
     for (int n = 0; n < seen; n++) {
-        to_float(kf, values + index[n] * c->vs[2], c->dim, c->dtype);
+        const float *value = in_place ? (const float *)(values + index[n] * c->vs[2]) : kf;
+        if (!in_place) to_float(kf, values + index[n] * c->vs[2], c->dim, c->dtype);
         for (int g = 0; g < heads; g++) {
             const float p = scores[g * c->keys + n];
             float *o = acc + g * padded;
-            for (int d = 0; d < c->dim; d++) o[d] = fmaf(p, kf[d], o[d]);
+            for (int d = 0; d < c->dim; d++) o[d] = fmaf(p, value[d], o[d]);
         }
     }
     for (int g = 0; g < heads; g++) {
