@@ -146,3 +146,21 @@ def test_run_defaults_refuses_a_device_it_cannot_use():
     with pytest.raises(ValueError, match="not a device"):
         run_defaults("tpu9")
     assert generator_module.run_defaults("cpu", "float32").dtype == torch.float32
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_runs_a_llama_gguf_in_fp32_on_a_cpu_and_says_so_once(bf16, capsys, tmp_path, native):
+    """The compiled step reads a GGUF's codes in either dtype and fp32 skips bf16's rounding of every rebuilt weight:
+    `auto` picks fp32 for the shipped Llama GGUF, in one line; other targets keep the device's default."""
+    from mamba_draft import targets
+
+    bf16(native)
+    targets._say_auto_dtype.cache_clear()
+    assert run_defaults("cpu", "auto", "smollm2").dtype == torch.float32
+    assert run_defaults("cpu", "auto", "smollm2").dtype == torch.float32
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == (["mamba-draft: --dtype auto runs smollm2 in float32: the compiled CPU step reads its GGUF codes "
+                     "either way, and fp32 skips rounding each rebuilt weight to bf16 (faster on every CPU kind "
+                     "measured); --dtype bfloat16 keeps bf16"] if native else [])
+    assert run_defaults("cpu", "auto", str(tmp_path)).dtype == (torch.bfloat16 if native else torch.float32)
+    assert run_defaults("cpu", "bfloat16", "smollm2").dtype == torch.bfloat16  # asked for: kept

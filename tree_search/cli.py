@@ -37,7 +37,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, shape=None) -> None:
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="target and drafter dtype (auto, the default: bfloat16 where the device has native bf16 "
-                        "products, else float32)")
+                        "products, else float32; float32 for a Llama-family GGUF on a CPU, whose compiled step is "
+                        "faster in fp32, said in one line)")
     parser.add_argument("--products", choices=PRODUCTS, default="float",
                         help="the target's products on a CPU: float (the default), the model's own in its dtype; "
                         "int8, a GGUF's Q4_1 / Q8_0 codes multiplied as integers with activations quantized to 8 bits "
@@ -132,7 +133,7 @@ def load_generator(args: argparse.Namespace, drafter, sampling, *, prompt_lookup
                 check_model_name(name, what)
             except ValueError as err:
                 fail(f"--{err}", command)
-    defaults = run_defaults(args.device, args.dtype)  # what Python's SpeculativeGenerator picks too
+    defaults = run_defaults(args.device, args.dtype, args.target)  # what Python's SpeculativeGenerator picks too
     spec = defaults.tree if args.tree is None else args.tree  # an empty --tree is a malformed spec, not an absent one
     verifier_params = parse_verifier_params(args.verifier_param, command)
     plan = plan_call(None if drafter is None else parse_policy(spec), sampling, verifier=args.verifier,

@@ -36,13 +36,16 @@ class RunDefaults:
     tree: str  # a policy spec (`tree_search.policy`)
 
 
-def run_defaults(device: str | None = None, dtype: str | torch.dtype = "auto") -> RunDefaults:
+def run_defaults(device: str | None = None, dtype: str | torch.dtype = "auto", target=None) -> RunDefaults:
     """The defaults of `mamba-draft generate` and `SpeculativeGenerator`: CUDA when available, else the CPU; the
-    device's dtype (`resolve_dtype`) and the attention that keeps speculative output equal to plain decoding in it
-    (`default_attention`); the device's own tree policy ("auto")."""
+    device's dtype (`resolve_dtype`; for a named `target`, `targets.auto_dtype`: fp32 for a Llama-family GGUF on a
+    CPU) and the attention that keeps speculative output equal to plain decoding in it (`default_attention`); the
+    device's own tree policy ("auto")."""
+    from mamba_draft.targets import auto_dtype
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
-    dtype = resolve_dtype(dtype, device)
+    dtype = auto_dtype(target, device) if dtype == "auto" and target is not None else resolve_dtype(dtype, device)
     return RunDefaults(device, dtype, default_attention(dtype, device), "auto")
 
 
@@ -93,7 +96,7 @@ class SpeculativeGenerator:
             raise ValueError("an already-loaded target needs its tokenizer: pass tokenizer=")
         if isinstance(drafter, (str, os.PathLike)):
             check_model_name(drafter, "drafter")
-        defaults = run_defaults(device, dtype)
+        defaults = run_defaults(device, dtype, target if named else None)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
         if named:
             target = load_causal_lm(target, dtype=defaults.dtype, device=defaults.device)

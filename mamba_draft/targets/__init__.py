@@ -11,12 +11,14 @@ on first use (`dense_copy`). `SHIPPED_TARGET` is SmolLM2-135M-Instruct (Q4_1) in
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 from importlib.metadata import version
 import inspect
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -143,6 +145,44 @@ def write_plain(gguf: tuple[Path, str], directory: Path) -> None:
     _gguf_support()
     _load_gguf(gguf, dtype=torch.float32).save_pretrained(directory)
     _gguf_tokenizer(gguf).save_pretrained(directory)
+
+
+# GGUF architectures whose products the compiled CPU step runs as their codes (`cpu_step.MODEL_TYPES`)
+CODED_STEP_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def auto_dtype(target, device: str | torch.device = "cpu") -> torch.dtype:
+    """What `--dtype auto` runs `target` in: float32 for a GGUF of a Llama-family model on a CPU where the compiled
+    step applies (its coded products are faster in fp32 than in bf16, which rounds every rebuilt weight: on every CPU
+    kind measured, docs/benchmarks.md), said once in one line; else the device's `default_dtype`."""
+    from ..devices import c_compiler, default_dtype
+
+    dtype = default_dtype(device)
+    if dtype == torch.float32 or torch.device(device).type != "cpu" or c_compiler() is None:
+        return dtype
+    gguf = resolve_gguf(target) if isinstance(target, (str, os.PathLike)) else None
+    if gguf is None or gguf_architecture(gguf) not in CODED_STEP_ARCHITECTURES:
+        return dtype
+    _say_auto_dtype(str(target))
+    return torch.float32
+
+
+def gguf_architecture(gguf: tuple[Path, str]) -> str | None:
+    """The `general.architecture` a GGUF file declares (None where it cannot be read)."""
+    import gguf as gguf_format
+
+    try:
+        field = gguf_format.GGUFReader(gguf[0] / gguf[1]).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception:  # not a readable GGUF: the loader says so in its own words
+        return None
+
+
+@functools.cache
+def _say_auto_dtype(target: str) -> None:
+    print(f"mamba-draft: --dtype auto runs {target} in float32: the compiled CPU step reads its GGUF codes either way, "
+          "and fp32 skips rounding each rebuilt weight to bf16 (faster on every CPU kind measured); --dtype bfloat16 "
+          "keeps bf16", file=sys.stderr)
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
