@@ -8,7 +8,7 @@ memory floor and its product peak.
 Prints the CPU (model name and the flags that pick its kernels), the dtype, and per forward (a decoding step and the
 verification of 4 and 16 tokens after a 100-token context, prefills of 64 and 768 tokens) the median milliseconds of
 both paths, timed in turns, and their ratio. `--dtype bfloat16` measures the bf16 tax on a CPU without native bf16.
-Then, where the compiled CPU step applies, the rows table (`ROWS`, after the same context; the float and int8 paths
+Then, where the compiled CPU step applies, the rows table (and a drafter's level over the same rows, `--drafter`) (`ROWS`, after the same context; the float and int8 paths
 in turns): milliseconds per forward, each as a multiple of one row, the slope per extra row (least squares), the
 memory floor (the step's weight bytes over this machine's measured read bandwidth) and the slope at the product
 peak (a row's multiply-adds at the best rate the path's own kernel reaches, 256 rows through one layer's product).
@@ -23,6 +23,7 @@ import torch
 from benchmarks.methods import load_plain, timed
 from mamba_draft.devices import cpu_info, resolve_dtype
 from mamba_draft.dtypes import DTYPES
+from mamba_draft.targets import SHIPPED_TARGET
 
 CONTEXT = 100  # tokens cached before a decoding or verification forward
 FORWARDS = (("step", 1), ("verify", 4), ("verify", 16), ("prefill", 64), ("prefill", 768))
@@ -202,6 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (the default: bfloat16 where the CPU has native bf16 products, else float32, as "
                         "every command); bfloat16 measures the bf16 tax on any CPU")
     parser.add_argument("--repeats", type=int, default=25, help="timed calls per forward and path (medians)")
+    parser.add_argument("--drafter", help="also time this drafter's step over the rows table's rows, its torch step "
+                        "against the backend `auto` picks (default: the shipped one with the shipped target)")
     parser.add_argument("--closeness-tokens", type=int, default=64, metavar="N",
                         help="where integer products apply: each numerics' top-1 agreement with the fp32 model, "
                         "teacher-forced on the fp32 model's N-token greedy replies to the 13 held-out Spec-Bench "
@@ -226,9 +229,46 @@ def run(args: argparse.Namespace) -> int:
         print("\nWhat a row costs: the engine's forward over n rows after a 100-token context, the float products "
               "(the model's own, in its dtype) and int8 (--products int8: a GGUF's codes as integers)\n")
         print("\n".join(rows_report(table)))
+        drafter = args.drafter or (SHIPPED_TARGET if args.target == SHIPPED_TARGET else None)
+        if drafter is not None:
+            print("\n".join(drafter_report(measure_drafter_rows(drafter, model, args.repeats))))
         if "int8" in table["ms"] and args.closeness_tokens > 0:
             print("\n".join(closeness_report(args.target, model, dtype, args.closeness_tokens)))
     return 0
+
+
+@torch.no_grad()
+def measure_drafter_rows(path: str, target, repeats: int) -> dict:
+    """Median ms of one drafting level (one token per row into a state, reading the target's hidden state where the
+    drafter does) over `ROWS` rows: the torch step against the backend `auto` picks, in turns."""
+    from mamba_draft import load_drafter
+
+    drafter = load_drafter(path, target=target)
+    backends = {"torch": "torch", "auto": getattr(drafter, "backend", "torch")}
+    width = target.config.hidden_size if getattr(drafter, "reads_target", False) else 0
+    ms = {name: {} for name in backends}
+    for n in ROWS:
+        state = drafter.allocate_state(n)
+        ids = torch.randint(0, drafter.input_vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        features = torch.randn(n, width, dtype=drafter.dtype) if width else None
+
+        def level(backend: str) -> None:
+            drafter.set_backend(backend)
+            drafter.step(ids, state, features) if width else drafter.step(ids, state)
+
+        for name, t in turns({name: (lambda b=backend: level(b)) for name, backend in backends.items()},
+                             repeats).items():
+            ms[name][n] = t
+    return {"drafter": path, "backend": backends["auto"], "ms": ms}
+
+
+def drafter_report(table: dict) -> list[str]:
+    lines = [f"\nA drafting level of {table['drafter']}: one token per row, torch's step against `auto`'s backend "
+             f"({table['backend']})\n", "| rows | torch ms | " + f"{table['backend']} ms | speedup |", "|---|---|---|---|"]
+    for n in ROWS:
+        mine, torch_ms = table["ms"]["auto"][n], table["ms"]["torch"][n]
+        lines.append(f"| {n} | {torch_ms:.2f} | {mine:.2f} | {torch_ms / mine:.2f}x |")
+    return lines
 
 
 def closeness_report(target: str, model, dtype: torch.dtype, tokens: int) -> list[str]:

@@ -6,6 +6,7 @@ import re
 import torch
 
 from benchmarks import tax
+from tests.helpers.drafters import save_tiny_hf_mamba
 from tests.test_cpu_step import _model
 
 
@@ -13,14 +14,15 @@ def test_tax_prints_both_tables_for_a_coded_target(tmp_path, capsys, monkeypatch
     from commands.cli import main
 
     _model("llama", torch.float32, gguf=True).save_pretrained(tmp_path / "target")
+    save_tiny_hf_mamba(tmp_path / "drafter", "mamba2", vocab_size=64)  # a Mamba-2 drafter: the compiled step
     monkeypatch.setattr(tax, "FORWARDS", (("step", 1), ("verify", 4), ("prefill", 8)))
     monkeypatch.setattr(tax, "CONTEXT", 8)
     assert main(["tax", "--target", str(tmp_path / "target"), "--dtype", "float32", "--repeats", "1",
-                 "--closeness-tokens", "0"]) == 0
+                 "--closeness-tokens", "0", "--drafter", str(tmp_path / "drafter")]) == 0
     out = capsys.readouterr().out
     assert any(line.startswith("CPU: ") and line.endswith("dtype float32") for line in out.splitlines())
     assert "| step, 1 token after 8 |" in out
-    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \| ", line)]
+    rows = [line for line in out.split("A drafting level of")[0].splitlines() if re.match(r"\| \d+ \| ", line)]
     assert [int(line.split("|")[1]) for line in rows] == list(tax.ROWS)
     assert rows[0].count("| 1.00x |") == 2  # float and int8, each against its own one-row forward
     products = {line.split("|")[1].strip(): line for line in out.splitlines() if re.match(r"\| (float|int8) \| ", line)}
@@ -28,6 +30,9 @@ def test_tax_prints_both_tables_for_a_coded_target(tmp_path, capsys, monkeypatch
     floors = {name: float(line.split("|")[3]) for name, line in products.items()}
     assert floors["float"] == floors["int8"]  # both read the GGUF's codes, not floats
     assert re.search(r"A row is \d+ M multiply-adds; this machine reads [\d.]+ GB/s", out)
+    assert "| rows | torch ms | compiled ms | speedup |" in out  # the drafter's level over the same rows
+    levels = [line for line in out.split("A drafting level of")[1].splitlines() if re.match(r"\| \d+ \| ", line)]
+    assert [int(line.split("|")[1]) for line in levels] == list(tax.ROWS)
 
 
 def test_slope_is_the_least_squares_ms_per_row():
