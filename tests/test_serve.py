@@ -87,11 +87,11 @@ def test_eight_concurrent_requests_decode_together_with_the_tokens_each_gets_alo
     alone = {q: chat(server, q, max_tokens=24).choices[0].message.content for q in QUESTIONS}
     batcher = server.app.state.batcher
     before = batcher.batches
+    submitted = recorded_submits(batcher, monkeypatch)
     forward = TargetCache.tree_forward
 
-    def held(self, *args, **kwargs):  # the first request's rounds wait until the other seven are queued
-        wait_for(lambda: len(batcher.queue) == len(QUESTIONS) - 1 or batcher.running > 1,
-                 "the other requests never arrived")
+    def held(self, *args, **kwargs):  # no round runs before all eight requests reached the engine: the first
+        wait_for(lambda: len(submitted) == len(QUESTIONS), "the other requests never arrived")  # batch waits for them
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(TargetCache, "tree_forward", held)
@@ -157,9 +157,15 @@ def test_a_client_that_leaves_frees_its_row_at_the_next_round(server, monkeypatc
 
 
 def recorded_submits(batcher, monkeypatch) -> list[Request]:
-    """The requests the server hands the batcher from now on, in order."""
+    """The requests the server hands the batcher from now on, in order, each listed once it is queued."""
     submitted, submit = [], batcher.submit
-    monkeypatch.setattr(batcher, "submit", lambda request: submitted.append(request) or submit(request))
+
+    def record(request: Request) -> Request:
+        submit(request)
+        submitted.append(request)
+        return request
+
+    monkeypatch.setattr(batcher, "submit", record)
     return submitted
 
 
