@@ -124,8 +124,7 @@ def measure_rows(model, repeats: int) -> dict | None:
         return None
     max_len = CONTEXT + len(ROWS) * (repeats + 2) + max(ROWS) + 1
     paths = {"float": ExactPath(model, max_len)}
-    integer = cpu_step.CpuStep(model, integer=True)
-    if integer.has_integer_products:
+    if cpu_step.CpuStep(model, integer=True).has_integer_products:
         paths["int8"] = ExactPath(model, max_len, integer_products=True)
     ids = torch.randint(0, model.config.vocab_size, (1, CONTEXT + max(ROWS)), generator=torch.Generator().manual_seed(0))
     ms = {name: {} for name in paths}
@@ -134,7 +133,7 @@ def measure_rows(model, repeats: int) -> dict | None:
         for name, t in turns({name: (lambda p=p, c=caches[name]: p.forward(c, ids[:, CONTEXT:CONTEXT + n]))
                               for name, p in paths.items()}, repeats).items():
             ms[name][n] = t
-    steps = {"float": cpu_step.CpuStep(model), **({"int8": integer} if "int8" in paths else {})}
+    steps = {name: p.kept.step for name, p in paths.items()}  # the steps the caches timed, packed once
     bandwidth = read_bandwidth()
     return {"ms": ms, "bandwidth_gb_s": bandwidth / 1e9, "macs_per_row": steps["float"].multiply_adds(),
             **{name: {"slope_ms": slope(ms[name]), "floor_ms": 1e3 * step.weight_bytes() / bandwidth,

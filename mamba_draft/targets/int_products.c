@@ -62,32 +62,11 @@ static void quantize(const float *x, int rows, int inner, int8_t *q, float *d, f
         }
 }
 
-/* the 16 outputs' integer sums of one row over one group: isum[n] = sum_k code_w[k][n] * code_x[k] (8-bit codes
- * signed; VNNI multiplies the stored code + 128 and takes 128 * sum(code_x), `sum_x`, off) */
+/* The 16 outputs' integer sums over one group: isum[n] = sum_k code_w[k][n] * code_x[k] (8-bit codes signed; VNNI
+ * multiplies the stored code + 128 and takes 128 * sum(code_x), `sum_x`, off). `group_sums_rows`: of `count` rows
+ * (x and sum_x `x_stride` / `sum_stride` apart), the block's codes decoded once; `group_sums`: of one row. */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 typedef __m512i Sums;
-static inline Sums group_sums(const uint8_t *codes, int bits, const int8_t *x, int32_t sum_x) {
-    __m512i s = _mm512_setzero_si512();
-    if (bits == 4) {
-        const __m512i low = _mm512_set1_epi8(0x0f);
-        for (int q = 0; q < 4; q++) {
-            const __m512i w = _mm512_loadu_si512((const void *)(codes + q * 64));
-            int32_t lo_x, hi_x;
-            memcpy(&lo_x, x + 4 * q, 4), memcpy(&hi_x, x + 16 + 4 * q, 4);
-            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(w, low), _mm512_set1_epi32(lo_x));
-            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(w, 4), low), _mm512_set1_epi32(hi_x));
-        }
-    } else {
-        for (int q = 0; q < 8; q++) {
-            int32_t xs;
-            memcpy(&xs, x + 4 * q, 4);
-            s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512((const void *)(codes + q * 64)), _mm512_set1_epi32(xs));
-        }
-        s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sum_x));
-    }
-    return s;
-}
-/* group_sums of `count` rows (x and sum_x `x_stride` / `sum_stride` apart), the block's codes decoded once */
 #define ROWS_OF_SUMS 1
 static inline void group_sums_rows(const uint8_t *codes, int bits, const int8_t *x, int64_t x_stride,
                                    const int32_t *sum_x, int64_t sum_stride, int count, Sums *out) {
