@@ -17,15 +17,16 @@ from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES
 from mamba_draft.heldout import SPEC_BENCH
-from tree_search.cli import PRODUCTS
+from mamba_draft.targets import PRODUCTS, auto_dtype, integer_products
 from tree_search.policy import parse_policy
 from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
 DEFAULT_METHODS = ("hf-ar", "ar", "default", "chain:5", "3,2,2,1,1", "bandit")
-# what a user has without us: our plain decoding and transformers' `generate` on the plain model; every speedup is
-# stated against the faster of those that ran
-BASELINES = ("ar", "hf-ar")
+# what a user has without us: our plain decoding, transformers' `generate` on the plain model and llama.cpp on the
+# GGUF; every speedup is stated against the fastest of those that ran
+BASELINES = ("ar", "hf-ar", "llama-cpp")
+BASELINE_NAMES = "our plain decoding, transformers' generate on the plain model, llama.cpp on the GGUF"
 BATCH_WARMUP_TOKENS = 8  # a batch sweep's warm-up pays one-time costs (first calls, allocations), not a full batch
 # the layout of run_benchmark's result (one entry per batch size under "batches"): cached results of another layout
 # (the demo's) are measured again
@@ -49,6 +50,8 @@ class BenchConfig:
     system_prompt: str | None = None
     batch_sizes: tuple[int, ...] = (1,)
     bandit_memory: str = "call"      # bandits restart on every generate call, or learn over a whole "pass"
+    # method -> the number of leading batches it decodes (a budget's cut of a slow baseline; the others run all)
+    shares: dict[str, int] | None = None
 
 
 def resolve_methods(specs) -> list[Method]:
@@ -162,8 +165,11 @@ def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: Be
     runs = {m.name: [] for m in methods}
     for repeat in range(cfg.repeats):
         passes = [Pass(method, models, cfg, eos, cfg.seed + 1000 * repeat) for method in methods]
-        for batch in batches:
+        shares = {one.method.name: (cfg.shares or {}).get(one.method.name, len(batches)) for one in passes}
+        for b, batch in enumerate(batches):
             for one in passes:
+                if b >= shares[one.method.name]:
+                    continue
                 bar.set_postfix_str(f"repeat {repeat + 1}: {one.method.name}")
                 one.run(batch)
                 bar.update(batch.ids.shape[0])
@@ -191,7 +197,8 @@ def run_benchmark(models: Models, prompts: list[Prompt], methods: list[Method], 
     prompt_ids = [torch.tensor([ids[-cfg.max_prompt_tokens:]], dtype=torch.long, device=device) for ids in encoded]
     eos = eos_ids(models)
     warmup = cfg if per_prompt(cfg) else replace(cfg, max_new_tokens=min(cfg.max_new_tokens, BATCH_WARMUP_TOKENS))
-    total = cfg.repeats * len(methods) * len(prompts) * len(cfg.batch_sizes)
+    total = cfg.repeats * sum(min(len(prompts), (cfg.shares or {}).get(m.name, len(prompts))) for m in methods) * len(
+        cfg.batch_sizes)
     bar = tqdm(total=total, desc="bench", disable=not progress)
     runs = {}
     for size in cfg.batch_sizes:
@@ -233,13 +240,15 @@ def baselines_of(runs: dict) -> list[str]:
 
 
 def speedups(runs: dict, name: str, rate, select=lambda records: records) -> dict[str, list[float]]:
-    """Per repeat, method `name`'s `rate` of its records (narrowed by `select`) over the faster baseline's in that
-    repeat ("speedup", see BASELINES) and over each baseline that ran ("speedup_vs_ar", "speedup_vs_hf-ar")."""
+    """Per repeat, method `name`'s `rate` of its records (narrowed by `select`) over the fastest baseline's in that
+    repeat ("speedup", see BASELINES) and over each baseline that ran ("speedup_vs_ar", "speedup_vs_hf-ar", ...). A
+    baseline cut to a share of the prompts (`BenchConfig.shares`) rates over the prompts it decoded."""
     def rates(method):
         return [rate(select(run["records"])) for run in runs[method]]
 
     mine = rates(name)
-    bases = {base: rates(base) for base in baselines_of(runs)}
+    # a baseline that decoded none of the selected prompts (a share) has no rate there
+    bases = {base: rates(base) for base in baselines_of(runs) if select(runs[base][0]["records"])}
     out = {"speedup": [m / max(values[i] for values in bases.values()) for i, m in enumerate(mine)]}
     return out | {f"speedup_vs_{base}": [m / b for m, b in zip(mine, values)] for base, values in bases.items()}
 
@@ -265,7 +274,7 @@ def summarize(method: Method, runs: dict, prompts: list[Prompt], references, by_
         out["categories"] = {c: {"tokens_per_s": [tokens_per_s(only(c)(r["records"])) for r in mine],
                                  "tau": [tau(only(c)(r["records"])) for r in mine],
                                  **speedups(runs, method.name, tokens_per_s, only(c))}
-                             for c in sorted({p.category for p in prompts})}
+                             for c in sorted({p.category for p in prompts}) if only(c)(mine[0]["records"])}
     drafted = [r for run in mine for r in run["records"] if "draft_time" in r]
     if drafted:
         total = sum(r["wall_time"] for r in drafted)
@@ -280,7 +289,7 @@ def summarize(method: Method, runs: dict, prompts: list[Prompt], references, by_
 
 def equality(references: list[list[int]], repeats: list[dict]) -> dict:
     """The worst repeat's comparison with the references, and whether every repeat was identical."""
-    checks = [compare_outputs(references, run["outputs"]) for run in repeats]
+    checks = [compare_outputs(references[:len(run["outputs"])], run["outputs"]) for run in repeats]  # a share: its own
     worst = min(checks, key=lambda e: (e.n_identical, e.prefix_agreement))
     return asdict(worst) | {"summary": worst.summary(), "all_repeats_identical": all(e.identical for e in checks)}
 
@@ -305,7 +314,7 @@ def reference_text(result: dict) -> str:
 
 
 def baseline_text(baselines: list[str]) -> str:
-    """What the speedups are against: "best of ar/hf-ar" when both ran, else the one that did, said so."""
+    """What the speedups are against: "best of ar/hf-ar/llama-cpp" (those that ran), else the one that did, said so."""
     if len(baselines) > 1:
         return "best of " + "/".join(baselines)
     missing = [base for base in BASELINES if base not in baselines]
@@ -313,12 +322,12 @@ def baseline_text(baselines: list[str]) -> str:
 
 
 def markdown_report(result: dict) -> str:
-    """The methods' table (tokens/s, τ, speedup vs the faster of ar and hf-ar and vs each, drafter state, equality):
+    """The methods' table (tokens/s, τ, speedup vs the fastest baseline and vs each, drafter state, equality):
     one prompt at a time with speedups per category, or for a sweep one table per batch size and tokens/s by size.
     The first line says what a time budget cut from the measurement (the demo's)."""
     cfg, batches, baselines, budget = result["config"], result["batches"], result["baselines"], result.get("budget")
     sweep, reference = not per_prompt(cfg), reference_text(result)
-    both = baselines if len(baselines) > 1 else []  # with two baselines, a speedup column for each as well
+    both = baselines if len(baselines) > 1 else []  # with several baselines, a speedup column for each as well
     where = "on the same batches" if sweep else "on the same prompts"
     prompts = f"{len(result['prompts'])} prompts" + (
         f" in left-padded batches of {', '.join(batches)} (the last batch of a size may be smaller)" if sweep else "")
@@ -327,9 +336,12 @@ def markdown_report(result: dict) -> str:
             + f"{prompts}, {cfg['max_new_tokens']} new tokens max, temperature {cfg['temperature']}{sampling}, "
             f"{cfg['repeats']} repeats (mean ± std), device: {result['device']}."
             + (" tokens/s = all new tokens / wall time of all batches." if sweep else "")
-            + (f" Speedups are against the faster of `ar` (our plain decoding) and `hf-ar` (transformers' generate "
-               f"on the plain model) {where}, repeat by repeat." if both
-               else f" Speedups are against `{baselines[0]}` {where}: {baseline_text(baselines)}.")
+            + (f" Speedups are against the fastest of {', '.join(f'`{b}`' for b in both)} ({BASELINE_NAMES}) {where}, "
+               "repeat by repeat." if both else f" Speedups are against `{baselines[0]}` {where}: "
+               f"{baseline_text(baselines)}.")
+            + "".join(f" `{name}` decoded the first {k} of the {len(result['prompts'])} prompts (the time budget's "
+                      "cut of the slowest baseline): its speedups are over those." for name, k in
+                      (cfg.get("shares") or {}).items() if k < len(result["prompts"]))
             + (f" Outputs compared with per-prompt greedy {reference}." if sweep else "")
             # configs written before the option read as per call
             + (" Bandit methods learn over the whole pass (`--bandit-memory pass`), not afresh per call."
@@ -360,11 +372,11 @@ def markdown_report(result: dict) -> str:
 
 def categories_table(methods: dict, baselines: list[str]) -> str:
     """Speedup (τ) per prompt category, when there are several."""
-    categories = list(next(iter(methods.values()))["categories"])
+    categories = sorted({c for s in methods.values() for c in s["categories"]})
     if len(categories) < 2:
         return ""
     rows = [[name] + [f"{mean_std(s['categories'][c]['speedup'])[0]:.2f}× (τ {mean_std(s['categories'][c]['tau'])[0]:.2f})"
-                      for c in categories] for name, s in methods.items()]
+                      if c in s["categories"] else "–" for c in categories] for name, s in methods.items()]
     return f"\nSpeedup vs {baseline_text(baselines)} (τ) per category:\n\n" + markdown_table(["method"] + categories, rows)
 
 
@@ -446,11 +458,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-prompt", help="system message placed before every prompt by the chat template")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                        help="dtype of every model, hf-* copies included (auto, the default: bfloat16 where the device "
-                        "has native bf16 products, else float32, as every command)")
-    parser.add_argument("--products", choices=PRODUCTS, default="float",
-                        help="our methods' target products: float (the default; the model's own) or int8 (a GGUF's "
-                        "codes as integers, llama.cpp's numerics; `ar` then decodes with them too)")
+                        help="dtype of every model, hf-* copies included (auto, the default: as `mamba-draft generate` "
+                        "picks it)")
+    parser.add_argument("--products", choices=PRODUCTS, default="auto",
+                        help="our methods' target products, as `mamba-draft generate --products`: int8 (a GGUF's "
+                        "codes as integers, llama.cpp's numerics; `ar` then decodes with them too), float (the "
+                        "model's own) or auto (the default: int8 for a GGUF-coded target on an AVX2+ CPU)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--batch-size", type=parse_batch_sizes, default=d.batch_sizes, metavar="B[,B2,...]",
                         help="1 (default): the per-prompt table; else, for each size, every method decodes the "
@@ -570,12 +583,13 @@ def run(args: argparse.Namespace) -> int:
             "system_prompt", "bandit_memory")  # the fields its flags set as they are
     cfg = BenchConfig(methods=tuple(m.name for m in methods), chat_template=not args.no_chat_template,
                       batch_sizes=args.batch_size, **{field: getattr(args, field) for field in same})
-    models = load_models(methods, args.target, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
+    dtype = auto_dtype(args.target, args.device) if args.dtype == "auto" else resolve_dtype(args.dtype, args.device)
+    models = load_models(methods, args.target, dtype=dtype, device=args.device,
                          tokenizer=args.tokenizer, drafter=args.drafter, assistant=args.assistant)
-    models.integer_products = args.products == "int8"
+    models.integer_products = integer_products(args.products, models.target, args.target)
     result = run_benchmark(models, prompts, methods, cfg)
     result["models"] = {"target": args.target, "drafter": args.drafter, "assistant": args.assistant,
-                        "products": args.products}
+                        "products": "int8" if models.integer_products else "float"}
     paths = write_outputs(result, args.out)
     print(markdown_report(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

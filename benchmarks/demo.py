@@ -212,15 +212,16 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
 
 # ------------------------------------------------------------------------------------------- the real pair
 
-# The real demo's measurement (loading, sizing and both tables) fits this on every CPU kind: fewer questions or
-# repeats where plain decoding is slow (`fit_budget`); --budget-minutes changes it.
+# The real demo's measurement (loading, sizing and both tables) fits this on every CPU kind: a slow baseline decodes
+# fewer questions where the measured costs project more (`plan_tables`); --budget-minutes changes it.
 BUDGET_MINUTES = 10.0
 
 
 def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str, tuple[str, ...]]:
-    """The greedy and sampled tables' methods: the baselines, `default` (what `generate` runs by default here) and
-    the small CPU trees under the measured-time bandit without lookup rounds, plus the assistant's methods when there
-    is one; --full adds the paper-reward bandit, fixed shapes, lookup alone and the lossy verifiers."""
+    """The greedy and sampled tables' methods: the baselines (transformers' `generate`, llama.cpp where the
+    `llama-cpp` extra is installed, our plain decoding) and `default` (what `generate` runs by default here), plus
+    the assistant's methods when there is one; --full adds the small CPU trees under the measured-time bandit, the
+    paper-reward bandit, fixed shapes, lookup alone, transformers' prompt lookup and the lossy verifiers."""
     from benchmarks import llama_cpp
     from tree_search.plan import LOOKUP_TOKENS as LOOKUP
 
@@ -232,13 +233,15 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     assisted = ("hf-assisted",) if assistant else ()
     # llama.cpp on the same GGUF where the `llama-cpp` extra is installed: what a CPU user picks without us
     llama = ("llama-cpp",) if llama_cpp.available() else ()
-    greedy = ("hf-ar", *assisted, "hf-lookup", *llama, "ar", "default", f"cpu-bandit={bandit}", *tf)
-    sampled = ("hf-ar", *llama, "ar", "default", f"cpu-bandit@sampling={bandit}@sampling", *tf)
+    greedy = ("hf-ar", *assisted, *llama, "ar", "default", *tf)
+    sampled = ("hf-ar", *llama, "ar", "default", *tf)
     if assistant and full_sweep:
         greedy += ("tf-chain:2=assistant:chain:2", "tf-2,1=assistant:2,1", f"tf-bandit=assistant:{bandit}")
         sampled += ("tf-chain:2@sampling=assistant:chain:2@sampling", "tf-2,1@sampling=assistant:2,1@sampling")
     if full_sweep:
-        greedy += ("chain:2", f"chain:2+lookup:{LOOKUP}", f"lookup=none+lookup:{LOOKUP}",
+        sampled += (f"cpu-bandit@sampling={bandit}@sampling",)
+        greedy += ("hf-lookup", f"cpu-bandit={bandit}", "chain:2", f"chain:2+lookup:{LOOKUP}",
+                   f"lookup=none+lookup:{LOOKUP}",
                    f"bandit-paper=bandit:{arms}", "chain:3", "2,1", "3,1", "2,2,1",
                    *(f"cpu-bandit@{v}={bandit}@{v}" for v in LOSSY_VERIFIERS))
         sampled += ("chain:2@sampling", "2,1@sampling", *assisted)
@@ -311,9 +314,9 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     from benchmarks.methods import load_plain
     from benchmarks.tax import cpu_kind, measure as measure_tax
     from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
-    from mamba_draft.devices import default_dtype
+    from benchmarks import llama_cpp
     from mamba_draft.heldout import read_spec_bench
-    from mamba_draft.targets import SHIPPED_TARGET
+    from mamba_draft.targets import SHIPPED_TARGET, auto_dtype, integer_products
     from tree_search.prompts import encode_prompt
 
     records = read_spec_bench(prompts_path)  # checked before anything is built
@@ -333,24 +336,25 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     started = time.perf_counter()
     drafter, assistant = rebuild_pair(cfg, records, cache) if train else (drafter, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = default_dtype(device)  # the same for every method: bf16 where native (AVX512-BF16, AMX, GPUs)
+    dtype = auto_dtype(SHIPPED_TARGET, device)  # what `generate` picks, the same for every method
     dtype_name = str(dtype).removeprefix("torch.")
-    print(f"[demo] target SmolLM2-135M-Instruct in {dtype_name} on {device} "
-          f"({'native bf16' if dtype == torch.bfloat16 else 'no native bf16'}), drafter {drafter}")
     measuring = time.perf_counter()
     specs = real_methods(dtype_name, assistant is not None, full_sweep)
     tables = {name: resolve_methods(specs[name]) for name in ("greedy", "sampled")}
-    # the drafter in the target's dtype, its SSM state in fp32 (load_drafter's default): a batch-1 step is
-    # memory-bound, and bf16 weights halve it
     models = load_models([m for methods in tables.values() for m in methods], SHIPPED_TARGET, dtype=dtype,
                          device=device, drafter=str(drafter), assistant=assistant)
+    models.integer_products = integer_products("auto", models.target, SHIPPED_TARGET)  # as `generate` does
+    products = "int8" if models.integer_products else "float"
+    print(f"[demo] target SmolLM2-135M-Instruct in {dtype_name} on {device}, {products} products; drafter {drafter}")
+    if "llama-cpp" not in specs["greedy"]:
+        print(f"[demo] {llama_cpp.MISSING}")
     first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
     sizing = measure_sizing(models.target, models.drafter, first,
                             assistant=models.assistant_drafter if models.assistant is not None else None)
     plain = models.plain_target or load_plain(SHIPPED_TARGET, dtype, device)
     tax = measure_tax(plain, models.target, repeats=cfg.tax_repeats)
     measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress=True)
-    result = {"dtype": dtype_name, "cpu": cpu_kind(), **measured, "sizing": sizing, "tax": tax,
+    result = {"dtype": dtype_name, "products": products, "cpu": cpu_kind(), **measured, "sizing": sizing, "tax": tax,
               "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},
               # a rebuild's held-out agreement curves (--train rebuilds both models)
               "training": {name: heldout_curve(Path(path)) if train else []
@@ -371,87 +375,146 @@ def heldout_curve(run_or_export: Path) -> list[dict]:
 
 
 def heldout_questions(records: list[dict], per_category: int, limit: int | None = None) -> list:
-    """The benchmark prompts: the first `per_category` odd-id questions of every category, at most `limit`."""
+    """The benchmark prompts: the first `per_category` odd-id questions of every category, at most `limit`, in turns
+    over the categories (every category's first question, then every second one), so that any leading share of
+    them (a slow baseline's, `plan_tables`) spans the categories."""
+    from itertools import zip_longest
+
     from benchmarks.real_pair import heldout_prompts
     from tree_search.prompts import Prompt
 
-    return [Prompt(r["turns"][0], r["category"], str(r["question_id"]))
-            for r in heldout_prompts(records, per_category)][:limit]
+    by_category: dict[str, list[dict]] = {}
+    for r in heldout_prompts(records, per_category):
+        by_category.setdefault(r["category"], []).append(r)
+    turns = [r for group in zip_longest(*by_category.values()) for r in group if r is not None]
+    return [Prompt(r["turns"][0], r["category"], str(r["question_id"])) for r in turns][:limit]
 
 
-def measure_tables(models, records: list[dict], cfg, tables: dict, repeats: int, budget_s: float, started: float,
-                   progress: bool, clock=time.perf_counter) -> dict:
-    """The greedy and sampled tables on the same held-out questions, cut to fit what is left of `budget_s` seconds
-    since `started` (`fit_budget`, in units of `ar`'s time on the first questions); each table records the cut."""
-    from benchmarks.bench import BenchConfig, run_benchmark
-
-    decode_s = time_plain_decoding(models, heldout_questions(records, 1, PROBE_QUESTIONS), cfg.max_new_tokens)
-    decodes = sum(len(methods) for methods in tables.values())
-    seconds_left = budget_s - (clock() - started)
-    cfg, repeats, budget = fit_budget(records, cfg, repeats, decodes, decode_s, budget_s, seconds_left)
-    prompts = heldout_questions(records, cfg.per_category, cfg.bench_prompts)
-    out = {"budget": budget}
-    for name, temperature in (("greedy", 0.0), ("sampled", cfg.temperature)):
-        methods = tables[name]
-        # the bandit learns over the whole pass, as a server answering request after request would: a fresh one
-        # per short answer spends most rounds exploring
-        bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=repeats,
-                                max_new_tokens=cfg.max_new_tokens, chat_template=True, temperature=temperature,
-                                bandit_memory="pass")
-        out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress) | {"budget": budget}
-    return out
+# a method's cost probe (`probe_costs`): after one untimed warm-up decode (first calls: a step packed, verify costs
+# measured), the first question decoded to these budgets; their difference gives the seconds per new token, the
+# rest the prefill's seconds per prompt token
+PROBE_TOKENS = (16, 64)
 
 
-# held-out questions whose plain decoding (`ar`, greedy) times the budget's unit: the first one pays one-time costs
-PROBE_QUESTIONS = 2
+def probe_costs(models, prompt, tables: dict, sampling: dict[str, dict]) -> dict[str, dict[str, tuple]]:
+    """{table: {method: (seconds per prompt token, seconds per new token)}}, each measured on `prompt` by one pass
+    of the method (as a table's pass runs it: its decoders kept) after a warm-up decode, with the table's sampling
+    values (`sampling[table]`: temperature, top_p, top_k)."""
+    from benchmarks.bench import BenchConfig, Pass, eos_ids, make_batches
+
+    ids = torch_ids(models, prompt)
+    batch = make_batches([ids], 1)
+    costs: dict[str, dict[str, tuple]] = {}
+    for name, methods in tables.items():
+        costs[name] = {}
+        for method in methods:
+            cfg = BenchConfig(methods=(method.name,), repeats=1, bandit_memory="pass", **sampling[name])
+            one, timed = Pass(method, models, cfg, eos_ids(models), 0), []
+            for tokens in PROBE_TOKENS[:1] + PROBE_TOKENS:  # the first: the warm-up
+                one.cfg = replace(cfg, max_new_tokens=tokens)
+                record = one.run(*batch).records[-1]
+                timed.append((record["wall_time"], record["new_tokens"]))
+            (w1, n1), (w2, n2) = timed[1:]
+            per_token = max((w2 - w1) / (n2 - n1) if n2 > n1 else w2 / max(n2, 1), 0.0)
+            costs[name][method.name] = (max(w1 - n1 * per_token, 0.0) / ids.shape[1], per_token)
+    return costs
 
 
-def time_plain_decoding(models, prompts: list, max_new_tokens: int) -> float:
-    """Mean wall seconds of one greedy `ar` decode of each prompt (one pass, no warm-up)."""
+def torch_ids(models, prompt):
+    """One prompt's ids as the bench encodes it (chat template), on the target's device."""
+    import torch
+
+    from tree_search.prompts import encode_prompt
+
+    device = next(models.target.parameters()).device
+    return torch.tensor([encode_prompt(models.tokenizer, prompt.text, True)], dtype=torch.long, device=device)
+
+
+def reply_lengths(models, prompts: list, max_new_tokens: int) -> tuple[list[int], float]:
+    """Our plain greedy decoding (`ar`) of every prompt: its reply lengths (they plan the tables: every lossless
+    greedy method writes the same replies) and the seconds it took."""
     from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
 
     cfg = BenchConfig(methods=("ar",), repeats=1, warmup=0, max_new_tokens=max_new_tokens, temperature=0.0)
     result = run_benchmark(models, prompts, resolve_methods(cfg.methods), cfg, progress=False)
     records = result["batches"]["1"]["runs"]["ar"][0]["records"]
-    return sum(r["wall_time"] for r in records) / len(records)
+    return [r["new_tokens"] for r in records], sum(r["wall_time"] for r in records)
 
 
-def fit_budget(records: list[dict], cfg, repeats: int, decodes: int, decode_s: float, budget_s: float,
-               seconds_left: float) -> tuple:
-    """The largest measurement projected to fit `seconds_left`: every method decodes every question `repeats` times
-    after one warm-up decode, each costing `decode_s` (`ar`'s time; most methods are faster, so the projection errs
-    towards fitting), `decodes` = methods over both tables. Cuts repeats first (down to 1: every question measured
-    once tells more than fewer measured twice), then questions per category (down to 1), then questions (down to 1,
-    in file order: whole categories go). -> (cfg, repeats, the record of what was asked, kept and cut)."""
-    from benchmarks.bench import BenchConfig
+def plan_tables(costs: dict, prompt_tokens: list[int], lengths: list[int], tables: dict, repeats: int,
+                seconds_left: float) -> dict:
+    """What the tables measure within `seconds_left`: every question for each of our methods, `repeats` times (cut
+    down to 1 first where even our methods' decodes alone do not fit); a baseline's questions, the slowest baseline
+    first, cut to the leading share that fits (zero: not run). A decode costs its method's probed seconds per prompt
+    token times the question's prompt tokens plus per new token times its greedy reply's length (the sampled
+    table's replies assumed as long). -> {"repeats", "shares": {table: {method: questions}}, "projected_s",
+    "cuts", "summary"}."""
+    from benchmarks.methods import HF_KINDS, LLAMA_CPP
 
-    warmup = BenchConfig().warmup
+    n = len(lengths)
 
-    def questions(c) -> int:
-        return len(heldout_questions(records, c.per_category, c.bench_prompts))
+    def seconds(table: str, method: str, k: int, r: int) -> float:
+        prompt_s, token_s = costs[table][method]
+        return r * sum(prompt_s * p + token_s * length for p, length in zip(prompt_tokens[:k], lengths[:k]))
 
-    def projected(c, r) -> float:
-        return decode_s * decodes * (warmup + r * questions(c))
+    baselines = {m.name for methods in tables.values() for m in methods if m.kind in (*HF_KINDS, LLAMA_CPP)}
+    ours = [(t, m.name) for t, methods in tables.items() for m in methods if m.name not in baselines]
+    asked = repeats
+    while repeats > 1 and sum(seconds(t, m, n, repeats) + sum(seconds(t, b, n, repeats) for b in baselines
+                                                               if b in costs[t]) for t, m in ours) > seconds_left:
+        repeats -= 1  # (a crude first cut: repeats go before any baseline's questions)
+    shares = {name: n for name in baselines}
+    total = lambda: (sum(seconds(t, m, n, repeats) for t, m in ours)  # noqa: E731
+                     + sum(seconds(t, b, shares[b], repeats) for t in tables for b in baselines if b in costs[t]))
+    per_question = {b: sum(seconds(t, b, n, 1) for t in tables if b in costs[t]) / max(n, 1) for b in baselines}
+    for slowest in sorted(baselines, key=per_question.get, reverse=True):
+        while shares[slowest] > 0 and total() > seconds_left:
+            shares[slowest] -= 1
+    cuts = ([f"repeats {asked} -> {repeats}"] if repeats != asked else []) + [
+        f"`{b}` (a baseline, {per_question[b]:.1f} s a question) on the first {shares[b]} of {n} questions"
+        if shares[b] else f"`{b}` (a baseline, {per_question[b]:.1f} s a question) not run"
+        for b in sorted(baselines, key=per_question.get, reverse=True) if shares[b] < n]
+    reason = (f"projected {total():.0f} s with {seconds_left:.0f} s left: each method's cost per prompt and per token "
+              f"after a warm-up, times the greedy replies' lengths ({sum(lengths)} tokens over {n} questions)")
+    summary = (f"Cut to fit the time budget: {'; '.join(cuts)} ({reason}); our methods decode every question"
+               if cuts else f"Within budget: {reason}")
+    return {"repeats": repeats, "shares": {t: {m.name: shares[m.name] for m in methods if m.name in baselines}
+                                           for t, methods in tables.items()},
+            "seconds_left": seconds_left, "projected_s": total(), "cuts": cuts, "summary": summary,
+            "per_question_s": per_question}
 
-    asked, asked_repeats = cfg, repeats
-    while repeats > 1 and projected(cfg, repeats) > seconds_left:
-        repeats -= 1
-    while cfg.per_category > 1 and projected(cfg, repeats) > seconds_left:
-        cfg = replace(cfg, per_category=cfg.per_category - 1)
-    while questions(cfg) > 1 and projected(cfg, repeats) > seconds_left:
-        cfg = replace(cfg, bench_prompts=questions(cfg) - 1)
-    cuts = [f"{what} {before} -> {after}" for what, before, after in (
-        ("repeats", asked_repeats, repeats), ("questions per category", asked.per_category, cfg.per_category),
-        ("questions", questions(asked), questions(cfg))) if before != after]
-    reason = (f"plain decoding (ar) took {decode_s:.2f} s a question, so the asked {questions(asked)} questions x "
-              f"{asked_repeats} repeats x {decodes} methods projected {projected(asked, asked_repeats):.0f} s with "
-              f"{seconds_left:.0f} s left of the {budget_s / 60:g}-min budget (--budget-minutes)")
-    summary = f"Cut to fit the time budget: {', '.join(cuts)} ({reason})" if cuts else f"Within budget: {reason}"
-    budget = {"budget_s": budget_s, "seconds_left": seconds_left, "ar_seconds_per_question": decode_s,
-              "asked": {"questions": questions(asked), "per_category": asked.per_category, "repeats": asked_repeats},
-              "kept": {"questions": questions(cfg), "per_category": cfg.per_category, "repeats": repeats},
-              "projected_s": projected(cfg, repeats), "cuts": cuts, "summary": summary}
-    return cfg, repeats, budget
+
+def measure_tables(models, records: list[dict], cfg, tables: dict, repeats: int, budget_s: float, started: float,
+                   progress: bool, clock=time.perf_counter) -> dict:
+    """The greedy and sampled tables on the same held-out questions, planned to fit what is left of `budget_s`
+    seconds since `started` (`plan_tables`, from `probe_costs` and `reply_lengths`); every method's warm-up is its
+    probe. Each table records the plan, and the result the projection beside the seconds the tables took."""
+    from benchmarks.bench import BenchConfig, run_benchmark
+
+    from tree_search.sampling import resolve_sampling
+
+    prompts = heldout_questions(records, cfg.per_category, cfg.bench_prompts)
+    sampling = {}  # explicit values (top-k and top-p from the target's generation_config), the same for all methods
+    for name, temperature in (("greedy", 0.0), ("sampled", cfg.temperature)):
+        params = resolve_sampling(models.target, temperature, None, None)
+        sampling[name] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+    costs = probe_costs(models, prompts[0], tables, sampling)
+    lengths, _ = reply_lengths(models, prompts, cfg.max_new_tokens)
+    prompt_tokens = [torch_ids(models, p).shape[1] for p in prompts]
+    budget = plan_tables(costs, prompt_tokens, lengths, tables, repeats, budget_s - (clock() - started))
+    out = {"budget": budget, "costs": costs, "reply_lengths": lengths}
+    measuring = clock()
+    for name in sampling:
+        shares = budget["shares"][name]
+        methods = [m for m in tables[name] if shares.get(m.name, 1) > 0]
+        # the bandit learns over the whole pass, as a server answering request after request would: a fresh one
+        # per short answer spends most rounds exploring
+        bench_cfg = BenchConfig(methods=tuple(m.name for m in methods), repeats=budget["repeats"], warmup=0,
+                                max_new_tokens=cfg.max_new_tokens, chat_template=True, bandit_memory="pass",
+                                shares=shares, **sampling[name])
+        out[name] = run_benchmark(models, prompts, methods, bench_cfg, progress) | {"budget": budget}
+    budget["took_s"] = clock() - measuring
+    return out
 
 
 def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
@@ -516,7 +579,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="results directory (default: <cache>/results)")
     parser.add_argument("--repeats", type=int, help="benchmark repeats (default: 1 real, 3 toy, 1 with --quick)")
     parser.add_argument("--max-new-tokens", type=int,
-                        help="tokens generated per prompt (default: 32 real, 128 toy; fewer with --quick)")
+                        help="tokens generated per prompt (default: 256 real, a whole reply where it ends sooner; "
+                        "128 toy; fewer with --quick)")
     parser.add_argument("--per-category", type=int,
                         help="real pair: held-out questions per Spec-Bench category (default: 2; 1 with --train, "
                         "which keeps the rebuild and its benchmark within 30 min on 2 cores)")
@@ -561,8 +625,10 @@ def print_real(result: dict) -> None:
     from benchmarks.bench import markdown_report
     from benchmarks.tax import report
 
-    print(f"CPU: {result['cpu']}. Target dtype: {result['dtype']} (the same for every method)\n"
-          f"{result['budget']['summary']}")
+    budget = result["budget"]
+    print(f"CPU: {result['cpu']}. Target dtype: {result['dtype']} (the same for every method), our methods' "
+          f"products {result.get('products', 'float')}\n{budget['summary']}\nThe tables took {budget['took_s']:.0f} s "
+          f"(projected {budget['projected_s']:.0f} s)")
     print("\nThe exactness tax (one forward, as `mamba-draft tax` measures it):\n" + "\n".join(report(result["tax"])))
     for name in ("greedy", "sampled"):
         print(f"\n## {name}\n\n" + markdown_report(result[name]))

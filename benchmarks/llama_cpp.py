@@ -15,6 +15,8 @@ import torch
 
 INSTALL = ("pip install 'mamba-draft[llama-cpp]' (llama-cpp-python; on Intel AMX CPUs with "
            "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON\")")
+MISSING = ("llama.cpp is not in the tables: llama-cpp-python is not installed here; `LLAMA_CPP=1 bash "
+           f"scripts/setup.sh` adds it (or {INSTALL})")
 CONTEXT = 4096  # llama.cpp's context: the longest prompt plus the token budget must fit
 
 

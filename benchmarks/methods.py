@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -131,6 +131,8 @@ class Models:
     plain_assistant: torch.nn.Module | None = None
     llama_cpp: object = None  # llama_cpp.Llama on the target's GGUF file (`llama-cpp`)
     integer_products: bool = False  # ours: the target's GGUF codes multiplied as integers (`--products int8`)
+    static_cache: object = None  # ours: the target's static cache (its packed CPU step), handed from pass to pass
+    verify_costs: dict = field(default_factory=dict)  # ours: the decoders' measured verify costs, shared likewise
 
     def for_hf(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """(target, assistant) of the hf-* methods."""
@@ -215,8 +217,13 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
                                               tokenizer=models.tokenizer, lookup_tokens=lookup,
                                               integer_products=models.integer_products)
 
-    result, wall = timed(lambda: decoders[lookup].generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                                           seed=seed, **sampling), ids.device)
+    decoder = decoders[lookup]
+    if decoder.static_cache is None:  # every pass decodes on one packed target step (packing one costs a second)
+        decoder.static_cache = models.static_cache
+    decoder.costs = models.verify_costs  # and plans from one measurement of the verify costs
+    result, wall = timed(lambda: decoder.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                                  seed=seed, **sampling), ids.device)
+    models.static_cache = decoder.static_cache
     s = result.stats
     record = {"new_tokens": s.new_tokens, "wall_time": wall, "rounds": len(s.accepted_lengths),
               "accepted": sum(s.accepted_lengths), "draft_time": s.draft_time, "verify_time": s.verify_time,

@@ -51,7 +51,7 @@ class RealPairConfig:
     # benchmark
     per_category: int = 2                 # held-out questions per Spec-Bench category
     bench_prompts: int | None = None      # cap on benchmark prompts (the CI smoke run)
-    max_new_tokens: int = 32              # 26 questions x each table's methods; demo.fit_budget cuts to 10 min
+    max_new_tokens: int = 256             # whole replies (or this many tokens); demo.plan_tables fits 10 min
     temperature: float = 0.7              # the sampling table's temperature
     tax_repeats: int = 7                  # timed calls per forward of the exactness tax (`mamba-draft tax`: 25)
     # rebuild (--train)

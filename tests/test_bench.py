@@ -260,7 +260,7 @@ def fake_runs(rates: dict[str, list[float]], categories=("a", "b")) -> dict:
             for name, per_repeat in rates.items()}
 
 
-def test_speedups_are_against_the_faster_of_ar_and_hf_ar_repeat_by_repeat():
+def test_speedups_are_against_the_fastest_baseline_repeat_by_repeat():
     """hf-ar is faster in repeat 0, ar in repeat 1: the headline speedup divides by the faster one each time (against
     ar alone it would read 3.0x in repeat 0); per-prompt and batch summaries, per category too."""
     from benchmarks import bench
@@ -277,18 +277,28 @@ def test_speedups_are_against_the_faster_of_ar_and_hf_ar_repeat_by_repeat():
         assert s["speedup_vs_hf-ar"] == [pytest.approx(1.5), pytest.approx(3.0)]
     assert bench.summarize(parse_method("ar"), runs, prompts, None, by_prompt=True)["speedup"] == [0.5, 1.0]
 
-    def result(runs):
-        cfg = {"max_new_tokens": 4, "temperature": 0.0, "repeats": 2, "bandit_memory": "call", "batch_sizes": [1]}
+    def result(runs, shares=None):
+        cfg = {"max_new_tokens": 4, "temperature": 0.0, "repeats": 2, "bandit_memory": "call", "batch_sizes": [1],
+               "shares": shares}
         methods = {n: bench.summarize(parse_method(n), runs, prompts, None, by_prompt=True) for n in runs}
         return {"config": cfg, "prompts": prompts, "device": "CPU", "reference": "ar",
                 "baselines": bench.baselines_of(runs), "batches": {"1": {"methods": methods, "runs": runs}}}
 
     md = bench.markdown_report(result(runs))
     assert "| speedup vs best of ar/hf-ar | vs ar | vs hf-ar |" in md and "| 1.50 ± 0.00× | 2.25 ± 1.06× |" in md
-    assert "faster of `ar` (our plain decoding) and `hf-ar`" in md and "Speedup vs best of ar/hf-ar (τ)" in md
-    # one baseline ran: the speedups are against it, and the table says which one did not run
+    assert "fastest of `ar`, `hf-ar` (our plain decoding" in md and "Speedup vs best of ar/hf-ar (τ)" in md
+    # llama.cpp is a baseline too; a slow baseline cut to the first prompt (a share) rates over that prompt alone
+    runs = fake_runs({"ar": [10, 10], "hf-ar": [5, 5], "llama-cpp": [15, 15], "chain:5": [30, 30]})
+    runs["hf-ar"] = [{"records": run["records"][:1], "arms": {}} for run in runs["hf-ar"]]
+    single = bench.summarize(parse_method("chain:5"), runs, prompts, None, by_prompt=True)
+    assert single["speedup"] == [pytest.approx(2.0)] * 2 and single["speedup_vs_hf-ar"] == [pytest.approx(6.0)] * 2
+    assert "speedup_vs_hf-ar" in single["categories"]["a"] and "speedup_vs_hf-ar" not in single["categories"]["b"]
+    md = bench.markdown_report(result(runs, shares={"hf-ar": 1}))
+    assert "| speedup vs best of ar/hf-ar/llama-cpp | vs ar | vs hf-ar | vs llama-cpp |" in md
+    assert "`hf-ar` decoded the first 1 of the 2 prompts" in md
+    assert "| hf-ar | 0.33× (τ 1.00) | – |" in md  # hf-ar has no rate in category b
     alone = bench.markdown_report(result(fake_runs({"ar": [10, 20], "chain:5": [30, 30]})))
-    assert "| speedup vs ar (hf-ar not run) | drafter state |" in alone and "| 2.25 ± 1.06× | – |" in alone
+    assert "| speedup vs ar (hf-ar, llama-cpp not run) | drafter state |" in alone and "| 2.25 ± 1.06× | – |" in alone
 
 
 def test_hf_methods_run_transformers_generate_on_a_plain_copy(tiny_pair, tmp_path, monkeypatch):

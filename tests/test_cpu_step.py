@@ -284,6 +284,23 @@ def test_integer_products_without_coded_weights_are_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_products_auto_multiplies_a_ggufs_codes_as_integers_where_the_cpu_has_integer_dot_products(monkeypatch,
+                                                                                                   capsys):
+    from mamba_draft import targets
+
+    coded, plain = _model("llama", torch.float32, gguf=True), _model("llama", torch.float32)
+    monkeypatch.setattr("mamba_draft.devices.cpu_info", lambda field: "fpu sse2 avx avx2 fma")
+    targets._say_auto_products.cache_clear()
+    assert targets.integer_products("auto", coded, "coded") and not targets.integer_products("auto", plain)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--products auto multiplies coded's GGUF codes as integers" in err
+    assert not targets.integer_products("float", coded) and targets.integer_products("int8", coded)
+    monkeypatch.setattr("mamba_draft.devices.cpu_info", lambda field: "fpu sse2 avx")  # no integer dot products
+    assert not targets.integer_products("auto", coded)
+    with pytest.raises(ValueError, match="products must be one of auto, float, int8, got 'fast'"):
+        targets.integer_products("fast", coded)
+
+
 def test_the_kernels_build_with_the_machines_own_instructions(tmp_path):
     """The first build attempt (-march=native, OpenMP) succeeds: a source error would otherwise fall back, with a
     warning, to the portable build, right but several times slower."""

@@ -1,5 +1,6 @@
-"""The real demo's time budget: plain decoding's measured speed projects the tables, and repeats, questions per
-category and then questions are cut until the projection fits; the tables and the JSON say what was cut."""
+"""The real demo's time plan: each method's measured costs per prompt and per token and the greedy replies' lengths
+project the tables; repeats, then the slowest baseline's questions are cut until the projection fits, never our
+methods' questions; the tables and the JSON say what was cut and the projection beside the real time."""
 from __future__ import annotations
 
 import json
@@ -19,43 +20,82 @@ RECORDS = [{"question_id": 4 * c + i + 1, "category": name, "turns": [text]}
            for i in range(4)]
 
 
-@pytest.mark.parametrize("seconds_left, cuts, kept", [
-    (100, [], (2, 2, 6)),  # 3 decodes x (1 warm-up + 2 repeats x 6 questions) = 39 s fit
-    (25, ["repeats 2 -> 1"], (1, 2, 6)),  # 21 s
-    (10, ["repeats 2 -> 1", "questions per category 2 -> 1", "questions 6 -> 2"], (1, 1, 2)),  # 9 s
-    (0, ["repeats 2 -> 1", "questions per category 2 -> 1", "questions 6 -> 1"], (1, 1, 1)),  # never below one
+def test_questions_take_turns_over_the_categories():
+    questions = demo.heldout_questions(RECORDS, 2)
+    assert [q.category for q in questions] == ["def", "class", "loop"] * 2  # any leading share spans them
+    assert all(int(q.question_id) % 2 == 1 for q in questions)  # held out: odd ids
+    assert [q.question_id for q in demo.heldout_questions(RECORDS, 2, limit=4)] == ["1", "5", "9", "3"]
+
+
+TABLES = {"greedy": resolve_methods(["hf-ar", "llama-cpp", "ar", "default"]),
+          "sampled": resolve_methods(["hf-ar", "ar", "default"])}
+# seconds per prompt token and per new token (the prompts: one token each): hf-ar the slowest baseline, llama.cpp
+# the next
+COSTS = {table: {"hf-ar": (0.5, 0.1), "llama-cpp": (0.2, 0.02), "ar": (0.1, 0.01), "default": (0.1, 0.008)}
+         for table in TABLES}
+del COSTS["sampled"]["llama-cpp"]
+
+
+@pytest.mark.parametrize("seconds_left, repeats, shares", [
+    (1000, 2, {"hf-ar": 4, "llama-cpp": 4}),  # everything fits
+    (150, 1, {"hf-ar": 4, "llama-cpp": 4}),  # repeats go first
+    (60, 1, {"hf-ar": 2, "llama-cpp": 4}),  # then the slowest baseline's questions
+    (20, 1, {"hf-ar": 0, "llama-cpp": 4}),
+    (15, 1, {"hf-ar": 0, "llama-cpp": 1}),  # then the next baseline's; ours never
+    (1, 1, {"hf-ar": 0, "llama-cpp": 0}),
 ])
-def test_fit_budget_cuts_repeats_then_questions_per_category_then_questions(seconds_left, cuts, kept):
-    cfg, repeats, budget = demo.fit_budget(RECORDS, RealPairConfig(per_category=2), 2, decodes=3, decode_s=1.0,
-                                           budget_s=600, seconds_left=seconds_left)
-    assert budget["cuts"] == cuts and (repeats, cfg.per_category, budget["kept"]["questions"]) == kept
-    assert budget["asked"] == {"questions": 6, "per_category": 2, "repeats": 2}
-    assert budget["summary"].startswith("Cut to fit the time budget: " + ", ".join(cuts) if cuts else "Within budget")
-    assert "1.00 s a question" in budget["summary"] and "10-min budget" in budget["summary"]
-    questions = demo.heldout_questions(RECORDS, cfg.per_category, cfg.bench_prompts)
-    assert len(questions) == kept[2] and all(int(q.question_id) % 2 == 1 for q in questions)  # held out: odd ids
+def test_plan_tables_cuts_repeats_then_the_slowest_baselines_questions_never_ours(seconds_left, repeats, shares):
+    lengths = [100, 50, 100, 50]
+    plan = demo.plan_tables(COSTS, [1] * 4, lengths, TABLES, 2, seconds_left)
+    assert plan["repeats"] == repeats
+    assert plan["shares"] == {"greedy": shares, "sampled": {"hf-ar": shares["hf-ar"]}}
+
+    def seconds(table, method, k):
+        prompt_s, token_s = COSTS[table][method]
+        return repeats * sum(prompt_s + token_s * n for n in lengths[:k])
+
+    ours = sum(seconds(t, m, 4) for t in TABLES for m in ("ar", "default"))
+    expected = ours + sum(seconds(t, b, k) for t in TABLES for b, k in plan["shares"][t].items())
+    assert plan["projected_s"] == pytest.approx(expected)
+    assert plan["projected_s"] <= seconds_left or shares == {"hf-ar": 0, "llama-cpp": 0}
+    if shares["hf-ar"] == 4 and repeats == 2:
+        assert plan["cuts"] == [] and plan["summary"].startswith("Within budget: projected")
+    else:
+        assert plan["summary"].startswith("Cut to fit the time budget: ")
+        assert plan["summary"].endswith("our methods decode every question")
+    if 0 < shares["hf-ar"] < 4:
+        assert "`hf-ar` (a baseline, 16.0 s a question) on the first 2 of 4 questions" in plan["cuts"]
+    if shares["hf-ar"] == 0:
+        assert "`hf-ar` (a baseline, 16.0 s a question) not run" in plan["cuts"]
 
 
 def test_demo_tables_measure_what_fits_and_say_what_was_cut(tiny_pair, monkeypatch):  # noqa: F811
-    """A fake clock and a fake 1-s plain decoding: both tables measure the one question that fits, and each table's
-    header and JSON, like the demo's, carry the cut."""
+    """A fake clock and fake probed costs: our methods decode every question, the slowest baseline the leading
+    share that fits; each table's header and JSON, like the demo's, carry the plan, and the result the projection
+    beside the time the tables took."""
     root, _ = tiny_pair
-    tables = {"greedy": resolve_methods(["hf-ar", "ar", "chain:2"]), "sampled": resolve_methods(["ar"])}
+    tables = {"greedy": resolve_methods(["hf-ar", "ar", "chain:2"]), "sampled": resolve_methods(["hf-ar", "ar"])}
     models = load_models([m for methods in tables.values() for m in methods], root / "target", dtype=torch.float32,
                          device="cpu", drafter=root / "drafter")
-    assert demo.time_plain_decoding(models, demo.heldout_questions(RECORDS, 1, 2), 3) > 0  # the real probe runs
-    monkeypatch.setattr(demo, "time_plain_decoding", lambda models, prompts, max_new_tokens: 1.0)
     cfg = RealPairConfig(per_category=2, max_new_tokens=3)
-    # 4 decodes x (1 + 2 x 6) = 52 s asked; 4 x (1 + 1) = 8 s fit the 10 s left
-    out = demo.measure_tables(models, RECORDS, cfg, tables, 2, budget_s=10, started=0.0, progress=False,
+    probed = demo.probe_costs(models, demo.heldout_questions(RECORDS, 1)[0], tables,
+                              {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7}})
+    assert set(probed["greedy"]) == {"hf-ar", "ar", "chain:2"}  # the real probe runs
+    assert all(p >= 0 and t >= 0 for costs in probed.values() for p, t in costs.values())
+    costs = {t: {m.name: (0.0, 1.0 if m.name == "hf-ar" else 0.1) for m in methods} for t, methods in tables.items()}
+    monkeypatch.setattr(demo, "probe_costs", lambda *args: costs)
+    # replies of 3 tokens: ours 3 x 0.3 s + 3 x 0.3 s + ... = 5.4 s for 6 questions; hf-ar 3 s a question per table
+    out = demo.measure_tables(models, RECORDS, cfg, tables, 1, budget_s=20, started=0.0, progress=False,
                               clock=lambda: 0.0)
-    expected = ["repeats 2 -> 1", "questions per category 2 -> 1", "questions 6 -> 1"]
-    assert out["budget"]["cuts"] == expected and out["budget"]["projected_s"] == 8.0
+    assert out["reply_lengths"] == [3] * 6 and out["budget"]["shares"]["greedy"] == {"hf-ar": 2}
+    assert out["budget"]["projected_s"] == pytest.approx(5.4 + 2 * 6) and out["budget"]["took_s"] == 0.0
     for name in ("greedy", "sampled"):
         table = json.loads(json.dumps(out[name]))  # as demo.json stores it
-        assert len(table["prompts"]) == 1 and table["config"]["repeats"] == 1
-        assert table["budget"]["cuts"] == expected
-        assert markdown_report(table).startswith("**Cut to fit the time budget: " + ", ".join(expected))
+        assert len(table["prompts"]) == 6 and table["config"]["shares"] == {"hf-ar": 2}
+        runs = table["batches"]["1"]["runs"]
+        assert len(runs["hf-ar"][0]["records"]) == 2 and len(runs["ar"][0]["records"]) == 6
+        assert markdown_report(table).startswith("**Cut to fit the time budget: `hf-ar` (a baseline, 6.0 s a "
+                                                 "question) on the first 2 of 6 questions")
     assert out["sampled"]["config"]["temperature"] == cfg.temperature
 
 

@@ -6,6 +6,7 @@ from mamba_draft.targets.cache import TargetCache
 from tests.helpers.tree_models import (
     aligned_drafter, encoded_cache, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama, tiny_neox,
 )
+from mamba_draft.tree import TreeConfig
 from tree_search import UCBBandit
 from tree_search.generate import generate, generate_autoregressive
 
@@ -73,6 +74,27 @@ def test_eos_from_the_generation_config(setups):
         assert torch.equal(generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, tree="2,2,1").tokens, expected)
     finally:
         target.generation_config.eos_token_id = None
+
+
+def test_eos_token_id_as_a_tensor_or_numpy_integer(setups):
+    """transformers takes eos_token_id as an int, a list, a tensor or a numpy integer: so does generate; a float or
+    a string is refused in one line before anything runs."""
+    import numpy as np
+
+    target, drafter, ps, refs = setups["llama"]
+    prompt, ref = ps[1], refs[1]
+    eos = int(ref[0, prompt.shape[1] + 12])
+    expected = hf_greedy(target, prompt, NEW_TOKENS, eos_token_id=eos)
+    for given in (torch.tensor(eos), np.int64(eos), torch.tensor([eos, 10**6]), np.array([eos]), [torch.tensor(eos)]):
+        assert torch.equal(generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, tree="2,1",
+                                    eos_token_id=given).tokens, expected), given
+        assert torch.equal(generate_autoregressive(target, prompt, max_new_tokens=NEW_TOKENS,
+                                                   eos_token_id=given).tokens, expected), given
+    for bad, message in ((torch.tensor([1.0]), "must hold integer token ids, got an array of float32"),
+                         ("2", "must be a token id .*, got .2."), (True, "must be a token id .*, got True")):
+        with pytest.raises(ValueError, match=f"^eos_token_id {message}") as err:
+            generate(target, drafter, prompt, max_new_tokens=4, eos_token_id=bad)
+        assert "\n" not in str(err.value)
 
 
 def test_max_new_tokens_inside_an_accepted_path(setups):
@@ -263,7 +285,39 @@ def test_padded_vocabularies_are_accepted_with_a_tokenizer(tmp_path):
 
 
 def test_sliding_window_overflow_is_refused(tmp_path):
+    """A fixed shape that does not fit the window is refused in one line; so is a budget nothing fits."""
     target = tiny_causal_lm("mistral", sliding_window=64)
     drafter = random_drafter(tmp_path / "d", vocab=64)
     with pytest.raises(ValueError, match="sliding-window"):
         generate(target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=40, tree="3,2,2,1,1")
+    for tree in ("auto", "bandit"):
+        with pytest.raises(ValueError, match="sliding-window"):
+            generate(target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=70, tree=tree)
+
+
+@pytest.mark.parametrize("tree", ["auto", "bandit:3,3,2,1/2,1/1,1,1", "bandit-time:none/3,2,2,1,1/1,1"])
+def test_a_policy_decodes_a_sliding_window_target_with_the_arms_that_fit(tmp_path, tree):
+    """The default policy's widest arm (48 nodes), a bandit's 3,3,2,1 (48) or 3,2,2,1,1 (40) does not fit after a
+    3-token prompt and 40 new tokens in a 63-token window: the call decodes with the arms that do, identical to the
+    target's own greedy decoding, instead of being refused (the paper's bandit, none of whose arms fit, is)."""
+    target = tiny_causal_lm("mistral", sliding_window=64)
+    drafter = aligned_drafter(tmp_path / "d", target)
+    for prompt in prompts(64, 4, seed=5, min_len=3, max_len=3):
+        expected = hf_greedy(target, prompt, 40)
+        result = generate(target, drafter, prompt, max_new_tokens=40, tree=tree)
+        assert torch.equal(result.tokens, expected)
+        pulled = [TreeConfig.parse(arm.strip("()")) for arm, stats in result.stats.arms.items() if stats["pulls"]]
+        assert pulled and all(arm.num_nodes <= 20 for arm in pulled)  # 3 + 40 + 20 = 63
+
+
+def test_the_default_policy_fits_its_arms_to_the_targets_max_positions(tmp_path):
+    """3 prompt tokens + 43 new leave a tree depth of 2 in 48 positions: `auto` drafts the shapes that fit."""
+    target = tiny_causal_lm("qwen2", max_position_embeddings=48)
+    drafter = aligned_drafter(tmp_path / "d", target)
+    for prompt in prompts(64, 3, seed=7, min_len=3, max_len=3):
+        result = generate(target, drafter, prompt, max_new_tokens=43)
+        assert torch.equal(result.tokens, hf_greedy(target, prompt, 43))
+        pulled = [TreeConfig.parse(arm.strip("()")) for arm, stats in result.stats.arms.items() if stats["pulls"]]
+        assert pulled and all(arm.depth <= 2 for arm in pulled)
+    with pytest.raises(ValueError, match=r"tree depth \(3\) exceeds the target's 48 max positions"):
+        generate(target, drafter, prompts(64, 1, seed=7, min_len=3, max_len=3)[0], max_new_tokens=43, tree="2,1,1")

@@ -51,6 +51,19 @@ def test_json_output_is_the_targets_greedy_continuation(saved, capsys):
     assert set(report["arms"]) == {"(3,2,1)"}
 
 
+def test_logits_flags_give_target_generates_tokens_with_them(saved, capsys):
+    """--repetition-penalty and --no-repeat-ngram-size: applied at every verified position, as target.generate."""
+    root, target, tokenizer = saved
+    code, out = _run(capsys, "--target", root / "target", "--drafter", root / "drafter", "--prompt", "the cat sat on",
+                     "--tree", "3,2,1", "--max-new-tokens", 24, "--json", "--repetition-penalty", 1.5,
+                     "--no-repeat-ngram-size", 2)
+    prompt = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                               pad_token_id=0, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    assert code == 0 and json.loads(out)["tokens"] == expected[0, prompt.shape[1]:].tolist()
+    assert expected[0].tolist() != hf_greedy(target, prompt, 24)[0].tolist()
+
+
 def test_a_causal_lm_directory_drafts_as_a_transformer_drafter(saved, capsys):
     """`--drafter` takes any HF causal LM sharing the tokenizer: here the target itself, so every draft is right."""
     root, target, tokenizer = saved

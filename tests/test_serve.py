@@ -72,6 +72,17 @@ def test_models_health_and_a_chat_completion_equal_to_generate(server, generator
     assert extra["rounds"] >= 1 and extra["tau"] >= 1 and extra["batch"] == 1
 
 
+def test_penalties_and_logit_bias_equal_generate_with_them(server, generator):
+    """OpenAI's frequency / presence penalties and logit bias reach the engine's logits processors: the reply is
+    what `generate` gives with the same settings, and they change it."""
+    messages = [{"role": "user", "content": "the cat sat on"}]
+    options = {"frequency_penalty": 1.2, "presence_penalty": 0.4, "logit_bias": {"3": 5.0}}
+    want = generator.generate(messages, max_new_tokens=16, temperature=0.0, **options)
+    got = chat(server, "the cat sat on", **options)
+    assert got.choices[0].message.content == want.text
+    assert want.token_ids != generator.generate(messages, max_new_tokens=16, temperature=0.0).token_ids
+
+
 def test_a_stream_carries_the_whole_text_then_usage(server):
     whole = chat(server, "why is the sky blue", max_tokens=20).choices[0].message.content
     chunks = list(chat(server, "why is the sky blue", max_tokens=20, stream=True,
@@ -203,8 +214,9 @@ BAD = [  # (body or raw bytes, status, the error's param or code)
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.0}, 400,
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3.0}, 400,
      "presence_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      400, "response_format"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream"),

@@ -156,12 +156,14 @@ def predicted_speedup(shape: TreeConfig, costs: VerifyCosts, acceptance: Accepta
 
 
 def plan_arms(candidates: tuple[TreeConfig, ...], costs: VerifyCosts, acceptance: Acceptance, draft_level: float,
-              rows: int = 1, keep: int = PLANNED_ARMS) -> list[int]:
-    """Indices into `candidates`: `none` (when it is one) and the `keep` drafting shapes of highest S, best first,
-    those predicted at least `PLAN_FLOOR` of plain decoding's speed."""
-    speed = {i: predicted_speedup(c, costs, acceptance, draft_level, rows) for i, c in enumerate(candidates) if c.depth}
+              rows: int = 1, keep: int = PLANNED_ARMS, allowed=None) -> list[int]:
+    """Indices into `candidates` (those `allowed`, None: all): `none` (when it is one) and the `keep` drafting
+    shapes of highest S, best first, those predicted at least `PLAN_FLOOR` of plain decoding's speed."""
+    allowed = range(len(candidates)) if allowed is None else allowed
+    speed = {i: predicted_speedup(candidates[i], costs, acceptance, draft_level, rows) for i in allowed
+             if candidates[i].depth}
     scored = sorted((i for i in speed if speed[i] >= PLAN_FLOOR), key=lambda i: -speed[i])
-    none = [i for i, c in enumerate(candidates) if not c.depth]
+    none = [i for i in allowed if not candidates[i].depth]
     return (none + scored[:keep]) or [max(speed, key=speed.get)]  # candidates without `none`: the best shape
 
 
@@ -203,9 +205,9 @@ class PlannedBandit(UCBBandit):
         self.best = 1.0  # the planned arms' best S (`none`: 1)
         self.draft_levels: deque[float] = deque(maxlen=DRAFT_SAMPLES)  # seconds per level of recent drafted rounds
 
-    def start_call(self, rows: int = 1, costs=None) -> None:
+    def start_call(self, rows: int = 1, costs=None, fits: tuple[int, ...] | None = None) -> None:
         """costs: a callable measuring `VerifyCosts` up to a number of tokens (called when the ones kept do not
-        cover this call's widest forward)."""
+        cover this call's widest forward); fits: the candidates this call may plan (None: all)."""
         if not self.persistent:
             self.reset()
         elif rows != self.rows:
@@ -213,7 +215,8 @@ class PlannedBandit(UCBBandit):
             self.reset()
             self.acceptance, self.lookup, self.draft_levels = learnt
         self.rows = rows
-        widest = rows * (max(a.num_nodes for a in self.arms) + 1)
+        self.fits = tuple(range(len(self.arms))) if fits is None else tuple(fits)
+        widest = rows * (max(self.arms[k].num_nodes for k in self.fits) + 1)
         if self.costs is None or self.costs.covers < widest:
             if costs is None:
                 raise ValueError("auto plans its arms from the target's verify costs: start_call needs `costs`")
@@ -229,7 +232,8 @@ class PlannedBandit(UCBBandit):
         return PRIOR_DRAFT_LEVEL * self.costs(self.rows)
 
     def plan(self) -> None:
-        self.active = tuple(plan_arms(self.arms, self.costs, self.acceptance, self.draft_level, self.rows))
+        self.active = tuple(plan_arms(self.arms, self.costs, self.acceptance, self.draft_level, self.rows,
+                                      allowed=self.fits))
         self.best = max(predicted_speedup(self.arms[k], self.costs, self.acceptance, self.draft_level, self.rows)
                         for k in self.active)
 

@@ -79,16 +79,19 @@ class UCBBandit:
     def reset(self) -> None:
         """Forget all pulls and rewards (and the online cost-ratio and throughput estimates)."""
         self.stats = [ArmStats() for _ in self.arms]
-        self.active = tuple(range(len(self.arms)))  # the arms `select` may pull (`arms.PlannedBandit` plans them)
+        self.fits = tuple(range(len(self.arms)))  # the arms this call's target cache holds (`start_call`)
+        self.active = self.fits  # the arms `select` may pull (`arms.PlannedBandit` plans them)
         self.rounds = 0
         self._cost_ratio_sum, self._cost_ratio_n = 0.0, 0
         self._seconds, self._tokens = 0.0, 0  # all rounds (the time reward's scale)
 
-    def start_call(self, rows: int = 1, costs=None) -> None:
+    def start_call(self, rows: int = 1, costs=None, fits: tuple[int, ...] | None = None) -> None:
         """Called by `generate` at the start of every call (`rows` prompts; `costs`: what `arms.PlannedBandit`
-        plans from, unused here): resets unless persistent."""
+        plans from, unused here; `fits`: the arms this call may pull, None: all): resets unless persistent."""
         if not self.persistent:
             self.reset()
+        self.fits = tuple(range(len(self.arms))) if fits is None else tuple(fits)
+        self.active = self.fits
 
     def observe(self, tree, paths: list[list[int]], lookup: bool = False) -> None:
         """A verified tree (`lookup`: a prompt-lookup chain) and each row's accepted path (`arms.PlannedBandit` learns

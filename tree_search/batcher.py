@@ -1,7 +1,7 @@
 """Requests decoded together: a `Batcher` owns the engine (a `SpeculativeGenerator`'s decoder) and one worker thread.
 
-When the engine is free, the worker takes every waiting request that samples like the first one (same temperature and
-top-p), up to `max_batch`, and decodes them as one batch (`SpeculativeDecoder.generate` on a list of prompts): rows
+When the engine is free, the worker takes every waiting request that samples like the first one (same temperature,
+top-p, penalties and logit bias), up to `max_batch`, and decodes them as one batch (`SpeculativeDecoder.generate` on a list of prompts): rows
 leave the batch at their own EOS, budget or stop string, and a request whose client went away (`cancel`) leaves it
 at the next round. Requests that arrive meanwhile wait for the next batch; a full queue refuses them (`QueueFull`).
 A greedy row's tokens do not depend on the rows beside it (the engine's batch invariance), so a request gets the
@@ -37,6 +37,7 @@ class Request:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    shaping: tuple = ()  # (name, value) logits settings (`processors.Shaping` fields: penalties, logit bias)
     on_text: Callable[[str], None] | None = None
     on_done: Callable[[], None] | None = None  # called from the worker thread once the request has finished
     tokens: list[int] = field(default_factory=list)
@@ -50,8 +51,8 @@ class Request:
 
     @property
     def sampling(self) -> tuple:
-        """Requests that decode together sample alike."""
-        return self.temperature, self.top_p
+        """Requests that decode together sample and shape their logits alike."""
+        return self.temperature, self.top_p, self.shaping
 
     def take(self, tokens: list[int], tokenizer, eos: set[int]) -> bool:
         """A round's committed tokens -> whether the row goes on (False: cancelled, budget spent, a stop string)."""
@@ -163,7 +164,7 @@ class Batcher:
         seeds = [r.seed for r in batch]  # a row without a seed draws one: rows never share a random stream
         result = self.decoder.generate(
             [r.ids for r in batch], max_new_tokens=max(r.max_tokens for r in batch), temperature=first.temperature,
-            top_p=first.top_p, seed=None if all(s is None for s in seeds) else
+            top_p=first.top_p, **dict(first.shaping), seed=None if all(s is None for s in seeds) else
             [random.randrange(2**31) if s is None else s for s in seeds],
             on_tokens=lambda row, tokens: batch[row].take(tokens, self.tokenizer, self.eos))
         seconds = time.perf_counter() - start

@@ -169,6 +169,8 @@ class Call:
     verifier: Verifier | None = None
     lookup_tokens: int = 0  # prompt-lookup proposal length of this call (0: none)
     on_tokens: object = None  # (prompt, committed tokens) -> False to stop that row (`CallOptions.on_tokens`)
+    fits: tuple[int, ...] | None = None  # the policy's arms the target's cache holds this call (None: all)
+    processors: object = None  # `processors.CallProcessors` (None: no logits processors this call)
     out: list[list[int]] = field(default_factory=list)  # committed new tokens per prompt
     active: list[int] = field(default_factory=list)  # batch row i holds prompt active[i]
     recorder: Recorder | None = None

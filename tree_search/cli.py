@@ -10,11 +10,11 @@ import yaml
 
 from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.dtypes import DTYPES
+from mamba_draft.targets import PRODUCTS
 from tree_search.plan import plan_call
 from tree_search.policy import GRAMMAR, parse_policy
 from tree_search.sampling import resolve_sampling
 
-PRODUCTS = ("float", "int8")  # --products: the target's own float products, or integer ones (TargetCache)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, shape=None) -> None:
@@ -39,11 +39,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, shape=None) -> None:
                         help="target and drafter dtype (auto, the default: bfloat16 where the device has native bf16 "
                         "products, else float32; float32 for a Llama-family GGUF on a CPU, whose compiled step is "
                         "faster in fp32, said in one line)")
-    parser.add_argument("--products", choices=PRODUCTS, default="float",
-                        help="the target's products on a CPU: float (the default), the model's own in its dtype; "
-                        "int8, a GGUF's Q4_1 / Q8_0 codes multiplied as integers with activations quantized to 8 bits "
-                        "per block of 32, llama.cpp's numerics (faster; output equal to plain decoding with --products "
-                        "int8; best with --dtype float32)")
+    parser.add_argument("--products", choices=PRODUCTS, default="auto",
+                        help="the target's products on a CPU: int8, a GGUF's Q4_1 / Q8_0 codes multiplied as integers "
+                        "with activations quantized to 8 bits per block of 32, llama.cpp's numerics (output equal to "
+                        "plain decoding with the same products); float, the model's own in its dtype (transformers' "
+                        "numerics); auto (the default): int8 for a GGUF-coded target on a CPU with AVX2 or wider, "
+                        "where it is faster, said in one line; else float")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "it sets do_sample)")
     parser.add_argument("--top-p", type=float, help="nucleus mass when sampling (default: generation_config, 1.0)")
     parser.add_argument("--top-k", type=int, help="top-k when sampling, 0 = off (default: generation_config, 50)")
+    for flag, kind, text in (
+            ("--repetition-penalty", float, "transformers' repetition penalty (> 1 discourages repeats)"),
+            ("--no-repeat-ngram-size", int, "never repeat an n-gram of this size"),
+            ("--min-new-tokens", int, "no EOS before this many new tokens"),
+            ("--frequency-penalty", float, "OpenAI's: minus this times each token's count among the new tokens"),
+            ("--presence-penalty", float, "OpenAI's: minus this for each token among the new tokens")):
+        parser.add_argument(flag, type=kind, help=f"{text}; applied at every verified position, losslessly "
+                            "(default: the target's generation_config)")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="send the prompt as raw text (default: the tokenizer's chat template, when it has one)")
     parser.add_argument("--system-prompt", help="system message placed before the prompt by the chat template")
@@ -95,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     streamer = None if args.json else TextStreamer(generator.tokenizer, skip_prompt=True)
     result = generator.generate(text, max_new_tokens=args.max_new_tokens, system_prompt=args.system_prompt,
                                 chat_template=not args.no_chat_template, seed=args.seed, streamer=streamer,
-                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                **{name: getattr(args, name) for name in LOGITS_FLAGS})
     stats = result.stats
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.token_ids, "target_dtype": dtype, **stats.to_dict()}))
@@ -120,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+LOGITS_FLAGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "frequency_penalty",
+                "presence_penalty")  # generate's logits processors (`tree_search.processors`)
+
+
 def load_generator(args: argparse.Namespace, drafter, sampling, *, prompt_lookup: bool = False,
                    lookup_tokens: int | None = None, batched: bool = False, command: str = "generate"):
     """The `SpeculativeGenerator` of `add_model_arguments`' flags: the model names and the call's plan checked
@@ -142,7 +156,7 @@ def load_generator(args: argparse.Namespace, drafter, sampling, *, prompt_lookup
     return SpeculativeGenerator(args.target, drafter, device=defaults.device, dtype=args.dtype, tree=spec,
                                 verifier=args.verifier, verifier_params=verifier_params, prompt_lookup=prompt_lookup,
                                 lookup_tokens=plan.lookup_tokens if drafter is not None else lookup_tokens,
-                                integer_products=args.products == "int8")
+                                products=args.products)
 
 
 def fail(message: str, command: str = "generate"):

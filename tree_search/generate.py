@@ -27,6 +27,7 @@ from tree_search.calls import (
 )
 from tree_search.plan import batch_prompts, check_models, eos_set, is_batch, plan_call, row_seeds
 from tree_search.policy import is_auto, parse_policy
+from tree_search.processors import CallProcessors, shaping_of
 from tree_search.proposers import Proposers, Round, draft_mode, records_probs
 from tree_search.proposers.tree import TreeDrafter
 from tree_search.sampling import choose, resolve_sampling
@@ -34,6 +35,8 @@ from tree_search.verifiers import Verifier, VerifyInput, VerifyResult
 from tree_search.verifiers.greedy import greedy_walk
 
 PLAIN = VerifyResult(path=[], next_token=0)  # what a plain decoding step counts as (no lossy accepts, no info)
+PROCESSOR_OPTIONS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "min_new_tokens",
+                     "frequency_penalty", "presence_penalty", "logit_bias")  # CallOptions' logits settings
 PROBE_CONTEXT = 16  # prompt tokens the verify-cost probe runs after
 PROBE_SLOTS = 48  # cache slots the probe's forwards leave (one each)
 
@@ -52,6 +55,15 @@ class CallOptions:
     attention_mask: torch.Tensor | None = None
     on_tokens: Callable[[int, list[int]], bool] | None = None  # each round, per row: its committed tokens; False
     #                                                             stops that row there (a client gone, a stop string)
+    # logits processors (None: the target's generation_config, as target.generate; `tree_search.processors`)
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    bad_words_ids: list[list[int]] | None = None
+    suppress_tokens: list[int] | None = None
+    min_new_tokens: int | None = None
+    frequency_penalty: float | None = None  # OpenAI's penalties and bias, on the new tokens
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
 
 
 class SpeculativeDecoder:
@@ -100,16 +112,21 @@ class SpeculativeDecoder:
                          streamer=options.streamer is not None)
         ids, mask, lengths = batch_prompts(prompts, options.attention_mask)
         seeds = row_seeds(options.seed, len(lengths))
-        check_models(plan, self.target, self.drafter, self.tokenizer, self.policy, ids, lengths,
-                     options.max_new_tokens, self.tree_mask_ok)
+        plan = check_models(plan, self.target, self.drafter, self.tokenizer, self.policy, ids, lengths,
+                            options.max_new_tokens, self.tree_mask_ok)
         verifier = plan.verifier
         name, lossless = (verifier.name, verifier.lossless) if verifier is not None else ("autoregressive", True)
         stats = [GenerateStats(prompt_tokens=n, verifier=name, lossless=lossless, sampling=asdict(params))
                  for n in [sum(lengths), *lengths]]
         generators = None if seeds is None else [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
-        return Call(ids.to(self.device), mask.to(self.device), lengths, batched,
-                    options.max_new_tokens, params, eos_set(self.target, options.eos_token_id), stats[0], stats[1:],
-                    generators, options.streamer, verifier, plan.lookup_tokens, options.on_tokens)
+        eos = eos_set(self.target, options.eos_token_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        processors = CallProcessors.of(shaping_of(getattr(self.target, "generation_config", None), **{
+            name: getattr(options, name) for name in PROCESSOR_OPTIONS}), [row[keep.bool()] for row, keep in zip(
+                ids, mask)], eos)
+        return Call(ids, mask, lengths, batched, options.max_new_tokens, params, eos, stats[0], stats[1:],
+                    generators, options.streamer, verifier, plan.lookup_tokens, options.on_tokens, fits=plan.fits,
+                    processors=processors)
 
     def start(self, call: Call, widest: int) -> TargetCache:
         """Start the clock and the stream; the target cache with every prompt but its last token prefilled (that
@@ -135,8 +152,13 @@ class SpeculativeDecoder:
     def speculate(self, call: Call) -> GenerateResult | BatchGenerateResult:
         """Rounds of select -> propose -> verify -> commit -> accept -> update for all rows until each has finished."""
         policy = self.policy
-        widest = max(call.lookup_tokens, *(a.num_nodes for a in policy.arms)) + 1
-        policy.start_call(call.batch, lambda tokens: self.verify_costs(call, tokens))
+        fits = range(len(policy.arms)) if call.fits is None else call.fits
+        widest = max(call.lookup_tokens, *(policy.arms[k].num_nodes for k in fits)) + 1
+        costs = lambda tokens: self.verify_costs(call, tokens)  # noqa: E731
+        if call.fits is None:
+            policy.start_call(call.batch, costs)
+        else:  # arms the cache cannot hold this call are not pulled (`plan.fit_arms`: a bandit's)
+            policy.start_call(call.batch, costs, call.fits)
         target, rec = self.start(call, widest), call.recorder
         proposers, roots = Proposers(self, call, widest), call.ids[:, -1]
         while True:
@@ -188,6 +210,8 @@ class SpeculativeDecoder:
         first). A root-only draft is a plain decoding step, sampled as `decode_plainly` samples."""
         verifier, params = call.verifier, call.params
         scores, hidden = target.tree_forward(draft.tokens, draft.tree, need_hidden or verifier.needs_hidden)
+        if call.processors is not None:  # each node's scores after its own sequence, as target.generate's
+            scores = call.processors.tree(scores, draft.tokens, draft.tree.parents, call.active, call.out)
         if len(draft.tree) == 1:
             plain = choose(scores[:, 0], params, call.generators)
             return [PLAIN] * len(plain), [[t] for t in plain.tolist()], plain, hidden
@@ -213,6 +237,8 @@ class SpeculativeDecoder:
         target, rec = self.start(call, 1), call.recorder
         logits = target.decode(call.ids[:, -1])
         while True:
+            if call.processors is not None:
+                logits = call.processors.plain(logits, call.active, call.out)
             tokens = choose(logits, call.params, call.generators)
             proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
             _, finished = call.emit(proposed, [PLAIN] * len(proposed))

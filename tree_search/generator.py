@@ -79,17 +79,19 @@ class TextResult:
 
 class SpeculativeGenerator:
     """A target and a drafter (names or loaded models) with their tokenizer and the engine (`SpeculativeDecoder`);
-    drafter None decodes plainly. device / dtype: `run_defaults` unless given (a loaded target keeps its own); the
-    other options as `tree_search.generate` takes them.
+    drafter None decodes plainly. device / dtype: `run_defaults` unless given (a loaded target keeps its own);
+    products: the target's products on a CPU (`targets.integer_products`: auto, float or int8); the other options as
+    `tree_search.generate` takes them.
     """
 
     def __init__(self, target, drafter=None, *, tokenizer=None, device: str | None = None,
                  dtype: str | torch.dtype = "auto", tree=None, verifier=None, verifier_params: dict | None = None,
-                 prompt_lookup: bool = False, lookup_tokens: int | None = None, integer_products: bool = False) -> None:
+                 prompt_lookup: bool = False, lookup_tokens: int | None = None, products: str = "auto") -> None:
         from mamba_draft import load_drafter
-        from mamba_draft.targets import load_causal_lm, load_tokenizer
+        from mamba_draft.targets import integer_products, load_causal_lm, load_tokenizer
 
         named = isinstance(target, (str, os.PathLike))
+        name = str(target) if named else None
         if named:
             check_model_name(target, "target")
         elif tokenizer is None:
@@ -106,7 +108,7 @@ class SpeculativeGenerator:
         self.decoder = SpeculativeDecoder(target, drafter, tree=defaults.tree if tree is None else tree,
                                           verifier=verifier, verifier_params=verifier_params, tokenizer=self.tokenizer,
                                           prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens,
-                                          integer_products=integer_products)
+                                          integer_products=integer_products(products, target, name))
 
     def encode(self, prompt, system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
         """Token ids of one prompt: a string (`encode_prompt`) or a list of {"role", "content"} messages."""

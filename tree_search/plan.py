@@ -4,7 +4,7 @@ support). The engine, the CLI and the bench's regenerate command call the same t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -12,6 +12,7 @@ from torch.nn.utils.rnn import pad_sequence
 from mamba_draft.checkpoint import check_draft_ids
 from mamba_draft.targets.facts import local_window, max_positions, target_vocab_size, window_capacity
 from mamba_draft.targets.tree_mask import check_tree_support
+from tree_search.bandit import UCBBandit
 from tree_search.policy import TreePolicy, is_auto
 from tree_search.sampling import SamplingParams
 from tree_search.verifiers import Verifier, get_verifier
@@ -28,6 +29,7 @@ class Plan:
     lookup_tokens: int = 0  # prompt-lookup rounds of up to this many tokens (0: none)
     depth: int = 0  # the deepest proposal a round verifies
     nodes: int = 0  # the most tokens a round proposes
+    fits: tuple[int, ...] | None = None  # the policy's arms this call's target cache holds (None: all; `fit_arms`)
 
 
 def plan_call(policy: TreePolicy | None, sampling: SamplingParams, *, verifier: str | Verifier | None = None,
@@ -50,14 +52,37 @@ def plan_call(policy: TreePolicy | None, sampling: SamplingParams, *, verifier: 
 
 
 def check_models(plan: Plan, target: torch.nn.Module, drafter, tokenizer, policy: TreePolicy | None,
-                 ids: torch.Tensor, lengths: list[int], max_new_tokens: int, tree_mask_ok: set | None = None) -> None:
-    """Check a planned call against its models and prompts (`ids` (B, L) left-padded, `lengths` per row).
-    tree_mask_ok: the tree-mask probe verdicts the caller keeps (`check_tree_support`)."""
-    check_limits(target, ids, lengths, max_new_tokens, tree_depth=plan.depth, tree_nodes=plan.nodes)
+                 ids: torch.Tensor, lengths: list[int], max_new_tokens: int, tree_mask_ok: set | None = None) -> Plan:
+    """Check a planned call against its models and prompts (`ids` (B, L) left-padded, `lengths` per row) -> the plan
+    fitted to what the target's cache holds for this call (`fit_arms`). tree_mask_ok: the tree-mask probe verdicts
+    the caller keeps (`check_tree_support`)."""
+    check_limits(target, ids, lengths, max_new_tokens)
+    exceeds = lambda depth, nodes: exceeded(target, ids, lengths, max_new_tokens, depth, nodes)  # noqa: E731
+    if policy is not None:
+        plan = fit_arms(plan, policy, exceeds)
+    elif (why := exceeds(0, 0)) is not None:
+        raise ValueError(why)
     if drafter is not None:
         check_drafter_room(drafter, len(lengths), plan.nodes + 1, target_vocab_size(target),
                            max(lengths) + max_new_tokens + plan.depth)
         check_drafter(target, drafter, tokenizer, plan.verifier, policy, tree_mask_ok)
+    return plan
+
+
+def fit_arms(plan: Plan, policy: TreePolicy, exceeds) -> Plan:
+    """The plan narrowed to the policy's arms (and prompt-lookup rounds) the target's cache holds for this call:
+    `exceeds(depth, nodes)` says why a round of that depth and size does not fit, or None. A bandit (`UCBBandit`)
+    pulls only the arms that fit (`Plan.fits`, None: all); a call is refused, in one line, only where no arm fits
+    (or, for another policy, where one does not)."""
+    fits = tuple(k for k, arm in enumerate(policy.arms) if exceeds(arm.depth, arm.num_nodes) is None)
+    if not fits or (len(fits) < len(policy.arms) and not isinstance(policy, UCBBandit)):
+        widest = max(policy.arms, key=lambda arm: arm.num_nodes)
+        raise ValueError(exceeds(widest.depth, widest.num_nodes))
+    lookup = max((k for k in range(plan.lookup_tokens + 1) if exceeds(k, k) is None), default=0)
+    arms = [policy.arms[k] for k in fits]
+    return replace(plan, lookup_tokens=lookup, depth=max(lookup, *(a.depth for a in arms)),
+                   nodes=max(lookup, *(a.num_nodes for a in arms)),
+                   fits=None if len(fits) == len(policy.arms) else fits)
 
 
 def check_drafter(target: torch.nn.Module, drafter, tokenizer, verifier: Verifier, policy: TreePolicy,
@@ -152,11 +177,33 @@ def row_seeds(seed, rows: int) -> list[int] | None:
 
 
 def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
+    """The ids that end a row: `eos_token_id` (None: the target's generation_config's) as an int, a list, a tensor
+    or a numpy integer or array, as transformers takes it; anything else refused in one line."""
     if eos_token_id is None:
         eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
+    return token_ids(eos_token_id, "eos_token_id")
+
+
+def token_ids(value, name: str) -> set[int]:
+    """A set of token ids from None, an int, a numpy integer, a tensor or array of any shape, or a list / tuple /
+    set of those (`name` says which argument is refused)."""
+    import numbers
+
+    import numpy as np
+
+    if value is None:
         return set()
-    return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+    if isinstance(value, torch.Tensor):
+        value = value.numpy(force=True)
+    if isinstance(value, np.ndarray):
+        if not np.issubdtype(value.dtype, np.integer):
+            raise ValueError(f"{name} must hold integer token ids, got an array of {value.dtype}")
+        return {int(v) for v in value.reshape(-1).tolist()}
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return {int(value)}
+    if isinstance(value, (list, tuple, set)):
+        return set().union(*(token_ids(v, name) for v in value))
+    raise ValueError(f"{name} must be a token id (int), a list of them, a tensor or a numpy integer, got {value!r}")
 
 
 def is_batch(input_ids, attention_mask) -> bool:
@@ -232,34 +279,40 @@ def check_batch_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return lengths
 
 
-def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int,
-                 tree_depth: int = 0, tree_nodes: int = 0) -> None:
-    """A call's limits: budget, token ids (pads too: the target embeds them), positions per row, and the sliding
-    window, which the batch cache's shared slots fill at least as fast as the longest row."""
+def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int) -> None:
+    """A call's budget and token ids (pads too: the target embeds them)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     vocab = target_vocab_size(target)
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab:
         raise ValueError(f"token ids (pads included) must lie in [0, {vocab}), got [{low}, {high}]")
+
+
+def exceeded(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int,
+             tree_depth: int, tree_nodes: int) -> str | None:
+    """Why rounds of `tree_depth` and `tree_nodes` do not fit this call's target cache (None: they do): positions
+    per row, and the sliding window, which the batch cache's shared slots fill at least as fast as the longest
+    row."""
     longest = max(lengths)
     limit = max_positions(target)
     if limit is not None and longest + max_new_tokens + tree_depth > limit:
-        raise ValueError(f"the longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) + tree depth "
-                         f"({tree_depth}) exceeds the target's {limit} max positions")
+        return (f"the longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) + tree depth ({tree_depth}) "
+                f"exceeds the target's {limit} max positions")
     window = window_capacity(target)
     if window is not None and ids.shape[1] + max_new_tokens + tree_nodes > window:
-        raise ValueError(f"the padded prompts ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes "
-                         f"({tree_nodes}) exceed {_window_limit(target, window)}")
+        return (f"the padded prompts ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) + tree nodes "
+                f"({tree_nodes}) exceed {_window_limit(target, window)}")
     # A local window has no runtime guard, so bound the shared slots up front: a round adds 1 + its longest accepted
     # path (<= tree depth), and runs only while some row has < max_new_tokens.
     local = local_window(target)
     slots = ids.shape[1] + (max_new_tokens - 1) * (1 + tree_depth) + tree_nodes
     if local is not None and ids.shape[0] > 1 and tree_depth and slots > local:
-        raise ValueError(f"a batch of {ids.shape[0]} prompts may need {slots} slots (padded prompts {ids.shape[1]} + "
-                         f"up to {1 + tree_depth} per round for {max_new_tokens - 1} rounds + tree nodes "
-                         f"{tree_nodes}: shorter accepted paths leave holes) and exceed "
-                         f"{_window_limit(target, local)}; pass fewer max_new_tokens, a shallower tree or one prompt")
+        return (f"a batch of {ids.shape[0]} prompts may need {slots} slots (padded prompts {ids.shape[1]} + up to "
+                f"{1 + tree_depth} per round for {max_new_tokens - 1} rounds + tree nodes {tree_nodes}: shorter "
+                f"accepted paths leave holes) and exceed {_window_limit(target, local)}; pass fewer max_new_tokens, "
+                "a shallower tree or one prompt")
+    return None
 
 
 def _window_limit(target: torch.nn.Module, window: int) -> str:

@@ -40,15 +40,11 @@ class SamplingParams:
 HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 # generation_config fields that make `target.generate` process logits (or search) in ways tree_search does not
-# reproduce: name -> (is it on?, the value that turns it off). Checked only when set (not None).
+# reproduce: name -> (is it on?, the value that turns it off). Checked only when set (not None). Penalties, n-gram
+# and word bans, suppressed tokens and minimum lengths are applied (`tree_search.processors`).
 _SET = (lambda v: True, "None")  # on whenever set
 _NON_EMPTY = (bool, "None")
 _ALWAYS = {
-    "repetition_penalty": (lambda v: v != 1.0, "1.0"),
-    "no_repeat_ngram_size": (lambda v: v > 0, "0"),
-    **dict.fromkeys(("sequence_bias", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens"), _NON_EMPTY),
-    "min_new_tokens": (lambda v: v > 0, "0"),
-    "min_length": (lambda v: v > 1, "0"),  # total length: a prompt has at least one token, so 1 is a no-op
     **dict.fromkeys(("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty"), _SET),
     "guidance_scale": (lambda v: v != 1, "1.0"),
     "num_beams": (lambda v: v > 1, "1"),

@@ -5,9 +5,9 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (a prompt as text or token ids; streamed as server-sent
 events with "stream": true),
 GET /v1/models and GET /health. Sampling as the OpenAI API names it: max_tokens (or max_completion_tokens),
-temperature, top_p, seed, stop; `usage` counts tokens; an extra "speculative" field (τ, rounds, batch size) that
-OpenAI clients ignore. Parameters the engine cannot honour (tools, logprobs, penalties, n > 1, ...) are refused by
-name with an OpenAI-style error object. Requests waiting when the engine is free decode as one batch
+temperature, top_p, seed, stop, frequency_penalty, presence_penalty, logit_bias; `usage` counts tokens; an
+extra "speculative" field (τ, rounds, batch size) that OpenAI clients ignore. Parameters the engine cannot honour
+(tools, logprobs, n > 1, ...) are refused by name with an OpenAI-style error object. Requests waiting when the engine is free decode as one batch
 (`tree_search.batcher`); a greedy request's output is the one `mamba-draft generate` gives for it, whatever else runs.
 """
 from __future__ import annotations
@@ -33,10 +33,11 @@ DEFAULT_MAX_TOKENS = 256  # when a request names none (and the context leaves ro
 MAX_STOPS = 4
 # accepted, and meaningless here (the server keeps no users or stored completions)
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}
-SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n"}
+SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
+            "frequency_penalty", "presence_penalty", "logit_bias"}
 # refused unless absent, null or their no-op value
 UNSUPPORTED = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": None,
-               "logprobs": False, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
+               "logprobs": False, "top_logprobs": 0,
                "response_format": {"type": "text"}, "echo": False, "best_of": 1, "suffix": None, "modalities": None,
                "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None}
 
@@ -276,7 +277,31 @@ def sampling_request(body: dict, ids: list[int], context: int | None) -> Request
         raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop",
                        "invalid_value")
     return Request(ids, max_tokens, None if temperature is None else float(temperature),
-                   None if top_p is None else float(top_p), seed, tuple(stops))
+                   None if top_p is None else float(top_p), seed, tuple(stops), shaping=logits_shaping(body))
+
+
+def logits_shaping(body: dict) -> tuple:
+    """The OpenAI penalties and logit bias as the engine's logits settings (`tree_search.processors`), as sorted
+    (name, value) pairs: requests that shape logits alike decode together."""
+    shaping = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = body.get(name)
+        if value is None or value == 0:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+            raise ApiError(400, f"{name} must be a number in [-2, 2], got {value!r}", name, "invalid_value")
+        shaping[name] = float(value)
+    bias = body.get("logit_bias")
+    if bias:
+        try:  # OpenAI's: {"token id": bias in [-100, 100]}
+            pairs = tuple(sorted((int(token), float(value)) for token, value in bias.items()))
+        except (AttributeError, TypeError, ValueError):
+            pairs = None
+        if pairs is None or not all(-100 <= value <= 100 for _, value in pairs):
+            raise ApiError(400, "logit_bias must map token ids to numbers in [-100, 100]", "logit_bias",
+                           "invalid_value")
+        shaping["logit_bias"] = pairs
+    return tuple(sorted(shaping.items()))
 
 
 def finish(request: Request) -> str:

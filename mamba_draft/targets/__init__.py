@@ -178,6 +178,38 @@ def gguf_architecture(gguf: tuple[Path, str]) -> str | None:
         return None
 
 
+PRODUCTS = ("auto", "float", "int8")  # --products: see `integer_products`
+
+
+def integer_products(products: str, model: torch.nn.Module, name: str | None = None) -> bool:
+    """Whether the engine multiplies `model`'s weights as integers (`cpu_step`'s int8 products) for `--products`:
+    float, never; int8, always (refused in one line where the weights hold no GGUF codes); auto, where the target
+    holds a GGUF's Q4_1 / Q8_0 codes on a CPU with integer dot products (AVX2 or wider): they are its file's own
+    numbers multiplied as llama.cpp multiplies them, and a step costs 0.64-0.75x the float one on every instruction
+    set measured (docs/benchmarks.md), said once in one line; else float."""
+    if products not in PRODUCTS:
+        raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {products!r}")
+    if products != "auto":
+        return products == "int8"
+    from ..devices import cpu_info
+    from . import cpu_step
+
+    device = next(model.parameters()).device
+    if device.type != "cpu" or "avx2" not in cpu_info("flags").split() or not cpu_step.applies(model):
+        return False
+    if cpu_step.encode(model.model.layers[0].self_attn.q_proj.weight)[1] not in (4, 8):
+        return False
+    _say_auto_products(name or type(model).__name__)
+    return True
+
+
+@functools.cache
+def _say_auto_products(target: str) -> None:
+    print(f"mamba-draft: --products auto multiplies {target}'s GGUF codes as integers (activations in 8 bits per "
+          "block of 32, llama.cpp's numerics; faster on every CPU kind measured); --products float keeps the model's "
+          "own float products", file=sys.stderr)
+
+
 @functools.cache
 def _say_auto_dtype(target: str) -> None:
     print(f"mamba-draft: --dtype auto runs {target} in float32: the compiled CPU step reads its GGUF codes either way, "

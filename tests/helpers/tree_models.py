@@ -51,11 +51,10 @@ def tiny_causal_lm(kind: str, vocab: int = 64, hidden: int = 32, layers: int = 2
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[kind]
-    config = config_cls(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **extra,
-    )
+    config = config_cls(**{
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "bos_token_id": None,
+        "eos_token_id": None, "pad_token_id": None, "tie_word_embeddings": False, **extra})
     model = model_cls(config)
     _finish(model, 1.0)
     return model.eval()
