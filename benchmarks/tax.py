@@ -42,7 +42,7 @@ class PlainPath:
     def __init__(self, model) -> None:
         from transformers import DynamicCache
 
-        from mamba_draft.targets import cache_keyword
+        from mamba_draft.targets.facts import cache_keyword
 
         self.model, self.keyword, self.new_cache = model, cache_keyword(model), lambda: DynamicCache(config=model.config)
 

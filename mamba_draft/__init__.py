@@ -6,7 +6,8 @@ import os
 # with conditional numerical reproducibility AUTO its much faster AVX2 path; 1-row and large GEMMs stay within noise.
 os.environ.setdefault("MKL_CBWR", "AUTO")
 
-from .checkpoint import convert, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
+from .convert import convert
 from .config import MambaConfig
 from .drafter import Drafter, DraftState, load_drafter
 from .kernels import kernels_available

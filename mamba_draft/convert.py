@@ -4,8 +4,32 @@ GGUF target (e.g. the shipped SmolLM2, alias `smollm2`) to a plain HF directory 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
-from .checkpoint import FORMATS, convert, detect_format, read_config, resolve_directory
+import torch
+
+from . import targets
+from .checkpoint import (FORMATS, TARGET_EMBEDDING, check_tensors, detect_format, embedding_spec, load_checkpoint,
+                         read_config, resolve_directory, save_checkpoint)
+from .model import MambaDrafter
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False) -> Path:
+    """Convert a checkpoint directory (format detected) to `to`, bit-identically. A drafter stored without its
+    embedding (`smollm2`) comes out whole, in fp32 with the target's embedding and tokenizer (plain transformers
+    loads it)."""
+    if to not in FORMATS:
+        raise ValueError(f"unknown target format {to!r}; choose one of {FORMATS}")
+    directory = resolve_directory(src)
+    config, tensors = load_checkpoint(directory)
+    borrowed = (directory / TARGET_EMBEDDING).is_file()
+    tokenizer = targets.load_tokenizer(embedding_spec(directory)[0]) if borrowed else None
+    with torch.device("meta"):  # checked against the config before anything is written
+        tensors = check_tensors(MambaDrafter(config, backend="torch"), tensors, where=str(directory))
+    return save_checkpoint(config, tensors, dst, format=to, overwrite=overwrite, copy_from=directory,
+                           dtype=torch.float32 if borrowed else None, tokenizer=tokenizer)
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -314,18 +314,22 @@ def test_generate_and_generate_autoregressive_take_a_batch(greedy_setup):
 
 
 def test_on_tokens_sees_every_rows_commits_and_stops_a_row_it_refuses(greedy_setup):
-    """`on_tokens(row, tokens)` gets each row's committed tokens every round; False ends that row there (a server's
-    client gone, a stop string), the other rows decode on as alone."""
+    """`on_tokens(row, tokens, logprobs)` gets each row's committed tokens (and, asked for, their log-probabilities)
+    every round; False ends that row there (a server's client gone, a stop string), the other rows decode on as
+    alone."""
     target, drafter, prompts, refs = greedy_setup
     seen: dict[int, list[int]] = {}
+    seen_logprobs: dict[int, list] = {}
 
-    def on_tokens(row, tokens):
+    def on_tokens(row, tokens, logprobs):
         seen.setdefault(row, []).extend(tokens)
+        seen_logprobs.setdefault(row, []).extend(logprobs)
         return not (row == 1 and len(seen[row]) >= 5)
 
-    result = generate(target, drafter, prompts, max_new_tokens=NEW, tree="2,1", on_tokens=on_tokens)
+    result = generate(target, drafter, prompts, max_new_tokens=NEW, tree="2,1", on_tokens=on_tokens, logprobs=1)
     for b, (p, ref) in enumerate(zip(prompts, refs)):
-        assert seen[b] == result.new_tokens[b]
+        assert seen[b] == result.new_tokens[b] == [t.token for t in seen_logprobs[b]]
+        assert seen_logprobs[b] == result.rows[b].logprobs
         if b != 1:
             assert result.new_tokens[b] == ref[0, len(p):].tolist()
     assert 5 <= len(result.new_tokens[1]) < NEW and result.new_tokens[1] == refs[1][0, len(prompts[1]):].tolist()[

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mamba_draft import MambaDrafter
-from mamba_draft.checkpoint import DRAFT_VOCAB, convert
+from mamba_draft.checkpoint import DRAFT_VOCAB
+from mamba_draft.convert import convert
 from mamba_draft.tree import TreeConfig
 from tests.helpers.sampling_law import assert_follows, empirical, exact_first_two, seeded_runs
 from tests.helpers.tree_models import (
@@ -134,7 +135,8 @@ def test_first_two_tokens_follow_the_target_distribution(sample_models, drafted,
 
     def run(seed, rows):
         result = generate(target, drafter, [PROMPT] * rows, max_new_tokens=2, tree="2,1", temperature=1.0, top_k=0,
-                          top_p=1.0, verifier="sampling", seed=seed, tokenizer=tokenizer)
+                          top_p=1.0, verifier="sampling", verifier_params={"keyed": False}, seed=seed,
+                          tokenizer=tokenizer)
         rejected_first.extend(row.stats.accepted_lengths[0] == 1 for row in result.rows)
         return result.new_tokens
 

@@ -97,6 +97,45 @@ def test_eos_token_id_as_a_tensor_or_numpy_integer(setups):
         assert "\n" not in str(err.value)
 
 
+def test_a_seeded_sampled_reply_is_the_same_alone_in_a_batch_under_any_tree_and_plainly(setups):
+    """Seeded lossless sampling draws by (seed, position): a prompt with seed s samples the same tokens alone, as
+    row b of a batch seeded s - b, under any tree shape or policy, and with speculation off."""
+    target, drafter, ps, _ = setups["llama"]
+    options = {"max_new_tokens": 40, "temperature": 0.8, "top_k": 0}
+    for p in ps[:4]:
+        plain = generate_autoregressive(target, p, seed=7, **options).tokens
+        for tree in ("3,2,2,1,1", "1,1,1,1,1", "4", "auto", "bandit"):
+            assert torch.equal(generate(target, drafter, p, tree=tree, seed=7, **options).tokens, plain), tree
+    batch = generate(target, drafter, [p[0].tolist() for p in ps[:4]], tree="3,2,2,1,1", seed=[7, 7, 7, 7], **options)
+    assert [row.tokens[0].tolist() for row in batch.rows] == [
+        generate_autoregressive(target, p, seed=7, **options).tokens[0].tolist() for p in ps[:4]]
+    assert any(not torch.equal(generate(target, drafter, p, seed=8, **options).tokens,
+                               generate(target, drafter, p, seed=7, **options).tokens) for p in ps[:4])  # a draw
+
+
+@pytest.mark.parametrize("tree", ["3,2,2,1,1", "bandit"])
+def test_logprobs_are_the_targets_own_at_every_committed_token(setups, tree):
+    """logprobs=k: every new token's log-probability under the target's own forward over the sequence (within float
+    rounding: verification forwards are not the plain forward's shape), its top-k alternatives best first (the
+    first is the token itself under greedy), alone and in a batch; none unless asked."""
+    target, drafter, ps, refs = setups["llama"]
+    batch = generate(target, drafter, [p[0].tolist() for p in ps[:3]], max_new_tokens=30, tree=tree, logprobs=4)
+    for p, row in zip(ps, batch.rows):
+        alone = generate(target, drafter, p, max_new_tokens=30, tree=tree, logprobs=4)
+        with torch.no_grad():
+            logits = target(alone.tokens).logits[0, p.shape[1] - 1:-1].float()
+        expected = torch.log_softmax(logits, -1)
+        new = alone.tokens[0, p.shape[1]:]
+        for result in (alone, row):
+            assert [t.token for t in result.logprobs] == new.tolist()
+            got = torch.tensor([t.logprob for t in result.logprobs])
+            assert torch.allclose(got, expected.gather(1, new[:, None])[:, 0], atol=1e-5)
+            assert all(len(t.top) == 4 and t.top[0][0] == t.token and t.top[0][1] == t.logprob for t in result.logprobs)
+    assert generate(target, drafter, ps[0], max_new_tokens=5).logprobs is None
+    with pytest.raises(ValueError, match="logprobs must be a number of top alternatives >= 0"):
+        generate(target, drafter, ps[0], max_new_tokens=5, logprobs=-1)
+
+
 def test_max_new_tokens_inside_an_accepted_path(setups):
     target, drafter, ps, refs = setups["neox"]
     cut_inside_path = 0

@@ -16,9 +16,10 @@ from transformers import DynamicCache
 
 from mamba_draft.heldout import is_heldout, read_spec_bench
 from mamba_draft.targets import (
-    cache_keyword, default_attention, load_causal_lm, load_tokenizer, row_attention, row_blocks,
+    default_attention, load_causal_lm, load_tokenizer, row_attention, row_blocks,
 )
 from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.facts import cache_keyword
 from mamba_draft.targets.exact import prefilling
 from mamba_draft.targets.row_blocks import (agreeing_classes, make_row_invariant, pick_sizes, row_block,
                                             unblocked_forward)

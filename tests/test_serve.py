@@ -72,6 +72,72 @@ def test_models_health_and_a_chat_completion_equal_to_generate(server, generator
     assert extra["rounds"] >= 1 and extra["tau"] >= 1 and extra["batch"] == 1
 
 
+def scrape(server) -> dict[tuple, float]:
+    """GET /metrics, parsed: (sample name, labels other than model) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(server.url + "/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model"))): sample.value
+            for family in text_string_to_metric_families(response.text) for sample in family.samples
+            if sample.labels.get("model", MODEL) == MODEL}
+
+
+def test_metrics_count_what_the_server_did(server):
+    """Prometheus metrics move as requests are served: requests by outcome, tokens in and out, the first-token and
+    per-token histograms, tokens drafted and accepted, rounds and τ, the tree shape pulled; the queue is empty."""
+    before = scrape(server)
+    replies = [chat(server, q, max_tokens=12) for q in QUESTIONS[:3]]
+    after = scrape(server)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    outcomes = sum(moved("mamba_draft_requests_total", (("outcome", o),)) for o in ("stop", "length"))
+    assert outcomes == 3
+    assert moved("mamba_draft_generation_tokens_total") == sum(r.usage.completion_tokens for r in replies)
+    assert moved("mamba_draft_prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
+    assert moved("mamba_draft_time_to_first_token_seconds_count") == 3
+    assert moved("mamba_draft_time_per_output_token_seconds_count") == 3
+    rounds, drafted = moved("mamba_draft_verify_rounds_total"), moved("mamba_draft_draft_tokens_total")
+    assert rounds == sum(r.model_extra["speculative"]["rounds"] for r in replies)
+    assert drafted == 4 * rounds  # tree 2,1: two children, one grandchild each
+    assert 0 < moved("mamba_draft_draft_accepted_tokens_total") <= drafted
+    assert moved("mamba_draft_arm_pulls_total", (("arm", "(2,1)"),)) == rounds
+    assert after[("mamba_draft_mean_accepted_tokens", ())] > 1
+    assert after[("mamba_draft_queue_length", ())] == 0 and after[("mamba_draft_running_rows", ())] == 0
+
+
+def test_logprobs_are_the_targets_own_streamed_or_not(server, generator):
+    """logprobs / top_logprobs: each emitted token's log-probability under the target's plain forward (within 1e-4),
+    its top alternative the emitted token under greedy; the stream carries the same numbers; the legacy completions
+    endpoint its parallel lists."""
+    import torch
+
+    messages = [{"role": "user", "content": "why is the sky blue"}]
+    ids = generator.encode(messages)
+    got = chat(server, "why is the sky blue", logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    want = generator.generate(messages, max_new_tokens=16, temperature=0.0)
+    assert len(content) == len(want.token_ids) == got.usage.completion_tokens
+    with torch.no_grad():
+        logits = generator.target(torch.tensor([ids + want.token_ids])).logits[0, len(ids) - 1:-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(want.token_ids)[:, None])[:, 0]
+    assert max(abs(c.logprob - e) for c, e in zip(content, expected.tolist())) < 1e-4
+    for c, token in zip(content, want.token_ids):
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token == generator.tokenizer.decode([token])
+        assert c.top_logprobs[0].logprob == c.logprob >= c.top_logprobs[1].logprob
+    streamed = [e for chunk in server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    assert chat(server, "why is the sky blue").choices[0].logprobs is None
+    legacy = server.client.completions.create(model=MODEL, prompt="why is the sky", max_tokens=8, temperature=0,
+                                              logprobs=2).choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 8
+    assert all(max(top.values()) == lp for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs))
+
+
 def test_penalties_and_logit_bias_equal_generate_with_them(server, generator):
     """OpenAI's frequency / presence penalties and logit bias reach the engine's logits processors: the reply is
     what `generate` gives with the same settings, and they change it."""
@@ -94,8 +160,20 @@ def test_a_stream_carries_the_whole_text_then_usage(server):
     assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
 
 
-def test_eight_concurrent_requests_decode_together_with_the_tokens_each_gets_alone(server, monkeypatch):
-    alone = {q: chat(server, q, max_tokens=24).choices[0].message.content for q in QUESTIONS}
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}])
+def test_eight_concurrent_requests_decode_together_with_the_tokens_each_gets_alone(server, monkeypatch, sampling,
+                                                                                  saved):
+    """Greedy, or sampled with a seed: 8 requests decoded together get the replies each gets alone, and a seeded
+    reply is also the one a server that does not speculate (`--tree none`) gives."""
+    alone = {q: chat(server, q, max_tokens=24, **sampling).choices[0].message.content for q in QUESTIONS}
+    if sampling:
+        plain = SpeculativeGenerator(saved / "target", saved / "drafter", device="cpu", dtype="float32", tree="none")
+        unspeculated = LoopbackServer(create_app(plain, MODEL), MODEL)
+        try:
+            assert {q: chat(unspeculated, q, max_tokens=24, **sampling).choices[0].message.content
+                    for q in QUESTIONS} == alone
+        finally:
+            unspeculated.close()
     batcher = server.app.state.batcher
     before = batcher.batches
     submitted = recorded_submits(batcher, monkeypatch)
@@ -110,7 +188,7 @@ def test_eight_concurrent_requests_decode_together_with_the_tokens_each_gets_alo
 
     def ask(question):
         gate.wait()
-        return chat(server, question, max_tokens=24)
+        return chat(server, question, max_tokens=24, **sampling)
 
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
         results = list(pool.map(ask, QUESTIONS))
@@ -213,7 +291,9 @@ BAD = [  # (body or raw bytes, status, the error's param or code)
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, 400,
+     "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3.0}, 400,
      "presence_penalty"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, 400, "logit_bias"),

@@ -108,7 +108,7 @@ def test_caches_go_under_the_keyword_the_installed_transformers_takes(recwarn):
     """`cache` where the forward takes it (transformers >= 5.24: `past_key_values` warns and is removed in 5.40),
     `past_key_values` before; one-prompt and batched generation with a Transformer drafter (its generic path: a
     GPT-NeoX) then raise no deprecation warning."""
-    from mamba_draft.targets import cache_keyword
+    from mamba_draft.targets.facts import cache_keyword
     from mamba_draft.transformer import TransformerDrafter
 
     class New(torch.nn.Module):

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from mamba_draft.checkpoint import DRAFT_VOCAB, EMBEDDING, convert, embedding_digest, load_checkpoint, save_checkpoint
+from mamba_draft.checkpoint import DRAFT_VOCAB, EMBEDDING, embedding_digest, load_checkpoint, save_checkpoint
+from mamba_draft.convert import convert
 from mamba_draft.io import atomic_directory
 from mamba_draft.targets import load_causal_lm
 from training.model import TrainableDrafter

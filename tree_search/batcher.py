@@ -38,6 +38,7 @@ class Request:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     shaping: tuple = ()  # (name, value) logits settings (`processors.Shaping` fields: penalties, logit bias)
+    logprobs: int | None = None  # top alternatives to report per token (None: no log-probabilities)
     on_text: Callable[[str], None] | None = None
     on_done: Callable[[], None] | None = None  # called from the worker thread once the request has finished
     tokens: list[int] = field(default_factory=list)
@@ -46,6 +47,12 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str | None = None
     stats: dict = field(default_factory=dict)  # τ, rounds, the batch it decoded in
+    arrived: float = field(default_factory=time.perf_counter)  # the clock at submission, its first and last token
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    generation: object = None  # its row's GenerateStats, once decoded
+    token_logprobs: list = field(default_factory=list)  # per token taken, its TokenLogprob (where asked)
+    logprobs_sent: int = 0  # of token_logprobs, handed on with streamed text
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -54,12 +61,18 @@ class Request:
         """Requests that decode together sample and shape their logits alike."""
         return self.temperature, self.top_p, self.shaping
 
-    def take(self, tokens: list[int], tokenizer, eos: set[int]) -> bool:
-        """A round's committed tokens -> whether the row goes on (False: cancelled, budget spent, a stop string)."""
+    def take(self, tokens: list[int], tokenizer, eos: set[int], logprobs: list | None = None) -> bool:
+        """A round's committed tokens (and their TokenLogprobs) -> whether the row goes on (False: cancelled, budget
+        spent, a stop string)."""
         if self.cancelled:
             self.finish_reason = "cancelled"
             return False
-        self.tokens += tokens[: self.max_tokens - len(self.tokens)]
+        room = self.max_tokens - len(self.tokens)
+        self.tokens += tokens[:room]
+        if self.logprobs is not None and logprobs is not None:
+            self.token_logprobs += logprobs[:room]
+        self.last_token_at = time.perf_counter()
+        self.first_token_at = self.first_token_at or self.last_token_at
         text = tokenizer.decode(self.tokens, skip_special_tokens=True)
         cut = min((text.find(s) for s in self.stop if s in text), default=-1)
         if cut >= 0:
@@ -97,7 +110,7 @@ class Request:
 class Batcher:
     """The engine's one worker: `submit` queues a request, the worker decodes batches of them (module docstring)."""
 
-    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64, metrics=None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         self.decoder, self.max_batch, self.max_queue = generator.decoder, max_batch, max_queue
@@ -110,6 +123,7 @@ class Batcher:
         self.finished: deque[tuple[str, int]] = deque(maxlen=RECENT)  # (finish_reason, tokens) of recent requests
         self.batch_sizes: deque[int] = deque(maxlen=RECENT)  # of recent batches
         self.closed = False
+        self.metrics = metrics  # `metrics.ServerMetrics` (None: none kept)
         self.worker = threading.Thread(target=self.work, name="mamba-draft-engine", daemon=True)
         self.worker.start()
 
@@ -158,6 +172,13 @@ class Batcher:
                     self.running = 0
                     self.finished.extend((r.finish_reason, len(r.tokens)) for r in batch)
                     self.served += len(batch)
+                if self.metrics is not None:
+                    for r in batch:
+                        self.metrics.observe(
+                            r.finish_reason or "error", len(r.ids), len(r.tokens),
+                            None if r.first_token_at is None else r.first_token_at - r.arrived,
+                            (r.last_token_at - r.first_token_at) / (len(r.tokens) - 1) if len(r.tokens) > 1 else None,
+                            r.generation)
 
     def decode(self, batch: list[Request]) -> None:
         first, start = batch[0], time.perf_counter()
@@ -166,11 +187,15 @@ class Batcher:
             [r.ids for r in batch], max_new_tokens=max(r.max_tokens for r in batch), temperature=first.temperature,
             top_p=first.top_p, **dict(first.shaping), seed=None if all(s is None for s in seeds) else
             [random.randrange(2**31) if s is None else s for s in seeds],
-            on_tokens=lambda row, tokens: batch[row].take(tokens, self.tokenizer, self.eos))
+            logprobs=max((r.logprobs for r in batch if r.logprobs is not None), default=None),
+            on_tokens=lambda row, tokens, logprobs: batch[row].take(tokens, self.tokenizer, self.eos, logprobs))
         seconds = time.perf_counter() - start
         self.batches += 1
         self.batch_sizes.append(len(batch))
+        if self.metrics is not None:
+            self.metrics.pulled(result.stats.arms)
         for request, row in zip(batch, result.rows):
+            request.generation = row.stats
             request.stats = {"tau": row.stats.mean_accepted, "rounds": row.stats.rounds, "batch": len(batch),
                              "seconds": seconds}
             request.finish("length" if len(request.tokens) >= request.max_tokens else "stop")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from tree_search.sampling import SamplingParams
+from tree_search.sampling import SamplingParams, keyed_choice
 from tree_search.verifiers import Verifier, VerifyResult
 
 
@@ -85,6 +86,7 @@ class GenerateStats:
     drafter_calls: int = 0  # sequential drafter invocations (prefill, steps, extends)
     drafter_calls_saved: int = 0  # prompt lookup: calls the step-by-step chain path would have made more (can be < 0)
     lookup_rounds: int = 0  # rounds that verified a prompt-lookup proposal instead of a draft (lookup_tokens)
+    drafted_tokens: int = 0  # tokens proposed to the target beyond each round's root (drafts and lookups)
     drafter_state_bytes: int = 0  # its state rows at the end (a Transformer's grow with the context; 0: never ran)
     arms: dict[str, dict[str, float]] = field(default_factory=dict)  # tree shape -> pulls, mean reward
     round_info: list[dict] = field(default_factory=list)  # the verifier's per-round info, where it gave any
@@ -106,9 +108,11 @@ class GenerateStats:
         """Prefill, cache compaction and bookkeeping: everything that is neither drafting nor verification."""
         return max(self.total_time - self.draft_time - self.verify_time, 0.0)
 
-    def count(self, result: VerifyResult, committed: int, proposed: int) -> None:
-        """Count one round of this row: `committed` of its `proposed` tokens kept (fewer only in the last round)."""
+    def count(self, result: VerifyResult, committed: int, proposed: int, drafted: int = 0) -> None:
+        """Count one round of this row: `committed` of its `proposed` tokens kept (fewer only in the last round), of
+        `drafted` tokens verified beyond the root."""
         self.rounds += 1
+        self.drafted_tokens += drafted
         self.accepted_lengths.append(committed)
         self.cut_tokens = proposed - committed
         self.lossy_accepts += result.lossy_accepts
@@ -126,10 +130,21 @@ class GenerateStats:
         return out
 
 
+class TokenLogprob(NamedTuple):
+    """A committed token, its log-probability under the target and the top alternatives [(token, logprob)]."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class GenerateResult:
     tokens: torch.Tensor  # (1, prompt + new) committed sequence
     stats: GenerateStats
+    # per new token, where asked (`logprobs=`): its log-probability under the target's own distribution and the
+    # top alternatives [(token, log-probability), ...], as plain decoding's forward gives them
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -168,9 +183,15 @@ class Call:
     streamer: object = None
     verifier: Verifier | None = None
     lookup_tokens: int = 0  # prompt-lookup proposal length of this call (0: none)
-    on_tokens: object = None  # (prompt, committed tokens) -> False to stop that row (`CallOptions.on_tokens`)
+    on_tokens: object = None  # (prompt, committed tokens, their logprobs) -> False stops the row (`CallOptions`)
     fits: tuple[int, ...] | None = None  # the policy's arms the target's cache holds this call (None: all)
     processors: object = None  # `processors.CallProcessors` (None: no logits processors this call)
+    # per prompt, the seed of its draws keyed by position (`sampling.keyed_choice`): where sampling is lossless
+    # and seeded, a row samples the tokens its seed gives at each position, alone, in any batch, under any tree
+    seeds: list[int] | None = None
+    logprobs: int | None = None  # top alternatives reported per token (None: no log-probabilities)
+    token_logprobs: list[list] = field(default_factory=list)  # per prompt, per committed token: a TokenLogprob
+    pending: list[list] | None = None  # per active row, this round's TokenLogprobs (`note_logprobs`)
     out: list[list[int]] = field(default_factory=list)  # committed new tokens per prompt
     active: list[int] = field(default_factory=list)  # batch row i holds prompt active[i]
     recorder: Recorder | None = None
@@ -179,30 +200,62 @@ class Call:
     def batch(self) -> int:
         return self.ids.shape[0]
 
+    def keyed(self, levels, probs: torch.Tensor) -> torch.Tensor:
+        """Each active row's sampled token at every node (probs (B, N, V), the target's processed distribution;
+        `levels`: each depth's (start, stop) node range): level d draws the row's keyed noise at position
+        len(committed) + d."""
+        chosen = torch.empty(probs.shape[:2], dtype=torch.long, device=probs.device)
+        for b, prompt in enumerate(self.active):
+            for depth, (start, stop) in enumerate(levels):
+                chosen[b, start:stop] = keyed_choice(probs[b, start:stop], self.seeds[prompt],
+                                                     len(self.out[prompt]) + depth)
+        return chosen
+
     def start(self) -> None:
         """Start the clock (the batch's recorder: phase times, rounds), stream the prompt."""
         self.out = [[] for _ in self.lengths]
+        self.token_logprobs = [[] for _ in self.lengths]
         self.active = list(range(self.batch))
         self.recorder = Recorder(self.stats, self.ids.device)
         if self.streamer is not None:
             self.streamer.put(self.ids[0].cpu())
 
-    def emit(self, proposed: list[list[int]], results: list[VerifyResult]) -> tuple[list[list[int]], list[bool]]:
-        """Commit each active row's round up to its first EOS (kept) or its budget -> (committed, which finished)."""
+    def emit(self, proposed: list[list[int]], results: list[VerifyResult], drafted: int = 0
+             ) -> tuple[list[list[int]], list[bool]]:
+        """Commit each active row's round (of `drafted` tokens a row beyond the root) up to its first EOS (kept) or
+        its budget -> (committed, which finished)."""
         committed, finished = [], []
         for prompt, tokens, result in zip(self.active, proposed, results):
             out = self.out[prompt]
             kept, done = truncate(tokens, self.max_new_tokens - len(out), self.eos)
-            if self.on_tokens is not None and kept and self.on_tokens(prompt, kept) is False:
+            logprobs = None if self.pending is None else self.pending[len(committed)][:len(kept)]
+            if logprobs is not None:
+                self.token_logprobs[prompt].extend(logprobs)
+            if self.on_tokens is not None and kept and self.on_tokens(prompt, kept, logprobs) is False:
                 done = True
             out.extend(kept)
-            self.row_stats[prompt].count(result, len(kept), len(tokens))
+            self.row_stats[prompt].count(result, len(kept), len(tokens), drafted)
             committed.append(kept)
             finished.append(done)
         self.stats.rounds += 1
         if self.streamer is not None:
             self.streamer.put(torch.tensor(committed[0]))
         return committed, finished
+
+    def note_logprobs(self, scores: torch.Tensor, nodes: list[list[int]], tokens: list[list[int]]) -> None:
+        """This round's log-probabilities, when the call reports them: scores (B, N, V) the target's own logits, and
+        per active row the nodes whose scores predict its proposed tokens (the root, then each accepted node)."""
+        if self.logprobs is None:
+            self.pending = None
+            return
+        self.pending = []
+        for b, (row_nodes, row_tokens) in enumerate(zip(nodes, tokens)):
+            logp = torch.log_softmax(scores[b, row_nodes].float(), dim=-1)
+            chosen = logp.gather(1, torch.tensor(row_tokens, device=logp.device)[:, None])[:, 0].tolist()
+            top = logp.topk(self.logprobs, dim=-1) if self.logprobs else None
+            alternatives = ([list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+                            if top is not None else [[] for _ in row_tokens])
+            self.pending.append([TokenLogprob(t, c, a) for t, c, a in zip(row_tokens, chosen, alternatives)])
 
     def drop_finished(self, target_state, finished: list[bool]) -> list[int] | None:
         """Finished rows leave the batch (this call's rows and the target cache's) -> the rows kept (None: all)."""
@@ -226,18 +279,20 @@ class Call:
         width = self.ids.shape[1]
         for b, (length, out, row) in enumerate(zip(self.lengths, self.out, self.row_stats)):
             row.new_tokens = len(out)
-            for name in ("new_tokens", "accepted_lengths", "cut_tokens", "lossy_accepts", "round_info"):
+            for name in ("new_tokens", "accepted_lengths", "cut_tokens", "lossy_accepts", "round_info",
+                         "drafted_tokens"):
                 setattr(total, name, getattr(total, name) + getattr(row, name))
             for rule, n in row.lossy_accepts_by.items():
                 total.lossy_accepts_by[rule] = total.lossy_accepts_by.get(rule, 0) + n
             tokens = torch.cat([self.ids[b, width - length:], torch.tensor(out, dtype=torch.long,
                                                                            device=self.ids.device)])
-            rows.append(GenerateResult(tokens[None], row))
+            rows.append(GenerateResult(tokens[None], row,
+                                       self.token_logprobs[b] if self.logprobs is not None else None))
         if self.streamer is not None:
             self.streamer.end()
         if self.batched:
             return BatchGenerateResult(rows, total)
-        return GenerateResult(rows[0].tokens, total)
+        return GenerateResult(rows[0].tokens, total, rows[0].logprobs)
 
 
 def truncate(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:

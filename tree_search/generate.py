@@ -30,7 +30,7 @@ from tree_search.policy import is_auto, parse_policy
 from tree_search.processors import CallProcessors, shaping_of
 from tree_search.proposers import Proposers, Round, draft_mode, records_probs
 from tree_search.proposers.tree import TreeDrafter
-from tree_search.sampling import choose, resolve_sampling
+from tree_search.sampling import choose, logits_to_probs, resolve_sampling
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult
 from tree_search.verifiers.greedy import greedy_walk
 
@@ -53,8 +53,9 @@ class CallOptions:
     seed: int | list[int] | None = None  # row b draws from seed + b, or from seed[b]
     streamer: object = None
     attention_mask: torch.Tensor | None = None
-    on_tokens: Callable[[int, list[int]], bool] | None = None  # each round, per row: its committed tokens; False
-    #                                                             stops that row there (a client gone, a stop string)
+    # each round, per row: its committed tokens and their TokenLogprobs (None unless `logprobs`); False stops that
+    # row there (a client gone, a stop string)
+    on_tokens: Callable[[int, list[int], list | None], bool] | None = None
     # logits processors (None: the target's generation_config, as target.generate; `tree_search.processors`)
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int | None = None
@@ -64,6 +65,7 @@ class CallOptions:
     frequency_penalty: float | None = None  # OpenAI's penalties and bias, on the new tokens
     presence_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # report each new token's log-probability and this many top alternatives
 
 
 class SpeculativeDecoder:
@@ -124,9 +126,15 @@ class SpeculativeDecoder:
         processors = CallProcessors.of(shaping_of(getattr(self.target, "generation_config", None), **{
             name: getattr(options, name) for name in PROCESSOR_OPTIONS}), [row[keep.bool()] for row, keep in zip(
                 ids, mask)], eos)
+        # seeded lossless sampling draws by (seed, position): the same tokens alone, in any batch, with speculation
+        # on or off (`sampling.keyed_choice`); lossy verifiers keep their own draws from the row generators
+        keyed = seeds is not None and not params.greedy and (verifier is None or getattr(verifier, "keyed", False))
+        logprobs = options.logprobs
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be a number of top alternatives >= 0, or None; got {logprobs!r}")
         return Call(ids, mask, lengths, batched, options.max_new_tokens, params, eos, stats[0], stats[1:],
                     generators, options.streamer, verifier, plan.lookup_tokens, options.on_tokens, fits=plan.fits,
-                    processors=processors)
+                    processors=processors, logprobs=logprobs, seeds=seeds if keyed else None)
 
     def start(self, call: Call, widest: int) -> TargetCache:
         """Start the clock and the stream; the target cache with every prompt but its last token prefilled (that
@@ -170,7 +178,7 @@ class SpeculativeDecoder:
             results, proposed, roots, hidden = self.verify(target, draft, call, proposers.reads_target)
             policy.observe(draft.tree, [r.path for r in results], lookup=arm is None)
             rec.mark(VERIFIED)
-            committed, finished = call.emit(proposed, results)
+            committed, finished = call.emit(proposed, results, len(draft.tree) - 1)
             if not all(finished):
                 target.commit([r.path for r in results])
                 keep = call.drop_finished(target, finished)
@@ -210,14 +218,22 @@ class SpeculativeDecoder:
         first). A root-only draft is a plain decoding step, sampled as `decode_plainly` samples."""
         verifier, params = call.verifier, call.params
         scores, hidden = target.tree_forward(draft.tokens, draft.tree, need_hidden or verifier.needs_hidden)
+        raw = scores  # the target's own distribution: what log-probabilities report
         if call.processors is not None:  # each node's scores after its own sequence, as target.generate's
             scores = call.processors.tree(scores, draft.tokens, draft.tree.parents, call.active, call.out)
         if len(draft.tree) == 1:
-            plain = choose(scores[:, 0], params, call.generators)
-            return [PLAIN] * len(plain), [[t] for t in plain.tolist()], plain, hidden
-        if verifier.walks_argmax(params):  # one batched argmax and one host copy instead of B verifier calls
+            plain = (call.keyed(((0, 1),), logits_to_probs(scores, params))[:, 0] if call.seeds is not None
+                     else choose(scores[:, 0], params, call.generators))
+            proposed = [[t] for t in plain.tolist()]
+            call.note_logprobs(raw, [[0]] * len(proposed), proposed)
+            return [PLAIN] * len(plain), proposed, plain, hidden
+        if call.seeds is not None or verifier.walks_argmax(params):  # one batched choice and one host copy
+            # greedy: each node's argmax; seeded sampling: each node's keyed draw (`Call.keyed`), which makes the
+            # greedy walk over them lossless
             n = len(draft.tree)
-            host = torch.cat([draft.tokens, scores.argmax(-1)], dim=1).tolist()
+            picks = (call.keyed(draft.tree.levels, logits_to_probs(scores, params)) if call.seeds is not None
+                     else scores.argmax(-1))
+            host = torch.cat([draft.tokens, picks], dim=1).tolist()
             tokens = [row[:n] for row in host]
             results = [greedy_walk(draft.tree, row[:n], row[n:]) for row in host]
         else:
@@ -230,6 +246,7 @@ class SpeculativeDecoder:
                 for b in range(scores.shape[0])]
             tokens = draft.tokens.tolist()
         proposed = [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)]
+        call.note_logprobs(raw, [[0, *r.path] for r in results], proposed)  # each token after its parent node
         return results, proposed, torch.tensor([p[-1] for p in proposed], device=scores.device), hidden
 
     def decode_plainly(self, call: Call) -> GenerateResult | BatchGenerateResult:
@@ -237,10 +254,15 @@ class SpeculativeDecoder:
         target, rec = self.start(call, 1), call.recorder
         logits = target.decode(call.ids[:, -1])
         while True:
+            raw = logits
             if call.processors is not None:
                 logits = call.processors.plain(logits, call.active, call.out)
-            tokens = choose(logits, call.params, call.generators)
+            if call.seeds is not None:
+                tokens = call.keyed(((0, 1),), logits_to_probs(logits[:, None], call.params))[:, 0]
+            else:
+                tokens = choose(logits, call.params, call.generators)
             proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
+            call.note_logprobs(raw[:, None], [[0]] * len(proposed), proposed)
             _, finished = call.emit(proposed, [PLAIN] * len(proposed))
             if all(finished):
                 break

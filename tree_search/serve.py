@@ -20,13 +20,16 @@ import uuid
 
 try:
     from fastapi import FastAPI, Request as HttpRequest
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST
     from starlette.exceptions import HTTPException
 except ImportError as err:  # an optional extra: the rest of the package runs without it
-    raise ImportError(f"mamba-draft serve needs FastAPI and uvicorn: pip install 'mamba-draft[serve]' ({err})") from None
+    raise ImportError(f"mamba-draft serve needs FastAPI, uvicorn and prometheus-client: pip install "
+                      f"'mamba-draft[serve]' ({err})") from None
 
 from mamba_draft.targets.facts import max_positions, target_vocab_size
 from tree_search.batcher import Batcher, QueueFull, Request
+from tree_search.metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256  # when a request names none (and the context leaves room)
@@ -34,10 +37,10 @@ MAX_STOPS = 4
 # accepted, and meaningless here (the server keeps no users or stored completions)
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-            "frequency_penalty", "presence_penalty", "logit_bias"}
+            "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs"}
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (the legacy completions' logprobs: 5)
 # refused unless absent, null or their no-op value
 UNSUPPORTED = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": None,
-               "logprobs": False, "top_logprobs": 0,
                "response_format": {"type": "text"}, "echo": False, "best_of": 1, "suffix": None, "modalities": None,
                "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None}
 
@@ -58,7 +61,9 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
                max_body_bytes: int = MAX_BODY_BYTES):
     """The ASGI app serving `generator` (a SpeculativeGenerator) as `model`; app.state.batcher runs the engine."""
     app = FastAPI(title="mamba-draft", docs_url=None, redoc_url=None, openapi_url=None)
-    batcher = app.state.batcher = Batcher(generator, max_batch=max_batch, max_queue=max_queue)
+    metrics = app.state.metrics = ServerMetrics(model, queue_length=lambda: len(app.state.batcher.queue),
+                                                running_rows=lambda: app.state.batcher.running)
+    batcher = app.state.batcher = Batcher(generator, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
     context = max_positions(generator.target)
     app.router.on_shutdown.append(batcher.close)
 
@@ -76,6 +81,10 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
         with batcher.wake:
             return {"status": "ok", "waiting": len(batcher.queue), "running": batcher.running,
                     "served": batcher.served, "batches": batcher.batches}
+
+    @app.get("/metrics")
+    async def prometheus():  # Prometheus' text format (`tree_search.metrics`)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -109,7 +118,7 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
             raise ApiError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0],
                            "unknown_parameter")
         ids = prompt_ids(generator, body, chat)
-        request = sampling_request(body, ids, context)
+        request = sampling_request(body, ids, context, chat)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be true or false", "stream", "invalid_type")
@@ -140,9 +149,9 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
                 request.cancelled = True
         if request.finish_reason == "error":
             raise ApiError(500, f"the engine failed: {request.error}", kind="server_error", code="engine_error")
-        choice = {"index": 0, "finish_reason": finish(request)}
-        choice |= {"message": {"role": "assistant", "content": request.text}} if chat else \
-            {"text": request.text, "logprobs": None}
+        choice = {"index": 0, "finish_reason": finish(request),
+                  "logprobs": logprobs_object(generator.tokenizer, request, request.token_logprobs, chat)}
+        choice |= {"message": {"role": "assistant", "content": request.text}} if chat else {"text": request.text}
         return {"id": name, "object": kind, "created": created, "model": model, "choices": [choice],
                 "usage": usage(request), "speculative": request.stats}
 
@@ -155,9 +164,11 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
                                           "choices": [choice] if choice else [], **extra}) + "\n\n"
 
         def piece(text: str, reason: str | None = None) -> dict:
-            content = {"delta": {"content": text} if text or not chat else {}} if chat else {"text": text,
-                                                                                             "logprobs": None}
-            return {"index": 0, **content, "finish_reason": reason}
+            content = {"delta": {"content": text} if text or not chat else {}} if chat else {"text": text}
+            taken = request.token_logprobs[request.logprobs_sent:]  # the tokens' since the last piece
+            request.logprobs_sent += len(taken)
+            return {"index": 0, **content, "logprobs": logprobs_object(generator.tokenizer, request, taken, chat),
+                    "finish_reason": reason}
 
         try:
             if chat:
@@ -240,7 +251,7 @@ def prompt_ids(generator, body: dict, chat: bool) -> list[int]:
         raise ApiError(400, str(err), "messages", "invalid_value") from None
 
 
-def sampling_request(body: dict, ids: list[int], context: int | None) -> Request:
+def sampling_request(body: dict, ids: list[int], context: int | None, chat: bool = True) -> Request:
     """The engine's request from the OpenAI sampling parameters; what it cannot honour is refused by name."""
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
@@ -277,7 +288,30 @@ def sampling_request(body: dict, ids: list[int], context: int | None) -> Request
         raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop",
                        "invalid_value")
     return Request(ids, max_tokens, None if temperature is None else float(temperature),
-                   None if top_p is None else float(top_p), seed, tuple(stops), shaping=logits_shaping(body))
+                   None if top_p is None else float(top_p), seed, tuple(stops), shaping=logits_shaping(body),
+                   logprobs=logprobs_asked(body, chat))
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many top alternatives a request wants per token (None: no log-probabilities): chat's `logprobs: true`
+    with `top_logprobs` (0-20), the legacy completions' `logprobs` (0-5)."""
+    value = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"logprobs must be true or false, got {value!r}", "logprobs", "invalid_type")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or
+                                not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                           "top_logprobs", "invalid_value")
+        if top and not value:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        return (top or 0) if value else None
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5:
+        raise ApiError(400, f"logprobs must be an integer in [0, 5], got {value!r}", "logprobs", "invalid_value")
+    return value
 
 
 def logits_shaping(body: dict) -> tuple:
@@ -302,6 +336,23 @@ def logits_shaping(body: dict) -> tuple:
                            "invalid_value")
         shaping["logit_bias"] = pairs
     return tuple(sorted(shaping.items()))
+
+
+def logprobs_object(tokenizer, request: Request, taken: list, chat: bool) -> dict | None:
+    """OpenAI's logprobs of `taken` TokenLogprobs (None where the request asked for none): chat's `content` list of
+    {token, logprob, bytes, top_logprobs}, or the legacy completions' parallel lists."""
+    if request.logprobs is None:
+        return None
+
+    def text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    if chat:
+        return {"content": [{"token": text(t.token), "logprob": t.logprob, "bytes": list(text(t.token).encode()),
+                             "top_logprobs": [{"token": text(a), "logprob": v, "bytes": list(text(a).encode())}
+                                              for a, v in t.top[:request.logprobs]]} for t in taken]}
+    return {"tokens": [text(t.token) for t in taken], "token_logprobs": [t.logprob for t in taken],
+            "top_logprobs": [{text(a): v for a, v in t.top[:request.logprobs]} for t in taken]}
 
 
 def finish(request: Request) -> str:

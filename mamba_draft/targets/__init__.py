@@ -15,7 +15,6 @@ import functools
 import hashlib
 import importlib.util
 from importlib.metadata import version
-import inspect
 import json
 import os
 import sys
@@ -215,12 +214,6 @@ def _say_auto_dtype(target: str) -> None:
     print(f"mamba-draft: --dtype auto runs {target} in float32: the compiled CPU step reads its GGUF codes either way, "
           "and fp32 skips rounding each rebuilt weight to bf16 (faster on every CPU kind measured); --dtype bfloat16 "
           "keeps bf16", file=sys.stderr)
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword under which this transformers' forward takes a KV cache: `cache` from 5.24 (`past_key_values`
-    there warns and goes in 5.40), `past_key_values` before. The model fills the Cache object passed in place."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def default_attention(dtype: torch.dtype, device: str | torch.device) -> str:

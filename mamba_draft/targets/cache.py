@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLayer
 
 from mamba_draft.graphs import capture_graph, to_device, weights_key
-from mamba_draft.targets import cache_keyword
+from mamba_draft.targets.facts import cache_keyword
 from mamba_draft.targets import cpu_step
 from mamba_draft.targets.exact import make_exact, prefilling
 from mamba_draft.targets.facts import (

@@ -320,7 +320,7 @@ class CpuStep:
         something else (scaled embeddings, another norm or rotary convention) differs by far more than sum order."""
         from transformers import DynamicCache
 
-        from . import cache_keyword
+        from .facts import cache_keyword
 
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.struct.tokens, (1, 6), generator=generator)

@@ -11,6 +11,12 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from mamba_draft.targets.row_attention import ROW_STABLE
 from mamba_draft.tree import Tree
 
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which this transformers' forward takes a KV cache: `cache` from 5.24 (`past_key_values`
+    there warns and goes in 5.40), `past_key_values` before. The model fills the Cache object passed in place."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
 def cache_layers(model: torch.nn.Module) -> list:
     """The cache layer objects transformers builds for the model (one per layer)."""
     return list(DynamicCache(config=model.config).layers)

@@ -154,7 +154,7 @@ class SizedTokenizer:
 
 def encoded_cache(model, ids: torch.Tensor):
     """The cache of encoding `ids` (B, L) in one plain forward: the reference our caches are compared with."""
-    from mamba_draft.targets import cache_keyword
+    from mamba_draft.targets.facts import cache_keyword
 
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():

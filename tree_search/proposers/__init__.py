@@ -78,12 +78,15 @@ def drafter_proposer(decoder, call: Call, widest: int) -> TreeProposer:
 
 
 def records_probs(call: Call) -> bool:
-    """Whether drafts record their distributions q: when sampling, or when the verifier reads them."""
-    return not call.params.greedy or call.verifier.needs_draft_probs
+    """Whether drafts record their distributions q: when the verifier samples by rejection (not keyed draws, which
+    read no q), or when it reads them."""
+    return (not call.params.greedy and call.seeds is None) or call.verifier.needs_draft_probs
 
 
 def draft_mode(call: Call) -> str:
-    """How drafted children are chosen: "sample" (draws without replacement from q) or "topk"."""
-    return "sample" if call.verifier.draft_mode == "sample" and not call.params.greedy else "topk"
+    """How drafted children are chosen: "sample" (draws without replacement from q) or "topk" (greedy, and keyed
+    draws: the target's token is likeliest among the drafter's best)."""
+    sampled = call.verifier.draft_mode == "sample" and not call.params.greedy and call.seeds is None
+    return "sample" if sampled else "topk"
 
 

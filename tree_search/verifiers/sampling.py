@@ -49,6 +49,11 @@ class SamplingVerifier(Verifier):
     lossless = True
     draft_mode = "sample"
 
+    def __init__(self, keyed: bool = True) -> None:
+        # keyed: a seeded call draws by (seed, position) instead (`sampling.keyed_choice`, the engine's greedy walk
+        # over those draws: the same tokens whatever the batch, tree or load); False keeps this rule for it too
+        self.keyed = keyed
+
     def walks_argmax(self, sampling) -> bool:  # a subclass that decides otherwise is asked per row
         return sampling.greedy and type(self).verify is SamplingVerifier.verify
 
