@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from tree_search.sampling import SamplingParams, keyed_choice
 from tree_search.verifiers import Verifier, VerifyResult
+
+if TYPE_CHECKING:
+    from tree_search.plan import Plan
 
 
 # A round's marks: drafting starts, verification starts, verification ends, drafter resync starts, round ends.
@@ -170,21 +173,18 @@ class BatchGenerateResult:
 class Call:
     """One generate call: its validated inputs, options, per-row committed tokens and stats (what both loops share)."""
 
+    plan: Plan  # sampling, verifier, lookup rounds, the arms that fit, keyed draws (`tree_search.plan`)
     ids: torch.Tensor  # (B, L) left-padded prompts on the target's device
     mask: torch.Tensor  # (B, L) 1 on prompt tokens, 0 on the padding
     lengths: list[int]
     batched: bool  # the caller passed a batch (-> BatchGenerateResult), even of one
     max_new_tokens: int
-    params: SamplingParams
     eos: set[int]
     stats: GenerateStats
     row_stats: list[GenerateStats]
     generators: list[torch.Generator] | None  # active rows' generators (None: torch's global RNG)
     streamer: object = None
-    verifier: Verifier | None = None
-    lookup_tokens: int = 0  # prompt-lookup proposal length of this call (0: none)
     on_tokens: object = None  # (prompt, committed tokens, their logprobs) -> False stops the row (`CallOptions`)
-    fits: tuple[int, ...] | None = None  # the policy's arms the target's cache holds this call (None: all)
     processors: object = None  # `processors.CallProcessors` (None: no logits processors this call)
     # per prompt, the seed of its draws keyed by position (`sampling.keyed_choice`): where sampling is lossless
     # and seeded, a row samples the tokens its seed gives at each position, alone, in any batch, under any tree
@@ -199,6 +199,18 @@ class Call:
     @property
     def batch(self) -> int:
         return self.ids.shape[0]
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.plan.sampling
+
+    @property
+    def verifier(self) -> Verifier | None:
+        return self.plan.verifier
+
+    @property
+    def lookup_tokens(self) -> int:
+        return self.plan.lookup_tokens
 
     def keyed(self, levels, probs: torch.Tensor) -> torch.Tensor:
         """Each active row's sampled token at every node (probs (B, N, V), the target's processed distribution;

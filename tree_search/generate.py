@@ -15,7 +15,7 @@ call of a fresh one).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -28,7 +28,7 @@ from tree_search.calls import (
 from tree_search.plan import batch_prompts, check_models, eos_set, is_batch, plan_call, row_seeds
 from tree_search.policy import is_auto, parse_policy
 from tree_search.processors import CallProcessors, shaping_of
-from tree_search.proposers import Proposers, Round, draft_mode, records_probs
+from tree_search.proposers import Proposers, Round
 from tree_search.proposers.tree import TreeDrafter
 from tree_search.sampling import choose, logits_to_probs, resolve_sampling
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult
@@ -132,8 +132,9 @@ class SpeculativeDecoder:
         logprobs = options.logprobs
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be a number of top alternatives >= 0, or None; got {logprobs!r}")
-        return Call(ids, mask, lengths, batched, options.max_new_tokens, params, eos, stats[0], stats[1:],
-                    generators, options.streamer, verifier, plan.lookup_tokens, options.on_tokens, fits=plan.fits,
+        return Call(plan=replace(plan, keyed=keyed), ids=ids, mask=mask, lengths=lengths, batched=batched,
+                    max_new_tokens=options.max_new_tokens, eos=eos, stats=stats[0], row_stats=stats[1:],
+                    generators=generators, streamer=options.streamer, on_tokens=options.on_tokens,
                     processors=processors, logprobs=logprobs, seeds=seeds if keyed else None)
 
     def start(self, call: Call, widest: int) -> TargetCache:
@@ -160,13 +161,12 @@ class SpeculativeDecoder:
     def speculate(self, call: Call) -> GenerateResult | BatchGenerateResult:
         """Rounds of select -> propose -> verify -> commit -> accept -> update for all rows until each has finished."""
         policy = self.policy
-        fits = range(len(policy.arms)) if call.fits is None else call.fits
-        widest = max(call.lookup_tokens, *(policy.arms[k].num_nodes for k in fits)) + 1
+        widest = call.plan.widest
         costs = lambda tokens: self.verify_costs(call, tokens)  # noqa: E731
-        if call.fits is None:
+        if call.plan.fits is None:
             policy.start_call(call.batch, costs)
         else:  # arms the cache cannot hold this call are not pulled (`plan.fit_arms`: a bandit's)
-            policy.start_call(call.batch, costs, call.fits)
+            policy.start_call(call.batch, costs, call.plan.fits)
         target, rec = self.start(call, widest), call.recorder
         proposers, roots = Proposers(self, call, widest), call.ids[:, -1]
         while True:
@@ -240,9 +240,9 @@ class SpeculativeDecoder:
             lm_head = self.target.get_output_embeddings() if verifier.needs_hidden else None
             results = [verifier.verify(VerifyInput(
                 tree=draft.tree, tokens=draft.tokens[b], target_logits=scores[b],
-                draft_probs=draft.probs[b] if records_probs(call) else None,
+                draft_probs=draft.probs[b] if call.plan.records_probs else None,
                 hidden=hidden[b] if hidden is not None else None, lm_head=lm_head, sampling=params,
-                generator=call.generators[b] if call.generators else None, draft_mode=draft_mode(call)))
+                generator=call.generators[b] if call.generators else None, draft_mode=call.plan.draft_mode))
                 for b in range(scores.shape[0])]
             tokens = draft.tokens.tolist()
         proposed = [[row[node] for node in r.path] + [int(r.next_token)] for row, r in zip(tokens, results)]

@@ -30,6 +30,27 @@ class Plan:
     depth: int = 0  # the deepest proposal a round verifies
     nodes: int = 0  # the most tokens a round proposes
     fits: tuple[int, ...] | None = None  # the policy's arms this call's target cache holds (None: all; `fit_arms`)
+    keyed: bool = False  # seeded lossless sampling: draws by (seed, position) (`sampling.keyed_choice`)
+
+    @property
+    def widest(self) -> int:
+        """The most tokens one row's forward verifies: its widest proposal and the root."""
+        return self.nodes + 1
+
+    @property
+    def records_probs(self) -> bool:
+        """Whether drafts record their distributions q: when the verifier samples by rejection (keyed draws read
+        no q), or when it reads them."""
+        return self.verifier is not None and (
+            (not self.sampling.greedy and not self.keyed) or self.verifier.needs_draft_probs)
+
+    @property
+    def draft_mode(self) -> str:
+        """How drafted children are chosen: "sample" (draws without replacement from q) or "topk" (greedy, and keyed
+        draws: the target's token is likeliest among the drafter's best)."""
+        sampled = (self.verifier is not None and self.verifier.draft_mode == "sample" and not self.sampling.greedy
+                   and not self.keyed)
+        return "sample" if sampled else "topk"
 
 
 def plan_call(policy: TreePolicy | None, sampling: SamplingParams, *, verifier: str | Verifier | None = None,

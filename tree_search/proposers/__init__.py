@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from tree_search.calls import Call
     from tree_search.policy import TreePolicy
 
-__all__ = ["Proposer", "Proposers", "Round", "drafter_proposer", "draft_mode", "records_probs"]
+__all__ = ["Proposer", "Proposers", "Round", "drafter_proposer"]
 
 
 class Proposers:
@@ -65,7 +65,7 @@ class Proposers:
 def drafter_proposer(decoder, call: Call, widest: int) -> TreeProposer:
     """The call's drafted proposer on the decoder's TreeDrafter (kept across its calls), `widest` state rows per
     prompt."""
-    drafter, record_probs = decoder.drafter, records_probs(call)
+    drafter, record_probs = decoder.drafter, call.plan.records_probs
     rows, out_vocab = call.batch * widest, target_vocab_size(decoder.target)
     if decoder.prompt_lookup:
         if drafter.reads_target:
@@ -74,19 +74,4 @@ def drafter_proposer(decoder, call: Call, widest: int) -> TreeProposer:
         return LookupChainProposer(decoder.tree_drafter(max(rows, LOOKUP_ROWS), out_vocab), record_probs,
                                    capacity=call.ids.shape[1] + call.max_new_tokens)
     kind = TargetAwareProposer if drafter.reads_target else TreeProposer
-    return kind(decoder.tree_drafter(rows, out_vocab), call.params, draft_mode(call), record_probs)
-
-
-def records_probs(call: Call) -> bool:
-    """Whether drafts record their distributions q: when the verifier samples by rejection (not keyed draws, which
-    read no q), or when it reads them."""
-    return (not call.params.greedy and call.seeds is None) or call.verifier.needs_draft_probs
-
-
-def draft_mode(call: Call) -> str:
-    """How drafted children are chosen: "sample" (draws without replacement from q) or "topk" (greedy, and keyed
-    draws: the target's token is likeliest among the drafter's best)."""
-    sampled = call.verifier.draft_mode == "sample" and not call.params.greedy and call.seeds is None
-    return "sample" if sampled else "topk"
-
-
+    return kind(decoder.tree_drafter(rows, out_vocab), call.params, call.plan.draft_mode, record_probs)
