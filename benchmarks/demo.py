@@ -430,15 +430,15 @@ def torch_ids(models, prompt):
     return torch.tensor([encode_prompt(models.tokenizer, prompt.text, True)], dtype=torch.long, device=device)
 
 
-def reply_lengths(models, prompts: list, max_new_tokens: int) -> tuple[list[int], float]:
+def reply_lengths(models, prompts: list, max_new_tokens: int) -> list[int]:
     """Our plain greedy decoding (`ar`) of every prompt: its reply lengths (they plan the tables: every lossless
-    greedy method writes the same replies) and the seconds it took."""
+    greedy method writes the same replies)."""
     from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
 
     cfg = BenchConfig(methods=("ar",), repeats=1, warmup=0, max_new_tokens=max_new_tokens, temperature=0.0)
     result = run_benchmark(models, prompts, resolve_methods(cfg.methods), cfg, progress=False)
     records = result["batches"]["1"]["runs"]["ar"][0]["records"]
-    return [r["new_tokens"] for r in records], sum(r["wall_time"] for r in records)
+    return [r["new_tokens"] for r in records]
 
 
 def plan_tables(costs: dict, prompt_tokens: list[int], lengths: list[int], tables: dict, repeats: int,
@@ -499,7 +499,7 @@ def measure_tables(models, records: list[dict], cfg, tables: dict, repeats: int,
         params = resolve_sampling(models.target, temperature, None, None)
         sampling[name] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
     costs = probe_costs(models, prompts[0], tables, sampling)
-    lengths, _ = reply_lengths(models, prompts, cfg.max_new_tokens)
+    lengths = reply_lengths(models, prompts, cfg.max_new_tokens)
     prompt_tokens = [torch_ids(models, p).shape[1] for p in prompts]
     budget = plan_tables(costs, prompt_tokens, lengths, tables, repeats, budget_s - (clock() - started))
     out = {"budget": budget, "costs": costs, "reply_lengths": lengths}

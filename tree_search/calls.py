@@ -237,10 +237,10 @@ class Call:
         """Commit each active row's round (of `drafted` tokens a row beyond the root) up to its first EOS (kept) or
         its budget -> (committed, which finished)."""
         committed, finished = [], []
-        for prompt, tokens, result in zip(self.active, proposed, results):
+        for row, (prompt, tokens, result) in enumerate(zip(self.active, proposed, results)):
             out = self.out[prompt]
             kept, done = truncate(tokens, self.max_new_tokens - len(out), self.eos)
-            logprobs = None if self.pending is None else self.pending[len(committed)][:len(kept)]
+            logprobs = None if self.pending is None else self.pending[row][:len(kept)]
             if logprobs is not None:
                 self.token_logprobs[prompt].extend(logprobs)
             if self.on_tokens is not None and kept and self.on_tokens(prompt, kept, logprobs) is False:

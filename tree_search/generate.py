@@ -220,7 +220,7 @@ class SpeculativeDecoder:
         scores, hidden = target.tree_forward(draft.tokens, draft.tree, need_hidden or verifier.needs_hidden)
         raw = scores  # the target's own distribution: what log-probabilities report
         if call.processors is not None:  # each node's scores after its own sequence, as target.generate's
-            scores = call.processors.tree(scores, draft.tokens, draft.tree.parents, call.active, call.out)
+            scores = call.processors.tree(scores, draft.tokens, draft.tree, call.active, call.out)
         if len(draft.tree) == 1:
             plain = (call.keyed(((0, 1),), logits_to_probs(scores, params))[:, 0] if call.seeds is not None
                      else choose(scores[:, 0], params, call.generators))

@@ -150,30 +150,26 @@ class CallProcessors:
         return torch.stack([self.rows[p](self.sequence(p, out[p])[None], scores[i:i + 1])[0]
                             for i, p in enumerate(active)])
 
-    def tree(self, scores: torch.Tensor, tokens: torch.Tensor, parents: tuple[int, ...], active: list[int],
+    def tree(self, scores: torch.Tensor, tokens: torch.Tensor, tree, active: list[int],
              out: list[list[int]]) -> torch.Tensor:
-        """scores (B, N, V) of a tree (node 0 the root, the row's last committed token; `parents`), its tokens
-        (B, N): every node's scores processed after the row's sequence and the node's path below the root, the
-        nodes of one depth together -> float32."""
-        depth = [0] * len(parents)
-        for node, parent in enumerate(parents):
-            depth[node] = 0 if parent < 0 else depth[parent] + 1
-        levels: dict[int, list[int]] = {}
-        for node, d in enumerate(depth):
-            levels.setdefault(d, []).append(node)
+        """scores (B, N, V) of a `Tree` (node 0 the root, the row's last committed token), its tokens (B, N):
+        every node's scores processed after the row's sequence and the node's path below the root, the nodes of one
+        depth together -> float32."""
+        levels = []  # per depth: its node range and each node's path below the root (root excluded), root first
+        for start, stop in tree.levels:
+            paths = []
+            for node in range(start, stop):
+                path = []
+                while tree.parents[node] >= 0:
+                    path.append(node)
+                    node = tree.parents[node]
+                paths.append(path[::-1])
+            levels.append((start, stop, torch.tensor(paths, dtype=torch.long, device=tokens.device)))
         processed = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
         for i, p in enumerate(active):
             base = self.sequence(p, out[p])
-            for d, nodes in levels.items():
-                paths = []
-                for node in nodes:  # the node's path below the root, root first
-                    path = []
-                    while parents[node] >= 0:
-                        path.append(node)
-                        node = parents[node]
-                    paths.append(path[::-1])
-                below = tokens[i, torch.tensor(paths, dtype=torch.long, device=tokens.device)] if d else None
-                rows = base.expand(len(nodes), -1)
-                sequences = rows if below is None else torch.cat([rows, below.to(base.dtype)], dim=1)
-                processed[i, nodes] = self.rows[p](sequences, scores[i, nodes])
+            for start, stop, paths in levels:
+                rows = base.expand(stop - start, -1)
+                sequences = torch.cat([rows, tokens[i, paths].to(base.dtype)], dim=1) if paths.shape[1] else rows
+                processed[i, start:stop] = self.rows[p](sequences, scores[i, start:stop])
         return processed
