@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -369,4 +370,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # A launched process ends here: its group torn down, then out without C++ static destructors, which under
+    # torchrun can still abort a finished rank ("terminate called without an active exception", gloo's threads)
+    destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
