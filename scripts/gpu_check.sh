@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine (H100/H200; nothing downloadable there), from a clean checkout with .gpu/ carried
 # (scripts/gpu_prepare.sh makes it): install what is missing, build causal-conv1d for this GPU's architecture only,
-# run tests/test_gpu.py, then the timings (benchmarks/gpu_timings.py). Writes under OUT_DIR (a call returns at
+# run tests/test_gpu.py, then the timings (mamba_draft/benchmarks/gpu_timings.py). Writes under OUT_DIR (a call returns at
 # most 8 files): check.log (GPU, versions, kernels, the build's tail if it failed, tests, timings),
 # gpu_timings.{json,md} and two plots.
 #
@@ -82,7 +82,7 @@ status=0
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 echo "tests done after $((SECONDS - start)) s"
 # shellcheck disable=SC2086
-"$python" -m commands.cli gpu-timings --out "$out" ${TIMINGS_ARGS:-} 2>&1 | tee -a "$log" | tail -n 60
+"$python" -m mamba_draft.commands.cli gpu-timings --out "$out" ${TIMINGS_ARGS:-} 2>&1 | tee -a "$log" | tail -n 60
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 echo "gpu_check: exit $status after $((SECONDS - start)) s; results in $out"
 exit $status

@@ -30,7 +30,7 @@ if [[ -n ${DATA_FROM:-} && ! -f $data/manifest.json ]]; then
     mkdir -p "$data" && tar xJf "$DATA_FROM" -C "$data" || exit 1
 fi
 start=$SECONDS
-timeout "$seconds" "$python" -m commands.cli make-data --target smollm2 --out "$data" "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -n 20
+timeout "$seconds" "$python" -m mamba_draft.commands.cli make-data --target smollm2 --out "$data" "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -n 20
 echo "gpu_make_data: make-data stopped (exit ${PIPESTATUS[0]}) after $((SECONDS - start)) s"
 tar czf - -C "$data" --exclude='*.bin' . | split -b 15000000 -d -a 1 - "$out/make-data.tgz."
 ls -l "$out"/make-data.tgz.*

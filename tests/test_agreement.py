@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from mamba_draft import MambaDrafter
-from commands.cli import main as cli
+from mamba_draft.commands.cli import main as cli
 from tests.helpers.training_fixtures import FIXTURES, REPO, deepspeed_cmd, make_tokenizer, read_metrics, train_env
 from training.agreement import (Agreement, HeldoutEval, greedy_ids, hf_logits, load_heldout, measure, pad_batch,
                                 plot_agreement, score)

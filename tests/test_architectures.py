@@ -1,14 +1,16 @@
 """Every low-precision target is exact however it was loaded: tiny bf16 targets of each supported architecture, built
-with transformers' own classes (sdpa, `.to(torch.bfloat16)`) and passed to `generate` as a user would, decode
-speculatively token for token as plainly (`exact.make_exact` gives them row blocks and row attention); a model whose
-attention cannot be swapped is refused in one line."""
+with transformers' own classes (sdpa, `.to(torch.bfloat16)`), prepared (`exact.prepare_target`: row blocks and row
+attention) and passed to `generate` as a user would, decode speculatively token for token as plainly; the engine
+never changes a model itself: an unprepared one is used as it is where the compiled step computes it, else refused
+in one line, as is a model whose attention cannot be swapped."""
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
 
-from mamba_draft.targets.exact import make_exact
+from mamba_draft.targets.exact import is_prepared, prepare_target
+from mamba_draft.targets.facts import UnsupportedTargetError
 from tests.helpers.hand_attention import HandConfig, HandForCausalLM
 from tests.helpers.tree_models import random_drafter
 from tree_search.generate import generate, generate_autoregressive
@@ -76,7 +78,7 @@ def drafter(tmp_path_factory):
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_a_bf16_target_passed_in_decodes_speculatively_as_plainly(name, drafter, monkeypatch, tmp_path):
     monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
-    target = built_by_transformers(*ARCHITECTURES[name])
+    target = prepare_target(built_by_transformers(*ARCHITECTURES[name]))
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         ids = torch.randint(0, VOCAB, (1, 9), generator=g)
@@ -85,6 +87,21 @@ def test_a_bf16_target_passed_in_decodes_speculatively_as_plainly(name, drafter,
             spec = generate(target, drafter, ids, max_new_tokens=20, temperature=0, tree=tree).new_tokens[0].tolist()
             assert spec == plain, tree
     assert target.config._attn_implementation == "row_stable"
+
+
+def test_an_unprepared_bf16_target_is_used_as_it_is_or_refused(drafter):
+    """A Llama the compiled step computes decodes exactly without preparation and is left as it was; a model
+    transformers' forward would verify is refused until prepared, untouched."""
+    llama = built_by_transformers(*ARCHITECTURES["llama"])
+    ids = torch.tensor([[5, 9, 17, 3, 22, 41, 8, 1, 2]])
+    plain = generate_autoregressive(llama, ids, max_new_tokens=20, temperature=0).new_tokens[0].tolist()
+    assert generate(llama, drafter, ids, max_new_tokens=20, temperature=0, tree="3,2,2,1,1").new_tokens[0].tolist() \
+        == plain
+    assert not is_prepared(llama) and llama.config._attn_implementation == "sdpa"
+    gpt2 = built_by_transformers(*ARCHITECTURES["gpt2"])
+    with pytest.raises(UnsupportedTargetError, match="^this bf16/fp16 GPT2LMHeadModel on a CPU is not prepared") as err:
+        generate(gpt2, drafter, ids, max_new_tokens=4, temperature=0)
+    assert "\n" not in str(err.value) and gpt2.config._attn_implementation == "sdpa" and not is_prepared(gpt2)
 
 
 @pytest.mark.parametrize("claims_swappable", [False, True], ids=["as-transformers-guesses", "claimed-swappable"])
@@ -96,8 +113,11 @@ def test_a_bf16_target_whose_attention_cannot_be_swapped_is_refused_in_one_line(
     before = target.config._attn_implementation
     if claims_swappable:
         monkeypatch.setattr(HandForCausalLM, "_can_set_attn_implementation", classmethod(lambda cls: True))
-    with pytest.raises(ValueError, match="cannot be made exact; run it in float32") as err:
+    with pytest.raises(UnsupportedTargetError, match="not prepared for exact decoding: call .*prepare_target") as err:
         generate(target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=4, temperature=0)
     assert "\n" not in str(err.value)
-    assert make_exact(target.float()) is False  # what the message says: fp32 takes no construction
+    with pytest.raises(ValueError, match="cannot be made exact; run it in float32") as err:
+        prepare_target(target)
+    assert "\n" not in str(err.value)
+    assert prepare_target(target.float()) is target and not is_prepared(target)  # fp32 takes no construction
     assert target.config._attn_implementation == before  # the refused model is left as it was

@@ -156,7 +156,7 @@ def test_train_refuses_single_class():
 
 
 def test_cli_mine_and_train(tmp_path, target):
-    from commands.cli import main
+    from mamba_draft.commands.cli import main
     from tests.helpers.training_fixtures import make_tokenizer
     from tests.helpers.tree_models import random_drafter
 

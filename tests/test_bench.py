@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from benchmarks.bench import resolve_methods
-from benchmarks.methods import parse_method
-from benchmarks.corpus import train_tokenizer
-from commands import cli
+from mamba_draft.benchmarks.bench import resolve_methods
+from mamba_draft.benchmarks.methods import parse_method
+from mamba_draft.benchmarks.corpus import train_tokenizer
+from mamba_draft.commands import cli
 from mamba_draft.devices import default_dtype
 
 TEXT = [
@@ -118,7 +118,7 @@ def test_bench_resolves_sampling_once_for_every_method(tiny_pair, tmp_path, monk
     and the result records them; --system-prompt goes through the chat template; --threads reaches the run."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from benchmarks import bench
+    from mamba_draft.benchmarks import bench
 
     root, prompts = tiny_pair
     target = LlamaForCausalLM.from_pretrained(root / "target")
@@ -201,7 +201,7 @@ def test_bench_rejects_bad_target_and_sampling_arguments_before_loading(tiny_pai
 
 def test_lossless_reference_is_our_plain_decoding_whenever_it_ran():
     """Lossless outputs are checked against `ar` on the same exact model; hf-* methods alone against `hf-ar`."""
-    from benchmarks import bench
+    from mamba_draft.benchmarks import bench
 
     assert bench.reference_method(["ar", "hf-ar", "chain:5"]) == "ar"
     assert bench.reference_text({"reference": "ar"}) == "plain decoding (ar)"
@@ -212,8 +212,8 @@ def test_lossless_reference_is_our_plain_decoding_whenever_it_ran():
 def test_methods_take_turns_prompt_by_prompt_each_keeping_its_policy_over_the_pass(monkeypatch):
     """Within a repeat every method runs prompt 0, then every method prompt 1, ... (a drifting machine times all
     methods on a prompt within seconds); a pass-memory bandit stays one object over its pass, fresh per repeat."""
-    from benchmarks import bench
-    from benchmarks.methods import Models
+    from mamba_draft.benchmarks import bench
+    from mamba_draft.benchmarks.methods import Models
 
     calls = []
 
@@ -263,7 +263,7 @@ def fake_runs(rates: dict[str, list[float]], categories=("a", "b")) -> dict:
 def test_speedups_are_against_the_fastest_baseline_repeat_by_repeat():
     """hf-ar is faster in repeat 0, ar in repeat 1: the headline speedup divides by the faster one each time (against
     ar alone it would read 3.0x in repeat 0); per-prompt and batch summaries, per category too."""
-    from benchmarks import bench
+    from mamba_draft.benchmarks import bench
     from tree_search.prompts import Prompt
 
     runs = fake_runs({"ar": [10, 20], "hf-ar": [20, 10], "chain:5": [30, 30]})
@@ -306,7 +306,7 @@ def test_hf_methods_run_transformers_generate_on_a_plain_copy(tiny_pair, tmp_pat
     transformers' default attention, no prepacked or row-block layers; ours on the target as generate loads it."""
     from transformers import AutoModelForCausalLM
 
-    from benchmarks import bench
+    from mamba_draft.benchmarks import bench
     from mamba_draft.packed_linear import PackedLinear
 
     root, prompts = tiny_pair
@@ -335,8 +335,8 @@ def test_default_method_is_what_generate_runs_by_default(tiny_pair, tmp_path, mo
     SpeculativeDecoder for the pass."""
     import importlib
 
-    from benchmarks.bench import DEFAULT_METHODS
-    from benchmarks.methods import lookup_of
+    from mamba_draft.benchmarks.bench import DEFAULT_METHODS
+    from mamba_draft.benchmarks.methods import lookup_of
     from tree_search.plan import default_lookup_tokens
     from tree_search.arms import PlannedBandit
     from tree_search.policy import parse_policy
@@ -421,7 +421,7 @@ def test_the_llama_cpp_method_runs_the_gguf_beside_ours(tiny_pair, tmp_path, mon
     llama.cpp's own filters, stopped at the token budget, reported as another implementation's agreement."""
     from transformers import LlamaForCausalLM
 
-    from benchmarks import llama_cpp
+    from mamba_draft.benchmarks import llama_cpp
 
     root, prompts = tiny_pair
     stand_in = StandInLlama(LlamaForCausalLM.from_pretrained(root / "target").eval())
@@ -442,7 +442,7 @@ def test_the_llama_cpp_method_runs_the_gguf_beside_ours(tiny_pair, tmp_path, mon
 
 
 def test_the_llama_cpp_method_says_how_to_install_it_and_what_it_needs(tiny_pair, tmp_path, monkeypatch):
-    from benchmarks import llama_cpp
+    from mamba_draft.benchmarks import llama_cpp
 
     root, prompts = tiny_pair
     base = ["bench", "--target", str(root / "target"), "--prompts", str(prompts), "--out", str(tmp_path / "o"),

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks.methods import until_eos
-from commands import cli
+from mamba_draft.benchmarks.methods import until_eos
+from mamba_draft.commands import cli
 from tests.test_bench import tiny_pair  # noqa: F401  (the same tiny target / drafter / 3 prompts)
 
 PNG = b"\x89PNG\r\n\x1a\n"

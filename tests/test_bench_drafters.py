@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from commands import cli
+from mamba_draft.commands import cli
 
 
 def test_bench_drafters_writes_report(tmp_path):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.equality import compare_outputs
+from mamba_draft.benchmarks.equality import compare_outputs
 from tree_search.divergence import divergence
 
 

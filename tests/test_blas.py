@@ -21,8 +21,8 @@ def test_import_sets_mkl_dispatch_unless_user_chose(preset, expected):
 
 
 def test_cli_entry_sets_it_before_torch_runs_a_gemm():
-    # the console script imports commands.cli, which imports mamba_draft (its __init__) first
-    code = "import os, commands.cli; print(os.environ.get('MKL_CBWR'))"
+    # the console script imports mamba_draft.commands.cli, so mamba_draft's __init__ runs first
+    code = "import os, mamba_draft.commands.cli; print(os.environ.get('MKL_CBWR'))"
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "AUTO"

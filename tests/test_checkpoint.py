@@ -7,7 +7,7 @@ import transformers
 from safetensors.torch import load_file
 
 from mamba_draft import MambaConfig, MambaDrafter, convert
-from commands.cli import main as cli
+from mamba_draft.commands.cli import main as cli
 from tests.helpers.drafters import save_tiny_hf_mamba, tiny_hf_mamba
 
 IDS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 import tree_search.cli
-from commands import cli
+from mamba_draft.commands import cli
 
 MAMBA_DRAFT = Path(sys.executable).parent / "mamba-draft"
 NO_MODELS = ["--target", "no-such-org/no-such-target", "--drafter", "no-such-org/no-such-drafter", "--prompt", "x"]

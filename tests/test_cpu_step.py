@@ -278,6 +278,42 @@ def test_integer_products_decode_speculatively_as_plainly_and_close_to_the_model
     assert (verified[0] - reference).abs().max() < 0.05 * float(reference.max() - reference.min())
 
 
+def test_integer_products_prefill_a_short_prompt_in_one_step_as_its_tokens_decoded_one_by_one(monkeypatch):
+    """With integer products a prompt of up to STEP_PREFILL tokens is prefilled by one call of the step (the head
+    for its last token only): the same bits as its tokens decoded one at a time; a longer prompt goes through
+    transformers' forward; either way a row of a batch equals its prompt alone."""
+    from mamba_draft.targets import cache as cache_module
+
+    model = _model("llama", torch.float32, gguf=True)
+    monkeypatch.setattr(cache_module, "STEP_PREFILL", 5)
+    calls, forward = [], cpu_step.CpuStep.forward
+    monkeypatch.setattr(cpu_step.CpuStep, "forward", lambda self, ids, *a, **k: calls.append(
+        (ids.shape, k.get("last", False))) or forward(self, ids, *a, **k))
+    prompts = [[5, 9, 17, 3, 22, 41, 8], [12, 4], [33, 2, 19, 60, 7]]
+
+    def fresh() -> TargetCache:
+        return TargetCache(model, max_len=48, static=True, integer_products=True)
+
+    width = max(map(len, prompts))
+    batch = fresh()
+    calls.clear()  # the step's probe
+    logits = batch.prefill(torch.tensor([[0] * (width - len(p)) + p for p in prompts]),
+                           torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]))
+    assert calls == [((1, 2), True), ((1, 5), True)]  # the 7-token prompt went through transformers
+    nexts = torch.tensor([[7], [1], [40]])
+    after = batch.decode(nexts[:, 0])
+    for b, prompt in enumerate(prompts):
+        alone = fresh()
+        assert torch.equal(alone.prefill(torch.tensor([prompt]))[0], logits[b])
+        assert torch.equal(alone.decode(nexts[b])[0], after[b])
+        if len(prompt) <= 5:
+            steps = fresh()
+            steps.prefill(torch.tensor([prompt[:1]]))
+            for token in prompt[1:]:
+                last = steps.decode(torch.tensor([token]))
+            assert torch.equal(last[0], logits[b])  # bit for bit
+
+
 def test_integer_products_without_coded_weights_are_refused_in_one_line():
     with pytest.raises(UnsupportedTargetError, match="integer products need .* no coded weights$") as err:
         TargetCache(_model("llama", torch.float32), max_len=32, static=True, integer_products=True)

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from benchmarks import demo
-from benchmarks.methods import parse_method
-from commands import cli
+from mamba_draft.benchmarks import demo
+from mamba_draft.benchmarks.methods import parse_method
+from mamba_draft.commands import cli
 
 
 @pytest.fixture(scope="module")

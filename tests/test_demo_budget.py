@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from benchmarks import demo
-from benchmarks.bench import load_models, markdown_report, resolve_methods
-from benchmarks.real_pair import RealPairConfig
-from commands import cli
+from mamba_draft.benchmarks import demo
+from mamba_draft.benchmarks.bench import load_models, markdown_report, resolve_methods
+from mamba_draft.benchmarks.real_pair import RealPairConfig
+from mamba_draft.commands import cli
 from tests.test_bench import tiny_pair  # noqa: F401  (the same tiny target / drafter)
 
 # Spec-Bench-like records: 3 categories x 4 questions, odd ids held out (the benchmark's), even ids for training

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.corpus import CorpusConfig, build_corpus, completion_prompts, is_heldout, source_files
+from mamba_draft.benchmarks.corpus import CorpusConfig, build_corpus, completion_prompts, is_heldout, source_files
 
 
 def make_tree(root):
@@ -48,7 +48,7 @@ def test_build_corpus_writes_data_tokenizer_and_heldout_prompts(tmp_path):
 
 
 def test_chunks_split_at_blank_lines_without_trailing_newline():
-    from benchmarks.corpus import chunk_source
+    from mamba_draft.benchmarks.corpus import chunk_source
 
     text = "".join(f"def f{i}():\n    return {i}\n\n\n" for i in range(10))
     chunks = chunk_source(text, lines_per_chunk=6)

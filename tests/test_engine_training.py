@@ -48,7 +48,7 @@ def engine_dir(tmp_path_factory):
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about topic number {i} and why it matters."})
                                  for i in range(10)))
     out = root / "data"
-    from commands import cli
+    from mamba_draft.commands import cli
     args = cli.build_parser("make-data").parse_args(["--target", str(target), "--out", str(out), "--prompts",
                                                      str(prompts), "--max-new-tokens", "16", "--dtype", "float32",
                                                      "--hidden"])
@@ -160,7 +160,7 @@ def test_replies_made_elsewhere_get_their_rows_from_one_teacher_forced_forward(e
         md.hidden_path(copy, t).unlink()
     unrecorded = [dict(r, topk=None) for r in md.read_shard(md.reply_path(copy, 0.7))]
     md.reply_path(copy, 0.7).write_text("".join(json.dumps(r) + "\n" for r in unrecorded))
-    from commands import cli
+    from mamba_draft.commands import cli
     prompts = copy.parent / "p.jsonl"
     prompts.write_text((out.parent / "p.jsonl").read_text())
     args = cli.build_parser("make-data").parse_args(["--target", str(target), "--out", str(copy), "--prompts",

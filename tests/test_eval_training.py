@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from commands.cli import main as cli
+from mamba_draft.commands.cli import main as cli
 from tests.helpers.training_fixtures import FIXTURES, make_tokenizer
 from training.config import ModelConfig
 from training.evaluate import TASKS, continuation_logprobs, evaluate, load_task, parse_tasks

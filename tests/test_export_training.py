@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from mamba_draft import MambaDrafter
-from commands.cli import main as cli
+from mamba_draft.commands.cli import main as cli
 from tests.helpers.training_fixtures import FIXTURES, REPO, make_tokenizer
 from training.config import load_config
 from training.export import export

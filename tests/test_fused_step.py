@@ -3,7 +3,7 @@ interpreter (TRITON_INTERPRET=1) on CPU tensors, against the torch step; and the
 
 The interpreter executes the kernels' own code, so what they compute from their arguments (layouts, strides, masks,
 dtypes) is checked here; it runs a launch's programs one after another, so what only a GPU shows (races between
-programs, compilation, speed, CUDA graphs) is not: benchmarks/gpu_timings.py times and profiles it on a GPU.
+programs, compilation, speed, CUDA graphs) is not: mamba_draft/benchmarks/gpu_timings.py times and profiles it on a GPU.
 Tolerances are tests/test_kernels_triton.py's (see its docstring): fp32 within FP32_TOLERANCE of the torch step
 (measured: at most 3.8e-6 apart on logits of ~20); bf16 no further from the fp32 drafter (the same bf16-rounded
 weights, upcast) than BF16_FACTOR times the bf16 torch step is. The fused step keeps fp32 between its launches, but

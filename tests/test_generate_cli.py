@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from commands.cli import main
+from mamba_draft.commands.cli import main
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama, word_tokenizer
 
 WORDS = ("the cat dog sat ran on a mat log and then it was big small red blue green one two three four five six "
@@ -290,7 +290,7 @@ def test_gguf_file_and_shipped_alias_load_through_mamba_draft_targets(saved, cap
 
 
 def test_threads_is_one_option_of_every_command(monkeypatch):
-    from commands import cli
+    from mamba_draft.commands import cli
 
     for name in cli.COMMANDS:
         assert "--threads" in cli.build_parser(name)._option_string_actions, name
@@ -316,7 +316,7 @@ def test_threads_is_one_option_of_every_command(monkeypatch):
 def test_one_flag_vocabulary_across_commands():
     """--target (never --model), --drafter (never --draft), --dtype auto by default wherever a command has one; help
     texts name a drafter, not "a Mamba tree drafter", and the demo does not claim to train a target."""
-    from commands import cli
+    from mamba_draft.commands import cli
 
     dtypes = []
     for name in cli.COMMANDS:

@@ -9,7 +9,7 @@ import torch
 
 import mamba_draft.devices
 import tree_search.generator as generator_module
-from commands.cli import main
+from mamba_draft.commands.cli import main
 from tests.helpers.drafters import lean_drafter
 from tests.helpers.training_fixtures import CHATML, tiny_chat_target
 from tree_search import SpeculativeGenerator, generate, generate_autoregressive, run_defaults

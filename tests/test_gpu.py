@@ -11,7 +11,7 @@
 - no host sync inside captured drafting or a captured verify + commit;
 - make-data's hook records top-K and hidden rows on CUDA as on CPU.
 
-`scripts/gpu_check.sh` runs this file and the timings (`benchmarks/gpu_timings.py`) on a GPU machine.
+`scripts/gpu_check.sh` runs this file and the timings (`mamba_draft/benchmarks/gpu_timings.py`) on a GPU machine.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.gpu_timings import host_syncs
+from mamba_draft.benchmarks.gpu_timings import host_syncs
 from mamba_draft.graphs import StepRunner
 from mamba_draft.kernels import kernels_available
 from mamba_draft.targets.cache import TargetCache
@@ -279,7 +279,7 @@ def test_make_data_records_rows_on_cuda_like_on_cpu(tmp_path):
     CPU run's up to float noise."""
     import json
 
-    from commands import cli
+    from mamba_draft.commands import cli
     from tests.helpers.training_fixtures import CHATML, tiny_chat_target
     from training import make_data as md
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_timings.py (what scripts/gpu_check.sh times on a GPU) runs end to end in its --smoke shapes on
+"""mamba_draft/benchmarks/gpu_timings.py (what scripts/gpu_check.sh times on a GPU) runs end to end in its --smoke shapes on
 any machine, and its projected speedups are the formula τ · T_target / T_round of its own measurements."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks.gpu_timings import CHAINS, CHAIN5, PAPER_TAU, TREES, VERIFY_TREES, run_timings, smoke_config, \
+from mamba_draft.benchmarks.gpu_timings import CHAINS, CHAIN5, PAPER_TAU, TREES, VERIFY_TREES, run_timings, smoke_config, \
     write_outputs
-from commands.cli import main
+from mamba_draft.commands.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_host_syncs_counts_sync_warnings_only(monkeypatch):
 
     import torch
 
-    from benchmarks import gpu_timings
+    from mamba_draft.benchmarks import gpu_timings
 
     modes = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -48,7 +48,7 @@ def test_generated_prompts_near_a_heldout_question_are_caught():
 
 
 def test_training_prompts_refuse_odd_ids_and_renumbered_copies():
-    from benchmarks.real_pair import training_prompts
+    from mamba_draft.benchmarks.real_pair import training_prompts
     from mamba_draft.targets import SHIPPED_TARGET, load_tokenizer
 
     renumbered = [{**r, "question_id": 10_000 + 2 * i} for i, r in enumerate(ODD[:5])]  # even ids, odd texts
@@ -79,7 +79,7 @@ def test_sft_and_distillation_inputs_skip_heldout_questions(shape):
 def test_prepare_sft_counts_heldout_records_and_keeps_the_rest():
     import datasets
 
-    from benchmarks.corpus import train_tokenizer
+    from mamba_draft.benchmarks.corpus import train_tokenizer
     from training.data import prepare_sft
 
     tokenizer = train_tokenizer(["hello world question answer"] * 5, vocab_size=100)
@@ -102,7 +102,7 @@ def test_tuning_prompt_files_drop_heldout_questions(tmp_path):
 
 def test_autojudge_mining_never_reads_heldout_prompts(tmp_path):
     """`autojudge mine` builds a classifier's training data: odd-id prompts are dropped before any model loads."""
-    from commands import cli
+    from mamba_draft.commands import cli
 
     only_odd = tmp_path / "odd.jsonl"
     only_odd.write_text("\n".join(json.dumps(r) for r in ODD[:4]))
@@ -136,8 +136,8 @@ def test_the_outside_path_check_sees_what_it_must():
 
 
 def test_bench_evaluates_on_odd_ids_and_tunes_on_even_ones():
-    from benchmarks.bench import bench_prompts
-    from commands.cli import build_parser
+    from mamba_draft.benchmarks.bench import bench_prompts
+    from mamba_draft.commands.cli import build_parser
 
     def ids(*extra):
         args = build_parser("bench").parse_args(["--target", "smollm2", "--out", "unused", *extra])

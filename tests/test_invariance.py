@@ -19,8 +19,8 @@ from mamba_draft.targets import (
     default_attention, load_causal_lm, load_tokenizer, row_attention, row_blocks,
 )
 from mamba_draft.targets.cache import TargetCache
-from mamba_draft.targets.facts import cache_keyword
-from mamba_draft.targets.exact import prefilling
+from mamba_draft.targets.facts import UnsupportedTargetError, cache_keyword
+from mamba_draft.targets.exact import prefilling, prepare_target
 from mamba_draft.targets.row_blocks import (agreeing_classes, make_row_invariant, pick_sizes, row_block,
                                             unblocked_forward)
 from mamba_draft.tree import Tree
@@ -118,7 +118,7 @@ def test_speculation_equals_plain_decoding_under_the_adversarial_kernel(tree, mo
     every tree node's logits are the decoding step's, bit for bit, and greedy output is plain decoding's. Before
     row blocks a probed row floor of 1 (the probe tries powers of two) let both differ."""
     monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
-    target = adversarial(bf16_target(seed=3))
+    target = prepare_target(adversarial(bf16_target(seed=3)))
     drafter = random_drafter(tmp_path / "drafter", vocab=64, hidden=32, layers=1)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -172,7 +172,8 @@ def test_speculation_equals_plain_decoding_under_the_adversarial_sdpa(tree, monk
         alone = generate_autoregressive(target, torch.tensor([prompt]), max_new_tokens=20, temperature=0)
         assert plain.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b
         assert spec.rows[b].new_tokens[0].tolist() == alone.new_tokens[0].tolist(), b
-    assert_nodes_get_the_decoding_steps_logits(target, torch.tensor([prompts[0]]),
+    # unprepared, the compiled step decoded it; prepared, transformers' forward verifies as exactly
+    assert_nodes_get_the_decoding_steps_logits(prepare_target(target), torch.tensor([prompts[0]]),
                                                torch.randint(0, 64, (5,), generator=g), Tree((-1, 0, 0, 1, 2)))
 
 
@@ -181,7 +182,7 @@ def test_a_batch_row_gets_the_logits_of_its_prompt_alone(monkeypatch, tmp_path):
     cache of its own (a batch of one), bit for bit (other rows share every product and attention call of the
     forward)."""
     monkeypatch.setenv("MAMBA_DRAFT_CACHE", str(tmp_path))
-    target = bf16_target(seed=5)
+    target = prepare_target(bf16_target(seed=5))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 64, (n,), generator=g) for n in (7, 3, 12)]
     width = max(len(p) for p in prompts)
@@ -291,8 +292,12 @@ def test_fp32_targets_are_left_as_transformers_builds_them(monkeypatch):
     assert row_block(model) is None
     monkeypatch.setenv(row_blocks.ROWS_ENV, "4")  # no block-cost measurement
     bf16 = tiny_llama(vocab=64, hidden=32).to(torch.bfloat16)
-    TargetCache(bf16)  # a low-precision CPU target gets its row blocks from the cache that serves it
+    with pytest.raises(UnsupportedTargetError, match="not prepared"):  # transformers' forward would verify it
+        TargetCache(bf16)
+    assert row_block(bf16) is None and bf16.config._attn_implementation == "sdpa"  # left as it was
+    prepare_target(bf16)  # a low-precision CPU target gets its row blocks when prepared, explicitly
     assert row_block(bf16) == (4,) and bf16.config._attn_implementation == "row_stable"
+    TargetCache(bf16)
     assert default_attention(torch.bfloat16, "cpu") == "row_stable" and default_attention(torch.float32, "cpu") == "sdpa"
 
 

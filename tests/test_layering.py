@@ -1,8 +1,10 @@
 """Package layering, every boundary: mamba_draft (drafters, target loading) imports none of the others; training and
-tree_search import only mamba_draft; benchmarks sits on mamba_draft, tree_search and training; commands (the
-`mamba-draft` dispatcher) may import them all. Imports count wherever they are and however written: absolute or
-relative, at top level, inside functions, and by string (`importlib.import_module("x.y")`, and the dispatcher's COMMANDS table of module names, which it imports
-lazily). No import cycle inside a package either (a cycle hidden in a function is still one)."""
+tree_search import only mamba_draft; the apps live under mamba_draft's namespace but above every package:
+mamba_draft.benchmarks sits on mamba_draft, tree_search and training, and mamba_draft.commands (the `mamba-draft`
+dispatcher) may import them all. A module's layer is the longest prefix of its name that names one. Imports count
+wherever they are and however written: absolute or relative, at top level, inside functions, and by string
+(`importlib.import_module("x.y")`, and the dispatcher's COMMANDS table of module names, which it imports lazily). No
+import cycle inside a package either (a cycle hidden in a function is still one)."""
 from __future__ import annotations
 
 import ast
@@ -15,10 +17,10 @@ ALLOWED = {
     "mamba_draft": set(),
     "training": {"mamba_draft"},
     "tree_search": {"mamba_draft"},
-    "benchmarks": {"mamba_draft", "tree_search", "training"},
-    "commands": {"mamba_draft", "tree_search", "training", "benchmarks"},
+    "mamba_draft.benchmarks": {"mamba_draft", "tree_search", "training"},
+    "mamba_draft.commands": {"mamba_draft", "tree_search", "training", "mamba_draft.benchmarks"},
 }
-PACKAGES = set(ALLOWED)
+PACKAGES = {layer.split(".")[0] for layer in ALLOWED}  # the installed top-level names
 TABLES = {"COMMANDS"}  # module-level tables whose strings name modules imported lazily
 
 
@@ -78,23 +80,46 @@ def imported_top_level_packages(path: Path) -> set[str]:
     return {name.split(".")[0] for name in imported_modules(path)}
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_package_imports_respect_the_layering(package):
-    sources = sorted((REPO / package).rglob("*.py"))
-    assert sources, f"no sources found for {package}"
-    forbidden = PACKAGES - ALLOWED[package] - {package}
-    offenders = {str(p.relative_to(REPO)): sorted(imported_top_level_packages(p) & forbidden) for p in sources}
+def layer_of(module: str) -> str | None:
+    """The layer of a dotted module name: the longest prefix of it that ALLOWED names (None: not one of ours)."""
+    parts = module.split(".")
+    return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in ALLOWED), None)
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def layer_sources(layer: str) -> list[Path]:
+    """The source files whose modules belong to `layer` (a package's subpackage of another layer is not its)."""
+    return sorted(p for p in (REPO / layer.replace(".", "/")).rglob("*.py") if layer_of(module_name(p)) == layer)
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_package_imports_respect_the_layering(layer):
+    sources = layer_sources(layer)
+    assert sources, f"no sources found for {layer}"
+    forbidden = set(ALLOWED) - ALLOWED[layer] - {layer}
+    offenders = {str(p.relative_to(REPO)): sorted({layer_of(m) for m in imported_modules(p)} & forbidden)
+                 for p in sources}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_apps_are_not_top_level_packages():
+    """Nothing installs a generic top-level name such as `benchmarks` or `commands` beside the packages."""
+    tops = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()} - {"tests"}
+    assert tops == PACKAGES
 
 
 def test_the_checker_sees_function_level_and_string_imports(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("import importlib\nSTEP = 'training.train'\n"
-                      "def f():\n    from tree_search.prompts import load_prompts\n    import benchmarks.demo\n"
-                      "    importlib.import_module('commands.cli')\n    return importlib.import_module(STEP)\n"
+                      "def f():\n    from tree_search.prompts import load_prompts\n    import mamba_draft.benchmarks.demo\n"
+                      "    importlib.import_module('mamba_draft.commands.cli')\n    return importlib.import_module(STEP)\n"
                       "COMMANDS: dict = {'x': ('mamba_draft.convert', 'convert a model, see tree_search.cli')}\n")
-    assert imported_top_level_packages(source) == {"importlib", "tree_search", "benchmarks", "commands", "training",
-                                                   "mamba_draft"}
+    assert imported_top_level_packages(source) == {"importlib", "tree_search", "training", "mamba_draft"}
+    assert {layer_of(m) for m in imported_modules(source)} - {None} == {
+        "tree_search", "mamba_draft.benchmarks", "mamba_draft.commands", "training", "mamba_draft"}
 
 
 def test_the_checker_resolves_relative_imports():
@@ -109,15 +134,13 @@ def test_the_checker_resolves_relative_imports():
 
 def test_the_dispatcher_table_is_seen_as_imports():
     """The table names a module of every package: were the dispatcher inside one of them, the layering would fail."""
-    seen = imported_top_level_packages(REPO / "commands" / "cli.py")
-    assert {"mamba_draft", "tree_search", "training", "benchmarks"} <= seen
+    seen = {layer_of(m) for m in imported_modules(REPO / "mamba_draft" / "commands" / "cli.py")}
+    assert {"mamba_draft", "tree_search", "training", "mamba_draft.benchmarks"} <= seen
 
 
 def module_imports(package: str) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (absolute imports, at top level, inside functions or by string)."""
-    root = REPO / package
-    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in root.rglob("*.py")}
+    modules = {module_name(p): p for p in (REPO / package.replace(".", "/")).rglob("*.py")}
     return {name: {m for m in imported_modules(path) if m in modules and m != name and m != package}
             for name, path in modules.items()}
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from commands import cli
+from mamba_draft.commands import cli
 from mamba_draft.heldout import is_heldout, read_spec_bench
 from tests.helpers.training_fixtures import CHATML, REPO, tiny_chat_target, train_env
 from training import make_data as md
@@ -223,7 +223,7 @@ def test_torn_tail_is_cut_and_other_damage_refused(tmp_path):
 
 SLOW_RUN = """
 import sys, time
-from commands import cli
+from mamba_draft.commands import cli
 from training import make_data as md
 from training.config import DataConfig
 

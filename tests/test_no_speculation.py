@@ -288,7 +288,7 @@ def test_cli_tree_none_and_a_none_arm(saved, capsys):  # noqa: F811
 
 
 def test_spec_round_trips_through_parse_and_bench_methods():
-    from benchmarks.methods import parse_method
+    from mamba_draft.benchmarks.methods import parse_method
 
     for spec in ("none", "3,2,1", "1"):
         assert TreeConfig.parse(spec).spec == spec

@@ -64,7 +64,7 @@ def test_shipped_spec_bench_file_parses():
 
 
 def test_encode_prompt_uses_chat_template_when_present():
-    from benchmarks.corpus import train_tokenizer
+    from mamba_draft.benchmarks.corpus import train_tokenizer
 
     tok = train_tokenizer(["hello world, this is a test"] * 5, vocab_size=80)
     raw = encode_prompt(tok, "hello")
@@ -80,7 +80,7 @@ CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eo
 
 
 def test_encode_prompt_is_apply_chat_template_with_optional_system_message():
-    from benchmarks.corpus import train_tokenizer
+    from mamba_draft.benchmarks.corpus import train_tokenizer
 
     tok = train_tokenizer(["hello world, you are a helpful assistant user system"] * 5, vocab_size=120)
     tok.chat_template = CHATML

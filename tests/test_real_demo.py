@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from benchmarks import demo
-from benchmarks.real_pair import heldout_prompts, training_prompts
+from mamba_draft.benchmarks import demo
+from mamba_draft.benchmarks.real_pair import heldout_prompts, training_prompts
 from mamba_draft.heldout import SPEC_BENCH, is_heldout, read_spec_bench
-from commands import cli
-from benchmarks import llama_cpp
+from mamba_draft.commands import cli
+from mamba_draft.benchmarks import llama_cpp
 from mamba_draft.devices import cpu_info
 
 pytestmark = pytest.mark.heavy  # minutes of work: scheduled first (tests/conftest.py)

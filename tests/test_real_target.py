@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from mamba_draft import MambaConfig, MambaDrafter
-from commands.cli import main as cli
+from mamba_draft.commands.cli import main as cli
 from mamba_draft import targets
 from mamba_draft.targets import (
     CACHE_ENV, SHIPPED_TARGET, dense_copy, dense_copy_path, load_causal_lm, load_tokenizer, resolve_gguf,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from commands import cli
+from mamba_draft.commands import cli
 from tests.helpers.training_fixtures import FIXTURES, make_tokenizer
 from tests.helpers.tree_models import aligned_drafter, random_drafter
 from training import regenerate as plain

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from benchmarks.methods import Models, parse_method, run_hf
-from commands.cli import main
+from mamba_draft.benchmarks.methods import Models, parse_method, run_hf
+from mamba_draft.commands.cli import main
 from tests.helpers.tree_models import random_drafter, tiny_llama, word_tokenizer
 from tests.test_generate_cli import cli_fp32  # noqa: F401  (fixture: the CLI in fp32 on every CPU kind)
 from tree_search.generate import generate, generate_autoregressive

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from benchmarks.serve_bench import LoopbackServer
+from mamba_draft.benchmarks.serve_bench import LoopbackServer
 from mamba_draft.targets.cache import TargetCache
 from tests.helpers.tree_models import aligned_drafter, tiny_llama, word_tokenizer
-from tree_search.batcher import Request
+from tree_search.batcher import Batcher, Request
 from tree_search.generator import SpeculativeGenerator
 
 openai = pytest.importorskip("openai")
@@ -341,6 +341,37 @@ def test_a_full_queue_answers_503(generator):
         assert response.status_code == 503 and response.json()["error"]["code"] == "server_overloaded"
 
 
+def test_the_idle_engine_waits_for_requests_sent_together_and_no_longer(generator):
+    """Requests that arrive within `batch_wait` of the first decode in its batch (it stops waiting once max_batch
+    are there); a request alone starts after the wait; `batch_wait` 0 takes the first request at once."""
+    def submit(batcher, words):
+        return batcher.submit(Request(generator.encode([{"role": "user", "content": words}]), max_tokens=4,
+                                      temperature=0.0))
+
+    batcher = Batcher(generator, max_batch=3, batch_wait=10)
+    try:
+        requests = []
+        for words in QUESTIONS[:3]:
+            requests.append(submit(batcher, words))
+            time.sleep(0.05)
+        assert all(r.done.wait(GUARD) for r in requests)
+        assert list(batcher.batch_sizes) == [3]
+    finally:
+        batcher.close()
+    for wait in (0.3, 0.0):
+        batcher = Batcher(generator, max_batch=8, batch_wait=wait)
+        try:
+            lone = submit(batcher, QUESTIONS[0])
+            wait_for(lambda: not batcher.queue, "the engine never took the request")
+            late = submit(batcher, QUESTIONS[1])
+            assert lone.done.wait(GUARD) and late.done.wait(GUARD)
+            assert lone.first_token_at - lone.arrived >= wait and list(batcher.batch_sizes) == [1, 1]
+        finally:
+            batcher.close()
+    with pytest.raises(ValueError, match="batch_wait in"):
+        Batcher(generator, batch_wait=-1)
+
+
 def test_stop_strings_are_held_back_until_they_cannot_start():
     class Words:
         def decode(self, ids, skip_special_tokens=True):
@@ -357,19 +388,19 @@ def test_stop_strings_are_held_back_until_they_cannot_start():
 
 
 def test_serve_refuses_bad_flags_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
-    from commands.cli import DEBUG_ENV, main
+    from mamba_draft.commands.cli import DEBUG_ENV, main
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)  # errors as users see them, not tracebacks
     with pytest.raises(SystemExit, match="^mamba-draft serve: error: --target .*nowhere does not exist"):
         main(["serve", "--target", str(tmp_path / "nowhere")])
     assert main(["serve", "--target", "smollm2", "--max-batch", "0"]) == 1
-    assert capsys.readouterr().err.strip() == ("mamba-draft serve: error: --max-batch must be >= 1, --max-queue >= 0 "
-                                               "and --port in [0, 65535]")
+    assert capsys.readouterr().err.strip() == ("mamba-draft serve: error: --max-batch must be >= 1, --max-queue >= 0, "
+                                               "--port in [0, 65535] and --batch-wait-ms in [0, 10000]")
 
 
 def test_serve_bench_times_each_policy_and_the_first_token(saved, capsys, monkeypatch):
     import mamba_draft.devices
-    from commands.cli import main
+    from mamba_draft.commands.cli import main
 
     monkeypatch.setattr(mamba_draft.devices, "native_bf16", lambda device="cpu": False)  # fp32 on every CPU kind
     assert main(["serve-bench", "--target", str(saved / "target"), "--drafter", str(saved / "drafter"),

@@ -363,7 +363,7 @@ def test_a_target_aware_drafter_trains_on_the_engines_pattern_and_loads_for_infe
     """make-data --hidden -> training with draft windows (features spied) -> lean export -> load_drafter."""
     import transformers
 
-    from commands.cli import main as cli
+    from mamba_draft.commands.cli import main as cli
     from mamba_draft import load_drafter
     from training import train as train_mod
     from training.agreement import engine_depth_acceptance

@@ -8,6 +8,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import mamba_draft.targets.tree_mask as tree_mask_module
 from mamba_draft.targets.cache import TargetCache
+from mamba_draft.targets.exact import prepare_target
 from mamba_draft.targets.facts import UnsupportedTargetError
 from mamba_draft.targets.tree_mask import check_tree_support
 from mamba_draft.tree import TreeConfig
@@ -24,10 +25,10 @@ def test_probe_verdict_is_keyed_on_attention_implementation_and_dtype(monkeypatc
         (lambda: None, 1),                                   # first look: probe
         (lambda: None, 1),                                   # same state: cached
         (lambda: model.set_attn_implementation("eager"), 2),
-        (lambda: model.to(torch.bfloat16), 3),               # a bf16 CPU target is made exact (row attention) first
-        (lambda: model.set_attn_implementation("sdpa"), 3),  # ... whatever attention it was given: the same verdict
+        (lambda: prepare_target(model.to(torch.bfloat16)), 3),  # a prepared bf16 CPU target: row attention
         (lambda: model.to(torch.float32), 4),                # fp32 keeps row attention: a new one
         (lambda: model.set_attn_implementation("sdpa"), 4),  # back to the first state: its verdict still holds
+        (lambda: model.to(torch.bfloat16), 4),  # unprepared bf16: the compiled step verifies, transformers never does
     ]
     for change, expected in steps:
         change()
@@ -35,6 +36,7 @@ def test_probe_verdict_is_keyed_on_attention_implementation_and_dtype(monkeypatc
         assert len(probed) == expected
     # the verdicts live where the caller keeps them (no module-level cache): none kept, the probe runs again
     assert len(passed) == 4
+    model.to(torch.float32)
     check_tree_support(model)
     assert len(probed) == 5
 
@@ -97,7 +99,7 @@ BF16_NEW_TOKENS = 24
 def test_bf16_targets_diverge_only_at_rounding_ties(tmp_path, kind):
     target = tiny_causal_lm(kind)
     drafter = aligned_drafter(tmp_path, target)
-    target.to(torch.bfloat16)
+    prepare_target(target.to(torch.bfloat16))
     identical, cases = 0, prompts(64, 30, seed=21, max_len=8)
     for prompt in cases:
         start = prompt.shape[1]

@@ -5,13 +5,13 @@ import re
 
 import torch
 
-from benchmarks import tax
+from mamba_draft.benchmarks import tax
 from tests.helpers.drafters import save_tiny_hf_mamba
 from tests.test_cpu_step import _model
 
 
 def test_tax_prints_both_tables_for_a_coded_target(tmp_path, capsys, monkeypatch):
-    from commands.cli import main
+    from mamba_draft.commands.cli import main
 
     _model("llama", torch.float32, gguf=True).save_pretrained(tmp_path / "target")
     save_tiny_hf_mamba(tmp_path / "drafter", "mamba2", vocab_size=64)  # a Mamba-2 drafter: the compiled step
@@ -40,7 +40,7 @@ def test_slope_is_the_least_squares_ms_per_row():
 
 
 def test_closeness_counts_top1_agreement_with_the_fp32_model():
-    from benchmarks import closeness
+    from mamba_draft.benchmarks import closeness
 
     model = _model("llama", torch.float32, gguf=True)
     prompts = [[5, 9, 17, 3], [22, 41, 8, 1, 30]]

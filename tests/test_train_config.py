@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from commands import cli
+from mamba_draft.commands import cli
 from tests.helpers.training_fixtures import FIXTURES, REPO, make_tokenizer
 from training.config import ConfigError, TrainConfig, load_config
 from training.distributed import deepspeed_config

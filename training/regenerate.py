@@ -15,7 +15,7 @@ Output: ShareGPT JSON, `[{id, category (if given), conversations: [{from, value}
 atomically; when every record is skipped, nothing is written and the command fails.
 
 `mamba-draft regenerate` takes the same arguments plus --drafter: the same replies, produced by batched tree
-speculative decoding (benchmarks/regenerate.py passes `regenerate(..., generate=...)` its own batch generator).
+speculative decoding (mamba_draft/benchmarks/regenerate.py passes `regenerate(..., generate=...)` its own batch generator).
 """
 from __future__ import annotations
 

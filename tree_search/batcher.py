@@ -1,7 +1,8 @@
 """Requests decoded together: a `Batcher` owns the engine (a `SpeculativeGenerator`'s decoder) and one worker thread.
 
-When the engine is free, the worker takes every waiting request that samples like the first one (same temperature,
-top-p, penalties and logit bias), up to `max_batch`, and decodes them as one batch (`SpeculativeDecoder.generate` on a list of prompts): rows
+When the engine is free, the worker waits `batch_wait` after a request's arrival for others, then takes every waiting
+request that samples like the first one (same temperature, top-p, penalties and logit bias), up to `max_batch`, and
+decodes them as one batch (`SpeculativeDecoder.generate` on a list of prompts): rows
 leave the batch at their own EOS, budget or stop string, and a request whose client went away (`cancel`) leaves it
 at the next round. Requests that arrive meanwhile wait for the next batch; a full queue refuses them (`QueueFull`).
 A greedy row's tokens do not depend on the rows beside it (the engine's batch invariance), so a request gets the
@@ -16,9 +17,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mamba_draft.cpu_threads import release_openmp_workers
 from tree_search.plan import eos_set
 
 RECENT = 256  # outcomes and batch sizes a Batcher remembers
+BATCH_WAIT = 0.02  # seconds the idle engine waits after a request for others to join its batch
 HOLD = "\ufffd"  # a decoded text ending in a replacement character waits for the rest of its UTF-8 sequence
 
 
@@ -110,10 +113,13 @@ class Request:
 class Batcher:
     """The engine's one worker: `submit` queues a request, the worker decodes batches of them (module docstring)."""
 
-    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64, metrics=None) -> None:
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64, metrics=None,
+                 batch_wait: float = BATCH_WAIT) -> None:
+        if max_batch < 1 or max_queue < 0 or not 0 <= batch_wait <= 10:
+            raise ValueError(f"max_batch must be >= 1, max_queue >= 0 and batch_wait in [0, 10] seconds, got "
+                             f"{max_batch}, {max_queue}, {batch_wait}")
         self.decoder, self.max_batch, self.max_queue = generator.decoder, max_batch, max_queue
+        self.batch_wait = batch_wait
         self.tokenizer, self.eos = generator.tokenizer, eos_set(generator.target, None)
         self.queue: deque[Request] = deque()
         self.wake = threading.Condition()
@@ -124,6 +130,9 @@ class Batcher:
         self.batch_sizes: deque[int] = deque(maxlen=RECENT)  # of recent batches
         self.closed = False
         self.metrics = metrics  # `metrics.ServerMetrics` (None: none kept)
+        # the worker decodes with the cores to itself: the loading thread's OpenMP team goes, and the worker's own
+        # after each batch (`cpu_threads`: teams beyond the core count make every parallel region sleep and wake)
+        release_openmp_workers()
         self.worker = threading.Thread(target=self.work, name="mamba-draft-engine", daemon=True)
         self.worker.start()
 
@@ -142,18 +151,29 @@ class Batcher:
         self.worker.join()
 
     def next_batch(self) -> list[Request]:
-        """Wait for a request, then take it and every waiting one that samples alike, up to max_batch."""
+        """Wait for a request, then up to `batch_wait` after its arrival for others (clients that send at once do
+        not arrive at once: the first would otherwise decode alone while the rest wait for it), then take it and every
+        waiting one that samples alike, up to max_batch."""
         with self.wake:
             while not self.queue and not self.closed:
                 self.wake.wait()
+            while not self.closed and len(self._alike()) < self.max_batch:
+                left = self.queue[0].arrived + self.batch_wait - time.perf_counter()
+                if left <= 0:
+                    break
+                self.wake.wait(left)
             if self.closed:
                 return []
-            first = self.queue[0]
-            batch = [r for r in self.queue if r.sampling == first.sampling][: self.max_batch]
+            batch = self._alike()
             for request in batch:
                 self.queue.remove(request)
             self.running = len(batch)
             return batch
+
+    def _alike(self) -> list[Request]:
+        """The first waiting request and those that sample like it, up to max_batch (the lock held)."""
+        first = self.queue[0]
+        return [r for r in self.queue if r.sampling == first.sampling][: self.max_batch]
 
     def work(self) -> None:
         while batch := self.next_batch():
@@ -168,6 +188,7 @@ class Batcher:
                 for request in live:
                     request.finish("error", f"{type(err).__name__}: {err}")
             finally:
+                release_openmp_workers()
                 with self.wake:
                     self.running = 0
                     self.finished.extend((r.finish_reason, len(r.tokens)) for r in batch)

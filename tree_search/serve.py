@@ -28,7 +28,7 @@ except ImportError as err:  # an optional extra: the rest of the package runs wi
                       f"'mamba-draft[serve]' ({err})") from None
 
 from mamba_draft.targets.facts import max_positions, target_vocab_size
-from tree_search.batcher import Batcher, QueueFull, Request
+from tree_search.batcher import BATCH_WAIT, Batcher, QueueFull, Request
 from tree_search.metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
@@ -57,13 +57,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64,
+def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64, batch_wait: float = BATCH_WAIT,
                max_body_bytes: int = MAX_BODY_BYTES):
     """The ASGI app serving `generator` (a SpeculativeGenerator) as `model`; app.state.batcher runs the engine."""
     app = FastAPI(title="mamba-draft", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = app.state.metrics = ServerMetrics(model, queue_length=lambda: len(app.state.batcher.queue),
                                                 running_rows=lambda: app.state.batcher.running)
-    batcher = app.state.batcher = Batcher(generator, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
+    batcher = app.state.batcher = Batcher(generator, max_batch=max_batch, max_queue=max_queue, metrics=metrics,
+                                          batch_wait=batch_wait)
     context = max_positions(generator.target)
     app.router.on_shutdown.append(batcher.close)
 
@@ -374,6 +375,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together at most (default 8)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests waiting at most; more are answered 503 (default 64)")
+    parser.add_argument("--batch-wait-ms", type=float, default=BATCH_WAIT * 1000,
+                        help="how long the idle engine waits after a request for others to decode with it "
+                        f"(default {BATCH_WAIT * 1000:g})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -382,11 +386,12 @@ def run(args: argparse.Namespace) -> int:
     from tree_search.cli import load_generator
     from tree_search.sampling import SamplingParams
 
-    if args.max_batch < 1 or args.max_queue < 0 or not 0 <= args.port < 65536:
-        raise ValueError("--max-batch must be >= 1, --max-queue >= 0 and --port in [0, 65535]")
+    if args.max_batch < 1 or args.max_queue < 0 or not 0 <= args.port < 65536 or not 0 <= args.batch_wait_ms <= 10000:
+        raise ValueError("--max-batch must be >= 1, --max-queue >= 0, --port in [0, 65535] and --batch-wait-ms in "
+                         "[0, 10000]")
     # requests bring their own sampling: the plan is checked for greedy here, and per batch by the engine
     generator = load_generator(args, args.drafter, SamplingParams(temperature=0.0), batched=True, command="serve")
     app = create_app(generator, args.served_model_name or str(args.target), max_batch=args.max_batch,
-                     max_queue=args.max_queue)
+                     max_queue=args.max_queue, batch_wait=args.batch_wait_ms / 1000)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

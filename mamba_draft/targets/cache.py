@@ -17,13 +17,14 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLay
 from mamba_draft.graphs import capture_graph, to_device, weights_key
 from mamba_draft.targets.facts import cache_keyword
 from mamba_draft.targets import cpu_step
-from mamba_draft.targets.exact import make_exact, prefilling
+from mamba_draft.targets.exact import is_prepared, prefilling, require_prepared
 from mamba_draft.targets.facts import (
     MaskStyle, UnsupportedTargetError, cache_layers, last_logits_only, probe_key, sliding_windows, static_cache_refusal,
 )
 from mamba_draft.tree import Tree
 
 ROOT_ONLY = Tree((-1,))
+STEP_PREFILL = 512  # the longest prompt the compiled step prefills with integer products (`_step_prefill`)
 
 
 class _SlotLayer(StaticLayer):
@@ -69,8 +70,6 @@ class TargetCache:
                  graphs: bool = False, integer_products: bool = False, step: cpu_step.CpuStep | None = None) -> None:
         self.model, self.integer_products = model, integer_products
         self.device = next(model.parameters()).device
-        # a position's logits do not depend on how many tokens, or which rows, share its forward
-        exact = make_exact(model)
         self.static = use_static(model, self.device, static, max_len)
         # the compiled CPU step (static storage only: it writes the cache in place), exact by itself
         # (`step`: this model's step from a cache it outgrew, its packed weights reused)
@@ -81,7 +80,11 @@ class TargetCache:
                 f"integer products need the compiled CPU step over a GGUF's Q4_1 / Q8_0 weights (a Llama-family target "
                 f"on a CPU, with a static cache); {type(model).__name__} here has "
                 + ("no compiled step" if self.step is None else "no coded weights"))
-        self.exact = exact or self.step is not None
+        # a position's logits do not depend on how many tokens, or which rows, share its forward: by the compiled
+        # step's construction, or a bf16/fp16 CPU model's preparation (`exact.prepare_target`; unprepared: refused)
+        if self.step is None:
+            require_prepared(model)
+        self.exact = self.step is not None or is_prepared(model)
         self.style = MaskStyle(model, boolean=self.step is not None)
         self._cache_keyword = cache_keyword(model)
         if graphs and not (self.static and self.device.type == "cuda"):
@@ -198,34 +201,73 @@ class TargetCache:
         return logits
 
     def _prefill_rows(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """An exact target's prefill: each row's prompt in a forward of its own (`prefilling`: fast kernels; the same
-        call for a prompt alone or in any batch), its keys and values then stored right-aligned, behind its pads."""
+        """An exact target's prefill: each row's prompt in a call of its own, its keys and values stored right-aligned
+        behind its pads. A prompt of up to STEP_PREFILL tokens with integer products goes through the compiled step
+        (`_step_prefill`); any other through transformers' forward (`prefilling`: fast kernels). Which one depends on
+        the prompt alone, so a prompt gets the same bits alone or in any batch."""
         batch, length = input_ids.shape
-        rows, logits = [], None
-        with prefilling(self.model):
-            for b in range(batch):
-                tokens = input_ids[b][valid[b]]
-                if tokens.numel() == 0:  # a one-token prompt's empty prefix: nothing cached, no logits
-                    rows.append(None)
-                    continue
-                cache = DynamicCache(config=self.model.config)
-                out = self.model(input_ids=tokens[None], **{self._cache_keyword: cache}, use_cache=True,
-                                 **last_logits_only(self.model))
-                rows.append(cache)
-                if logits is None:  # (B, V), zeros for rows without a prefix
-                    logits = out.logits.new_zeros(batch, out.logits.shape[-1])
-                logits[b] = out.logits[0, -1]
+        if self.step is not None:
+            self._storage()
+        logits, caches = None, [None] * batch
+        for b in range(batch):
+            tokens = input_ids[b][valid[b]]
+            if tokens.numel() == 0:  # a one-token prompt's empty prefix: nothing cached, no logits
+                continue
+            if self.integer_products and tokens.numel() <= STEP_PREFILL:
+                out = self._step_prefill(b, tokens, length)
+            else:
+                caches[b] = DynamicCache(config=self.model.config)
+                with prefilling(self.model):
+                    out = self.model(input_ids=tokens[None], **{self._cache_keyword: caches[b]}, use_cache=True,
+                                     **last_logits_only(self.model)).logits[0, -1]
+            if logits is None:  # (B, V), zeros for rows without a prefix
+                logits = out.new_zeros(batch, out.shape[-1])
+            logits[b] = out
         if logits is None:
             raise ValueError("prefill needs at least one row with a token that is not padding")
-        for index in range(len(self.cache.layers)):
-            first = next(cache.layers[index] for cache in rows if cache is not None)
-            keys, values = (t.new_zeros(batch, t.shape[1], length, t.shape[3]) for t in (first.keys, first.values))
-            for b, cache in enumerate(rows):
+        if any(cache is not None for cache in caches):
+            self._store(caches, length)
+        return logits
+
+    def _step_prefill(self, b: int, tokens: torch.Tensor, length: int) -> torch.Tensor:
+        """Row b's prompt `tokens` through the compiled step in one call, into slots [length - n, length), the head's
+        products for its last token only -> its logits (V,). A token's bits do not depend on the tokens sharing its
+        call: this is the prompt decoded token by token. Integer products over many rows run 3x transformers' float
+        prefill at 50 tokens, 1.2x at 400 (SmolLM2-135M, 2 cores); past ~500 the step's attention, a query at a time,
+        costs more than the products save."""
+        n, start = tokens.numel(), length - tokens.numel()
+        mask = torch.zeros(1, 1, n, length, dtype=torch.bool)
+        mask[0, 0, :, start:] = torch.ones(n, n, dtype=torch.bool).tril_()
+        keys, values = ([getattr(layer, name)[b : b + 1] for layer in self.cache.layers] for name in ("keys", "values"))
+        logits, _ = self.step.forward(tokens[None], mask, self._arange[None, :n], self._arange[start:length], length,
+                                      keys, values, False, last=True)
+        return logits[0, 0]
+
+    def _store(self, caches: list, length: int) -> None:
+        """Rows' prefill caches (None: a row without one) into this cache, right-aligned to `length` slots."""
+        for index, layer in enumerate(self.cache.layers):
+            if self.step is not None:  # in place: rows the step prefilled are stored already
+                for b, cache in enumerate(caches):
+                    if cache is not None:
+                        n = cache.layers[index].keys.shape[2]
+                        layer.keys[b, :, length - n : length] = cache.layers[index].keys[0]
+                        layer.values[b, :, length - n : length] = cache.layers[index].values[0]
+                continue
+            first = next(cache.layers[index] for cache in caches if cache is not None)
+            keys, values = (t.new_zeros(len(caches), t.shape[1], length, t.shape[3]) for t in (first.keys, first.values))
+            for b, cache in enumerate(caches):
                 if cache is not None:
                     keys[b, :, length - cache.layers[index].keys.shape[2]:] = cache.layers[index].keys[0]
                     values[b, :, length - cache.layers[index].values.shape[2]:] = cache.layers[index].values[0]
             self.cache.update(keys, values, index)
-        return logits
+
+    def _storage(self) -> None:
+        """The compiled step's static storage for the batch's rows (a prefill that cached nothing leaves none)."""
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                k = torch.zeros(self.batch_size, self.step.struct.kv_heads, 1, self.step.struct.head_dim,
+                                dtype=self.step.dtype)
+                layer.lazy_initialization(k, k)
 
     @torch.no_grad()
     def tree_forward(self, tokens: torch.Tensor, tree: Tree, want_hidden: bool = False
@@ -395,12 +437,8 @@ class TargetCache:
         shape.mask[:, 0] = self._valid[:, None, :]
         shape.mask[:, 0, :, start : start + n] = block
         if self.step is not None:
+            self._storage()
             layers = self.cache.layers
-            for layer in layers:  # storage for a batch whose prefill cached nothing (one-token prompts)
-                if not layer.is_initialized:
-                    k = torch.zeros(self.batch_size, self.step.struct.kv_heads, 1, self.step.struct.head_dim,
-                                    dtype=self.step.dtype)
-                    layer.lazy_initialization(k, k)
             return self.step.forward(shape.ids, shape.mask, shape.positions, self._write[:n], start + n,
                                      [layer.keys for layer in layers], [layer.values for layer in layers], want_hidden)
         if not self.use_graphs:

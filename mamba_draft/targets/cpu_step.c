@@ -362,11 +362,12 @@ static inline void store(void *dst, int64_t i, float v, int dtype) {
 
 /* ids: (batch, n) tokens; cos, sin: their rotary tables (batch, n, head dim) as fp32; write: the n cache slots the
  * new keys go to (the same for every row); mask: visibility (batch, n, keys) with its strides in bytes; keys: the
- * slots attention reads. Writes logits (batch * n, vocab) as fp32 holding dtype values and, if not NULL, the final
+ * slots attention reads. Writes logits (batch * n, vocab), or with `last` only each row's last token's (batch, vocab),
+ * as fp32 holding dtype values and, if not NULL, the final
  * normed states (batch * n, hidden) likewise. work: `cpu_step_work(model, batch * n)` floats. */
 int cpu_step_forward(const Model *m, int batch, int n, const int64_t *ids, const float *cos, const float *sin,
-                     const int64_t *write, const uint8_t *mask, const int64_t *mask_strides, int keys, float *logits,
-                     float *states, float *work, int threads) {
+                     const int64_t *write, const uint8_t *mask, const int64_t *mask_strides, int keys, int last,
+                     float *logits, float *states, float *work, int threads) {
     const int rows = batch * n, H = m->hidden, D = m->head_dim, I = m->inter, dtype = m->dtype;
     const int qw = m->heads * D, kw = m->kv_heads * D, wide = H > qw ? H : qw;
     if (D > 256 || D % 2 || H % LANES || qw % LANES || kw % LANES || I % LANES || m->vocab % LANES ||
@@ -426,7 +427,11 @@ int cpu_step_forward(const Model *m, int batch, int n, const int64_t *ids, const
     }
     rms_norm(h, rows, H, m->norm, m->eps, x, dtype);
     if (states) memcpy(states, x, (size_t)rows * H * sizeof(float));
-    linear(x, rows, H, m->head, NULL, m->vocab, logits, m->vocab, dtype, threads);
+    if (last) { /* a prefill: only each row's last token needs the head's products */
+        for (int b = 0; b < batch; b++)
+            memmove(x + (int64_t)b * H, x + ((int64_t)b * n + n - 1) * H, (size_t)H * sizeof(float));
+    }
+    linear(x, last ? batch : rows, H, m->head, NULL, m->vocab, logits, m->vocab, dtype, threads);
     return 0;
 }
 

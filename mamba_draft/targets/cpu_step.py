@@ -66,7 +66,7 @@ def library() -> ctypes.CDLL:
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, i32 = ctypes.c_void_p, ctypes.c_int
     lib.cpu_step_forward.argtypes = [ctypes.POINTER(_Model), i32, i32, pointer, pointer, pointer, pointer, pointer,
-                                     ctypes.POINTER(ctypes.c_int64), i32, pointer, pointer, pointer, i32]
+                                     ctypes.POINTER(ctypes.c_int64), i32, i32, pointer, pointer, pointer, i32]
     lib.cpu_step_forward.restype = i32
     lib.cpu_linear.argtypes = [pointer, i32, i32, ctypes.POINTER(Weight), pointer, i32, pointer, i32, i32]
     lib.cpu_linear.restype = i32
@@ -335,12 +335,12 @@ class CpuStep:
         return bool((logits[0].float() - expected).abs().max() <= PROBE_TOLERANCE * spread)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, write: torch.Tensor, keys: int,
-                key_cache: list[torch.Tensor], value_cache: list[torch.Tensor], want_hidden: bool
+                key_cache: list[torch.Tensor], value_cache: list[torch.Tensor], want_hidden: bool, last: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions (B, n); mask (B, 1, n, slots) bool over the cache's slots; the new keys and values go to
         slots `write` (n,) of every row of `key_cache[i]`, `value_cache[i]` (B, kv heads, slots, head dim); attention
-        reads the first `keys` slots. -> logits (B, n, V) and, if asked, the final normed states (B, n, hidden), in
-        the model's dtype."""
+        reads the first `keys` slots. -> logits (B, n, V) (`last`: (B, 1, V), the last token's, as a prefill needs)
+        and, if asked, the final normed states (B, n, hidden), in the model's dtype."""
         if self._versions() != self.versions:  # weights edited in place (load_state_dict, an optimizer step)
             self._pack()
         batch, n = ids.shape
@@ -356,17 +356,18 @@ class CpuStep:
         if self.work.numel() < size:
             self.work = torch.empty(size)
         ids, write = (t.to(torch.long).contiguous() for t in (ids, write))
-        logits = torch.empty(rows, struct.vocab)
+        logits = torch.empty(batch if last else rows, struct.vocab)
         states = torch.empty(rows, struct.hidden) if want_hidden else None
         view = mask[:, 0]
         strides = (ctypes.c_int64 * 3)(view.stride(0), view.stride(1), view.stride(2))
         failed = library().cpu_step_forward(
             struct, batch, n, ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), write.data_ptr(), view.data_ptr(),
-            strides, keys, logits.data_ptr(), None if states is None else states.data_ptr(), self.work.data_ptr(),
+            strides, keys, int(last), logits.data_ptr(), None if states is None else states.data_ptr(),
+            self.work.data_ptr(),
             torch.get_num_threads())
         if failed == 3:
             raise IndexError(f"token ids must be in [0, {struct.tokens}), the target's embedding rows")
         if failed:
             raise RuntimeError(f"the compiled target step failed (code {failed})")
-        logits = logits.view(batch, n, -1).to(self.dtype)
+        logits = logits.view(batch, 1 if last else n, -1).to(self.dtype)
         return logits, None if states is None else states.view(batch, n, -1).to(self.dtype)

@@ -6,7 +6,10 @@ Two constructions, each exact by itself (docs/benchmarks.md, "Exact on every CPU
   and so its rounding, by the product's shape, and a fixed shape gives a row the same bits wherever it sits;
 - attention computes each query row alone, over its own visible keys in position order (`row_attention`).
 A prompt's prefill needs neither: every path computes a prompt by the same prefill call (`prefilling`, one prompt
-per call), so it runs transformers' fastest kernels.
+per call), so it runs transformers' fastest kernels. Both change the model, so they happen in one explicit step,
+`prepare_target` (which `load_causal_lm` takes for what it loads); the engine refuses an unprepared bf16 CPU target
+it would run through transformers' forward (`require_prepared`), never preparing one behind the caller's back. The
+compiled step (`cpu_step`) is exact by itself and needs no preparation.
 """
 from __future__ import annotations
 
@@ -16,17 +19,23 @@ import torch
 from torch import nn
 
 from ..packed_linear import pack_linears
+from .facts import UnsupportedTargetError
 from .row_attention import PREFILL, ROW_STABLE, register
+from .row_blocks import RowBlocks, low_precision_cpu, make_row_invariant, row_block
 
 PROBE = "mamba_draft_probe"  # a counting attention implementation, set only while `_attention_is_swappable` asks
-from .row_blocks import RowBlocks, low_precision_cpu, make_row_invariant
 
 
-def make_exact(model: nn.Module) -> bool:
-    """Give a bf16/fp16 CPU `model` the exact construction in place, however it was loaded: prepacked weights, row
-    blocks and row attention (idempotent). Other models are left as they are. Returns whether it is exact."""
+def prepare_target(model: nn.Module) -> nn.Module:
+    """Prepare a bf16/fp16 CPU `model` for exact speculative decoding, in place, and return it: its attention
+    implementation becomes row attention ("row_stable"), its linear layers multiply prepacked weights in row blocks
+    (their classes are swapped for subclasses), and each prefill runs transformers' own kernels (`prefilling` flips
+    the attention setting around it). Idempotent; fp32 models and models off the CPU are left as they are, since
+    they need none of it. `load_causal_lm` prepares what it loads; a target passed to the engine that needs this
+    and lacks it is refused (`require_prepared`). A model whose forward does not route attention through
+    transformers' AttentionInterface cannot be prepared (one-line ValueError)."""
     if not low_precision_cpu(model):
-        return False
+        return model
     if getattr(model.config, "_attn_implementation", None) != ROW_STABLE:
         if not getattr(model, "_can_set_attn_implementation", lambda: False)() or not _attention_is_swappable(model):
             raise ValueError(f"{type(model).__name__} cannot change its attention implementation, so its bf16/fp16 "
@@ -34,7 +43,23 @@ def make_exact(model: nn.Module) -> bool:
         model.set_attn_implementation(register())
     pack_linears(model)
     make_row_invariant(model)
-    return True
+    return model
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether `model` is bf16/fp16 on a CPU and `prepare_target`'s construction is in place."""
+    return (low_precision_cpu(model) and getattr(model.config, "_attn_implementation", None) == ROW_STABLE
+            and row_block(model) is not None)
+
+
+def require_prepared(model: nn.Module) -> None:
+    """Refuse, in one line, a bf16/fp16 CPU target that decodes through transformers' forward unprepared: its
+    products and attention round a row by what else shares the forward, so speculation would not be lossless."""
+    if low_precision_cpu(model) and not is_prepared(model):
+        raise UnsupportedTargetError(
+            f"this bf16/fp16 {type(model).__name__} on a CPU is not prepared for exact decoding: call "
+            "mamba_draft.targets.prepare_target(model) once (it changes the model in place: row attention, prepacked "
+            "row-blocked linear layers), load it with mamba_draft.targets.load_causal_lm, or run it in float32")
 
 
 class _Routed(Exception):

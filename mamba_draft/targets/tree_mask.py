@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from mamba_draft.targets.cache import TargetCache
-from mamba_draft.targets.exact import make_exact
+from mamba_draft.targets import cpu_step
+from mamba_draft.targets.exact import is_prepared, require_prepared
+from mamba_draft.targets.row_blocks import low_precision_cpu
 from mamba_draft.targets.facts import (
     UnsupportedTargetError, attn_implementation, foreign_cache_layer, probe_key, target_vocab_size,
 )
@@ -33,7 +35,9 @@ def check_tree_support(model: torch.nn.Module, passed: set | None = None) -> Non
         raise UnsupportedTargetError(f"{name} uses {foreign} cache layers; tree verification needs attention KV caches "
                                      "(DynamicLayer or DynamicSlidingWindowLayer) that can be compacted to the "
                                      "accepted path")
-    make_exact(model)  # the attention that will verify is the one probed
+    if cpu_step.applies(model) and low_precision_cpu(model) and not is_prepared(model):
+        return  # the compiled step verifies its trees with attention of its own; transformers' forward never does
+    require_prepared(model)  # the attention that will verify is the one probed
     key, passed = probe_key(model), set() if passed is None else passed
     if key in passed:
         return

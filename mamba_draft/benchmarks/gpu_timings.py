@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_drafters import build_mamba
-from benchmarks.report import line_plot, markdown_table, write_json, write_text
+from mamba_draft.benchmarks.bench_drafters import build_mamba
+from mamba_draft.benchmarks.report import line_plot, markdown_table, write_json, write_text
 from mamba_draft.devices import check_device
 
 CHAINS = tuple((1,) * depth for depth in range(1, 9))

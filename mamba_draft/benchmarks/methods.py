@@ -4,7 +4,7 @@
     hf-assisted      transformers assisted generation with a Transformer assistant (`--assistant`)
     hf-lookup        transformers prompt-lookup decoding (`prompt_lookup_num_tokens`), the target alone
                      (hf-* methods run on plain copies of the models, `load_plain`: what a user has without us)
-    llama-cpp        llama.cpp on the target's own GGUF file (`benchmarks/llama_cpp.py`; the `llama-cpp` extra)
+    llama-cpp        llama.cpp on the target's own GGUF file (`mamba_draft/benchmarks/llama_cpp.py`; the `llama-cpp` extra)
     ar               our harness, one target forward per token (tree_search.generate_autoregressive)
     default          a method, not a policy: what `generate` runs with its defaults on the target's device (policy
                      `auto`, the prompt-lookup rounds `plan.default_lookup_tokens` gives it, and generate's own

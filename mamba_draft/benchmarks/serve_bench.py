@@ -87,6 +87,8 @@ def time_to_first_token(server: LoopbackServer, generator, prompts: list[str], r
     first token of the same prompt in-process (the server's decoder, max_new_tokens=1), alternating."""
     import torch
 
+    from mamba_draft.cpu_threads import release_openmp_workers
+
     text = " ".join(prompts * (1 + PREFILL_TOKENS // 16))
     ids = generator.tokenizer(text)["input_ids"][:PREFILL_TOKENS]
     streamed, direct = [], []
@@ -95,6 +97,7 @@ def time_to_first_token(server: LoopbackServer, generator, prompts: list[str], r
         start = time.perf_counter()
         server.app.state.batcher.decoder.generate(torch.tensor([ids]), max_new_tokens=1, temperature=0.0)
         direct.append(time.perf_counter() - start)
+        release_openmp_workers()  # this thread's team would make the server's engine thread sleep at every region
     return statistics.median(streamed[1:]), statistics.median(direct[1:])
 
 
@@ -112,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     servers = {}
     for tree in trees:  # one engine per policy, on the same models
         generator.decoder = SpeculativeDecoder(generator.target, generator.drafter, tree=tree,
-                                               tokenizer=generator.tokenizer)
+                                               tokenizer=generator.tokenizer,
+                                               integer_products=generator.decoder.integer_products)
         servers[tree] = LoopbackServer(create_app(generator, "model", max_batch=args.clients))
     prompts = questions(args.clients)
     alone_rate = {t: [] for t in trees}

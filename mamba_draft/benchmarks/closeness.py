@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import llama_cpp
+from mamba_draft.benchmarks import llama_cpp
 from mamba_draft.tree import Tree
 
 

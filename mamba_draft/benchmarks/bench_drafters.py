@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.methods import timed
-from benchmarks.report import line_plot, markdown_table, write_json, write_text
+from mamba_draft.benchmarks.methods import timed
+from mamba_draft.benchmarks.report import line_plot, markdown_table, write_json, write_text
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES, dtype_name, parse_dtype
 

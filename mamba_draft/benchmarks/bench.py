@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import torch
 
-from benchmarks.equality import compare_outputs
-from benchmarks import llama_cpp
-from benchmarks.methods import HF_KINDS, LLAMA_CPP, Method, Models, load_plain, parse_method, run_hf, run_ours
-from benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
+from mamba_draft.benchmarks.equality import compare_outputs
+from mamba_draft.benchmarks import llama_cpp
+from mamba_draft.benchmarks.methods import HF_KINDS, LLAMA_CPP, Method, Models, load_plain, parse_method, run_hf, run_ours
+from mamba_draft.benchmarks.report import bar_plot, fmt_mean_std, line_plot, markdown_table, mean_std, write_json, write_text
 from mamba_draft.checkpoint import DRAFTER_HELP
 from mamba_draft.devices import check_device, resolve_dtype
 from mamba_draft.dtypes import DTYPES
