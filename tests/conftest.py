@@ -10,7 +10,7 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
-# In-process `commands.cli.main([...])` calls re-raise a command's exception (as with --debug), so tests can
+# In-process `mamba_draft.commands.cli.main([...])` calls re-raise a command's exception (as with --debug), so tests can
 # assert on its type; tests/test_cli_errors.py unsets it to check the one-line form users see.
 os.environ.setdefault("MAMBA_DRAFT_DEBUG", "1")
 

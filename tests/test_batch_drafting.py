@@ -15,7 +15,7 @@ from mamba_draft.tree import Forest, TreeConfig
 from tests.helpers.drafting_reference import SingleTreeDrafter
 from tests.helpers.tree_models import random_drafter
 from tests.test_graph_runner import fake_graphs
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.sampling import SamplingParams
 
 VOCAB = 64

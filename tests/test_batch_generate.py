@@ -13,7 +13,7 @@ from tests.helpers.sampling_law import assert_follows, exact_first_two
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
 from tree_search import UCBBandit
 from tree_search.calls import Call
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.generate import SpeculativeDecoder, generate, generate_autoregressive
 from tree_search.sampling import SamplingParams
 from tree_search.verifiers.greedy import GreedyVerifier

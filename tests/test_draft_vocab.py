@@ -21,7 +21,7 @@ from tests.helpers.sampling_law import assert_follows, empirical, exact_first_tw
 from tests.helpers.tree_models import (
     SizedTokenizer, aligned_drafter, draft_subset, hf_greedy, prompts, random_drafter, tiny_llama,
 )
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.generate import generate
 from tree_search.sampling import SamplingParams
 

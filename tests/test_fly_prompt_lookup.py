@@ -10,7 +10,7 @@ import torch
 
 from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import random_drafter
-from tree_search.proposers.tree import LOOKUP_ROWS, TreeDrafter
+from tree_search.tree_drafter import LOOKUP_ROWS, TreeDrafter
 from tree_search.prompt_lookup import NgramLookup, draft_chain_with_lookup
 from tree_search.sampling import SamplingParams
 from tree_search.proposers import Round
@@ -108,14 +108,22 @@ def test_a_lookup_chain_fills_the_same_buffers_as_draft_and_leaves_row_0_committ
     torch.testing.assert_close(stepped.probs, probs, **Q_CLOSE)
 
 
-def test_a_proposal_is_a_point_mass_chain_in_the_batch_of_one_buffers_without_a_drafter_call(drafter):
-    drafts = TreeDrafter(drafter, 8, VOCAB)
-    drafts.prefill(torch.tensor([[4, 8, 15]]))
-    calls = drafts.calls
-    buf = drafts.proposal(drafts.roots[:1], [16, 23, 42], record_probs=True)
-    assert drafts.calls == calls and buf is drafts.buffers(TreeConfig((1, 1, 1)), 1)
-    assert buf.tokens.tolist() == [[15, 16, 23, 42]]
-    assert torch.equal(buf.probs[0, :3], torch.nn.functional.one_hot(torch.tensor([16, 23, 42]), VOCAB).float())
+def test_an_ngram_proposal_is_a_point_mass_chain_in_the_proposers_own_buffers():
+    """Prompt-lookup rounds need no drafter: the tokens that followed the context's last n-gram, as a chain after the
+    root, each with a point-mass q, in buffers the proposer owns (the same storage every round)."""
+    from tree_search.draft import Draft
+    from tree_search.proposers.ngram import NgramProposer
+
+    context = [4, 8, 15, 16, 23, 42, 7, 4, 8, 15]  # "4 8 15" recurs: 16 23 42 7 followed it
+    call = SimpleNamespace(ids=torch.tensor([context]), lookup_tokens=3, stats=SimpleNamespace(lookup_rounds=0))
+    proposer = NgramProposer(call, True, VOCAB)
+    assert proposer.offer(SimpleNamespace(lookup_length=lambda offered: offered))
+    draft = proposer.propose(None, torch.tensor([15]), call)
+    assert isinstance(draft, Draft) and call.stats.lookup_rounds == 1
+    assert draft.tokens.tolist() == [[15, 16, 23, 42]] and draft.tree == TreeConfig((1, 1, 1)).build()
+    assert torch.equal(draft.probs[0, :3], torch.nn.functional.one_hot(torch.tensor([16, 23, 42]), VOCAB).float())
+    assert draft.tokens.data_ptr() == proposer.tokens.data_ptr() and draft.probs.data_ptr() == proposer.probs.data_ptr()
+    assert NgramProposer(call, False, VOCAB).probs is None  # nothing recorded where the call records no q
 
 
 def test_the_lookup_chain_proposer_drafts_the_tree_proposers_chains_and_counts_the_calls_it_saves(drafter):

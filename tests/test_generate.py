@@ -360,3 +360,22 @@ def test_the_default_policy_fits_its_arms_to_the_targets_max_positions(tmp_path)
         assert pulled and all(arm.depth <= 2 for arm in pulled)
     with pytest.raises(ValueError, match=r"tree depth \(3\) exceeds the target's 48 max positions"):
         generate(target, drafter, prompts(64, 1, seed=7, min_len=3, max_len=3)[0], max_new_tokens=43, tree="2,1,1")
+
+
+def test_engine_options_and_call_options_are_split_from_one_set_of_keywords(setups):
+    """`generate` takes the engine's options (`EngineOptions`, kept by a decoder) and the call's (`CallOptions`) as
+    keywords: the same call through a kept decoder gives the same tokens; a misspelt option is a TypeError."""
+    from tree_search.generate import ENGINE_OPTIONS, CallOptions, SpeculativeDecoder
+
+    target, drafter, ps, _ = setups["llama"]
+    assert set(ENGINE_OPTIONS) == {"tree", "verifier", "verifier_params", "prompt_lookup", "lookup_tokens",
+                                   "integer_products"}
+    assert not set(ENGINE_OPTIONS) & {f.name for f in __import__("dataclasses").fields(CallOptions)}
+    once = generate(target, drafter, ps[0], tree="2,1", verifier="greedy", max_new_tokens=12, temperature=0)
+    decoder = SpeculativeDecoder(target, drafter, tree="2,1", verifier="greedy")
+    assert decoder.options.tree == "2,1" and decoder.options.verifier == "greedy"
+    assert torch.equal(decoder.generate(ps[0], max_new_tokens=12, temperature=0).tokens, once.tokens)
+    with pytest.raises(TypeError, match="trees"):
+        generate(target, drafter, ps[0], trees="2,1", max_new_tokens=4)
+    with pytest.raises(TypeError, match="trees"):
+        SpeculativeDecoder(target, drafter, trees="2,1")

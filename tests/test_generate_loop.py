@@ -16,7 +16,7 @@ from tests.helpers.tree_models import aligned_drafter, hf_greedy, tiny_llama
 from tree_search import UCBBandit
 from tree_search.calls import Recorder
 from tree_search.generate import generate, generate_autoregressive
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.verifiers.greedy import GreedyVerifier
 
 NEW_TOKENS = 40

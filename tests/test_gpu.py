@@ -28,7 +28,7 @@ from mamba_draft.targets.cache import TargetCache
 from mamba_draft.tree import Tree, TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_causal_lm, tiny_llama
 from tests.test_graph_runner import GREEDY, VOCAB, tiny_drafter, walk
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.generate import SpeculativeDecoder, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -20,7 +20,7 @@ from mamba_draft.graphs import StepRunner, drafter_key, weights_key
 from mamba_draft.model import _conv_step
 from mamba_draft.tree import TreeConfig
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, random_drafter, tiny_llama
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.generate import SpeculativeDecoder, generate
 from tree_search.sampling import SamplingParams
 

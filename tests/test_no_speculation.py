@@ -20,7 +20,7 @@ from tests.helpers.sampling_law import assert_follows, empirical, tv_bound
 from tests.helpers.tree_models import aligned_drafter, hf_greedy, prompts, random_drafter, tiny_llama
 from tests.test_generate_cli import _run, cli_fp32, saved  # noqa: F401  (fixtures: fp32 CLI, saved pair)
 from tree_search import Tree, TreeConfig, UCBBandit
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.generate import generate, generate_autoregressive
 from tree_search.sampling import SamplingParams, logits_to_probs, sample
 from tree_search.verifiers import VerifyInput, get_verifier

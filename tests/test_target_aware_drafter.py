@@ -10,7 +10,7 @@ import torch
 from mamba_draft import MambaConfig, MambaDrafter, load_drafter
 from tests.helpers.tree_models import hf_greedy, prompts, tiny_llama
 from tree_search import generate
-from tree_search.proposers.tree import TreeDrafter
+from tree_search.tree_drafter import TreeDrafter
 
 VOCAB, HIDDEN = 64, 32
 

@@ -3,7 +3,7 @@ from mamba_draft.targets.facts import UnsupportedTargetError
 from mamba_draft.tree import Tree, TreeConfig
 from tree_search.bandit import DEFAULT_ARMS, UCBBandit, time_reward, tree_reward
 from tree_search.calls import BatchGenerateResult, GenerateResult, GenerateStats
-from tree_search.generate import SpeculativeDecoder, generate, generate_autoregressive
+from tree_search.generate import CallOptions, EngineOptions, SpeculativeDecoder, generate, generate_autoregressive
 from tree_search.generator import RunDefaults, SpeculativeGenerator, TextResult, run_defaults
 from tree_search.policy import FixedShape, TreePolicy, parse_policy
 from tree_search.sampling import SamplingParams
@@ -12,7 +12,7 @@ from tree_search.verifiers import (
 )
 
 __all__ = [
-    "BatchGenerateResult", "DEFAULT_ARMS", "FixedShape", "GenerateResult", "GenerateStats", "SamplingParams",
+    "BatchGenerateResult", "CallOptions", "DEFAULT_ARMS", "EngineOptions", "FixedShape", "GenerateResult", "GenerateStats", "SamplingParams",
     "RunDefaults", "SpeculativeDecoder", "SpeculativeGenerator", "TextResult", "Tree", "TreeConfig", "TreePolicy",
     "UCBBandit", "UnsupportedTargetError", "Verifier", "VerifyInput", "VerifyResult", "available_verifiers",
     "generate", "generate_autoregressive", "get_verifier", "parse_policy", "register_verifier", "run_defaults",

@@ -15,7 +15,7 @@ call of a fresh one).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -29,8 +29,8 @@ from tree_search.plan import batch_prompts, check_models, eos_set, is_batch, pla
 from tree_search.policy import is_auto, parse_policy
 from tree_search.processors import CallProcessors, shaping_of
 from tree_search.proposers import Proposers, Round
-from tree_search.proposers.tree import TreeDrafter
 from tree_search.sampling import choose, logits_to_probs, resolve_sampling
+from tree_search.tree_drafter import TreeDrafter
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult
 from tree_search.verifiers.greedy import greedy_walk
 
@@ -68,26 +68,40 @@ class CallOptions:
     logprobs: int | None = None  # report each new token's log-probability and this many top alternatives
 
 
-class SpeculativeDecoder:
-    """A target, a drafter (None: plain decoding) and the tree policy that picks each round's shape (`tree`: a
-    policy spec, a TreeConfig / tuple, or a policy object). verifier None: "greedy" when a call's sampling is greedy,
-    else "sampling". prompt_lookup: FLy's lookup inside the drafter's greedy chains. lookup_tokens K > 0:
-    prompt-lookup rounds of <= K tokens (one prompt only); None: `plan.default_lookup_tokens`. integer_products: the
-    target's GGUF-coded products as integers, llama.cpp's numerics (`TargetCache`); plain decoding with the same
-    setting is what the output equals.
-    """
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a decoder keeps for all its calls (`SpeculativeDecoder`'s keywords; `generate` takes these and
+    `CallOptions`' fields together). tree: the policy that picks each round's shape (a policy spec, a TreeConfig /
+    tuple, or a policy object). verifier None: "greedy" when a call's sampling is greedy, else "sampling".
+    prompt_lookup: FLy's lookup inside the drafter's greedy chains. lookup_tokens K > 0: prompt-lookup rounds of <= K
+    tokens (one prompt only); None: `plan.default_lookup_tokens`. integer_products: the target's GGUF-coded products
+    as integers, llama.cpp's numerics (`TargetCache`); plain decoding with the same setting is what the output
+    equals."""
 
-    def __init__(self, target: torch.nn.Module, drafter=None, *, tree="auto", verifier: str | Verifier | None = None,
-                 verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
-                 lookup_tokens: int | None = None, integer_products: bool = False) -> None:
+    tree: object = "auto"
+    verifier: str | Verifier | None = None
+    verifier_params: dict | None = None
+    prompt_lookup: bool = False
+    lookup_tokens: int | None = None
+    integer_products: bool = False
+
+
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineOptions))
+
+
+class SpeculativeDecoder:
+    """A target, a drafter (None: plain decoding), its tokenizer (for stop strings and streaming) and the engine's
+    options (`EngineOptions`' fields as keywords)."""
+
+    def __init__(self, target: torch.nn.Module, drafter=None, *, tokenizer=None, **options) -> None:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self.integer_products = integer_products
+        self.options = options = EngineOptions(**options)
+        self.integer_products, self.prompt_lookup = options.integer_products, options.prompt_lookup
+        self.lookup_tokens = options.lookup_tokens
         self.device = next(target.parameters()).device
-        self.prompt_lookup, self.lookup_tokens = prompt_lookup, lookup_tokens
         # `auto` learns over the decoder's calls (acceptance, draft cost, which arms pay): the decoder is what a
         # stream of requests goes through
-        self.policy = parse_policy(tree, persistent=is_auto(tree)) if drafter is not None else None
-        self.verifier, self.verifier_params = verifier, verifier_params
+        self.policy = parse_policy(options.tree, persistent=is_auto(options.tree)) if drafter is not None else None
         # what lives across calls is kept here, nothing on the models passed in: the drafter's state rows and tree
         # buffers (CUDA: its graphs), the target's static KV cache (CPU: its compiled step; CUDA: its graphs), the
         # verify costs `auto` plans from, and the tree-mask probe's verdicts
@@ -108,7 +122,8 @@ class SpeculativeDecoder:
         """Validate a call's inputs before any model runs (`plan`) -> its Call."""
         params = resolve_sampling(self.target, options.temperature, options.top_p, options.top_k)
         batched = is_batch(prompts, options.attention_mask)
-        plan = plan_call(self.policy, params, verifier=self.verifier, verifier_params=self.verifier_params,
+        plan = plan_call(self.policy, params, verifier=self.options.verifier,
+                         verifier_params=self.options.verifier_params,
                          prompt_lookup=self.prompt_lookup, lookup_tokens=self.lookup_tokens,
                          device=self.device, batched=batched,
                          streamer=options.streamer is not None)
@@ -277,22 +292,21 @@ class SpeculativeDecoder:
 
 
 @torch.no_grad()
-def generate(target: torch.nn.Module, drafter, input_ids, *, tree="auto", verifier: str | Verifier | None = None,
-             verifier_params: dict | None = None, tokenizer=None, prompt_lookup: bool = False,
-             lookup_tokens: int | None = None, integer_products: bool = False,
+def generate(target: torch.nn.Module, drafter, input_ids, *, tokenizer=None,
              **options) -> GenerateResult | BatchGenerateResult:
-    """Tree speculative decoding of one prompt or a batch: `SpeculativeDecoder.generate` of this pair for one call
-    (options: `CallOptions`; sampling None: the target's generation_config, as `target.generate` does)."""
+    """Tree speculative decoding of one prompt or a batch: one call of a fresh `SpeculativeDecoder` of this pair.
+    options: `EngineOptions`' fields and `CallOptions`' (sampling None: the target's generation_config, as
+    `target.generate` does)."""
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
-    decoder = SpeculativeDecoder(target, drafter, tree=tree, verifier=verifier, verifier_params=verifier_params,
-                                 tokenizer=tokenizer, prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens,
-                                 integer_products=integer_products)
-    return decoder.generate(input_ids, **options)
+    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
+    return SpeculativeDecoder(target, drafter, tokenizer=tokenizer, **engine).generate(input_ids, **options)
 
 
 @torch.no_grad()
-def generate_autoregressive(target: torch.nn.Module, input_ids, *, integer_products: bool = False,
+def generate_autoregressive(target: torch.nn.Module, input_ids, *, tokenizer=None,
                             **options) -> GenerateResult | BatchGenerateResult:
-    """The baseline: `generate` without a drafter, one target forward per token for all rows."""
-    return SpeculativeDecoder(target, integer_products=integer_products).generate(input_ids, **options)
+    """The baseline: `generate` without a drafter, one target forward per token for all rows (of `EngineOptions`
+    only integer_products applies)."""
+    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
+    return SpeculativeDecoder(target, tokenizer=tokenizer, **engine).generate(input_ids, **options)

@@ -80,13 +80,12 @@ class TextResult:
 class SpeculativeGenerator:
     """A target and a drafter (names or loaded models) with their tokenizer and the engine (`SpeculativeDecoder`);
     drafter None decodes plainly. device / dtype: `run_defaults` unless given (a loaded target keeps its own);
-    products: the target's products on a CPU (`targets.integer_products`: auto, float or int8); the other options as
-    `tree_search.generate` takes them.
+    products: the target's products on a CPU (`targets.integer_products`: auto, float or int8); options: the engine's
+    (`generate.EngineOptions`' fields but integer_products; tree None: `run_defaults`' tree).
     """
 
     def __init__(self, target, drafter=None, *, tokenizer=None, device: str | None = None,
-                 dtype: str | torch.dtype = "auto", tree=None, verifier=None, verifier_params: dict | None = None,
-                 prompt_lookup: bool = False, lookup_tokens: int | None = None, products: str = "auto") -> None:
+                 dtype: str | torch.dtype = "auto", products: str = "auto", **options) -> None:
         from mamba_draft import load_drafter
         from mamba_draft.targets import integer_products, load_causal_lm, load_tokenizer
 
@@ -105,10 +104,10 @@ class SpeculativeGenerator:
         if isinstance(drafter, (str, os.PathLike)):
             drafter = load_drafter(drafter, target=target)  # refuses a drafter made for another target
         self.target, self.drafter, self.defaults = target, drafter, defaults
-        self.decoder = SpeculativeDecoder(target, drafter, tree=defaults.tree if tree is None else tree,
-                                          verifier=verifier, verifier_params=verifier_params, tokenizer=self.tokenizer,
-                                          prompt_lookup=prompt_lookup, lookup_tokens=lookup_tokens,
-                                          integer_products=integer_products(products, target, name))
+        if options.get("tree") is None:
+            options["tree"] = defaults.tree
+        self.decoder = SpeculativeDecoder(target, drafter, tokenizer=self.tokenizer,
+                                          integer_products=integer_products(products, target, name), **options)
 
     def encode(self, prompt, system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
         """Token ids of one prompt: a string (`encode_prompt`) or a list of {"role", "content"} messages."""

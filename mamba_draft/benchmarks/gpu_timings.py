@@ -171,7 +171,7 @@ def kernel_profile(drafter, cfg: GpuTimingConfig, steps: int = 20) -> list[dict]
 def tree_drafting(drafter, prompts: torch.Tensor, rows: int, vocab: int):
     """A TreeDrafter of `rows` rows on the drafter's best backend (graphs on CUDA), prefilled with `prompts` (B, L),
     and draft(config): B greedy top-k trees from the prompts' last tokens."""
-    from tree_search.proposers.tree import TreeDrafter
+    from tree_search.tree_drafter import TreeDrafter
     from tree_search.sampling import SamplingParams
 
     drafter.set_backend(backends(drafter)[-1])

@@ -14,18 +14,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mamba_draft.targets.facts import target_vocab_size
+from tree_search.draft import Draft
 from tree_search.proposers.base import Proposer, Round
 from tree_search.proposers.lookup_chain import LookupChainProposer
 from tree_search.proposers.ngram import NgramProposer
 from tree_search.proposers.plain import PlainStep
 from tree_search.proposers.target_aware import TargetAwareProposer
-from tree_search.proposers.tree import LOOKUP_ROWS, TreeProposer
+from tree_search.proposers.tree import TreeProposer
+from tree_search.tree_drafter import LOOKUP_ROWS
 
 if TYPE_CHECKING:
     from tree_search.calls import Call
     from tree_search.policy import TreePolicy
 
-__all__ = ["Proposer", "Proposers", "Round", "drafter_proposer"]
+__all__ = ["Draft", "Proposer", "Proposers", "Round", "drafter_proposer"]
 
 
 class Proposers:
@@ -34,14 +36,11 @@ class Proposers:
     recurs and the policy finds its tokens worth verifying, else the policy's arm."""
 
     def __init__(self, decoder, call: Call, widest: int) -> None:
-        drafted = any(arm.depth for arm in decoder.policy.arms)
         self.plain = PlainStep()
-        self.drafted = self.lookup = None
-        if drafted or call.lookup_tokens:
-            drafts = drafter_proposer(decoder, call, widest)
-            self.drafted = drafts if drafted else None
-            if call.lookup_tokens:
-                self.lookup = NgramProposer(drafts.drafts, call, drafts.record_probs)
+        self.drafted = (drafter_proposer(decoder, call, widest) if any(arm.depth for arm in decoder.policy.arms)
+                        else None)
+        self.lookup = (NgramProposer(call, call.plan.records_probs, target_vocab_size(decoder.target))
+                       if call.lookup_tokens else None)
         self.all = [p for p in (self.plain, self.drafted, self.lookup) if p is not None]
         self.reads_target = any(p.reads_target for p in self.all)
 

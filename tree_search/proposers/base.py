@@ -1,4 +1,5 @@
-"""The interface every proposer implements (`Proposer`) and the round it reads after verification (`Round`)."""
+"""The interface every proposer implements (`Proposer`, returning a `draft.Draft`) and the round it reads after
+verification (`Round`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from mamba_draft.tree import TreeConfig
+from tree_search.draft import Draft
 
 if TYPE_CHECKING:
     from tree_search.calls import Call
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 class Round:
     """What a round verified and committed, as every proposer's `accept` reads it."""
 
-    draft: object  # what was verified: .tokens (B, T+1), .tree (a root-only tree for a plain step), .probs
+    draft: Draft  # what was verified
     proposer: Proposer  # who proposed it
     results: list[VerifyResult]
     proposed: list[list[int]]  # per row: its accepted path's tokens and its next token
@@ -33,6 +35,6 @@ class Proposer(Protocol):
     def prepare(self, call: Call) -> None:
         """Work owed before this proposer's first round (a prefill), charged to no round."""
 
-    def propose(self, arm: TreeConfig | None, roots: torch.Tensor, call: Call): ...
+    def propose(self, arm: TreeConfig | None, roots: torch.Tensor, call: Call) -> Draft: ...
 
     def accept(self, round_: Round) -> None: ...

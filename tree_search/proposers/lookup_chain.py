@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from mamba_draft.tree import TreeConfig
-from tree_search.proposers.tree import DraftTree, TreeDrafter, TreeProposer
+from tree_search.proposers.tree import TreeProposer
+from tree_search.tree_drafter import DraftTree, TreeDrafter
 
 
 class LookupChainProposer(TreeProposer):

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from tree_search.proposers.tree import DraftTree, TreeDrafter
+from mamba_draft.tree import Tree, TreeConfig
+from tree_search.draft import Draft
 from tree_search.prompt_lookup import NgramLookup
 
 
 class NgramProposer:
+    """Its own buffers: one row of K + 1 tokens and, where the call records them, their point-mass distributions
+    (lossless sampling then accepts a looked-up token with the target's probability); no drafter call."""
+
     reads_target = False
 
-    def __init__(self, drafts: TreeDrafter, call, record_probs: bool) -> None:
-        self.drafts, self.record_probs = drafts, record_probs  # drafts: the chain buffers it fills
+    def __init__(self, call, record_probs: bool, out_vocab: int) -> None:
         self.lookup = NgramLookup(call.ids[0].tolist(), call.lookup_tokens)
         self.offered: list[int] = []
+        device, width = call.ids.device, call.lookup_tokens + 1
+        self.tokens = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.probs = torch.zeros(1, width, out_vocab, device=device) if record_probs else None
+        self.chains: dict[int, Tree] = {}  # per length, the chain's tree
 
     def offer(self, policy) -> bool:
         """Whether this round is a lookup round: the context's last n-gram recurs and its tokens pay."""
@@ -25,9 +32,20 @@ class NgramProposer:
     def prepare(self, call) -> None:
         pass
 
-    def propose(self, arm, roots: torch.Tensor, call) -> DraftTree:
+    def propose(self, arm, roots: torch.Tensor, call) -> Draft:
+        """The offered tokens as a chain after the prompt's root (roots: (B,), B = 1)."""
         call.stats.lookup_rounds += 1
-        return self.drafts.proposal(roots[:1], self.offered, self.record_probs)
+        n = len(self.offered)
+        if n not in self.chains:
+            self.chains[n] = TreeConfig((1,) * n).build()
+        tokens = self.tokens[:, : n + 1]
+        tokens[:, 0] = roots[:1]
+        tokens[0, 1:] = torch.tensor(self.offered, device=tokens.device)
+        probs = None
+        if self.probs is not None:
+            probs = self.probs[:, : n + 1]
+            probs[0, :-1].zero_().scatter_(1, tokens[0, 1:, None], 1.0)
+        return Draft(tokens, self.chains[n], probs)
 
     def accept(self, round_) -> None:
         self.lookup.extend(round_.committed[0])

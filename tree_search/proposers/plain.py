@@ -1,19 +1,10 @@
 """`none`: nothing proposed. The round verifies each row's root alone: a plain decoding step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from mamba_draft.targets.cache import ROOT_ONLY
-from mamba_draft.tree import Tree
-
-
-@dataclass
-class PlainDraft:
-    tokens: torch.Tensor  # (B, 1) the roots
-    tree: Tree = ROOT_ONLY
-    probs: torch.Tensor | None = None
+from tree_search.draft import Draft
 
 
 class PlainStep:
@@ -22,8 +13,8 @@ class PlainStep:
     def prepare(self, call) -> None:
         pass
 
-    def propose(self, arm, roots: torch.Tensor, call) -> PlainDraft:
-        return PlainDraft(roots[:, None])
+    def propose(self, arm, roots: torch.Tensor, call) -> Draft:
+        return Draft(roots[:, None], ROOT_ONLY, None)
 
     def accept(self, round_) -> None:
         pass
