@@ -92,7 +92,8 @@ def test_planned_bandit_learns_across_calls_when_persistent():
         pulled.append(bandit.select())
         bandit.update(pulled[-1], 2, draft_time=0.001, verify_time=0.02)
     assert sorted(pulled) == sorted(bandit.active)
-    bandit.observe(TreeConfig((3, 3, 2, 1)).build(), [[]] * 50)  # the drafter's three best keep missing
+    deep = TreeConfig((3, 3, 2, 1))
+    bandit.observe(CANDIDATES.index(deep), deep.build(), [[]] * 50)  # the drafter's three best keep missing
     assert bandit.draft_level == pytest.approx(statistics.median(0.001 / CANDIDATES[a].depth for a in pulled[1:]))
     bandit.start_call(1, costs)  # replanned: nothing deep is worth drafting when nothing is accepted
     assert measured == [max(a.num_nodes for a in CANDIDATES) + 1]  # measured once
@@ -136,11 +137,26 @@ def test_lookup_rounds_verify_as_many_tokens_as_pay():
     steep.costs = STEEP_CPU
     steep.start_call(1)
     assert 1 <= steep.lookup_length(8) < 8  # at the prior's acceptance a few tokens, not all eight
-    steep.observe(chain, [[]] * 100, lookup=True)  # lookups keep missing
+    steep.observe(steep.lookup_arm, chain, [[]] * 100)  # lookups keep missing
     assert steep.lookup_length(8) == 0 and steep.acceptance.rank(1) == PRIOR_RANKS[0]  # the drafter's untouched
     flat = PlannedBandit()
     flat.costs = FLAT
     flat.start_call(1)
-    flat.observe(chain, [list(range(1, 9))] * 100, lookup=True)  # every lookup token accepted
+    flat.observe(flat.lookup_arm, chain, [list(range(1, 9))] * 100)  # every lookup token accepted
     assert flat.lookup_length(8) == 8 and flat.lookup_length(3) == 3
     assert UCBBandit().lookup_length(8) == 8
+
+
+def test_the_lookup_arm_is_charged_and_reported_beside_the_shapes_without_steering_them():
+    """A lookup round is a pull of the policy's lookup arm (after the shapes): counted and reported as "lookup", while
+    the shapes' UCB values, round count and the time reward's scale stay what the shapes' own rounds made them."""
+    bandit = UCBBandit(arms=("none", "1,1"), reward="time")
+    assert bandit.lookup_arm == 2
+    bandit.update(0, 1, draft_time=0.0, verify_time=0.01)
+    bandit.update(1, 2, draft_time=0.002, verify_time=0.012)
+    before = bandit.values()[:2], bandit.rounds, bandit._seconds
+    bandit.update(bandit.lookup_arm, 6, draft_time=0.0, verify_time=0.013)
+    assert (bandit.values()[:2], bandit.rounds, bandit._seconds) == before
+    summary = bandit.summary()
+    assert summary["lookup"]["pulls"] == 1 and summary["none"]["pulls"] == summary["(1,1)"]["pulls"] == 1
+    assert bandit.select() in (0, 1)  # the lookup arm is pulled when a lookup is offered, never by UCB

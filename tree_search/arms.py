@@ -250,11 +250,11 @@ class PlannedBandit(UCBBandit):
             self.plan()
         return super().select()
 
-    def observe(self, tree: Tree, paths: list[list[int]], lookup: bool = False) -> None:
-        (self.lookup if lookup else self.acceptance).observe(tree, paths)
+    def observe(self, arm: int, tree: Tree, paths: list[list[int]]) -> None:
+        (self.lookup if arm == self.lookup_arm else self.acceptance).observe(tree, paths)
 
     def update(self, arm: int, n_accept: int, draft_time: float | None = None,
                verify_time: float | None = None) -> float:
-        if self.arms[arm].depth and draft_time is not None:
+        if arm != self.lookup_arm and self.arms[arm].depth and draft_time is not None:
             self.draft_levels.append(draft_time / self.arms[arm].depth)
         return super().update(arm, n_accept, draft_time, verify_time)

@@ -76,9 +76,17 @@ class UCBBandit:
             raise ValueError(f"lambda_gamma must be a number >= 0 or 'auto', got {self.lambda_gamma!r}")
         self.reset()
 
+    @property
+    def lookup_arm(self) -> int:
+        """The arm a prompt-lookup round is pulled, observed and charged as: after the shapes. `lookup_length` decides
+        when it is pulled (a lookup is offered by the context, not chosen among the shapes), and its rounds neither
+        count toward the shapes' UCB nor set the time reward's scale."""
+        return len(self.arms)
+
     def reset(self) -> None:
         """Forget all pulls and rewards (and the online cost-ratio and throughput estimates)."""
         self.stats = [ArmStats() for _ in self.arms]
+        self.lookup_stats = ArmStats()  # the lookup arm's
         self.fits = tuple(range(len(self.arms)))  # the arms this call's target cache holds (`start_call`)
         self.active = self.fits  # the arms `select` may pull (`arms.PlannedBandit` plans them)
         self.rounds = 0
@@ -93,9 +101,9 @@ class UCBBandit:
         self.fits = tuple(range(len(self.arms))) if fits is None else tuple(fits)
         self.active = self.fits
 
-    def observe(self, tree, paths: list[list[int]], lookup: bool = False) -> None:
-        """A verified tree (`lookup`: a prompt-lookup chain) and each row's accepted path (`arms.PlannedBandit` learns
-        the acceptance from them)."""
+    def observe(self, arm: int, tree, paths: list[list[int]]) -> None:
+        """The tree a round of `arm` verified (the lookup arm's: a prompt-lookup chain) and each row's accepted path
+        (`arms.PlannedBandit` learns the acceptance from them)."""
 
     def lookup_length(self, offered: int) -> int:
         """How many of `offered` prompt-lookup tokens a round verifies (0: none; here all)."""
@@ -128,14 +136,29 @@ class UCBBandit:
         return math.sqrt(1.0 + m2) / s.pulls
 
     def values(self) -> list[float]:
-        """Each arm's estimated reward (NaN before its first pull)."""
+        """Each shape's estimated reward (NaN before its first pull)."""
+        return [self.value(s) for s in self.stats]
+
+    def value(self, stats: ArmStats) -> float:
+        """An arm's estimated reward from its statistics (the time reward in units of the shapes' throughput)."""
         if self.reward == "paper" or not self._seconds:
-            return [s.mean_reward for s in self.stats]
-        scale = self._tokens / self._seconds
-        return [s.mean_reward / scale for s in self.stats]
+            return stats.mean_reward
+        return stats.mean_reward / (self._tokens / self._seconds)
 
     def update(self, arm: int, n_accept: int, draft_time: float | None = None, verify_time: float | None = None) -> float:
         """Record one round of `arm` that committed `n_accept` tokens; returns the arm's updated value."""
+        if arm == self.lookup_arm:  # its own statistics only (`lookup_arm`)
+            stats = self.lookup_stats
+            if self.reward == "time":
+                if draft_time is None or verify_time is None:
+                    raise ValueError("reward='time' needs the round's draft_time and verify_time")
+                reward = time_reward(n_accept, draft_time + verify_time, 1.0)
+                stats.square_sum += reward * reward
+            else:
+                reward = tree_reward(n_accept, 0, self.current_lambda_gamma)
+            stats.reward_sum += reward
+            stats.pulls += 1
+            return self.value(stats)
         gamma = self.arms[arm].depth
         # the cost ratio is drafter time per level: a "none" round (γ = 0) drafts nothing to measure it by
         if self.lambda_gamma == "auto" and gamma and draft_time is not None and verify_time and verify_time > 0:
@@ -157,6 +180,8 @@ class UCBBandit:
         return self.values()[arm]
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per-arm pulls and value (mean reward), keyed by the arm's shape string: the arms pulled or active."""
-        return {str(a): {"pulls": s.pulls, "mean_reward": v}
-                for k, (a, s, v) in enumerate(zip(self.arms, self.stats, self.values())) if s.pulls or k in self.active}
+        """Per-arm pulls and value (mean reward), keyed by the arm's shape string ("lookup" for the lookup arm): the
+        arms pulled or active."""
+        names, stats = [*map(str, self.arms), "lookup"], [*self.stats, self.lookup_stats]
+        return {names[k]: {"pulls": s.pulls, "mean_reward": self.value(s)}
+                for k, s in enumerate(stats) if s.pulls or k in self.active}

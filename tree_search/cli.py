@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     if len(stats.lossy_accepts_by) > 1:
         lines.append("lossy accepts by rule: " + ", ".join(f"{k} {v}" for k, v in stats.lossy_accepts_by.items()))
-    lines += [f"  tree {shape}: {arm['pulls']} rounds, mean reward {arm['mean_reward']:.3f}" for shape, arm in stats.arms.items()]
+    lines += [f"  {'' if shape == 'lookup' else 'tree '}{shape}: {arm['pulls']} rounds, mean reward "
+              f"{arm['mean_reward']:.3f}" for shape, arm in stats.arms.items()]
     print("\n" + "\n".join(lines))
     return 0
 

@@ -185,13 +185,13 @@ class SpeculativeDecoder:
         target, rec = self.start(call, widest), call.recorder
         proposers, roots = Proposers(self, call, widest), call.ids[:, -1]
         while True:
-            proposer, arm = proposers.select(policy)
+            proposer, arm, shape = proposers.select(policy)
             proposer.prepare(call)  # once per call (the drafter's prefill): not charged to this round's arm
             rec.mark(DRAFT)
-            draft = proposer.propose(policy.arms[arm] if arm is not None else None, roots, call)
+            draft = proposer.propose(shape, roots, call)
             rec.mark(VERIFY)
             results, proposed, roots, hidden = self.verify(target, draft, call, proposers.reads_target)
-            policy.observe(draft.tree, [r.path for r in results], lookup=arm is None)
+            policy.observe(arm, draft.tree, [r.path for r in results])
             rec.mark(VERIFIED)
             committed, finished = call.emit(proposed, results, len(draft.tree) - 1)
             if not all(finished):
@@ -202,9 +202,8 @@ class SpeculativeDecoder:
                 roots = roots[keep] if keep is not None else roots
                 rec.mark(DONE)
             times = rec.round_times(finished=all(finished))
-            if arm is not None:  # charged the whole round, commit and resync included
-                tokens_out = sum(map(len, proposed))
-                policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / len(proposed), *times)
+            tokens_out = sum(map(len, proposed))  # the arm is charged the whole round, commit and resync included
+            policy.update(arm, tokens_out if policy.reward == "time" else tokens_out / len(proposed), *times)
             if all(finished):
                 return call.finish(target, arms=policy.summary(), **proposers.drafter_stats())
 

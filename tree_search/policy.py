@@ -23,18 +23,21 @@ GRAMMAR = "auto, none, a shape like 3,2,2,1,1, chain:N, bandit[:A/B/...] or band
 
 @runtime_checkable
 class TreePolicy(Protocol):
-    """Picks one arm (tree shape) per round and learns from what each round committed and cost."""
+    """Picks one arm per round (a tree shape, or the lookup arm when a prompt lookup is offered and pays) and learns
+    from what each round committed and cost."""
 
     arms: tuple[TreeConfig, ...]
+    lookup_arm: int  # the arm prompt-lookup rounds are pulled as (len(arms): after the shapes)
     reward: str  # "time": rewarded with the round's tokens (its seconds given); "paper": tokens per row
 
     def start_call(self, rows: int = 1, costs=None) -> None: ...
 
     def select(self) -> int: ...
 
-    def observe(self, tree, paths: list[list[int]], lookup: bool = False) -> None: ...
+    def observe(self, arm: int, tree, paths: list[list[int]]) -> None: ...
 
-    def lookup_length(self, offered: int) -> int: ...
+    def lookup_length(self, offered: int) -> int:
+        """How many of `offered` prompt-lookup tokens a round of the lookup arm verifies (0: no such round)."""
 
     def update(self, arm: int, n_accept: float, draft_time: float | None = None,
                verify_time: float | None = None) -> float: ...

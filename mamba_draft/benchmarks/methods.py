@@ -206,7 +206,7 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     prompts = ids if mask is None else [row[keep.bool()] for row, keep in zip(ids, mask)]
     # a persistent bandit's summary counts every call's pulls (others restart at the call): record this call's
     kept = getattr(policy, "persistent", False)
-    before = {str(a): s.pulls for a, s in zip(policy.arms, policy.stats)} if kept else {}
+    before = {a: v["pulls"] for a, v in policy.summary().items()} if kept else {}
 
     lookup = lookup_of(method, ids.device, mask is not None)  # 0 for `ar`, whose Method has lookup 0
     decoders = {} if decoders is None else decoders

@@ -11,9 +11,10 @@ one that proposed resyncs, the others queue the committed tokens and read them w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from mamba_draft.targets.facts import target_vocab_size
+from mamba_draft.tree import TreeConfig
 from tree_search.draft import Draft
 from tree_search.proposers.base import Proposer, Round
 from tree_search.proposers.lookup_chain import LookupChainProposer
@@ -27,7 +28,16 @@ if TYPE_CHECKING:
     from tree_search.calls import Call
     from tree_search.policy import TreePolicy
 
-__all__ = ["Draft", "Proposer", "Proposers", "Round", "drafter_proposer"]
+__all__ = ["Draft", "Pick", "Proposer", "Proposers", "Round", "drafter_proposer"]
+
+
+class Pick(NamedTuple):
+    """A round's choice: who proposes, the policy's arm it is charged to, the tree shape to draft (None: the proposer
+    knows its own, a lookup's chain)."""
+
+    proposer: Proposer
+    arm: int
+    shape: TreeConfig | None
 
 
 class Proposers:
@@ -44,11 +54,12 @@ class Proposers:
         self.all = [p for p in (self.plain, self.drafted, self.lookup) if p is not None]
         self.reads_target = any(p.reads_target for p in self.all)
 
-    def select(self, policy: TreePolicy) -> tuple[Proposer, int | None]:
+    def select(self, policy: TreePolicy) -> Pick:
         if self.lookup is not None and self.lookup.offer(policy):
-            return self.lookup, None
+            return Pick(self.lookup, policy.lookup_arm, None)
         arm = policy.select()
-        return (self.drafted if policy.arms[arm].depth else self.plain), arm
+        shape = policy.arms[arm]
+        return Pick(self.drafted if shape.depth else self.plain, arm, shape)
 
     def accept(self, round_: Round) -> None:
         for proposer in self.all:
