@@ -9,16 +9,16 @@ SmolLM2-135M, 2 cores) until the idle thread's team was released.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: the calling thread's workers end, its next region starts new ones
 RUNTIMES = ("libgomp.so.1", "libiomp5.so", "libomp.so")
 
 
-@functools.cache
-def _runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime this process already loaded (never a new one), if it can pause."""
+def _runtimes() -> tuple[ctypes.CDLL, ...]:
+    """The OpenMP runtimes this process has loaded by now (never a new one) that can pause: torch's, and another where
+    a compiled step linked its own (asked each time: a runtime may load later; a lookup costs microseconds)."""
+    found = []
     for name in RUNTIMES:
         try:
             lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
@@ -26,12 +26,11 @@ def _runtime() -> ctypes.CDLL | None:
             continue
         if hasattr(lib, "omp_pause_resource_all"):
             lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-            return lib
-    return None
+            found.append(lib)
+    return tuple(found)
 
 
 def release_openmp_workers() -> bool:
     """End the calling thread's idle OpenMP workers (call it outside any parallel region, when the thread is done
     computing for a while). Returns whether a runtime did so."""
-    lib = _runtime()
-    return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+    return any([lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0 for lib in _runtimes()])
