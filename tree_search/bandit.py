@@ -146,36 +146,29 @@ class UCBBandit:
         return stats.mean_reward / (self._tokens / self._seconds)
 
     def update(self, arm: int, n_accept: int, draft_time: float | None = None, verify_time: float | None = None) -> float:
-        """Record one round of `arm` that committed `n_accept` tokens; returns the arm's updated value."""
-        if arm == self.lookup_arm:  # its own statistics only (`lookup_arm`)
-            stats = self.lookup_stats
-            if self.reward == "time":
-                if draft_time is None or verify_time is None:
-                    raise ValueError("reward='time' needs the round's draft_time and verify_time")
-                reward = time_reward(n_accept, draft_time + verify_time, 1.0)
-                stats.square_sum += reward * reward
-            else:
-                reward = tree_reward(n_accept, 0, self.current_lambda_gamma)
-            stats.reward_sum += reward
-            stats.pulls += 1
-            return self.value(stats)
-        gamma = self.arms[arm].depth
-        # the cost ratio is drafter time per level: a "none" round (γ = 0) drafts nothing to measure it by
+        """Record one round of `arm` that committed `n_accept` tokens; returns the arm's updated value. A lookup arm's
+        round updates its own statistics only (`lookup_arm`)."""
+        lookup = arm == self.lookup_arm
+        gamma = 0 if lookup else self.arms[arm].depth
+        stats = self.lookup_stats if lookup else self.stats[arm]
+        # the cost ratio is drafter time per level: a "none" or lookup round (γ = 0) drafts nothing to measure it by
         if self.lambda_gamma == "auto" and gamma and draft_time is not None and verify_time and verify_time > 0:
             self._cost_ratio_sum += (draft_time / gamma) / verify_time
             self._cost_ratio_n += 1
-        stats = self.stats[arm]
         if self.reward == "time":
             if draft_time is None or verify_time is None:
                 raise ValueError("reward='time' needs the round's draft_time and verify_time")
             reward = time_reward(n_accept, draft_time + verify_time, 1.0)
-            stats.reward_sum += reward
             stats.square_sum += reward * reward
+        else:
+            reward = tree_reward(n_accept, gamma, self.current_lambda_gamma)
+        stats.reward_sum += reward
+        stats.pulls += 1
+        if lookup:
+            return self.value(stats)
+        if self.reward == "time":
             self._seconds += draft_time + verify_time
             self._tokens += n_accept
-        else:
-            stats.reward_sum += tree_reward(n_accept, gamma, self.current_lambda_gamma)
-        stats.pulls += 1
         self.rounds += 1
         return self.values()[arm]
 

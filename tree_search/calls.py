@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tree_search.sampling import SamplingParams, keyed_choice
+from tree_search.sampling import SamplingParams, choose, keyed_choice, logits_to_probs
 from tree_search.verifiers import Verifier, VerifyResult
 
 if TYPE_CHECKING:
@@ -222,6 +222,13 @@ class Call:
                 chosen[b, start:stop] = keyed_choice(probs[b, start:stop], self.seeds[prompt],
                                                      len(self.out[prompt]) + depth)
         return chosen
+
+    def choose_plain(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each active row's next token from its processed logits (B, V), as plain decoding samples it: a seeded
+        call's keyed draw, else `sampling.choose` (argmax when greedy, the row generators' draw otherwise)."""
+        if self.seeds is not None:
+            return self.keyed(((0, 1),), logits_to_probs(logits[:, None], self.params))[:, 0]
+        return choose(logits, self.params, self.generators)
 
     def start(self) -> None:
         """Start the clock (the batch's recorder: phase times, rounds), stream the prompt."""

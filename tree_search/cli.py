@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     generator = load_generator(args, None if args.autoregressive else args.drafter,
                                resolve_sampling(None, args.temperature, args.top_p, args.top_k),
                                prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens)
-    lookup_tokens = generator.decoder.lookup_tokens
+    lookup_tokens = generator.decoder.options.lookup_tokens
     dtype = str(generator.target.dtype).removeprefix("torch.")
     sampling = resolve_sampling(generator.target, args.temperature, args.top_p, args.top_k)
     streamer = None if args.json else TextStreamer(generator.tokenizer, skip_prompt=True)

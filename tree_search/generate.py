@@ -29,7 +29,7 @@ from tree_search.plan import batch_prompts, check_models, eos_set, is_batch, pla
 from tree_search.policy import is_auto, parse_policy
 from tree_search.processors import CallProcessors, shaping_of
 from tree_search.proposers import Proposers, Round
-from tree_search.sampling import choose, logits_to_probs, resolve_sampling
+from tree_search.sampling import logits_to_probs, resolve_sampling
 from tree_search.tree_drafter import TreeDrafter
 from tree_search.verifiers import Verifier, VerifyInput, VerifyResult
 from tree_search.verifiers.greedy import greedy_walk
@@ -96,8 +96,6 @@ class SpeculativeDecoder:
     def __init__(self, target: torch.nn.Module, drafter=None, *, tokenizer=None, **options) -> None:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.options = options = EngineOptions(**options)
-        self.integer_products, self.prompt_lookup = options.integer_products, options.prompt_lookup
-        self.lookup_tokens = options.lookup_tokens
         self.device = next(target.parameters()).device
         # `auto` learns over the decoder's calls (acceptance, draft cost, which arms pay): the decoder is what a
         # stream of requests goes through
@@ -124,7 +122,7 @@ class SpeculativeDecoder:
         batched = is_batch(prompts, options.attention_mask)
         plan = plan_call(self.policy, params, verifier=self.options.verifier,
                          verifier_params=self.options.verifier_params,
-                         prompt_lookup=self.prompt_lookup, lookup_tokens=self.lookup_tokens,
+                         prompt_lookup=self.options.prompt_lookup, lookup_tokens=self.options.lookup_tokens,
                          device=self.device, batched=batched,
                          streamer=options.streamer is not None)
         ids, mask, lengths = batch_prompts(prompts, options.attention_mask)
@@ -163,7 +161,7 @@ class SpeculativeDecoder:
     def target_cache(self, max_len: int, graphs: bool = True) -> TargetCache:
         """A call's target cache: the kept static one while it serves (`TargetCache.for_call`), else a new one."""
         cache = TargetCache.for_call(self.target, max_len, graphs, kept=self.static_cache,
-                                     integer_products=self.integer_products)
+                                     integer_products=self.options.integer_products)
         if cache.static:
             self.static_cache = cache
         return cache
@@ -212,7 +210,8 @@ class SpeculativeDecoder:
         `widest` tokens a forward (fewer where its positions end: the rest extrapolated), measured once per target
         (kept by this decoder) after a few of the call's first prompt's tokens."""
         known = self.costs
-        key = (str(self.device), next(self.target.parameters()).dtype, torch.get_num_threads(), self.integer_products)
+        key = (str(self.device), next(self.target.parameters()).dtype, torch.get_num_threads(),
+               self.options.integer_products)
         if key not in known or known[key].covers < widest:
             context = call.ids[0, -min(call.lengths[0], PROBE_CONTEXT):]
             room = max_positions(self.target) or call.ids.shape[1] + call.max_new_tokens + widest + 1
@@ -236,8 +235,7 @@ class SpeculativeDecoder:
         if call.processors is not None:  # each node's scores after its own sequence, as target.generate's
             scores = call.processors.tree(scores, draft.tokens, draft.tree, call.active, call.out)
         if len(draft.tree) == 1:
-            plain = (call.keyed(((0, 1),), logits_to_probs(scores, params))[:, 0] if call.seeds is not None
-                     else choose(scores[:, 0], params, call.generators))
+            plain = call.choose_plain(scores[:, 0])
             proposed = [[t] for t in plain.tolist()]
             call.note_logprobs(raw, [[0]] * len(proposed), proposed)
             return [PLAIN] * len(plain), proposed, plain, hidden
@@ -271,10 +269,7 @@ class SpeculativeDecoder:
             raw = logits
             if call.processors is not None:
                 logits = call.processors.plain(logits, call.active, call.out)
-            if call.seeds is not None:
-                tokens = call.keyed(((0, 1),), logits_to_probs(logits[:, None], call.params))[:, 0]
-            else:
-                tokens = choose(logits, call.params, call.generators)
+            tokens = call.choose_plain(logits)
             proposed = [[t] for t in tokens.tolist()]  # the round's one device -> host transfer
             call.note_logprobs(raw[:, None], [[0]] * len(proposed), proposed)
             _, finished = call.emit(proposed, [PLAIN] * len(proposed))
@@ -298,8 +293,8 @@ def generate(target: torch.nn.Module, drafter, input_ids, *, tokenizer=None,
     `target.generate` does)."""
     if drafter is None:
         raise TypeError("generate needs a drafter; generate_autoregressive is the baseline without one")
-    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
-    return SpeculativeDecoder(target, drafter, tokenizer=tokenizer, **engine).generate(input_ids, **options)
+    return SpeculativeDecoder(target, drafter, tokenizer=tokenizer, **engine_options(options)).generate(input_ids,
+                                                                                                   **options)
 
 
 @torch.no_grad()
@@ -307,5 +302,9 @@ def generate_autoregressive(target: torch.nn.Module, input_ids, *, tokenizer=Non
                             **options) -> GenerateResult | BatchGenerateResult:
     """The baseline: `generate` without a drafter, one target forward per token for all rows (of `EngineOptions`
     only integer_products applies)."""
-    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
-    return SpeculativeDecoder(target, tokenizer=tokenizer, **engine).generate(input_ids, **options)
+    return SpeculativeDecoder(target, tokenizer=tokenizer, **engine_options(options)).generate(input_ids, **options)
+
+
+def engine_options(options: dict) -> dict:
+    """`EngineOptions`' fields taken out of one set of keywords (what is left: `CallOptions`')."""
+    return {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}

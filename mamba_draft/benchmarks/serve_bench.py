@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     for tree in trees:  # one engine per policy, on the same models
         generator.decoder = SpeculativeDecoder(generator.target, generator.drafter, tree=tree,
                                                tokenizer=generator.tokenizer,
-                                               integer_products=generator.decoder.integer_products)
+                                               integer_products=generator.decoder.options.integer_products)
         servers[tree] = LoopbackServer(create_app(generator, "model", max_batch=args.clients))
     prompts = questions(args.clients)
     alone_rate = {t: [] for t in trees}

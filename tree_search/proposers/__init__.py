@@ -77,7 +77,7 @@ def drafter_proposer(decoder, call: Call, widest: int) -> TreeProposer:
     prompt."""
     drafter, record_probs = decoder.drafter, call.plan.records_probs
     rows, out_vocab = call.batch * widest, target_vocab_size(decoder.target)
-    if decoder.prompt_lookup:
+    if decoder.options.prompt_lookup:
         if drafter.reads_target:
             raise ValueError("prompt_lookup drafts chains on scratch rows without target states; a drafter that "
                              "reads the target takes tree shapes (and lookup_tokens rounds) instead")
