@@ -23,8 +23,7 @@ from tree_search.prompts import Prompt, encode_prompt, load_prompts
 from tree_search.sampling import SamplingParams, resolve_sampling
 
 DEFAULT_METHODS = ("hf-ar", "ar", "default", "chain:5", "3,2,2,1,1", "bandit")
-# what a user has without us: our plain decoding, transformers' `generate` on the plain model and llama.cpp on the
-# GGUF; every speedup is stated against the fastest of those that ran
+# what a user has without us (BASELINE_NAMES): every speedup is stated against the fastest of those that ran
 BASELINES = ("ar", "hf-ar", "llama-cpp")
 BASELINE_NAMES = "our plain decoding, transformers' generate on the plain model, llama.cpp on the GGUF"
 BATCH_WARMUP_TOKENS = 8  # a batch sweep's warm-up pays one-time costs (first calls, allocations), not a full batch
@@ -165,10 +164,9 @@ def measure(methods: list[Method], models: Models, batches: list[Batch], cfg: Be
     runs = {m.name: [] for m in methods}
     for repeat in range(cfg.repeats):
         passes = [Pass(method, models, cfg, eos, cfg.seed + 1000 * repeat) for method in methods]
-        shares = {one.method.name: (cfg.shares or {}).get(one.method.name, len(batches)) for one in passes}
         for b, batch in enumerate(batches):
             for one in passes:
-                if b >= shares[one.method.name]:
+                if b >= (cfg.shares or {}).get(one.method.name, len(batches)):
                     continue
                 bar.set_postfix_str(f"repeat {repeat + 1}: {one.method.name}")
                 one.run(batch)
@@ -343,7 +341,6 @@ def markdown_report(result: dict) -> str:
                       "cut of the slowest baseline): its speedups are over those." for name, k in
                       (cfg.get("shares") or {}).items() if k < len(result["prompts"]))
             + (f" Outputs compared with per-prompt greedy {reference}." if sweep else "")
-            # configs written before the option read as per call
             + (" Bandit methods learn over the whole pass (`--bandit-memory pass`), not afresh per call."
                if cfg.get("bandit_memory", "call") == "pass" else "") + "\n")
     header = ["method", "verifier", "tokens/s", "τ", f"speedup vs {baseline_text(baselines)}",
@@ -382,7 +379,7 @@ def categories_table(methods: dict, baselines: list[str]) -> str:
 
 def write_outputs(result: dict, out_dir: str | Path, prefix: str = "bench") -> dict[str, Path]:
     """JSON (everything), the markdown tables, and PNG plots: bars of tokens/s, τ and speedup one prompt at a time;
-    for a sweep, lines over batch size of speedup (vs the faster of batched ar and hf-ar) and tokens/s."""
+    for a sweep, lines of speedup and tokens/s over batch size."""
     out_dir = Path(out_dir)
     paths = {"json": out_dir / f"{prefix}.json", "markdown": out_dir / f"{prefix}.md"}
     write_json(paths["json"], result)

@@ -241,8 +241,7 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
     if full_sweep:
         sampled += (f"cpu-bandit@sampling={bandit}@sampling",)
         greedy += ("hf-lookup", f"cpu-bandit={bandit}", "chain:2", f"chain:2+lookup:{LOOKUP}",
-                   f"lookup=none+lookup:{LOOKUP}",
-                   f"bandit-paper=bandit:{arms}", "chain:3", "2,1", "3,1", "2,2,1",
+                   f"lookup=none+lookup:{LOOKUP}", f"bandit-paper=bandit:{arms}", "chain:3", "2,1", "3,1", "2,2,1",
                    *(f"cpu-bandit@{v}={bandit}@{v}" for v in LOSSY_VERIFIERS))
         sampled += ("chain:2@sampling", "2,1@sampling", *assisted)
     return {"greedy": greedy, "sampled": sampled}
@@ -251,12 +250,11 @@ def real_methods(dtype_name: str, assistant: bool, full_sweep: bool) -> dict[str
 def real_configs():
     from mamba_draft.benchmarks.real_pair import RealPairConfig
 
-    full = RealPairConfig()
     quick = RealPairConfig(per_category=1, bench_prompts=2, max_new_tokens=12, magpie=4, magpie_tasks=0,
                            train_prompts=4, max_prompt_tokens=96, reply_tokens=12, data_batch=4, draft_vocab_size=512,
                            drafter_layers=1, assistant_layers=1, assistant_intermediate=256, steps=3, seq_len=96,
                            batch=2, eval_every=2, tax_repeats=1)
-    return full, quick
+    return RealPairConfig(), quick
 
 
 def real_fingerprint(cfg, drafter: str | None) -> str:
@@ -311,13 +309,11 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     import torch
 
     from mamba_draft.benchmarks.bench import RESULT_LAYOUT, load_models, resolve_methods, write_outputs
-    from mamba_draft.benchmarks.methods import load_plain
     from mamba_draft.benchmarks.tax import cpu_kind, measure as measure_tax
     from mamba_draft.checkpoint import SHIPPED_DRAFTER, resolve_directory
     from mamba_draft.benchmarks import llama_cpp
     from mamba_draft.heldout import read_spec_bench
     from mamba_draft.targets import SHIPPED_TARGET, auto_dtype, integer_products
-    from tree_search.prompts import encode_prompt
 
     records = read_spec_bench(prompts_path)  # checked before anything is built
     if not train and drafter is None:
@@ -348,11 +344,9 @@ def run_real_demo(cfg, cache_dir: Path, prompts_path: Path, out_dir: Path | None
     print(f"[demo] target SmolLM2-135M-Instruct in {dtype_name} on {device}, {products} products; drafter {drafter}")
     if "llama-cpp" not in specs["greedy"]:
         print(f"[demo] {llama_cpp.MISSING}")
-    first = torch.tensor([encode_prompt(models.tokenizer, heldout_questions(records, 1)[0].text, True)], device=device)
-    sizing = measure_sizing(models.target, models.drafter, first,
+    sizing = measure_sizing(models.target, models.drafter, torch_ids(models, heldout_questions(records, 1)[0]),
                             assistant=models.assistant_drafter if models.assistant is not None else None)
-    plain = models.plain_target or load_plain(SHIPPED_TARGET, dtype, device)
-    tax = measure_tax(plain, models.target, repeats=cfg.tax_repeats)
+    tax = measure_tax(models.plain_target, models.target, repeats=cfg.tax_repeats)  # every table runs hf-ar
     measured = measure_tables(models, records, cfg, tables, repeats, 60 * budget_minutes, measuring, progress=True)
     result = {"dtype": dtype_name, "products": products, "cpu": cpu_kind(), **measured, "sizing": sizing, "tax": tax,
               "models": {"drafter": str(drafter), "assistant": str(assistant) if assistant else None},
@@ -375,18 +369,12 @@ def heldout_curve(run_or_export: Path) -> list[dict]:
 
 
 def heldout_questions(records: list[dict], per_category: int, limit: int | None = None) -> list:
-    """The benchmark prompts: the first `per_category` odd-id questions of every category, at most `limit`, in turns
-    over the categories (every category's first question, then every second one), so that any leading share of
-    them (a slow baseline's, `plan_tables`) spans the categories."""
-    from itertools import zip_longest
-
-    from mamba_draft.benchmarks.real_pair import heldout_prompts
+    """The benchmark prompts: the first `per_category` odd-id questions of every category, at most `limit`, the
+    categories taking turns so that any leading share of them (a slow baseline's, `plan_tables`) spans them."""
+    from mamba_draft.benchmarks.real_pair import heldout_prompts, round_robin
     from tree_search.prompts import Prompt
 
-    by_category: dict[str, list[dict]] = {}
-    for r in heldout_prompts(records, per_category):
-        by_category.setdefault(r["category"], []).append(r)
-    turns = [r for group in zip_longest(*by_category.values()) for r in group if r is not None]
+    turns = round_robin(heldout_prompts(records, per_category))
     return [Prompt(r["turns"][0], r["category"], str(r["question_id"])) for r in turns][:limit]
 
 
@@ -404,9 +392,8 @@ def probe_costs(models, prompt, tables: dict, sampling: dict[str, dict]) -> dict
 
     ids = torch_ids(models, prompt)
     batch = make_batches([ids], 1)
-    costs: dict[str, dict[str, tuple]] = {}
+    costs: dict[str, dict[str, tuple]] = {name: {} for name in tables}
     for name, methods in tables.items():
-        costs[name] = {}
         for method in methods:
             cfg = BenchConfig(methods=(method.name,), repeats=1, bandit_memory="pass", **sampling[name])
             one, timed = Pass(method, models, cfg, eos_ids(models), 0), []
@@ -494,10 +481,9 @@ def measure_tables(models, records: list[dict], cfg, tables: dict, repeats: int,
     from tree_search.sampling import resolve_sampling
 
     prompts = heldout_questions(records, cfg.per_category, cfg.bench_prompts)
-    sampling = {}  # explicit values (top-k and top-p from the target's generation_config), the same for all methods
-    for name, temperature in (("greedy", 0.0), ("sampled", cfg.temperature)):
-        params = resolve_sampling(models.target, temperature, None, None)
-        sampling[name] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+    # explicit values (top-k and top-p from the target's generation_config), the same for all methods
+    sampling = {name: asdict(resolve_sampling(models.target, temperature))
+                for name, temperature in (("greedy", 0.0), ("sampled", cfg.temperature))}
     costs = probe_costs(models, prompts[0], tables, sampling)
     lengths = reply_lengths(models, prompts, cfg.max_new_tokens)
     prompt_tokens = [torch_ids(models, p).shape[1] for p in prompts]

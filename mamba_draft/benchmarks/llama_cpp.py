@@ -26,15 +26,13 @@ def available() -> bool:
 
 def load(target: str, logits_all: bool = False):
     """A llama_cpp.Llama over `target`'s GGUF file (the shipped SmolLM2's when `target` is "smollm2"), on torch's
-    threads, quiet (`logits_all`: keeping every position's logits); a one-line error where llama-cpp-python is
-    missing or `target` is no GGUF."""
+    threads, quiet (`logits_all`: keeping every position's logits); a one-line error where `target` is no GGUF.
+    Callers check `available()` first."""
     from mamba_draft.targets import resolve_gguf
 
     gguf = resolve_gguf(target)
     if gguf is None:
         raise ValueError(f"the llama-cpp method runs a .gguf target; --target {target} is not one")
-    if not available():
-        raise ImportError(f"the llama-cpp method needs llama-cpp-python: {INSTALL}")
     from llama_cpp import Llama
 
     threads = torch.get_num_threads()
@@ -46,8 +44,6 @@ def run(llm, ids: torch.Tensor, max_new_tokens: int, sampling: dict, eos: list[i
     """One prompt (1, L) through llama.cpp from an empty cache (no prefix kept from an earlier call): its new tokens
     up to and including an EOS, and the bench's record. Greedy at temperature 0; otherwise llama.cpp's sampler with
     the same temperature, top-k (0: off) and top-p and none of its own extra filters (min-p, repeat penalty)."""
-    if ids.shape[0] != 1:
-        raise ValueError("the llama-cpp method decodes one prompt at a time (batch size 1)")
     options = dict(temp=sampling["temperature"] or 0.0, top_k=sampling.get("top_k") or 0,
                    top_p=sampling.get("top_p") or 1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True)
     start = time.perf_counter()

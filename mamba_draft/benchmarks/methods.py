@@ -193,13 +193,12 @@ def until_eos(tokens: list[int], eos: list[int]) -> list[int]:
 
 
 def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: int, sampling: dict,
-             eos: list[int], policy, seed: int, mask: torch.Tensor | None = None,
-             decoders: dict | None = None) -> tuple[list, dict]:
+             eos: list[int], policy, seed: int, mask: torch.Tensor | None, decoders: dict) -> tuple[list, dict]:
     """Our harness: `generate_autoregressive` for `ar`, tree speculative `generate` for the rest. `ids` (1, L) ->
     (new tokens, record); with `mask`, a left-padded batch (B, L) -> (new tokens per row, record), row b seeded
     seed + b. rounds counts row-rounds (a batch's τ = accepted / rounds); batch_rounds the batched rounds.
     `decoders`: the pass's SpeculativeDecoders (what they keep across calls: caches, compiled step, verify costs),
-    filled here; None: a fresh one per call."""
+    filled here."""
     from tree_search.generate import SpeculativeDecoder
 
     # a batch goes to generate as its list of prompts (any length, even one), which it left-pads as `ids` are
@@ -209,7 +208,6 @@ def run_ours(method: Method, models: Models, ids: torch.Tensor, max_new_tokens: 
     before = {a: v["pulls"] for a, v in policy.summary().items()} if kept else {}
 
     lookup = lookup_of(method, ids.device, mask is not None)  # 0 for `ar`, whose Method has lookup 0
-    decoders = {} if decoders is None else decoders
     if lookup not in decoders:
         drafter = None if method.kind == "ar" else (models.drafter if method.drafter == "drafter"
                                                      else models.assistant_drafter)

@@ -22,16 +22,19 @@ from pathlib import Path
 from mamba_draft.heldout import is_heldout, is_heldout_text
 
 
+def round_robin(records: list[dict]) -> list[dict]:
+    """The records with their categories taking turns: every category's first record, then every second one, ..."""
+    by_category: dict[str, list[dict]] = {}
+    for r in records:
+        by_category.setdefault(r["category"], []).append(r)
+    return [r for group in zip_longest(*by_category.values()) for r in group if r is not None]
+
+
 def training_prompts(records: list[dict], tokenizer, max_prompt_tokens: int, limit: int | None) -> list[dict]:
     """Even-id questions whose first turn fits `max_prompt_tokens`, spread over categories (round robin). A record
     that is an odd-id question under another id (a renumbered copy) is refused too."""
-    by_category: dict[str, list[dict]] = {}
-    for r in records:
-        if is_heldout(r) or any(is_heldout_text(t) for t in r["turns"]):
-            continue
-        if len(tokenizer(r["turns"][0])["input_ids"]) <= max_prompt_tokens:
-            by_category.setdefault(r["category"], []).append(r)
-    spread = [r for group in zip_longest(*by_category.values()) for r in group if r is not None]  # round robin
+    spread = round_robin([r for r in records if not is_heldout(r) and not any(map(is_heldout_text, r["turns"]))
+                          and len(tokenizer(r["turns"][0])["input_ids"]) <= max_prompt_tokens])
     return spread[:limit] if limit else spread
 
 

@@ -11,7 +11,6 @@ from mamba_draft.io import atomic_path, write_json, write_text  # noqa: F401  (b
 
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (ddof=1, as Spec-Bench); std is 0 for a single value."""
-    values = [float(v) for v in values]
     if not values:
         return math.nan, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)

@@ -33,13 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def questions(count: int) -> list[str]:
     """The first turns of `count` odd-id Spec-Bench questions, taking the categories in turn."""
+    from mamba_draft.benchmarks.real_pair import round_robin
     from mamba_draft.heldout import is_heldout, read_spec_bench
 
-    by_category: dict[str, list[str]] = {}
-    for record in read_spec_bench():
-        if is_heldout(record):
-            by_category.setdefault(record["category"], []).append(record["turns"][0])
-    return [row for group in zip(*by_category.values()) for row in group][:count]
+    return [r["turns"][0] for r in round_robin([r for r in read_spec_bench() if is_heldout(r)])][:count]
 
 
 class LoopbackServer:

@@ -96,12 +96,7 @@ def measure(plain, exact, repeats: int) -> list[dict]:
             caches = {name: p.prefill(ids[:, :CONTEXT]) for name, p in paths.items()}
             calls = {name: (lambda p=p, c=caches[name]: p.forward(c, ids[:, CONTEXT:CONTEXT + n]))
                      for name, p in paths.items()}
-        times = {name: [] for name in calls}
-        for _ in range(repeats + 2):
-            for name, call in calls.items():
-                times[name].append(timed(call, ids.device)[1])
-        # two warm-up turns (packing, first touch, a grown cache)
-        ms = {name: 1e3 * statistics.median(t[2:]) for name, t in times.items()}
+        ms = turns(calls, repeats)
         rows.append({"forward": kind, "tokens": n, **ms, "ratio": ms["exact"] / ms["plain"]})
     return rows
 
