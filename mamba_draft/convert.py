@@ -31,7 +31,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrit
                            dtype=torch.float32 if borrowed else None, tokenizer=tokenizer)
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="source checkpoint directory, or a .gguf file / 'smollm2' with --from gguf")
     parser.add_argument("dst", help="destination directory (must not exist unless --overwrite)")

@@ -5,8 +5,8 @@ CPU where the kernel library builds).
 A drafter only proposes, so the step need not have `MambaDrafter.step`'s bits: its products run on 8-bit codes of the
 weights and activations (`int_products.c`, llama.cpp's Q8_0 numerics, within ~1 % of the float products) where the
 widths allow, the rest follows the torch step's arithmetic in fp32 (`CompiledStep(integer=False)`: float products,
-within float rounding of the torch step; the tests hold both there). Mamba-1 drafters, a drafter with biased projections, other devices and MAMBA_DRAFT_CPU_STEP=0
-keep the torch step.
+within float rounding of the torch step; the tests hold both there). Mamba-1 drafters, a drafter with biased
+projections, other devices and MAMBA_DRAFT_CPU_STEP=0 keep the torch step.
 """
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ class _Drafter(ctypes.Structure):
         ("layer", ctypes.POINTER(_Layer))]
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = cpu_step.library()
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.drafter_step.argtypes = [ctypes.POINTER(_Drafter), i32, pointer, i64, pointer, pointer, pointer,
                                  ctypes.POINTER(i64), pointer, pointer, pointer, i32]
@@ -47,17 +49,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    return _declare(cpu_step.library())
-
-
 def applies(drafter) -> bool:
     """Whether the compiled step computes `drafter` here: a Mamba-2 drafter on a CPU in fp32 / bf16 with unbiased
     projections and a width of whole 16-lane blocks, the step on and its library built."""
     cfg = drafter.config
     mixers = [layer.mixer for layer in drafter.backbone.layers]
-    return (cfg.arch == "mamba2" and cfg.d_model % cpu_step.LANES == 0 and drafter.device.type == "cpu" and drafter.dtype in (torch.float32, torch.bfloat16)
+    return (cfg.arch == "mamba2" and cfg.d_model % cpu_step.LANES == 0 and drafter.device.type == "cpu"
+            and drafter.dtype in (torch.float32, torch.bfloat16)
             and (drafter.state_dtype or drafter.dtype) in (torch.float32, torch.bfloat16)
             and all(m.in_proj.bias is None and m.out_proj.bias is None for m in mixers)
             and os.environ.get(cpu_step.SWITCH) != "0" and cpu_step.available())
@@ -115,16 +113,12 @@ class CompiledStep:
             keep(backbone.norm_f.weight), head_weight, layers)
         self.vocab = head.shape[0]
 
-    @staticmethod
-    def _key(drafter) -> tuple:
-        head = drafter.draft_head
-        return (tuple((p.data_ptr(), p._version) for p in drafter.parameters()), drafter.dtype,
-                None if head is None else (head.data_ptr(), head._version))
-
     def __call__(self, drafter, token_ids: torch.Tensor, state, features: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row (B,) into rows [0:B] of `state` -> (logits (B, V), final-norm states (B, d))."""
-        key = self._key(drafter)
+        head = drafter.draft_head  # the weights' addresses and in-place versions: a change repacks
+        key = (tuple((p.data_ptr(), p._version) for p in drafter.parameters()), drafter.dtype,
+               None if head is None else (head.data_ptr(), head._version))
         if key != self.key:
             self._pack(drafter)
             self.key = key

@@ -31,9 +31,8 @@ Parameters are read where they are, so they must be contiguous (as nn.Linear / n
 allocated once per power-of-two row count and kept (a captured CUDA graph holds its addresses): a step allocates
 only what it returns, and has fixed shapes and no host sync, so `graphs.StepRunner` captures it as it does the others.
 
-Triton is imported here at the top: `MambaDrafter.set_backend("fused")` imports this module only when asked, so the
-package imports without triton. Off CUDA the kernels run only in Triton's interpreter (TRITON_INTERPRET=1), which is
-how tests/test_fused_step.py checks them against the torch step on CPU.
+Off CUDA the kernels run only in Triton's interpreter (TRITON_INTERPRET=1), which is how tests/test_fused_step.py
+checks them against the torch step on CPU.
 """
 from __future__ import annotations
 
@@ -167,8 +166,7 @@ def _mamba1_ssm_kernel(proj_ptr, stride_proj, dbc_ptr, stride_dbc, dt_weight_ptr
                        state_ptr, stride_state_row, stride_state_channel, stride_state_n, y_ptr, stride_y,
                        d_inner, dt_rank, d_state,
                        BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Mamba-1's state update for a row's block of channels: dt = softplus(dt_proj(dt_low) + bias), state <-
-    exp(dt A) state + dt x B (in place), y = (state C + D x) silu(z). proj: [x (conv'd) | z]; dbc: [dt_low | B | C]."""
+    """Mamba-1's stage 3 for a row's block of channels. proj: [x (conv'd) | z]; dbc: [dt_low | B | C]."""
     row = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_r, offs_n = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_N)
@@ -200,8 +198,7 @@ def _mamba2_ssm_kernel(proj_ptr, stride_proj, dt_bias_ptr, A_log_ptr, D_ptr, sta
                        stride_state_head, stride_state_p, stride_state_n, y_ptr, stride_y, d_inner, ngroups,
                        heads_per_group, headdim, d_state, dt_min, dt_max,
                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Mamba-2's state update for a row's head (a block of its headdim): dt = clamp(softplus(dt + dt_bias), dt_limit),
-    state <- exp(dt A) state + dt x B (in place), y = (state C + D x) silu(z), B and C those of the head's group.
+    """Mamba-2's stage 3 for a row's head (a block of its headdim), B and C those of the head's group.
     proj: [z | x B C (conv'd) | dt]."""
     row, head = tl.program_id(0), tl.program_id(1)
     offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -256,20 +253,17 @@ def check_fused_device(device: torch.device) -> None:
                            "Triton's interpreter runs it, with TRITON_INTERPRET=1)")
 
 
-def _blocks(rows: int, out_features: int, in_features: int) -> dict:
-    return dict(BLOCK_M=min(triton.next_power_of_2(rows), BLOCK_ROWS),
-                BLOCK_N=min(triton.next_power_of_2(out_features), BLOCK_OUT),
-                BLOCK_K=min(triton.next_power_of_2(in_features), BLOCK_IN))
-
-
-def _grid(rows: int, out_features: int, blocks: dict) -> tuple[int, int]:
-    return triton.cdiv(rows, blocks["BLOCK_M"]), triton.cdiv(out_features, blocks["BLOCK_N"])
+def _tiles(rows: int, out_features: int, in_features: int) -> tuple[tuple[int, int], dict]:
+    """The grid and the block sizes of a product's launch."""
+    blocks = dict(BLOCK_M=min(triton.next_power_of_2(rows), BLOCK_ROWS),
+                  BLOCK_N=min(triton.next_power_of_2(out_features), BLOCK_OUT),
+                  BLOCK_K=min(triton.next_power_of_2(in_features), BLOCK_IN))
+    return (triton.cdiv(rows, blocks["BLOCK_M"]), triton.cdiv(out_features, blocks["BLOCK_N"])), blocks
 
 
 class FusedStep:
-    """A Mamba drafter's step as the launches of the module's plan, and the scratch they pass between them: one per
-    drafter (`MambaDrafter.fused`), scratch per power-of-two row count, kept while the drafter's device and dtype
-    stay (a captured graph holds its addresses)."""
+    """A Mamba drafter's step as the launches of the module's plan, and the scratch they pass between them (one per
+    drafter: `MambaDrafter.fused`), kept while the drafter's device and dtype stay."""
 
     def __init__(self) -> None:
         self.layout: tuple | None = None  # (device, dtype) the scratch is for
@@ -277,8 +271,7 @@ class FusedStep:
 
     @staticmethod
     def kernels_per_step(config, dtype: torch.dtype) -> int:
-        """Kernels a step launches for a drafter of weights in `dtype` that reads token ids only (one that reads
-        the target adds its `embed`'s torch ops); the head casts an fp32 residual stream's norm to `dtype` first."""
+        """Kernels a step launches (the module's plan) for a drafter in `dtype` that reads token ids only."""
         head_cast = config.residual_in_fp32 and dtype != torch.float32
         return config.n_layer * LAUNCHES_PER_LAYER[config.arch] + LAUNCHES_AFTER_LAYERS + head_cast
 
@@ -331,8 +324,8 @@ def _in_proj(layer, inputs, ids, scratch: Scratch, conv_state, batch: int, start
     """Stage 1 of `layer` (`_in_proj_kernel`) on rows [0:batch] of `inputs` (`ids` picks them: the embedding)."""
     mixer, cfg = layer.mixer, layer.mixer.cfg
     linear, conv = mixer.in_proj, mixer.conv1d
-    blocks = _blocks(batch, linear.out_features, cfg.d_model)
-    _in_proj_kernel[_grid(batch, linear.out_features, blocks)](
+    grid, blocks = _tiles(batch, linear.out_features, cfg.d_model)
+    _in_proj_kernel[grid](
         inputs, ids, inputs.stride(0), scratch.residual, scratch.residual.stride(0), layer.norm.weight,
         linear.weight, linear.bias, scratch.proj, scratch.proj.stride(0), conv_state, *conv_state.stride(),
         conv.weight, conv.bias, batch, cfg.d_model, linear.out_features,
@@ -345,8 +338,8 @@ def _in_proj(layer, inputs, ids, scratch: Scratch, conv_state, batch: int, start
 def _linear(x: torch.Tensor, linear, out: torch.Tensor, batch: int, *, accumulate: bool, norm=None,
             group_size: int | None = None) -> None:
     """out[:batch] (+)= linear(x[:batch, :in_features]) (`_linear_kernel`), x first normalised per group by `norm`."""
-    blocks = _blocks(batch, linear.out_features, linear.in_features)
-    _linear_kernel[_grid(batch, linear.out_features, blocks)](
+    grid, blocks = _tiles(batch, linear.out_features, linear.in_features)
+    _linear_kernel[grid](
         x, x.stride(0), None if norm is None else norm.weight, linear.weight, linear.bias, out, out.stride(0), batch,
         linear.in_features, linear.out_features, group_size or linear.in_features,
         0.0 if norm is None else norm.eps, NORM=norm is not None, HAS_BIAS=linear.bias is not None,

@@ -37,10 +37,10 @@ def normalize(text: str) -> str:
     return " ".join(str(text).split()).casefold()
 
 
-def _ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    """The runs of `n` consecutive words of `text` (case folded)."""
+def _ngrams(text: str) -> set[tuple[str, ...]]:
+    """The runs of `OVERLAP_WORDS` consecutive words of `text` (case folded)."""
     words = re.findall(r"\w+", text.casefold())
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i:i + OVERLAP_WORDS]) for i in range(len(words) - OVERLAP_WORDS + 1)}
 
 
 @functools.cache
@@ -50,8 +50,8 @@ def heldout_texts() -> frozenset[str]:
 
 
 @functools.cache
-def _heldout_ngrams(n: int) -> frozenset[tuple[str, ...]]:
-    return frozenset(gram for text in heldout_texts() for gram in _ngrams(text, n))
+def _heldout_ngrams() -> frozenset[tuple[str, ...]]:
+    return frozenset(gram for text in heldout_texts() for gram in _ngrams(text))
 
 
 def is_heldout_text(text: str) -> bool:
@@ -59,7 +59,7 @@ def is_heldout_text(text: str) -> bool:
     return normalize(text) in heldout_texts()
 
 
-def overlaps_heldout(text: str, n: int = OVERLAP_WORDS) -> bool:
-    """True when `text` shares `n` consecutive words with an odd-id question (or is one): the filter for prompts
-    a model writes, which may paraphrase or quote an evaluation question."""
-    return is_heldout_text(text) or not _heldout_ngrams(n).isdisjoint(_ngrams(text, n))
+def overlaps_heldout(text: str) -> bool:
+    """True when `text` shares `OVERLAP_WORDS` consecutive words with an odd-id question (or is one): the filter for
+    prompts a model writes, which may paraphrase or quote an evaluation question."""
+    return is_heldout_text(text) or not _heldout_ngrams().isdisjoint(_ngrams(text))

@@ -8,24 +8,6 @@ import torch
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def check_ids(input_ids, vocab_rows: int, device: torch.device) -> torch.Tensor:
-    """Token ids (batch, length) as int64 on `device`; TypeError for non-integers, ValueError for a wrong shape or
-    an id outside [0, vocab_rows)."""
-    if not isinstance(input_ids, torch.Tensor):
-        try:
-            input_ids = torch.as_tensor(input_ids)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"token ids must be integers, got {type(input_ids).__name__}") from err
-    if input_ids.dtype not in ID_DTYPES:
-        raise TypeError(f"token ids must be an integer tensor, got dtype {input_ids.dtype}")
-    if input_ids.dim() != 2:
-        raise ValueError(f"token ids must have shape (batch, length), got {tuple(input_ids.shape)}")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_rows):
-        raise ValueError(f"token ids must lie in [0, {vocab_rows}), got range "
-                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    return input_ids.to(device=device, dtype=torch.long)
-
-
 def check_batch(batch: int, state) -> int:
     if batch > state.max_batch:
         raise ValueError(f"batch of {batch} rows exceeds the state's preallocated max_batch={state.max_batch}; "
@@ -38,8 +20,21 @@ class SharedCalls:
     `extend(ids, state, last_only=)`, `allocate_state(rows)`, `device` and `embedding_rows` (the ids it reads)."""
 
     def token_ids(self, input_ids) -> torch.Tensor:
-        """`input_ids` checked against this drafter's embedding (`check_ids`), as int64 on its device."""
-        return check_ids(input_ids, self.embedding_rows, self.device)
+        """Token ids (batch, length) as int64 on this drafter's device; TypeError for non-integers, ValueError for a
+        wrong shape or an id outside its embedding's rows."""
+        if not isinstance(input_ids, torch.Tensor):
+            try:
+                input_ids = torch.as_tensor(input_ids)
+            except (TypeError, ValueError) as err:
+                raise TypeError(f"token ids must be integers, got {type(input_ids).__name__}") from err
+        if input_ids.dtype not in ID_DTYPES:
+            raise TypeError(f"token ids must be an integer tensor, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"token ids must have shape (batch, length), got {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.embedding_rows):
+            raise ValueError(f"token ids must lie in [0, {self.embedding_rows}), got range "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        return input_ids.to(device=self.device, dtype=torch.long)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state=None, max_batch: int | None = None):

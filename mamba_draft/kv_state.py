@@ -77,7 +77,6 @@ class KVState:
         return KVState(self.store, self.start + start, self.start + stop)
 
     def gather_(self, dst_start: int, src_rows: torch.Tensor) -> KVState:
-        """rows[dst_start : dst_start + n] = rows[src_rows] (caches and lengths); overlap-safe (sources read first)."""
         n = src_rows.shape[0]
         if dst_start < 0 or dst_start + n > self.max_batch:
             raise IndexError(f"gather of {n} rows at {dst_start} overflows a state of {self.max_batch} rows")

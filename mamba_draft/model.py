@@ -15,7 +15,7 @@ from torch import nn
 from .checkpoint import DRAFT_IDS, check_draft_ids, check_tensors, load_checkpoint, save_checkpoint
 from .config import MambaConfig
 from .ids import SharedCalls, check_batch
-from .kernels import Kernels, load_kernels
+from .kernels import Kernels, load_kernels  # noqa: F401  (Kernels: tests stand in for the kernels)
 from .packed_linear import PackCache, pack_linears
 from . import cpu_drafter
 from .row_linear import RowKernelCache, use_row_kernel
@@ -187,7 +187,6 @@ class MambaMixer(nn.Module):
         return self._out(torch.stack(ys, dim=1), x.float(), z, h.dtype)
 
     def _out(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The output projection of the SSM's y plus the skip D * x (fp32), gated by silu(z)."""
         return self.out_proj(((y + x * self.D.float()) * F.silu(z.float())).to(dtype))
 
     def step(self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, kernels) -> torch.Tensor:
@@ -302,13 +301,6 @@ class Block(nn.Module):
         mix = self.mixer.step(x, conv_state, ssm_state, None) if one_position else self.mixer(x, conv_state, ssm_state)
         return (h.float() if self.residual_in_fp32 else h) + mix
 
-    def kernel_step(self, out, residual, conv_state, ssm_state, kernels: Kernels):
-        """The step with the kernels on the previous layer's output and residual stream (None at the first layer),
-        the residual add fused into this norm as mamba-ssm's blocks run it; returns (output, residual stream)."""
-        x, residual = kernels.rms_norm(out, self.norm.weight, None, residual=residual, prenorm=True,
-                                       residual_in_fp32=self.residual_in_fp32, eps=self.norm.eps)
-        return self.mixer.step(x, conv_state, ssm_state, kernels), residual
-
 
 class Backbone(nn.Module):
     def __init__(self, cfg: MambaConfig):
@@ -399,10 +391,16 @@ class MambaDrafter(SharedCalls, nn.Module):
 
     def set_backend(self, backend: str) -> None:
         """'torch' (reference), 'kernels' (mamba-ssm + causal-conv1d on CUDA), 'fused' (our Triton kernels, a few a
-        layer: fused_step.py; opt-in until timed on GPUs) or 'auto' (kernels when usable)."""
+        layer: fused_step.py; opt-in until timed on GPUs), 'compiled' (the C step on a CPU: cpu_drafter.py) or 'auto'
+        (kernels on CUDA, compiled on a CPU, where usable; else torch)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-        on_cuda = self.lm_head.weight.device.type == "cuda"
+        on_cuda = self.device.type == "cuda"
+        if backend == "auto":
+            if on_cuda:
+                backend = "kernels" if load_kernels() is not None else "torch"
+            else:
+                backend = "compiled" if cpu_drafter.applies(self) else "torch"
         if backend == "kernels":
             if not on_cuda:
                 raise RuntimeError("backend='kernels' needs the drafter on a CUDA device")
@@ -422,12 +420,6 @@ class MambaDrafter(SharedCalls, nn.Module):
                 raise RuntimeError("backend='compiled' needs a Mamba-2 drafter on a CPU in float32 / bfloat16 without "
                                    "projection biases, and a C compiler for its kernel")
             self.compiled = self.compiled or cpu_drafter.CompiledStep()
-        if backend == "auto":
-            if on_cuda:
-                backend = "kernels" if load_kernels() is not None else "torch"
-            else:
-                backend = "compiled" if cpu_drafter.applies(self) else "torch"
-                self.compiled = self.compiled or (cpu_drafter.CompiledStep() if backend == "compiled" else None)
         self.backend = backend
 
     @property
@@ -546,11 +538,14 @@ class MambaDrafter(SharedCalls, nn.Module):
             normed = self.fused(self, token_ids, state, features)
         elif self.backend == "kernels":
             kernels, residual, h = load_kernels(), None, self.embed(token_ids, features)
-            for i, layer in enumerate(self.backbone.layers):
-                h, residual = layer.kernel_step(h, residual, state.conv[i, :batch], state.ssm[i, :batch], kernels)
+            fp32 = self.config.residual_in_fp32
+            for i, layer in enumerate(self.backbone.layers):  # each norm adds the residual, as mamba-ssm's blocks do
+                x, residual = kernels.rms_norm(h, layer.norm.weight, None, residual=residual, prenorm=True,
+                                               residual_in_fp32=fp32, eps=layer.norm.eps)
+                h = layer.mixer.step(x, state.conv[i, :batch], state.ssm[i, :batch], kernels)
             norm = self.backbone.norm_f
-            normed = kernels.rms_norm(h, norm.weight, None, residual=residual, prenorm=False,
-                                      residual_in_fp32=self.config.residual_in_fp32, eps=norm.eps)
+            normed = kernels.rms_norm(h, norm.weight, None, residual=residual, prenorm=False, residual_in_fp32=fp32,
+                                      eps=norm.eps)
         else:
             normed = self.backbone.norm_f(self._run(token_ids, state, features, one_position=True))
         return (self._head(normed), normed) if with_hidden else self._head(normed)

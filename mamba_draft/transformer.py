@@ -19,8 +19,7 @@ from .ids import SharedCalls, check_batch
 from .kv_state import KVState, KVStore, write_rows
 from .llama_step import LlamaBody
 from .packed_linear import PackCache
-from .targets.facts import cache_keyword
-from .targets.facts import attn_implementation, last_logits_only, sliding_windows
+from .targets.facts import attn_implementation, cache_keyword, last_logits_only, sliding_windows
 
 INITIAL_SLOTS = 256  # first capacity of a state's caches; doubled when a row outgrows it
 # config fields of models whose logits are not (head x final hidden state): a draft head would skip that step
