@@ -168,7 +168,6 @@ class MambaConfig:
         if layer == "Mamba2" and ssm_cfg.get("norm_before_gate", False):
             raise ValueError("Mamba-2 checkpoints with norm_before_gate=True are not supported")
         mamba1 = layer == "Mamba1"
-        # an absent key takes the field's default
         own_fields = ("dt_rank",) if mamba1 else SSM_MAMBA2_FIELDS
         kwargs = {name: ssm_cfg[name] for name in SSM_FIELDS + own_fields if name in ssm_cfg}
         kwargs.update({name: cfg[name] for name in ("residual_in_fp32", "tie_embeddings") if name in cfg})

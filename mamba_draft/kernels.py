@@ -16,9 +16,6 @@ import sys
 import types
 from typing import Callable, NamedTuple
 
-STEP_MODULE = "mamba_ssm.ops.triton.selective_state_update"
-NORM_MODULE = "mamba_ssm.ops.triton.layer_norm"
-
 
 class Kernels(NamedTuple):
     selective_state_update: Callable  # one SSM step (dt bias, softplus, D and the z gate inside)
@@ -57,8 +54,8 @@ def load_kernels() -> Kernels | None:
     try:
         from causal_conv1d import causal_conv1d_update
 
-        return Kernels(_triton_function(STEP_MODULE, "selective_state_update"), causal_conv1d_update,
-                       _triton_function(NORM_MODULE, "rms_norm_fn"))
+        return Kernels(_triton_function("mamba_ssm.ops.triton.selective_state_update", "selective_state_update"),
+                       causal_conv1d_update, _triton_function("mamba_ssm.ops.triton.layer_norm", "rms_norm_fn"))
     except Exception:  # ImportError, or RuntimeError/TypeError from half-installed CUDA extensions
         return None
 
