@@ -84,11 +84,20 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, format: str = "hf", 
                          "fusion there); export it in the hf format")
     if lean_target is not None and (format != "hf" or model_type not in ("mamba", "mamba2")):
         raise ValueError("--lean-from-target needs a Mamba drafter exported in the hf format")
+    if lean_target is not None and not getattr(config, "tie_word_embeddings", False):
+        raise ValueError("--lean-from-target needs a drafter whose head is tied to its embedding")
 
     model = consolidated_model(run, ckpt, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
     if lean_target is not None:
-        _write_lean(model, run, out, lean_target)
+        wanted = load_causal_lm(lean_target, attn_implementation=None).get_input_embeddings().weight
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
+            _write_hf(model, run, Path(staging))
+            lean_config, tensors = load_checkpoint(staging)
+        if embedding_digest(tensors[EMBEDDING]) != embedding_digest(wanted):
+            raise ValueError(f"the drafter's embedding is not {lean_target!r}'s (was it trained with "
+                             "model.init_embeddings_from and model.freeze_embeddings?)")
+        save_checkpoint(lean_config, tensors, out, overwrite=True, dtype=torch.bfloat16, embedding_from=lean_target)
     elif format == "mamba_ssm":  # stage the HF export, then convert it (conversion is itself atomic)
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
             _write_hf(model, run, Path(staging))
@@ -104,19 +113,6 @@ def _write_hf(model: torch.nn.Module, run: Path, directory: Path) -> None:
     AutoTokenizer.from_pretrained(run / "model").save_pretrained(directory)
     if (run / "model" / DRAFT_VOCAB).is_file():  # the draft vocabulary's id map travels with the weights
         shutil.copy2(run / "model" / DRAFT_VOCAB, directory / DRAFT_VOCAB)
-
-
-def _write_lean(model: torch.nn.Module, run: Path, out: Path, target: str) -> None:
-    if not getattr(getattr(model, "hf_config", model.config), "tie_word_embeddings", False):
-        raise ValueError("--lean-from-target needs a drafter whose head is tied to its embedding")
-    wanted = load_causal_lm(target, attn_implementation=None).get_input_embeddings().weight
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
-        _write_hf(model, run, Path(staging))
-        config, tensors = load_checkpoint(staging)
-    if embedding_digest(tensors[EMBEDDING]) != embedding_digest(wanted):
-        raise ValueError(f"the drafter's embedding is not {target!r}'s (was it trained with "
-                         "model.init_embeddings_from and model.freeze_embeddings?)")
-    save_checkpoint(config, tensors, out, overwrite=True, dtype=torch.bfloat16, embedding_from=target)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -62,13 +62,12 @@ REPLY_ROW_TOKENS = 512  # tokens (prompt + reply cap) per row of a full reply ba
 
 @dataclass(frozen=True)
 class Task:
-    """A kind of request Magpie is steered to write (`--magpie-tasks`) by a system turn before the user turn (the
-    reply is still written under the default template). With an `instruction`, the sample is a text users paste,
-    capped at `tokens` and cut back to its last full sentence, and the instruction is appended to it."""
+    """A kind of request Magpie is steered to write (`--magpie-tasks`), of up to `tokens` tokens, by a system turn
+    before the user turn (the reply is still written under the default template)."""
     name: str
     system: str
     tokens: int = MAGPIE_TOKENS
-    instruction: str = ""
+    instruction: str = ""  # appended to a document's text: what the user asks of it
     document: bool = False  # a pasted text (cut back to a full sentence), not a request to check as one
 
 
@@ -584,10 +583,10 @@ def teacher_forced(engine: Engine, out: Path, prompts: dict[str, list[dict]], te
             if batch and (len(batch) + 1) * longest ** 2 > HIDDEN_PAIR_BUDGET:
                 break
             batch.append((record, encoded[record["id"]]))
-        seqs = [ids + record["reply_ids"] for record, ids in batch]
         # right padding: every real position keeps its own index
+        seqs = [ids + record["reply_ids"] for record, ids in batch]
         input_ids = pad_sequence([torch.tensor(q) for q in seqs], batch_first=True,
-                                 padding_value=tokenizer.pad_token_id or 0)
+                                 padding_value=tokenizer.pad_token_id or 0)  # a tokenizer without a pad token too
         mask = pad_sequence([torch.ones(len(q), dtype=torch.long) for q in seqs], batch_first=True)
         device = engine.model.device
         states = base(input_ids=input_ids.to(device), attention_mask=mask.to(device)).last_hidden_state

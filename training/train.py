@@ -24,7 +24,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from tqdm import tqdm
 
 from mamba_draft.checkpoint import DRAFT_VOCAB, read_draft_ids
 from mamba_draft.config import DRAFTED_FEATURES
+from mamba_draft.io import atomic_directory
 from training import data as data_lib
 from training.agreement import HeldoutEval, check_eval_config, plot_agreement
 from training.config import TrainConfig, load_config, save_config
@@ -143,18 +143,16 @@ def write_model_dir(model, tokenizer, out: Path) -> None:
     """HF config + tokenizer (+ draft vocabulary) next to the checkpoints, so export needs only the output dir."""
     if out.exists():
         return
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    getattr(model, "hf_config", model.config).save_pretrained(tmp)
-    if getattr(model, "draft_ids", None) is not None:
-        save_file({"d2t": model.draft_ids.cpu()}, str(tmp / DRAFT_VOCAB))
-    frozen = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if not p.requires_grad}
-    if frozen:  # DeepSpeed's fp32 consolidation covers trained parameters only; frozen ones never change
-        save_file(frozen, str(tmp / FROZEN_WEIGHTS))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(out)
+    with atomic_directory(out) as tmp:
+        getattr(model, "hf_config", model.config).save_pretrained(tmp)
+        if getattr(model, "draft_ids", None) is not None:
+            save_file({"d2t": model.draft_ids.cpu()}, str(tmp / DRAFT_VOCAB))
+        frozen = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if not p.requires_grad}
+        if frozen:  # DeepSpeed's fp32 consolidation covers trained parameters only; frozen ones never change
+            save_file(frozen, str(tmp / FROZEN_WEIGHTS))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
 
 def save_checkpoint(engine, ckpt_dir: Path, step: int, data, rank: int, train_tokens: int = 0) -> None:
