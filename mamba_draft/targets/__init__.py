@@ -147,21 +147,18 @@ def write_plain(gguf: tuple[Path, str], directory: Path) -> None:
     _gguf_tokenizer(gguf).save_pretrained(directory)
 
 
-# GGUF architectures whose products the compiled CPU step runs as their codes (`cpu_step.MODEL_TYPES`)
-CODED_STEP_ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-
 def auto_dtype(target, device: str | torch.device = "cpu") -> torch.dtype:
     """What `--dtype auto` runs `target` in: float32 for a GGUF of a Llama-family model on a CPU where the compiled
     step applies (its coded products are faster in fp32 than in bf16, which rounds every rebuilt weight: on every CPU
     kind measured, docs/benchmarks.md), said once in one line; else the device's `default_dtype`."""
     from ..devices import c_compiler, default_dtype
+    from .cpu_step import MODEL_TYPES
 
     dtype = default_dtype(device)
     if dtype == torch.float32 or torch.device(device).type != "cpu" or c_compiler() is None:
         return dtype
     gguf = resolve_gguf(target) if isinstance(target, (str, os.PathLike)) else None
-    if gguf is None or gguf_architecture(gguf) not in CODED_STEP_ARCHITECTURES:
+    if gguf is None or gguf_architecture(gguf) not in MODEL_TYPES:
         return dtype
     _say_auto_dtype(str(target))
     return torch.float32
@@ -231,9 +228,8 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     """An HF causal LM in eval mode, from an HF directory, hub id or GGUF file (dequantized to `dtype`, as a plain
     model; read from its `dense_copy` after the first load). attn_implementation: "auto" is `default_attention`;
     None leaves transformers' default; "grouped" is `cpu_attention`'s, "row_stable" `row_attention`'s. pack:
-    `pack_linears`.
-    row_blocks: `make_row_invariant`; "auto" for bf16/fp16 on a CPU, True also for fp32 on a CPU, False never.
-    With the defaults a bf16/fp16 CPU model comes back prepared for exact decoding (`exact.prepare_target`)."""
+    `pack_linears`. row_blocks: `make_row_invariant`; "auto" for bf16/fp16 on a CPU, True also for fp32 on a CPU,
+    False never. With the defaults a bf16/fp16 CPU model comes back prepared for exact decoding (`prepare_target`)."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}

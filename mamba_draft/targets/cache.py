@@ -15,11 +15,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticLayer
 
 from mamba_draft.graphs import capture_graph, to_device, weights_key
-from mamba_draft.targets.facts import cache_keyword
 from mamba_draft.targets import cpu_step
 from mamba_draft.targets.exact import is_prepared, prefilling, require_prepared
 from mamba_draft.targets.facts import (
-    MaskStyle, UnsupportedTargetError, cache_layers, last_logits_only, probe_key, sliding_windows, static_cache_refusal,
+    MaskStyle, UnsupportedTargetError, cache_keyword, cache_layers, last_logits_only, probe_key, sliding_windows,
+    static_cache_refusal,
 )
 from mamba_draft.tree import Tree
 
@@ -244,22 +244,22 @@ class TargetCache:
         return logits[0, 0]
 
     def _store(self, caches: list, length: int) -> None:
-        """Rows' prefill caches (None: a row without one) into this cache, right-aligned to `length` slots."""
+        """Rows' prefill caches (None: a row without one) into this cache, right-aligned to `length` slots (the
+        compiled step's storage in place: rows the step prefilled are stored already)."""
         for index, layer in enumerate(self.cache.layers):
-            if self.step is not None:  # in place: rows the step prefilled are stored already
-                for b, cache in enumerate(caches):
-                    if cache is not None:
-                        n = cache.layers[index].keys.shape[2]
-                        layer.keys[b, :, length - n : length] = cache.layers[index].keys[0]
-                        layer.values[b, :, length - n : length] = cache.layers[index].values[0]
-                continue
-            first = next(cache.layers[index] for cache in caches if cache is not None)
-            keys, values = (t.new_zeros(len(caches), t.shape[1], length, t.shape[3]) for t in (first.keys, first.values))
+            if self.step is not None:
+                keys, values = layer.keys, layer.values
+            else:
+                first = next(cache.layers[index] for cache in caches if cache is not None)
+                keys, values = (t.new_zeros(len(caches), t.shape[1], length, t.shape[3])
+                                for t in (first.keys, first.values))
             for b, cache in enumerate(caches):
                 if cache is not None:
-                    keys[b, :, length - cache.layers[index].keys.shape[2]:] = cache.layers[index].keys[0]
-                    values[b, :, length - cache.layers[index].values.shape[2]:] = cache.layers[index].values[0]
-            self.cache.update(keys, values, index)
+                    n = cache.layers[index].keys.shape[2]
+                    keys[b, :, length - n : length] = cache.layers[index].keys[0]
+                    values[b, :, length - n : length] = cache.layers[index].values[0]
+            if self.step is None:
+                self.cache.update(keys, values, index)
 
     def _storage(self) -> None:
         """The compiled step's static storage for the batch's rows (a prefill that cached nothing leaves none)."""

@@ -99,9 +99,9 @@ def encode(weight: torch.Tensor, integer: bool = False) -> tuple[torch.Tensor, i
     group of 32 inputs of a row holds values dtype(scale * code + offset) with a 4-bit code (or scale * code with a
     signed 8-bit code) and a float16 scale — what a GGUF's Q4_1 / Q8_0 weights become when transformers dequantizes
     them — the codes and scales, 1/5 or 1/3.5 of the float32 bytes, found here and checked value by value (`integer`:
-    the codes in the order of `int_products.c`, for integer products); else, for
-    a float32 weight of bfloat16 values (a bf16 checkpoint loaded in fp32), `pack`ed in bf16 (16); else `pack(weight)`
-    (0). The kernel reads back the very values, so the products' bits do not change."""
+    the codes in the order of `int_products.c`, for integer products); else, for a float32 weight of bfloat16 values
+    (a bf16 checkpoint loaded in fp32), `pack`ed in bf16 (16); else `pack(weight)` (0). The kernel reads back the very
+    values, so the products' bits do not change."""
     weight = weight.detach()
     if weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % GROUP == 0:
         for bits in (4, 8):
@@ -114,9 +114,7 @@ def encode(weight: torch.Tensor, integer: bool = False) -> tuple[torch.Tensor, i
 
 
 def _coded(weight: torch.Tensor, bits: int, integer: bool = False) -> torch.Tensor | None:
-    """`weight`'s tiles at `bits` bits (per block of 16 output rows and group of 32 inputs: 16 fp32 scales, 16 fp32
-    offsets for 4 bits, then the codes input by input, or with `integer` in dot-product order: `int_products.c`), or
-    None if a value is not of that form."""
+    """`weight`'s tiles (`_tiles`) at `bits` bits, or None if a value is not of that form."""
     out, inner = weight.shape
     values = weight.float().view(out, inner // GROUP, GROUP)
     if bits == 4:
@@ -127,7 +125,7 @@ def _coded(weight: torch.Tensor, bits: int, integer: bool = False) -> torch.Tens
         guess = values.abs().amax(-1, keepdim=True) / high
     guess = guess.to(torch.float16)  # the scale's nearest float16, then its two neighbours
     shifted = values - offset if bits == 4 else values
-    scale = codes = found = None
+    found = None
     for step in (0, -1, 1):
         candidate = (guess.view(torch.int16) + step).view(torch.float16).float()
         code = torch.div(shifted, candidate).round_().nan_to_num_(0.0).clamp_(low, high)
@@ -143,10 +141,8 @@ def _coded(weight: torch.Tensor, bits: int, integer: bool = False) -> torch.Tens
         scale, codes = torch.where(fits, candidate, scale), torch.where(fits, code, codes)
         found |= fits
         if bool(found.all()):
-            break
-    if not bool(found.all()):
-        return None
-    return _tiles(codes, scale, offset, bits, integer)
+            return _tiles(codes, scale, offset, bits, integer)
+    return None
 
 
 def quantized(weight: torch.Tensor) -> torch.Tensor:
@@ -162,7 +158,9 @@ def quantized(weight: torch.Tensor) -> torch.Tensor:
 
 def _tiles(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
            integer: bool) -> torch.Tensor:
-    """The kernel's tiles from codes (out, groups, 32) and per-group scales (and 4-bit offsets) (out, groups, 1)."""
+    """The kernel's tiles from codes (out, groups, 32) and per-group scales (and 4-bit offsets) (out, groups, 1): per
+    block of 16 output rows and group of 32 inputs, 16 fp32 scales, 16 fp32 offsets for 4 bits, then the codes input
+    by input, or with `integer` in dot-product order (`int_products.c`)."""
     out, inner = codes.shape[0], codes.shape[1] * GROUP
     codes = codes.to(torch.int16)
     blocks = out // LANES
@@ -359,12 +357,10 @@ class CpuStep:
         logits = torch.empty(batch if last else rows, struct.vocab)
         states = torch.empty(rows, struct.hidden) if want_hidden else None
         view = mask[:, 0]
-        strides = (ctypes.c_int64 * 3)(view.stride(0), view.stride(1), view.stride(2))
         failed = library().cpu_step_forward(
             struct, batch, n, ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), write.data_ptr(), view.data_ptr(),
-            strides, keys, int(last), logits.data_ptr(), None if states is None else states.data_ptr(),
-            self.work.data_ptr(),
-            torch.get_num_threads())
+            (ctypes.c_int64 * 3)(*view.stride()), keys, int(last), logits.data_ptr(),
+            None if states is None else states.data_ptr(), self.work.data_ptr(), torch.get_num_threads())
         if failed == 3:
             raise IndexError(f"token ids must be in [0, {struct.tokens}), the target's embedding rows")
         if failed:

@@ -27,13 +27,11 @@ PROBE = "mamba_draft_probe"  # a counting attention implementation, set only whi
 
 
 def prepare_target(model: nn.Module) -> nn.Module:
-    """Prepare a bf16/fp16 CPU `model` for exact speculative decoding, in place, and return it: its attention
-    implementation becomes row attention ("row_stable"), its linear layers multiply prepacked weights in row blocks
-    (their classes are swapped for subclasses), and each prefill runs transformers' own kernels (`prefilling` flips
-    the attention setting around it). Idempotent; fp32 models and models off the CPU are left as they are, since
-    they need none of it. `load_causal_lm` prepares what it loads; a target passed to the engine that needs this
-    and lacks it is refused (`require_prepared`). A model whose forward does not route attention through
-    transformers' AttentionInterface cannot be prepared (one-line ValueError)."""
+    """Prepare a bf16/fp16 CPU `model` for exact speculative decoding (module doc), in place, and return it: its
+    attention implementation becomes row attention ("row_stable"), its linear layers multiply prepacked weights in
+    row blocks (their classes are swapped for subclasses). Idempotent; fp32 models and models off the CPU, which need
+    none of it, are left as they are. A model whose forward does not route attention through transformers'
+    AttentionInterface cannot be prepared (one-line ValueError)."""
     if not low_precision_cpu(model):
         return model
     if getattr(model.config, "_attn_implementation", None) != ROW_STABLE:

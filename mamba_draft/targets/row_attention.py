@@ -78,8 +78,8 @@ def row_attention(module, query, key, value, attention_mask, scaling=None, dropo
 
 
 def prefill_attention(module, query, key, value, attention_mask, **kwargs):
-    """A prompt's prefill: sdpa, transformers' fastest CPU attention (a prefill need only agree with itself: every
-    path computes a prompt by the same prefill call), row attention where sdpa lacks the model's softcap or sinks."""
+    """A prompt's prefill (`exact.prefilling`): sdpa, transformers' fastest CPU attention, row attention where sdpa
+    lacks the model's softcap or sinks."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None:

@@ -53,7 +53,7 @@ class RowBlocks:
         if n in sizes:                 # of one row may take another kernel: a matrix-vector one)
             return super().forward(flat).view(*x.shape[:-1], -1)
         largest = sizes[-1]
-        whole = 0 if n < largest else n - n % largest
+        whole = n - n % largest
         blocks = [super(RowBlocks, self).forward(flat[i:i + largest]) for i in range(0, whole, largest)]
         if whole < n:  # the rest in one block of the smallest size that holds it, padded
             size = next(s for s in sizes if s >= n - whole)
@@ -232,9 +232,8 @@ def agreeing_classes(groups: dict, sizes) -> list[tuple[int, ...]]:
 
 
 def choose_sizes(model: nn.Module) -> tuple[int, ...]:
-    """The ladder for this model on this machine: kept from an earlier choice (same CPU, torch, threads and layer
-    shapes), else `pick_sizes` over `block_costs` among the position-free counts grouped by `agreeing_classes`
-    (R = 1 always is position-free), and kept."""
+    """The ladder for this model on this machine: kept from an earlier choice (`_machine_key`), else `pick_sizes`
+    over `block_costs` among the position-free counts grouped by `agreeing_classes`, and kept."""
     groups = _shapes(model)
     key = _machine_key(groups)
     root = cache_root()
