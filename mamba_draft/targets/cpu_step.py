@@ -113,7 +113,7 @@ def encode(weight: torch.Tensor, integer: bool = False) -> tuple[torch.Tensor, i
     return pack(weight), 0
 
 
-def _coded(weight: torch.Tensor, bits: int, integer: bool = False) -> torch.Tensor | None:
+def _coded(weight: torch.Tensor, bits: int, integer: bool) -> torch.Tensor | None:
     """`weight`'s tiles (`_tiles`) at `bits` bits, or None if a value is not of that form."""
     out, inner = weight.shape
     values = weight.float().view(out, inner // GROUP, GROUP)

@@ -96,11 +96,7 @@ def static_cache_refusal(model: torch.nn.Module, max_len: int) -> str | None:
 def last_logits_only(model: torch.nn.Module) -> dict:
     """`logits_to_keep=1` where the model's forward takes it: a prefill needs the last position's logits only, and
     the head over every prompt token costs time and B x L x V floats of memory."""
-    try:
-        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without an inspectable signature: keep every position
-        takes = False
-    return {"logits_to_keep": 1} if takes else {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 class UnsupportedTargetError(TypeError):
