@@ -16,7 +16,6 @@ from tree_search.policy import GRAMMAR, parse_policy
 from tree_search.sampling import resolve_sampling
 
 
-
 def add_model_arguments(parser: argparse.ArgumentParser, shape=None) -> None:
     """The target, drafter, tree policy, verifier, device and dtype: what `generate` and `serve` share."""
     parser.add_argument("--target", required=True, help="HF causal LM directory, hub id or .gguf file with its "
@@ -165,7 +164,7 @@ def fail(message: str, command: str = "generate"):
     raise SystemExit(f"mamba-draft {command}: error: {message}")
 
 
-def parse_verifier_params(items: list[str], command: str = "generate") -> dict:
+def parse_verifier_params(items: list[str], command: str) -> dict:
     """['theta=0.5', 'fly.window=4'] -> {'theta': 0.5, 'fly.window': 4}; values are parsed as YAML."""
     params = {}
     for item in items:

@@ -113,7 +113,12 @@ class SpeculativeGenerator:
         """Token ids of one prompt: a string (`encode_prompt`) or a list of {"role", "content"} messages."""
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt, use_chat_template=chat_template, system_prompt=system_prompt)
-        check_messages(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(m, dict) for m in prompt):
+            raise ValueError('a prompt is a string or a list of chat messages like [{"role": "user", "content": "..."}]')
+        for i, message in enumerate(prompt):
+            if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+                raise ValueError(f'message {i} must be {{"role": one of {", ".join(ROLES)}, "content": a string}}, '
+                                 f"got {message!r}")
         if system_prompt is not None:
             raise ValueError("system_prompt goes with a string prompt; put a system message in the messages instead")
         if not chat_template or not getattr(self.tokenizer, "chat_template", None):
@@ -157,13 +162,3 @@ class SpeculativeGenerator:
         thread.join()
         if failure:
             raise failure[0]
-
-
-def check_messages(messages) -> None:
-    """A chat is a non-empty list of {"role": system/user/assistant, "content": str} dicts."""
-    if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise ValueError('a prompt is a string or a list of chat messages like [{"role": "user", "content": "..."}]')
-    for i, message in enumerate(messages):
-        if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-            raise ValueError(f'message {i} must be {{"role": one of {", ".join(ROLES)}, "content": a string}}, '
-                             f"got {message!r}")

@@ -3,12 +3,12 @@
     mamba-draft serve --target smollm2 --drafter smollm2 [--host 127.0.0.1] [--port 8000] [--max-batch 8]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (a prompt as text or token ids; streamed as server-sent
-events with "stream": true),
-GET /v1/models and GET /health. Sampling as the OpenAI API names it: max_tokens (or max_completion_tokens),
-temperature, top_p, seed, stop, frequency_penalty, presence_penalty, logit_bias; `usage` counts tokens; an
-extra "speculative" field (τ, rounds, batch size) that OpenAI clients ignore. Parameters the engine cannot honour
-(tools, logprobs, n > 1, ...) are refused by name with an OpenAI-style error object. Requests waiting when the engine is free decode as one batch
-(`tree_search.batcher`); a greedy request's output is the one `mamba-draft generate` gives for it, whatever else runs.
+events with "stream": true), GET /v1/models, GET /health and GET /metrics. Sampling as the OpenAI API names it:
+max_tokens (or max_completion_tokens), temperature, top_p, seed, stop, frequency_penalty, presence_penalty,
+logit_bias, logprobs; `usage` counts tokens; an extra "speculative" field (τ, rounds, batch size) that OpenAI clients
+ignore. Parameters the engine cannot honour (tools, n > 1, ...) are refused by name with an OpenAI-style error object.
+Requests waiting when the engine is free decode as one batch (`tree_search.batcher`); a greedy request's output is
+the one `mamba-draft generate` gives for it, whatever else runs.
 """
 from __future__ import annotations
 
@@ -57,8 +57,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64, batch_wait: float = BATCH_WAIT,
-               max_body_bytes: int = MAX_BODY_BYTES):
+def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64, batch_wait: float = BATCH_WAIT):
     """The ASGI app serving `generator` (a SpeculativeGenerator) as `model`; app.state.batcher runs the engine."""
     app = FastAPI(title="mamba-draft", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = app.state.metrics = ServerMetrics(model, queue_length=lambda: len(app.state.batcher.queue),
@@ -93,11 +92,11 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
 
     async def read(http: HttpRequest) -> dict:
         size = http.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            raise ApiError(413, f"the request body is over {max_body_bytes} bytes", code="request_too_large")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
         raw = await http.body()
-        if len(raw) > max_body_bytes:
-            raise ApiError(413, f"the request body is over {max_body_bytes} bytes", code="request_too_large")
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -126,37 +125,37 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", "stream_options", "invalid_type")
-        kind, name = ("chat.completion", f"chatcmpl-{uuid.uuid4().hex}") if chat else \
-            ("text_completion", f"cmpl-{uuid.uuid4().hex}")
+        kind = "chat.completion" if chat else "text_completion"
+        name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()
+        pieces: asyncio.Queue = asyncio.Queue()  # the streamed text, then None: the request has finished
         if stream:
             request.on_text = lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)
-        done = loop.create_future()
-        request.on_done = lambda: loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        request.on_done = lambda: loop.call_soon_threadsafe(pieces.put_nowait, None)
         try:
             batcher.submit(request)
         except QueueFull as err:
             request.cancelled = True
             raise ApiError(503, str(err), code="server_overloaded", kind="server_error") from None
         if stream:
-            return StreamingResponse(events(request, pieces, done, chat, kind, name, created,
+            return StreamingResponse(events(request, pieces, chat, kind, name, created,
                                             bool(options.get("include_usage"))),
                                      media_type="text/event-stream")
+        done = asyncio.ensure_future(pieces.get())
         while not done.done():  # a client that leaves frees its row at the next round
             await asyncio.wait({done}, timeout=0.25)
             if not done.done() and await http.is_disconnected():
                 request.cancelled = True
         if request.finish_reason == "error":
-            raise ApiError(500, f"the engine failed: {request.error}", kind="server_error", code="engine_error")
+            raise engine_error(request)
         choice = {"index": 0, "finish_reason": finish(request),
                   "logprobs": logprobs_object(generator.tokenizer, request, request.token_logprobs, chat)}
         choice |= {"message": {"role": "assistant", "content": request.text}} if chat else {"text": request.text}
         return {"id": name, "object": kind, "created": created, "model": model, "choices": [choice],
                 "usage": usage(request), "speculative": request.stats}
 
-    async def events(request: Request, pieces: asyncio.Queue, done, chat: bool, kind: str, name: str, created: int,
+    async def events(request: Request, pieces: asyncio.Queue, chat: bool, kind: str, name: str, created: int,
                      include_usage: bool):
         chunk_kind = f"{kind}.chunk" if chat else kind
 
@@ -174,19 +173,10 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
         try:
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            while True:
-                getter = asyncio.ensure_future(pieces.get())
-                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield chunk(piece(getter.result()))
-                    continue
-                getter.cancel()
-                while not pieces.empty():
-                    yield chunk(piece(pieces.get_nowait()))
-                break
+            while (text := await pieces.get()) is not None:
+                yield chunk(piece(text))
             if request.finish_reason == "error":
-                yield "data: " + json.dumps(ApiError(500, f"the engine failed: {request.error}",
-                                                     kind="server_error", code="engine_error").body()) + "\n\n"
+                yield "data: " + json.dumps(engine_error(request).body()) + "\n\n"
             else:
                 yield chunk(piece("", finish(request)), speculative=request.stats)
                 if include_usage:
@@ -266,23 +256,15 @@ def sampling_request(body: dict, ids: list[int], context: int | None, chat: bool
         raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {context}", "messages",
                        "context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(name)
+    max_tokens = number(body, name, "a positive integer", lambda n: n >= 1, int)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ApiError(400, f"{name} must be a positive integer, got {max_tokens!r}", name, "invalid_value")
     if room is not None and max_tokens > room:
         raise ApiError(400, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}) exceed the model's context of "
                        f"{context} tokens", name, "context_length_exceeded")
-    temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
-    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                    or not 0 <= temperature <= 2):
-        raise ApiError(400, f"temperature must be a number in [0, 2], got {temperature!r}", "temperature",
-                       "invalid_value")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ApiError(400, f"top_p must be a number in (0, 1], got {top_p!r}", "top_p", "invalid_value")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ApiError(400, f"seed must be a non-negative integer, got {seed!r}", "seed", "invalid_value")
+    temperature = number(body, "temperature", "a number in [0, 2]", lambda t: 0 <= t <= 2)
+    top_p = number(body, "top_p", "a number in (0, 1]", lambda p: 0 < p <= 1)
+    seed = number(body, "seed", "a non-negative integer", lambda s: s >= 0, int)
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
@@ -293,26 +275,27 @@ def sampling_request(body: dict, ids: list[int], context: int | None, chat: bool
                    logprobs=logprobs_asked(body, chat))
 
 
+def number(body: dict, name: str, what: str, within, kind: type | tuple = (int, float)):
+    """body[name] (None: absent or null), refused unless a `kind` (never a bool) for which `within` holds."""
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind) or not within(value)):
+        raise ApiError(400, f"{name} must be {what}, got {value!r}", name, "invalid_value")
+    return value
+
+
 def logprobs_asked(body: dict, chat: bool) -> int | None:
     """How many top alternatives a request wants per token (None: no log-probabilities): chat's `logprobs: true`
     with `top_logprobs` (0-20), the legacy completions' `logprobs` (0-5)."""
     value = body.get("logprobs")
     if chat:
-        top = body.get("top_logprobs")
         if value is not None and not isinstance(value, bool):
             raise ApiError(400, f"logprobs must be true or false, got {value!r}", "logprobs", "invalid_type")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or
-                                not 0 <= top <= MAX_TOP_LOGPROBS):
-            raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
-                           "top_logprobs", "invalid_value")
+        top = number(body, "top_logprobs", f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+                     lambda k: 0 <= k <= MAX_TOP_LOGPROBS, int)
         if top and not value:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         return (top or 0) if value else None
-    if value is None or value is False:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5:
-        raise ApiError(400, f"logprobs must be an integer in [0, 5], got {value!r}", "logprobs", "invalid_value")
-    return value
+    return None if value is False else number(body, "logprobs", "an integer in [0, 5]", lambda k: 0 <= k <= 5, int)
 
 
 def logits_shaping(body: dict) -> tuple:
@@ -320,12 +303,8 @@ def logits_shaping(body: dict) -> tuple:
     (name, value) pairs: requests that shape logits alike decode together."""
     shaping = {}
     for name in ("frequency_penalty", "presence_penalty"):
-        value = body.get(name)
-        if value is None or value == 0:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
-            raise ApiError(400, f"{name} must be a number in [-2, 2], got {value!r}", name, "invalid_value")
-        shaping[name] = float(value)
+        if body.get(name) not in (None, 0):  # 0 (or false) shapes nothing
+            shaping[name] = float(number(body, name, "a number in [-2, 2]", lambda v: -2 <= v <= 2))
     bias = body.get("logit_bias")
     if bias:
         try:  # OpenAI's: {"token id": bias in [-100, 100]}
@@ -354,6 +333,10 @@ def logprobs_object(tokenizer, request: Request, taken: list, chat: bool) -> dic
                                               for a, v in t.top[:request.logprobs]]} for t in taken]}
     return {"tokens": [text(t.token) for t in taken], "token_logprobs": [t.logprob for t in taken],
             "top_logprobs": [{text(a): v for a, v in t.top[:request.logprobs]} for t in taken]}
+
+
+def engine_error(request: Request) -> ApiError:
+    return ApiError(500, f"the engine failed: {request.error}", kind="server_error", code="engine_error")
 
 
 def finish(request: Request) -> str:

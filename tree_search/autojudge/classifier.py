@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from mamba_draft.io import save_safetensors
 
 FORMAT = "mamba-draft-autojudge-v1"
 FEATURE = "target final hidden state at the draft-token position (DT)"
+TENSORS = ("mean", "scale", "weight", "bias")
 
 
 @dataclass
@@ -39,8 +40,7 @@ class JudgeHead:
         return self.mean.numel()
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> JudgeHead:
-        move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-        return JudgeHead(move(self.mean), move(self.scale), move(self.weight), move(self.bias), self.info)
+        return replace(self, **{name: getattr(self, name).to(device=device, dtype=dtype) for name in TENSORS})
 
     def prob_important(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) target hidden states -> (...,) P(important)."""
@@ -52,7 +52,7 @@ class JudgeHead:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write safetensors atomically; training details go to the metadata as JSON."""
-        tensors = {name: getattr(self, name).detach().float().cpu().contiguous() for name in ("mean", "scale", "weight", "bias")}
+        tensors = {name: getattr(self, name).detach().float().cpu().contiguous() for name in TENSORS}
         save_safetensors(path, tensors, {"format": FORMAT, "feature": FEATURE, "info": json.dumps(self.info)})
 
     @classmethod
@@ -67,7 +67,7 @@ class JudgeHead:
                 metadata = f.metadata() or {}
         except (SafetensorError, ValueError, OSError) as err:
             raise ValueError(f"{str(path)!r} is not a readable safetensors AutoJudge file: {err}") from err
-        missing = {"mean", "scale", "weight", "bias"} - set(tensors)
+        missing = set(TENSORS) - set(tensors)
         if metadata.get("format") != FORMAT or missing:
             raise ValueError(f"{str(path)!r} is not an AutoJudge head ({FORMAT}); missing tensors {sorted(missing)}")
-        return cls(tensors["mean"], tensors["scale"], tensors["weight"], tensors["bias"], json.loads(metadata["info"]))
+        return cls(*(tensors[name] for name in TENSORS), json.loads(metadata["info"]))

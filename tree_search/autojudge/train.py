@@ -62,16 +62,9 @@ def train_judge(features: torch.Tensor, labels: torch.Tensor, cfg: TrainConfig =
     auc, c, model = max(fits, key=lambda fit: fit[0])  # the first of equal AUCs
     val_probs = model.predict_proba(val_std)[:, 1]
     thresholds = {f"recall_{r:g}": threshold_for_recall(val_probs, y_val, r) for r in sorted({0.9, 0.95, 0.99, cfg.recall})}
-    info = {
-        "C": c,
-        "val_roc_auc": float(auc),
-        "threshold": thresholds[f"recall_{cfg.recall:g}"],
-        "thresholds": thresholds,
-        "n_train": int(len(y_train)),
-        "n_val": int(len(y_val)),
-        "n_important": int(counts[1]),
-        "n_unimportant": int(counts[0]),
-    }
+    info = {"C": c, "val_roc_auc": float(auc), "threshold": thresholds[f"recall_{cfg.recall:g}"],
+            "thresholds": thresholds, "n_train": int(len(y_train)), "n_val": int(len(y_val)),
+            "n_important": int(counts[1]), "n_unimportant": int(counts[0])}
     scale = np.where(scaler.scale_ > 0, scaler.scale_, 1.0)  # constant features: StandardScaler also uses 1
     as_tensor = lambda a: torch.tensor(np.asarray(a), dtype=torch.float32).reshape(-1)  # noqa: E731
     return JudgeHead(as_tensor(scaler.mean_), as_tensor(scale), as_tensor(model.coef_[0]), as_tensor(model.intercept_), info)

@@ -76,13 +76,8 @@ class DropMatchVerifier(LossyVerifier):
             raise ValueError(f"dropmatch: unknown criterion {criterion!r}; choose one of {CRITERIA}")
         self.p, self.num_heads, self.criterion, self.seed = float(p), num_heads, criterion, int(seed)
         self.needs_draft_probs = criterion == "js"
+        # one seeded mask RNG per device, advancing across calls: a run is reproducible from `seed`
         self._generators: dict[torch.device, torch.Generator] = {}
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """One seeded mask RNG per device, advancing across calls: a run is reproducible from `seed`."""
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[device]
 
     def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
         """The path nodes whose token the heads at its parent accept."""
@@ -90,7 +85,10 @@ class DropMatchVerifier(LossyVerifier):
             raise ValueError("dropmatch needs the target's final hidden states and LM head (VerifyInput.hidden/lm_head)")
         if self.criterion == "js" and inp.draft_probs is None:
             raise ValueError("dropmatch criterion 'js' needs the draft distributions (VerifyInput.draft_probs)")
-        generator = self._generator(inp.hidden.device)
+        device = inp.hidden.device
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        generator = self._generators[device]
         with torch.no_grad():
             head_logits = dropout_head_logits(inp.hidden, inp.lm_head, self.p, self.num_heads, generator)
         parents = paths.node_parents

@@ -19,12 +19,10 @@ ENTROPIES = ("top3", "normalized")
 
 
 def target_entropy(probs: torch.Tensor, kind: str = "top3") -> torch.Tensor:
-    """(N, V) distributions -> (N,) entropies: top-3 (reference FLy) or full entropy / log|V|."""
+    """(N, V) distributions -> (N,) entropies: top-3 (reference FLy) or "normalized", full entropy / log|V|."""
     if kind == "top3":
         return torch.special.entr(probs.topk(min(3, probs.shape[-1]), dim=-1).values).sum(-1)
-    if kind == "normalized":
-        return torch.special.entr(probs).sum(-1) / math.log(probs.shape[-1])
-    raise ValueError(f"unknown FLy entropy {kind!r}; choose one of {ENTROPIES}")
+    return torch.special.entr(probs).sum(-1) / math.log(probs.shape[-1])
 
 
 def fly_mask(native: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor, theta: float, window: int) -> torch.Tensor:
@@ -33,11 +31,8 @@ def fly_mask(native: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor, t
     native / valid / entropy are (P, D) over path positions; entropy is that of the distribution that chose
     the node (its parent's). A window running past the path end contains padding, which never matches.
     """
-    num_paths, depth = native.shape
-    if depth == 0:
-        return torch.zeros_like(native)
     matched = native & valid
-    following = torch.cat([matched[:, 1:], matched.new_zeros(num_paths, window)], dim=1)  # (P, D-1+W)
+    following = torch.cat([matched[:, 1:], matched.new_zeros(len(matched), window)], dim=1)  # (P, D-1+W)
     window_clean = following.unfold(1, window, 1).all(dim=-1)  # (P, D): positions d+1..d+W all matched
     return ~native & valid & (entropy >= theta) & window_clean
 

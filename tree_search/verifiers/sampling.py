@@ -72,8 +72,7 @@ class SamplingVerifier(Verifier):
             q = inp.draft_probs[node].float() if inp.draft_mode == "sample" else None  # topk: point masses
             pick, p = accept_among_children(target_probs[node], q, candidates, inp.generator)
             if pick is None:
-                next_token = int(sample(p, inp.generator).item())
-                return VerifyResult(path=path, next_token=next_token, info={"rejected_children": len(kids)})
+                return VerifyResult(path, int(sample(p, inp.generator).item()), info={"rejected_children": len(kids)})
             node = kids[pick]
             path.append(node)
 
