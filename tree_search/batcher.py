@@ -2,9 +2,9 @@
 
 When the engine is free, the worker waits `batch_wait` after a request's arrival for others, then takes every waiting
 request that samples like the first one (same temperature, top-p, penalties and logit bias), up to `max_batch`, and
-decodes them as one batch (`SpeculativeDecoder.generate` on a list of prompts): rows
-leave the batch at their own EOS, budget or stop string, and a request whose client went away (`cancel`) leaves it
-at the next round. Requests that arrive meanwhile wait for the next batch; a full queue refuses them (`QueueFull`).
+decodes them as one batch (`SpeculativeDecoder.generate` on a list of prompts): rows leave the batch at their own EOS,
+budget or stop string, and a request whose client went away (`cancelled`) leaves it at the next round. Requests that
+arrive meanwhile wait for the next batch; a full queue refuses them (`QueueFull`).
 A greedy row's tokens do not depend on the rows beside it (the engine's batch invariance), so a request gets the
 same output alone or among others.
 """
@@ -151,9 +151,8 @@ class Batcher:
         self.worker.join()
 
     def next_batch(self) -> list[Request]:
-        """Wait for a request, then up to `batch_wait` after its arrival for others (clients that send at once do
-        not arrive at once: the first would otherwise decode alone while the rest wait for it), then take it and every
-        waiting one that samples alike, up to max_batch."""
+        """The next batch (module docstring); the wait is there because clients that send at once do not arrive at
+        once: the first would otherwise decode alone while the rest wait for it."""
         with self.wake:
             while not self.queue and not self.closed:
                 self.wake.wait()

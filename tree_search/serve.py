@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
 import uuid
 
@@ -234,8 +235,7 @@ def prompt_ids(generator, body: dict, chat: bool) -> list[int]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", f"messages[{i}].content", "invalid_type")
-        role = "system" if message["role"] == "developer" else message["role"]
-        plain.append({"role": role, "content": content})
+        plain.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
     try:
         return generator.encode(plain)
     except ValueError as err:
@@ -251,15 +251,15 @@ def sampling_request(body: dict, ids: list[int], context: int | None, chat: bool
     n = body.get("n", 1)
     if n != 1 and n is not None:
         raise ApiError(400, "n must be 1: this server returns one choice per request", "n", "unsupported_value")
-    room = None if context is None else context - len(ids)
-    if room is not None and room < 1:
+    room = math.inf if context is None else context - len(ids)
+    if room < 1:
         raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {context}", "messages",
                        "context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = number(body, name, "a positive integer", lambda n: n >= 1, int)
     if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
-    if room is not None and max_tokens > room:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens > room:
         raise ApiError(400, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}) exceed the model's context of "
                        f"{context} tokens", name, "context_length_exceeded")
     temperature = number(body, "temperature", "a number in [0, 2]", lambda t: 0 <= t <= 2)

@@ -7,15 +7,17 @@ import torch
 from tree_search.verifiers.base import (
     Verifier, VerifyInput, VerifyResult, register_verifier, route_params, verifier_class,
 )
-from tree_search.verifiers.lossy import LossyVerifier, Paths, accept_longest, build_paths
+from tree_search.verifiers.lossy import LossyVerifier, accept_longest, build_paths
 
 
 @register_verifier
-class AnyOf(LossyVerifier):
+class AnyOf(Verifier):
     """Accept a path node if any of several lossy verifiers accepts it (e.g. AutoJudge + DropMatch). verifiers:
     names or LossyVerifier instances (or one 'a+b' string); parameters are routed as `route_params` says."""
 
     name = "anyof"
+    lossless = False
+    draft_mode = "topk"
 
     def __init__(self, verifiers: list[str | Verifier] | str, **params) -> None:
         if isinstance(verifiers, str):
@@ -25,7 +27,7 @@ class AnyOf(LossyVerifier):
             raise ValueError(f"anyof needs at least two verifiers, got {verifiers!r}")
         classes = [verifier_class(v) if isinstance(v, str) else type(v) for v in verifiers]
         for v, cls in zip(verifiers, classes):  # checked before any constructor runs (autojudge reads a file)
-            if not issubclass(cls, LossyVerifier) or issubclass(cls, AnyOf):
+            if not issubclass(cls, LossyVerifier):
                 raise ValueError(f"anyof combines lossy rule verifiers (dropmatch, fly, topk, autojudge), got {v!r}; "
                                  "a lossless verifier adds nothing to an any-of combination")
         names = [cls.name for cls in classes]
@@ -36,10 +38,6 @@ class AnyOf(LossyVerifier):
         self.name = "+".join(names)
         self.needs_hidden = any(v.needs_hidden for v in self.verifiers)
         self.needs_draft_probs = any(v.needs_draft_probs for v in self.verifiers)
-
-    def lossy_mask(self, inp: VerifyInput, paths: Paths) -> torch.Tensor:
-        """Nodes any of the rules accepts."""
-        return torch.stack([v.lossy_mask(inp, paths) for v in self.verifiers]).any(0)
 
     def verify(self, inp: VerifyInput) -> VerifyResult:
         # each rule's mask separately, so acceptances are counted per rule
