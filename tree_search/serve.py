@@ -126,9 +126,8 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", "stream_options", "invalid_type")
-        kind = "chat.completion" if chat else "text_completion"
-        name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model}
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()  # the streamed text, then None: the request has finished
         if stream:
@@ -140,8 +139,7 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
             request.cancelled = True
             raise ApiError(503, str(err), code="server_overloaded", kind="server_error") from None
         if stream:
-            return StreamingResponse(events(request, pieces, chat, kind, name, created,
-                                            bool(options.get("include_usage"))),
+            return StreamingResponse(events(request, pieces, chat, head, bool(options.get("include_usage"))),
                                      media_type="text/event-stream")
         done = asyncio.ensure_future(pieces.get())
         while not done.done():  # a client that leaves frees its row at the next round
@@ -153,19 +151,17 @@ def create_app(generator, model: str, *, max_batch: int = 8, max_queue: int = 64
         choice = {"index": 0, "finish_reason": finish(request),
                   "logprobs": logprobs_object(generator.tokenizer, request, request.token_logprobs, chat)}
         choice |= {"message": {"role": "assistant", "content": request.text}} if chat else {"text": request.text}
-        return {"id": name, "object": kind, "created": created, "model": model, "choices": [choice],
-                "usage": usage(request), "speculative": request.stats}
+        return {**head, "choices": [choice], "usage": usage(request), "speculative": request.stats}
 
-    async def events(request: Request, pieces: asyncio.Queue, chat: bool, kind: str, name: str, created: int,
-                     include_usage: bool):
-        chunk_kind = f"{kind}.chunk" if chat else kind
+    async def events(request: Request, pieces: asyncio.Queue, chat: bool, head: dict, include_usage: bool):
+        if chat:
+            head = {**head, "object": "chat.completion.chunk"}
 
         def chunk(choice: dict, **extra) -> str:
-            return "data: " + json.dumps({"id": name, "object": chunk_kind, "created": created, "model": model,
-                                          "choices": [choice] if choice else [], **extra}) + "\n\n"
+            return "data: " + json.dumps({**head, "choices": [choice] if choice else [], **extra}) + "\n\n"
 
         def piece(text: str, reason: str | None = None) -> dict:
-            content = {"delta": {"content": text} if text or not chat else {}} if chat else {"text": text}
+            content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
             taken = request.token_logprobs[request.logprobs_sent:]  # the tokens' since the last piece
             request.logprobs_sent += len(taken)
             return {"index": 0, **content, "logprobs": logprobs_object(generator.tokenizer, request, taken, chat),
