@@ -44,8 +44,8 @@ PRIOR_RANKS = (0.5, 0.1, 0.05, 0.03)
 PRIOR_WEIGHT = 8.0
 PRIOR_DRAFT_LEVEL = 0.25  # a drafter level, in target tokens, until a drafted round is measured
 PRIOR_LOOKUP = 0.6  # how often a prompt-lookup token is accepted after the ones before it, before any is verified
-# the probe stops doubling once a forward costs this many single-token forwards (then: linear); SmolLM2 on the AVX2
-# kind reaches it at 16 tokens (3.5-3.9x), where 4.0 also probed 32 tokens: 0.9 s a probe instead of about half
+# the probe stops doubling once a forward costs this many single-token forwards (then: linear; SmolLM2 on the AVX2
+# kind reaches it at 16 tokens)
 STEEP = 3.0
 
 
@@ -136,8 +136,7 @@ class Acceptance:
                 siblings = tree.children[node]
                 if not siblings:
                     break
-                offered = min(len(siblings), len(self.hits))
-                for k in range(offered):
+                for k in range(min(len(siblings), len(self.hits))):
                     self.trials[k] += 1
                 if child is None:
                     break
@@ -150,21 +149,20 @@ class Acceptance:
 def predicted_speedup(shape: TreeConfig, costs: VerifyCosts, acceptance: Acceptance, draft_level: float,
                       rows: int = 1) -> float:
     """S(a) above: the shape's tokens per second over plain decoding's, for `rows` rows decoded together."""
-    plain = costs(rows)
-    return acceptance.expected_tokens(shape) * plain / (costs(rows * (shape.num_nodes + 1))
-                                                        + shape.depth * draft_level)
+    return acceptance.expected_tokens(shape) * costs(rows) / (costs(rows * (shape.num_nodes + 1))
+                                                              + shape.depth * draft_level)
 
 
 def plan_arms(candidates: tuple[TreeConfig, ...], costs: VerifyCosts, acceptance: Acceptance, draft_level: float,
-              rows: int = 1, keep: int = PLANNED_ARMS, allowed=None) -> list[int]:
-    """Indices into `candidates` (those `allowed`, None: all): `none` (when it is one) and the `keep` drafting
-    shapes of highest S, best first, those predicted at least `PLAN_FLOOR` of plain decoding's speed."""
+              rows: int = 1, allowed=None) -> list[int]:
+    """Indices into `candidates` (those `allowed`, None: all): `none` (when it is one) and the `PLANNED_ARMS`
+    drafting shapes of highest S, best first, those predicted at least `PLAN_FLOOR` of plain decoding's speed."""
     allowed = range(len(candidates)) if allowed is None else allowed
     speed = {i: predicted_speedup(candidates[i], costs, acceptance, draft_level, rows) for i in allowed
              if candidates[i].depth}
     scored = sorted((i for i in speed if speed[i] >= PLAN_FLOOR), key=lambda i: -speed[i])
     none = [i for i in allowed if not candidates[i].depth]
-    return (none + scored[:keep]) or [max(speed, key=speed.get)]  # candidates without `none`: the best shape
+    return (none + scored[:PLANNED_ARMS]) or [max(speed, key=speed.get)]  # candidates without `none`: the best shape
 
 
 def probe_forward(target_cache, token: torch.Tensor):
@@ -193,8 +191,8 @@ class PlannedBandit(UCBBandit):
     function does not). Rounds of a different batch size start the arms' statistics afresh (a round's tokens per
     second depend on its rows), the acceptance and costs are kept."""
 
-    def __init__(self, persistent: bool = False, candidates: tuple[TreeConfig, ...] = CANDIDATES) -> None:
-        super().__init__(arms=candidates, reward="time", persistent=persistent)
+    def __init__(self, persistent: bool = False) -> None:
+        super().__init__(arms=CANDIDATES, reward="time", persistent=persistent)
         self.costs: VerifyCosts | None = None
         self.rows = 0
 
@@ -208,14 +206,12 @@ class PlannedBandit(UCBBandit):
     def start_call(self, rows: int = 1, costs=None, fits: tuple[int, ...] | None = None) -> None:
         """costs: a callable measuring `VerifyCosts` up to a number of tokens (called when the ones kept do not
         cover this call's widest forward); fits: the candidates this call may plan (None: all)."""
-        if not self.persistent:
-            self.reset()
-        elif rows != self.rows:
+        if self.persistent and rows != self.rows:
             learnt = self.acceptance, self.lookup, self.draft_levels
             self.reset()
             self.acceptance, self.lookup, self.draft_levels = learnt
+        super().start_call(rows, costs, fits)
         self.rows = rows
-        self.fits = tuple(range(len(self.arms))) if fits is None else tuple(fits)
         widest = rows * (max(self.arms[k].num_nodes for k in self.fits) + 1)
         if self.costs is None or self.costs.covers < widest:
             if costs is None:

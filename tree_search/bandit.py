@@ -164,13 +164,12 @@ class UCBBandit:
             reward = tree_reward(n_accept, gamma, self.current_lambda_gamma)
         stats.reward_sum += reward
         stats.pulls += 1
-        if lookup:
-            return self.value(stats)
-        if self.reward == "time":
-            self._seconds += draft_time + verify_time
-            self._tokens += n_accept
-        self.rounds += 1
-        return self.values()[arm]
+        if not lookup:
+            if self.reward == "time":
+                self._seconds += draft_time + verify_time
+                self._tokens += n_accept
+            self.rounds += 1
+        return self.value(stats)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per-arm pulls and value (mean reward), keyed by the arm's shape string ("lookup" for the lookup arm): the

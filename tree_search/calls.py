@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tree_search.sampling import SamplingParams, choose, keyed_choice, logits_to_probs
-from tree_search.verifiers import Verifier, VerifyResult
+from tree_search.sampling import choose, keyed_choice, logits_to_probs
+from tree_search.verifiers import VerifyResult
 
 if TYPE_CHECKING:
     from tree_search.plan import Plan
@@ -119,10 +119,8 @@ class GenerateStats:
         self.accepted_lengths.append(committed)
         self.cut_tokens = proposed - committed
         self.lossy_accepts += result.lossy_accepts
-        by_rule = result.info.get("lossy_accepts_by")
-        if by_rule is None:
-            by_rule = {self.verifier: result.lossy_accepts} if result.lossy_accepts else {}
-        for name, n in by_rule.items():
+        alone = {self.verifier: result.lossy_accepts} if result.lossy_accepts else {}  # a verifier of one rule
+        for name, n in result.info.get("lossy_accepts_by", alone).items():
             self.lossy_accepts_by[name] = self.lossy_accepts_by.get(name, 0) + int(n)
         if result.info:
             self.round_info.append(result.info)
@@ -201,14 +199,6 @@ class Call:
         return self.ids.shape[0]
 
     @property
-    def params(self) -> SamplingParams:
-        return self.plan.sampling
-
-    @property
-    def verifier(self) -> Verifier | None:
-        return self.plan.verifier
-
-    @property
     def lookup_tokens(self) -> int:
         return self.plan.lookup_tokens
 
@@ -227,8 +217,8 @@ class Call:
         """Each active row's next token from its processed logits (B, V), as plain decoding samples it: a seeded
         call's keyed draw, else `sampling.choose` (argmax when greedy, the row generators' draw otherwise)."""
         if self.seeds is not None:
-            return self.keyed(((0, 1),), logits_to_probs(logits[:, None], self.params))[:, 0]
-        return choose(logits, self.params, self.generators)
+            return self.keyed(((0, 1),), logits_to_probs(logits[:, None], self.plan.sampling))[:, 0]
+        return choose(logits, self.plan.sampling, self.generators)
 
     def start(self) -> None:
         """Start the clock (the batch's recorder: phase times, rounds), stream the prompt."""

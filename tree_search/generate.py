@@ -97,8 +97,7 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.options = options = EngineOptions(**options)
         self.device = next(target.parameters()).device
-        # `auto` learns over the decoder's calls (acceptance, draft cost, which arms pay): the decoder is what a
-        # stream of requests goes through
+        # `auto` learns over the decoder's calls (acceptance, draft cost, which arms pay)
         self.policy = parse_policy(options.tree, persistent=is_auto(options.tree)) if drafter is not None else None
         # what lives across calls is kept here, nothing on the models passed in: the drafter's state rows and tree
         # buffers (CUDA: its graphs), the target's static KV cache (CPU: its compiled step; CUDA: its graphs), the
@@ -121,9 +120,8 @@ class SpeculativeDecoder:
         params = resolve_sampling(self.target, options.temperature, options.top_p, options.top_k)
         batched = is_batch(prompts, options.attention_mask)
         plan = plan_call(self.policy, params, verifier=self.options.verifier,
-                         verifier_params=self.options.verifier_params,
-                         prompt_lookup=self.options.prompt_lookup, lookup_tokens=self.options.lookup_tokens,
-                         device=self.device, batched=batched,
+                         verifier_params=self.options.verifier_params, prompt_lookup=self.options.prompt_lookup,
+                         lookup_tokens=self.options.lookup_tokens, device=self.device, batched=batched,
                          streamer=options.streamer is not None)
         ids, mask, lengths = batch_prompts(prompts, options.attention_mask)
         seeds = row_seeds(options.seed, len(lengths))
@@ -136,9 +134,10 @@ class SpeculativeDecoder:
         generators = None if seeds is None else [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         eos = eos_set(self.target, options.eos_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        processors = CallProcessors.of(shaping_of(getattr(self.target, "generation_config", None), **{
-            name: getattr(options, name) for name in PROCESSOR_OPTIONS}), [row[keep.bool()] for row, keep in zip(
-                ids, mask)], eos)
+        shaping = shaping_of(getattr(self.target, "generation_config", None),
+                             **{name: getattr(options, name) for name in PROCESSOR_OPTIONS})
+        processors = (CallProcessors(shaping, [row[keep.bool()] for row, keep in zip(ids, mask)], eos)
+                      if shaping.active else None)
         # seeded lossless sampling draws by (seed, position): the same tokens alone, in any batch, with speculation
         # on or off (`sampling.keyed_choice`); lossy verifiers keep their own draws from the row generators
         keyed = seeds is not None and not params.greedy and (verifier is None or getattr(verifier, "keyed", False))
@@ -167,14 +166,12 @@ class SpeculativeDecoder:
         return cache
 
     def tree_drafter(self, rows: int, out_vocab: int) -> TreeDrafter:
-        """The drafter's state rows and tree buffers, kept across calls while they serve (`TreeDrafter.reuse`)."""
         self.drafts = TreeDrafter.reuse(self.drafts, self.drafter, rows, out_vocab)
         return self.drafts
 
     def speculate(self, call: Call) -> GenerateResult | BatchGenerateResult:
         """Rounds of select -> propose -> verify -> commit -> accept -> update for all rows until each has finished."""
-        policy = self.policy
-        widest = call.plan.widest
+        policy, widest = self.policy, call.plan.widest
         costs = lambda tokens: self.verify_costs(call, tokens)  # noqa: E731
         if call.plan.fits is None:
             policy.start_call(call.batch, costs)
@@ -229,7 +226,7 @@ class SpeculativeDecoder:
         tokens: accepted path + next token, the next tokens on the device, the final hidden states), with the
         round's one device -> host transfer (the drafts' tokens come along: no index tensor has to go the other way
         first). A root-only draft is a plain decoding step, sampled as `decode_plainly` samples."""
-        verifier, params = call.verifier, call.params
+        verifier, params = call.plan.verifier, call.plan.sampling
         scores, hidden = target.tree_forward(draft.tokens, draft.tree, need_hidden or verifier.needs_hidden)
         raw = scores  # the target's own distribution: what log-probabilities report
         if call.processors is not None:  # each node's scores after its own sequence, as target.generate's

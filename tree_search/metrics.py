@@ -35,11 +35,10 @@ class ServerMetrics:
                          "every request served", **kw)
         self.arm_pulls = Counter("mamba_draft_arm_pulls", "Rounds of each tree shape the policy pulled",
                                  labelnames=("model", "arm"), registry=self.registry)
-        for name, read in (("mamba_draft_queue_length", queue_length), ("mamba_draft_running_rows", running_rows)):
+        for name, about, read in (("mamba_draft_queue_length", "Requests waiting for the engine", queue_length),
+                                  ("mamba_draft_running_rows", "Requests in the batch being decoded", running_rows)):
             if read is not None:
-                gauge = Gauge(name, {"mamba_draft_queue_length": "Requests waiting for the engine",
-                                     "mamba_draft_running_rows": "Requests in the batch being decoded"}[name], **kw)
-                gauge.labels(model).set_function(read)
+                Gauge(name, about, **kw).labels(model).set_function(read)
         self.committed = self.verified = 0
 
     def observe(self, outcome: str, prompt_tokens: int, tokens: int, first_token_s: float | None = None,

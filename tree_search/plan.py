@@ -3,9 +3,11 @@ without a model), then checked against the models once (`check_models`: limits, 
 support). The engine, the CLI and the bench's regenerate command call the same two, before any model runs."""
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -27,7 +29,7 @@ class Plan:
     sampling: SamplingParams
     verifier: Verifier | None  # None: plain decoding (no drafter)
     lookup_tokens: int = 0  # prompt-lookup rounds of up to this many tokens (0: none)
-    depth: int = 0  # the deepest proposal a round verifies
+    depth: int = 0  # the deepest proposal a round verifies (`check_models` sizes these two)
     nodes: int = 0  # the most tokens a round proposes
     fits: tuple[int, ...] | None = None  # the policy's arms this call's target cache holds (None: all; `fit_arms`)
     keyed: bool = False  # seeded lossless sampling: draws by (seed, position) (`sampling.keyed_choice`)
@@ -68,8 +70,7 @@ def plan_call(policy: TreePolicy | None, sampling: SamplingParams, *, verifier: 
         raise ValueError("a batch of prompts takes no streamer, prompt_lookup or lookup_tokens; pass one prompt for "
                          "those")
     check_options(verifier, policy, sampling, prompt_lookup, lookup)
-    return Plan(sampling, verifier, lookup, depth=max(lookup, *(a.depth for a in policy.arms)),
-                nodes=max(lookup, *(a.num_nodes for a in policy.arms)))
+    return Plan(sampling, verifier, lookup)
 
 
 def check_models(plan: Plan, target: torch.nn.Module, drafter, tokenizer, policy: TreePolicy | None,
@@ -77,7 +78,7 @@ def check_models(plan: Plan, target: torch.nn.Module, drafter, tokenizer, policy
     """Check a planned call against its models and prompts (`ids` (B, L) left-padded, `lengths` per row) -> the plan
     fitted to what the target's cache holds for this call (`fit_arms`). tree_mask_ok: the tree-mask probe verdicts
     the caller keeps (`check_tree_support`)."""
-    check_limits(target, ids, lengths, max_new_tokens)
+    check_limits(target, ids, max_new_tokens)
     exceeds = lambda depth, nodes: exceeded(target, ids, lengths, max_new_tokens, depth, nodes)  # noqa: E731
     if policy is not None:
         plan = fit_arms(plan, policy, exceeds)
@@ -208,10 +209,6 @@ def eos_set(target: torch.nn.Module, eos_token_id) -> set[int]:
 def token_ids(value, name: str) -> set[int]:
     """A set of token ids from None, an int, a numpy integer, a tensor or array of any shape, or a list / tuple /
     set of those (`name` says which argument is refused)."""
-    import numbers
-
-    import numpy as np
-
     if value is None:
         return set()
     if isinstance(value, torch.Tensor):
@@ -300,7 +297,7 @@ def check_batch_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return lengths
 
 
-def check_limits(target: torch.nn.Module, ids: torch.Tensor, lengths: list[int], max_new_tokens: int) -> None:
+def check_limits(target: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int) -> None:
     """A call's budget and token ids (pads too: the target embeds them)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")

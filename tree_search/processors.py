@@ -6,12 +6,11 @@ Each depends on the sequence a position continues, so verification applies them 
 node's own sequence: the row's prompt, its committed tokens and the node's path in the tree. The target's
 distribution at a node is then the one `target.generate` computes after that very sequence, so greedy verification
 and rejection sampling stay lossless. A row's sequence never holds another row's pads: a batch row is processed as
-its prompt alone would be. Built once per call (`Processors.of`); `None` where nothing is set (the hot path pays
-nothing).
+its prompt alone would be. Built once per call; `None` where nothing is set (the hot path pays nothing).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -54,21 +53,14 @@ CONFIG_FIELDS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", 
 def shaping_of(config, **overrides) -> Shaping:
     """The shaping of a call: the target's generation_config (None fields: off), then the call's own settings
     (None: the config's)."""
-    values = {}
-    for name in CONFIG_FIELDS:
-        value = getattr(config, name, None) if config is not None else None
-        if value is not None:
-            values[name] = value
+    values = {name: getattr(config, name) for name in CONFIG_FIELDS if getattr(config, name, None) is not None}
     values.update({name: value for name, value in overrides.items() if value is not None})
-    unknown = set(values) - {f.name for f in fields(Shaping)}
-    if unknown:
-        raise TypeError(f"unknown logits settings: {', '.join(sorted(unknown))}")
     return Shaping(**{name: _frozen(name, value) for name, value in values.items()})
 
 
 def _frozen(name: str, value):
     """A setting as `Shaping` holds it: token lists as tuples, a bias dict as (key, bias) pairs."""
-    if name in ("bad_words_ids",):
+    if name == "bad_words_ids":
         return tuple(tuple(int(t) for t in words) for words in value)
     if name in ("suppress_tokens", "begin_suppress_tokens"):
         return tuple(int(t) for t in value)
@@ -135,10 +127,6 @@ class CallProcessors:
         self.prompts = prompts  # each prompt's tokens (no pads)
         self.rows = [Processors(shaping, len(p), eos, p.device) for p in prompts]
 
-    @classmethod
-    def of(cls, shaping: Shaping, prompts: list[torch.Tensor], eos: set[int]) -> CallProcessors | None:
-        return cls(shaping, prompts, eos) if shaping.active else None
-
     def sequence(self, prompt: int, committed: list[int]) -> torch.Tensor:
         """The tokens a prompt's next position continues: the prompt and its committed new tokens."""
         p = self.prompts[prompt]
@@ -155,16 +143,9 @@ class CallProcessors:
         """scores (B, N, V) of a `Tree` (node 0 the root, the row's last committed token), its tokens (B, N):
         every node's scores processed after the row's sequence and the node's path below the root, the nodes of one
         depth together -> float32."""
-        levels = []  # per depth: its node range and each node's path below the root (root excluded), root first
-        for start, stop in tree.levels:
-            paths = []
-            for node in range(start, stop):
-                path = []
-                while tree.parents[node] >= 0:
-                    path.append(node)
-                    node = tree.parents[node]
-                paths.append(path[::-1])
-            levels.append((start, stop, torch.tensor(paths, dtype=torch.long, device=tokens.device)))
+        # per depth: its node range and each node's path below the root
+        levels = [(start, stop, torch.tensor([tree.path_to(node) for node in range(start, stop)], dtype=torch.long,
+                                             device=tokens.device)) for start, stop in tree.levels]
         processed = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
         for i, p in enumerate(active):
             base = self.sequence(p, out[p])

@@ -139,17 +139,13 @@ def exponential_noise(probs: torch.Tensor, generator=None) -> torch.Tensor:
     return noise
 
 
-def keyed_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise over the vocabulary drawn from (seed, position) alone: the draw a seeded request makes at its
-    position-th new token, whatever else runs beside it and however its tokens were proposed."""
-    generator = torch.Generator(device=device).manual_seed(hash((seed, position)) & (2**63 - 1))
-    return torch.empty(vocab, device=device).exponential_(generator=generator)
-
-
 def keyed_choice(probs: torch.Tensor, seed: int, position: int) -> torch.Tensor:
     """The token a seeded request samples at its position-th new token from each row of `probs` (..., V) (rows
-    continuing the same sequence to that position: a tree level's nodes): argmax(p / E), E = `keyed_noise`."""
-    return (probs / keyed_noise(seed, position, probs.shape[-1], probs.device)).argmax(-1)
+    continuing the same sequence to that position: a tree level's nodes): argmax(p / E), E Exp(1) noise drawn from
+    (seed, position) alone, whatever else runs beside the request and however its tokens were proposed."""
+    generator = torch.Generator(device=probs.device).manual_seed(hash((seed, position)) & (2**63 - 1))
+    noise = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
+    return (probs / noise).argmax(-1)
 
 
 def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:

@@ -39,10 +39,6 @@ class DraftTree(Draft):
     leaf: torch.Tensor  # (T+1,) bool: node on the last level (drafting never steps its state)
     scratch: torch.Tensor  # (B,) rows where resync steps accepted leaves: the last level's first B rows (unused)
 
-    @property
-    def batch(self) -> int:
-        return self.tokens.shape[0]
-
 
 class TreeDrafter:
     """Owns the drafter's state (one row per forest node) and the per-shape buffers; reuse it across calls
@@ -53,10 +49,8 @@ class TreeDrafter:
             raise ValueError(f"this drafter reads its own state beside drafted tokens (drafted_features "
                              f"{drafter.config.drafted_features!r}); tree drafting feeds them the stand-in: use a "
                              "drafter trained with drafted_features 'stand_in'")
-        self.drafter = drafter
-        self.device = drafter.device
+        self.drafter, self.device, self.draft_ids = drafter, drafter.device, drafter.draft_ids
         self.out_vocab = out_vocab  # width of the probs buffers (the target's vocabulary)
-        self.draft_ids = drafter.draft_ids
         if self.draft_ids is None:
             self.vocab = min(int(drafter.vocab_size), out_vocab)  # draft tokens are chosen among ids < vocab
         else:  # every column is a valid target id
@@ -162,7 +156,6 @@ class TreeDrafter:
         return buf
 
     @torch.no_grad()
-    @torch.no_grad()
     def draft_chain_lookup(self, config: TreeConfig, roots: torch.Tensor, root_logits: torch.Tensor,
                            context: torch.Tensor, record_probs: bool) -> tuple[DraftTree, LookupDraft]:
         """One prompt's greedy chain (roots (1,), root_logits (1, V)) skipping steps with prompt lookup: the same
@@ -200,7 +193,7 @@ class TreeDrafter:
         An accepted leaf was never stepped: first every row steps its node's token from the parent's row into the
         last level's first B rows (unused by drafting); for host ints only when some row accepted a leaf.
         """
-        batch = buf.batch
+        batch = buf.tokens.shape[0]
         acc, nxt = self._as_rows(accepted, batch, len(buf.tree)), self._as_rows(next_tokens, batch, self.out_vocab)
         self.roots[:batch] = nxt
         source = buf.rows.gather(1, acc[:, None])[:, 0]

@@ -84,4 +84,4 @@ def drafter_proposer(decoder, call: Call, widest: int) -> TreeProposer:
         return LookupChainProposer(decoder.tree_drafter(max(rows, LOOKUP_ROWS), out_vocab), record_probs,
                                    capacity=call.ids.shape[1] + call.max_new_tokens)
     kind = TargetAwareProposer if drafter.reads_target else TreeProposer
-    return kind(decoder.tree_drafter(rows, out_vocab), call.params, call.plan.draft_mode, record_probs)
+    return kind(decoder.tree_drafter(rows, out_vocab), call.plan.sampling, call.plan.draft_mode, record_probs)

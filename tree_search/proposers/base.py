@@ -30,7 +30,9 @@ class Round:
 
 
 class Proposer(Protocol):
-    reads_target: bool  # `accept` needs the target's states of the round (`Round.hidden`)
+    """Subclasses inherit the defaults: no preparation, and rounds read by nothing."""
+
+    reads_target: bool = False  # `accept` needs the target's states of the round (`Round.hidden`)
 
     def prepare(self, call: Call) -> None:
         """Work owed before this proposer's first round (a prefill), charged to no round."""

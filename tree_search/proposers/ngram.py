@@ -7,13 +7,12 @@ import torch
 from mamba_draft.tree import Tree, TreeConfig
 from tree_search.draft import Draft
 from tree_search.prompt_lookup import NgramLookup
+from tree_search.proposers.base import Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Its own buffers: one row of K + 1 tokens and, where the call records them, their point-mass distributions
     (lossless sampling then accepts a looked-up token with the target's probability); no drafter call."""
-
-    reads_target = False
 
     def __init__(self, call, record_probs: bool, out_vocab: int) -> None:
         self.lookup = NgramLookup(call.ids[0].tolist(), call.lookup_tokens)
@@ -28,9 +27,6 @@ class NgramProposer:
         tokens = self.lookup.propose()
         self.offered = tokens[: policy.lookup_length(len(tokens))] if tokens else []
         return bool(self.offered)
-
-    def prepare(self, call) -> None:
-        pass
 
     def propose(self, arm, roots: torch.Tensor, call) -> Draft:
         """The offered tokens as a chain after the prompt's root (roots: (B,), B = 1)."""

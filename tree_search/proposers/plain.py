@@ -5,16 +5,9 @@ import torch
 
 from mamba_draft.targets.cache import ROOT_ONLY
 from tree_search.draft import Draft
+from tree_search.proposers.base import Proposer
 
 
-class PlainStep:
-    reads_target = False
-
-    def prepare(self, call) -> None:
-        pass
-
+class PlainStep(Proposer):
     def propose(self, arm, roots: torch.Tensor, call) -> Draft:
         return Draft(roots[:, None], ROOT_ONLY, None)
-
-    def accept(self, round_) -> None:
-        pass

@@ -12,17 +12,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from mamba_draft.tree import TreeConfig
+from tree_search.proposers.base import Proposer, Round
 from tree_search.sampling import SamplingParams
 from tree_search.tree_drafter import DraftTree, TreeDrafter
 
 if TYPE_CHECKING:
     from tree_search.calls import Call
-    from tree_search.proposers.base import Round
 
 
-class TreeProposer:
-    reads_target = False
-
+class TreeProposer(Proposer):
     def __init__(self, drafts: TreeDrafter, params: SamplingParams | None, mode: str, record_probs: bool) -> None:
         self.drafts, self.params, self.mode, self.record_probs = drafts, params, mode, record_probs
         self.first_call = drafts.calls  # the TreeDrafter lives across calls: count this call's only
