@@ -184,12 +184,9 @@ DRAFT_SAMPLES = 64  # drafted rounds the draft cost is the median of
 
 
 class PlannedBandit(UCBBandit):
-    """`auto`: the measured-time UCB bandit over `none` and the shapes `plan_arms` picks from `CANDIDATES`, planned
-    from this machine's verify costs (the engine hands them in at `start_call`), the acceptance by rank it has
-    observed and the draft time per level it has measured; planned again at each call and every `REPLAN_ROUNDS`
-    rounds. persistent: keep what was learnt across calls (a `SpeculativeDecoder` does; the one-call `generate`
-    function does not). Rounds of a different batch size start the arms' statistics afresh (a round's tokens per
-    second depend on its rows), the acceptance and costs are kept."""
+    """`auto` (the module docstring): the verify costs come from the engine at `start_call`. persistent: keep what
+    was learnt across calls (a `SpeculativeDecoder` does). Rounds of a different batch size start the arms' statistics
+    afresh (a round's tokens per second depend on its rows), the acceptance and costs are kept."""
 
     def __init__(self, persistent: bool = False) -> None:
         super().__init__(arms=CANDIDATES, reward="time", persistent=persistent)

@@ -9,8 +9,7 @@ proposer reads what was committed (the one that proposed resyncs, the others cat
 
 Per row the output is what that prompt gives alone: token-identical to the target's greedy decoding at temperature
 0, and at temperature > 0 row b draws all its randomness from its own generator seeded `seed + b`. What the engine
-reuses across calls lives on the `SpeculativeDecoder`: keep one for a stream of calls (the `generate` function is one
-call of a fresh one).
+reuses across calls lives on the `SpeculativeDecoder`: keep one for a stream of calls.
 """
 from __future__ import annotations
 

@@ -6,8 +6,7 @@
     lookup_chain.LookupChainProposer   the drafter's greedy chains in fewer calls (FLy's prompt lookup), one prompt
     ngram.NgramProposer        prompt-lookup rounds: the tokens that followed the context's last n-gram, one prompt
 
-A round reads select -> `prepare` -> `propose` -> verify -> commit -> `accept` (every proposer sees every round: the
-one that proposed resyncs, the others queue the committed tokens and read them when they next propose).
+A round reads select -> `prepare` -> `propose` -> verify -> commit -> `accept` (`tree_search.generate`).
 """
 from __future__ import annotations
 
