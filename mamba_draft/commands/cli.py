@@ -27,13 +27,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "tree batches"),
     "regenerate": ("mamba_draft.benchmarks.regenerate",
                    "regenerate chat replies with the target for distillation (optionally drafted)"),
-    "demo": ("mamba_draft.benchmarks.demo", "the shipped SmolLM2 target and its drafter against plain decoding on held-out "
-             "Spec-Bench questions"),
+    "demo": ("mamba_draft.benchmarks.demo", "the shipped SmolLM2 target and its drafter against plain decoding on "
+             "held-out Spec-Bench questions"),
     "bench": ("mamba_draft.benchmarks.bench", "Spec-Bench-style side-by-side benchmark of decoding methods"),
-    "serve-bench": ("mamba_draft.benchmarks.serve_bench", "N clients at once against one at a time on `serve`, per tree policy"),
-    "tax": ("mamba_draft.benchmarks.tax", "what the exact target path costs against transformers' plain model, per forward"),
+    "serve-bench": ("mamba_draft.benchmarks.serve_bench",
+                    "N clients at once against one at a time on `serve`, per tree policy"),
+    "tax": ("mamba_draft.benchmarks.tax",
+            "what the exact target path costs against transformers' plain model, per forward"),
     "bench-drafters": ("mamba_draft.benchmarks.bench_drafters", "drafter step latency and memory vs context length"),
-    "gpu-timings": ("mamba_draft.benchmarks.gpu_timings", "GPU timings: drafter steps, tree drafting, verification, projected speedup"),
+    "gpu-timings": ("mamba_draft.benchmarks.gpu_timings",
+                    "GPU timings: drafter steps, tree drafting, verification, projected speedup"),
 }
 
 
